@@ -1,0 +1,10 @@
+"""The passes: one per file. `default_passes()` is the standard pipeline."""
+
+from __future__ import annotations
+
+
+def default_passes() -> list:
+    """Fake-quant first, then noise, then instrumentation (taps see what the model computes)."""
+    from qtransform.passes.fake_quant import FakeQuantPass
+
+    return [FakeQuantPass()]

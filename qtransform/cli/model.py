@@ -1,0 +1,61 @@
+"""`qtransform plan` and `qtransform transform`: what a policy selects, and applying it."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+EPILOG_PLAN = """example:
+  qtransform plan ./Qwen2.5-0.5B schemas/examples/w4a16_mxfp4.json
+  qtransform plan builtin:qwen2 policy.json --json > plan.json
+"""
+EPILOG_TRANSFORM = """example:
+  qtransform transform ./Qwen2.5-0.5B schemas/examples/w4a16_mxfp4.json --out ./qwen-w4a16
+  # reload in Python: qtransform.load_transformed("./qwen-w4a16")
+"""
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    fmt = argparse.RawDescriptionHelpFormatter
+    p = sub.add_parser("plan", help="list every site and the rule that selects it",
+                       epilog=EPILOG_PLAN, formatter_class=fmt)
+    p.add_argument("model", help="local HF model folder, or builtin:<qwen2|llama|mistral|gpt2|bert>")
+    p.add_argument("policy", help="policy JSON file")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.set_defaults(func=run_plan)
+
+    t = sub.add_parser("transform", help="apply a policy and save the transformed model",
+                       epilog=EPILOG_TRANSFORM, formatter_class=fmt)
+    t.add_argument("model", help="local HF model folder, or builtin:<arch>")
+    t.add_argument("policy", help="policy JSON file")
+    t.add_argument("--out", required=True, help="output folder (save_pretrained + policy)")
+    t.add_argument("--json", action="store_true", help="print a JSON summary")
+    t.set_defaults(func=run_transform)
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    from qtransform.models import load_model
+    from qtransform.pipeline import plan
+    from qtransform.schemas import load_policy
+
+    policy = load_policy(args.policy)
+    result = plan(load_model(args.model), policy)
+    print(json.dumps(result.to_dict(), indent=2) if args.json else result.to_text())
+    return 0
+
+
+def run_transform(args: argparse.Namespace) -> int:
+    from qtransform.models import load_model
+    from qtransform.pipeline import transform
+    from qtransform.saving import save_transformed
+    from qtransform.schemas import load_policy
+
+    policy = load_policy(args.policy)
+    model = transform(load_model(args.model), policy, inplace=True)
+    out = save_transformed(model, policy, args.out)
+    n = len(model.qtransform_log)
+    if args.json:
+        print(json.dumps({"out": str(out), "insertions": model.qtransform_log}, indent=2))
+    else:
+        print(f"transformed: {n} insertions; saved to {out} (reload: qtransform.load_transformed)")
+    return 0

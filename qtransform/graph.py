@@ -1,0 +1,153 @@
+"""Site-level insertion helpers on fx graphs.
+
+A pass says "put this module on the weight (or input, or output) of that site"; `GraphSite` finds
+the value in whichever graph holds the site and rewires its uses through a new `call_module` node.
+The same helper serves both granularities:
+
+- module graphs: the site's own submodule traced with `torch.fx.symbolic_trace`; the weight is the
+  `get_attr weight` node, the input the first placeholder, the output what the graph returns;
+- the whole-model graph (`ep.module()` of a `torch.export` capture): the site is one `aten.linear`
+  / `aten.addmm` / matmul node (or a norm's weight parameter), and only that node is rewired.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import fx, nn
+
+from qtransform.sites import Site
+
+Point = Literal["weight", "input", "output"]
+POINTS: tuple[Point, ...] = ("weight", "input", "output")
+
+
+@dataclass(frozen=True)
+class Insertion:
+    """One logged insertion: which pass put which module where."""
+
+    site: str
+    point: str
+    pass_name: str
+    tag: str
+    node: str
+    module_path: str  # qualified name of the inserted module inside the transformed model
+
+    def to_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+def _safe(name: str) -> str:
+    return re.sub(r"[^0-9a-zA-Z_]", "_", name)
+
+
+class GraphSite:
+    """A site inside one fx GraphModule, with helpers to insert modules at its points.
+
+    Each point has a *raw* value (what the site computed on before any pass) and a *head* (the
+    newest inserted node on it). An insertion consumes the head and becomes the new head, so
+    later insertions stack closer to the consumer: fake-quant then tap means the tap sees the
+    quantized weight, and can ask for the raw one as an extra argument.
+    """
+
+    def __init__(self, site: Site, gm: fx.GraphModule, prefix: str, op_node: fx.Node | None = None):
+        self.site = site
+        self.gm = gm
+        self.prefix = prefix  # qualified name of `gm` inside the model ("" for the whole graph)
+        self.op_node = op_node  # whole-graph mode: the site's op node
+        self.raw: dict[str, fx.Node] = {}
+        for point in POINTS:
+            try:
+                self.raw[point] = self._locate(point)
+            except ValueError:
+                continue
+        self.heads: dict[str, fx.Node] = dict(self.raw)
+
+    # -- locating values -------------------------------------------------------------------
+    def value(self, point: str) -> fx.Node:
+        """The newest node carrying `point` (`raw:<point>` for the value before any pass)."""
+        table, key = (self.raw, point[4:]) if point.startswith("raw:") else (self.heads, point)
+        if key not in table:
+            raise ValueError(
+                f"{self.site.name}: point {key!r} is not available on a {self.site.kind} site "
+                f"in {'the whole-model graph' if self.op_node is not None else 'module mode'}"
+            )
+        return table[key]
+
+    def _locate(self, point: str) -> fx.Node:
+        graph = self.gm.graph
+        if self.op_node is not None:
+            return self._whole_graph_value(point)
+        if point == "weight":
+            for node in graph.nodes:
+                if node.op == "get_attr" and node.target == "weight":
+                    return node
+            raise ValueError(f"{self.site.name}: no weight in its graph")
+        if point == "input":
+            return next(n for n in graph.nodes if n.op == "placeholder")
+        out = next(n for n in graph.nodes if n.op == "output")
+        value = out.args[0]
+        if not isinstance(value, fx.Node):
+            raise ValueError(f"{self.site.name}: output is not a single tensor")
+        return value
+
+    def _whole_graph_value(self, point: str) -> fx.Node:
+        node = self.op_node
+        assert node is not None
+        if self.site.kind == "norm":
+            if point != "weight":
+                raise ValueError(f"{self.site.name}: a norm exposes only its weight here")
+            return node
+        if point == "output":
+            return node
+        if self.site.kind == "matmul":
+            if point == "weight":
+                raise ValueError(f"{self.site.name}: a matmul has no weight")
+            return node.args[0]
+        if node.target == torch.ops.aten.addmm.default:  # Conv1D: addmm(bias, x, w)
+            return node.args[1] if point == "input" else node.args[2]
+        return node.args[0] if point == "input" else node.args[1]
+
+    # -- inserting ---------------------------------------------------------------------------
+    def insert(
+        self, point: Point, module: nn.Module, *, pass_name: str, tag: str, extra: tuple[str, ...] = ()
+    ) -> Insertion:
+        """Route the site's `point` through `module`, called as `module(head, *extra_values)`;
+        `extra` names other values (`"input"`, `"raw:weight"`, ...) the module also needs."""
+        head = self.value(point)
+        extras = tuple(self.value(e) for e in extra)
+        base = f"{_safe(self.site.name)}__" if self.op_node is not None else ""
+        attr = self._free_attr(f"{base}{point}_{tag}")
+        self.gm.add_submodule(attr, module)
+        graph = self.gm.graph
+        consumer = self.op_node if self.op_node is not None and point != "output" and self.site.kind != "norm" else None
+        anchor = max((head, *extras), key=self._position)
+        with graph.inserting_before(consumer) if consumer is not None else graph.inserting_after(anchor):
+            new = graph.call_module(attr, (head, *extras))
+        new.meta.update({k: v for k, v in head.meta.items() if k in ("val", "tensor_meta", "nn_module_stack")})
+        new.meta["qtransform"] = {"site": self.site.name, "point": point, "pass": pass_name, "tag": tag}
+        if consumer is not None:
+            consumer.replace_input_with(head, new)
+        else:
+            head.replace_all_uses_with(new, delete_user_cb=lambda user: user is not new)
+        self.heads[point] = new
+        graph.lint()
+        self.gm.recompile()
+        path = f"{self.prefix}.{attr}" if self.prefix else attr
+        return Insertion(self.site.name, point, pass_name, tag, new.name, path)
+
+    def _position(self, node: fx.Node) -> int:
+        for i, n in enumerate(self.gm.graph.nodes):
+            if n is node:
+                return i
+        raise ValueError(f"node {node.name} is not in the graph")
+
+    def _free_attr(self, base: str) -> str:
+        name, i = base, 1
+        while hasattr(self.gm, name):
+            i += 1
+            name = f"{base}_{i}"
+        return name

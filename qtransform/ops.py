@@ -1,0 +1,108 @@
+"""Custom ops: what torch.export, torch.compile and the ONNX exporter see of qtransform.
+
+Inserted modules run plain PyTorch in eager mode (fast paths, caches, accumulators) and call these
+ops when traced, so an exported graph shows exactly one named node per fake-quant, tap or noise
+insertion. Options travel as a JSON string because custom-op schemas take only simple types.
+"""
+
+from __future__ import annotations
+
+import json
+
+import torch
+from torch import Tensor
+
+from qtransform import formats
+
+
+def encode_options(options: dict) -> str:
+    """Canonical JSON of format options, the `options` argument of `qtransform::fake_quant`."""
+    return json.dumps({k: list(v) if isinstance(v, tuple) else v for k, v in sorted(options.items())})
+
+
+@torch.library.custom_op("qtransform::fake_quant", mutates_args=())
+def fake_quant(x: Tensor, fmt: str, options: str, label: str) -> Tensor:
+    """Quantize-dequantize `x` in format `fmt`; `label` names the site tensor in exported graphs."""
+    return formats.fake_quantize(x.detach(), fmt, **json.loads(options)).clone()
+
+
+@fake_quant.register_fake
+def _(x: Tensor, fmt: str, options: str, label: str) -> Tensor:
+    return torch.empty_like(x)
+
+
+def _fq_setup(ctx, inputs, output) -> None:
+    x, fmt, options, _label = inputs
+    opts = json.loads(options)
+    ctx.mask = formats.saturated(x.detach(), fmt, **opts) if opts.get("zero_saturated_grad") else None
+
+
+def _fq_backward(ctx, grad: Tensor):
+    if ctx.mask is not None:
+        grad = grad.masked_fill(ctx.mask, 0)
+    return grad, None, None, None
+
+
+fake_quant.register_autograd(_fq_backward, setup_context=_fq_setup)
+
+
+@torch.library.custom_op("qtransform::tap", mutates_args=())
+def tap(x: Tensor, label: str) -> Tensor:
+    """Identity that marks a tapped value; exported graphs turn it into a named graph output."""
+    return x.clone()
+
+
+@tap.register_fake
+def _(x: Tensor, label: str) -> Tensor:
+    return torch.empty_like(x)
+
+
+tap.register_autograd(lambda ctx, grad: (grad, None), setup_context=lambda ctx, inputs, output: None)
+
+
+@torch.library.custom_op("qtransform::noise", mutates_args=())
+def noise(x: Tensor, z: Tensor, scale: float, kind: str, label: str) -> Tensor:
+    """`x + scale*z` (kind "add") or `x * (1 + scale*z)` (kind "relative"), z given explicitly.
+
+    The draw z is an input, not generated inside, so exported graphs can take it as a named
+    graph input and reproduce PyTorch's run exactly.
+    """
+    z = z.to(x.dtype)
+    if kind == "add":
+        return x + scale * z
+    if kind == "relative":
+        return x * (1 + scale * z)
+    raise ValueError(f"unknown noise kind {kind!r}; allowed: add, relative")
+
+
+@noise.register_fake
+def _(x: Tensor, z: Tensor, scale: float, kind: str, label: str) -> Tensor:
+    return torch.empty_like(x)
+
+
+def _noise_setup(ctx, inputs, output) -> None:
+    _x, z, scale, kind, _label = inputs
+    ctx.save_for_backward(z)
+    ctx.scale, ctx.kind = scale, kind
+
+
+def _noise_backward(ctx, grad: Tensor):
+    (z,) = ctx.saved_tensors
+    if ctx.kind == "relative":
+        grad = grad * (1 + ctx.scale * z.to(grad.dtype))
+    return grad, None, None, None, None
+
+
+noise.register_autograd(_noise_backward, setup_context=_noise_setup)
+
+
+def is_tracing(x: object) -> bool:
+    """True under torch.export, torch.compile or fx symbolic tracing, where eager caches and
+    Python-side accumulators must not run and the custom ops above must appear instead."""
+    if isinstance(x, torch.fx.Proxy):
+        return True
+    if torch.compiler.is_compiling() or torch.compiler.is_exporting():
+        return True
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(x, FakeTensor)

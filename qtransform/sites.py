@@ -1,0 +1,120 @@
+"""Sites: the places a pass can act on, and the site table of a model.
+
+A site is a Linear (or GPT-2's Conv1D, whose weight is stored [in, out]), a norm (any RMSNorm or
+LayerNorm class, whatever library defines it), or, in the whole-model graph, an attention matmul.
+Selection, plans, reports and ONNX node names all refer to sites by their fully-qualified module
+name, so this module is the one place that decides names, layer indices and roles.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Literal
+
+from torch import nn
+
+SiteKind = Literal["linear", "conv1d", "norm", "matmul"]
+
+_LAYER_RE = re.compile(r"(?:^|\.)(?:layers|layer|h|blocks|block)\.(\d+)(?:\.|$)")
+_ROLE_BY_LEAF = {
+    "q_proj": "q", "query": "q", "k_proj": "k", "key": "k", "v_proj": "v", "value": "v",
+    "o_proj": "o", "out_proj": "o", "gate_proj": "gate", "up_proj": "up", "down_proj": "down",
+    "w1": "gate", "w3": "up", "w2": "down", "fc1": "fc1", "fc2": "fc2", "c_fc": "up",
+    "c_attn": "qkv", "qkv_proj": "qkv", "lm_head": "lm_head", "gate_up_proj": "gate_up",
+}
+
+
+def layer_index(name: str) -> int | None:
+    """Decoder/encoder layer index parsed from a module path (`model.layers.14.mlp` -> 14)."""
+    match = _LAYER_RE.search(name)
+    return int(match.group(1)) if match else None
+
+
+def role_of(name: str, kind: SiteKind) -> str:
+    """The conventional role of a site (q/k/v/o, gate/up/down, lm_head, norm...) from its path."""
+    if kind == "norm":
+        return "norm"
+    if kind == "matmul":
+        return "matmul"
+    parts = name.split(".")
+    leaf = parts[-1]
+    if leaf in _ROLE_BY_LEAF:
+        return _ROLE_BY_LEAF[leaf]
+    parent = parts[-2] if len(parts) > 1 else ""
+    if leaf == "c_proj":  # GPT-2: attn.c_proj is the output projection, mlp.c_proj the down one
+        return "o" if parent == "attn" else "down"
+    if leaf == "dense":  # BERT: attention.output.dense, intermediate.dense, output.dense
+        grand = parts[-3] if len(parts) > 2 else ""
+        if parent == "output" and grand == "attention":
+            return "o"
+        if parent == "intermediate":
+            return "up"
+        if parent == "output":
+            return "down"
+    return "other"
+
+
+def is_norm_class(cls_name: str) -> bool:
+    """Any RMSNorm/LayerNorm class, matched by name so every library's class counts."""
+    return cls_name.endswith("RMSNorm") or cls_name.endswith("LayerNorm")
+
+
+@dataclass
+class Site:
+    """One place a pass can act on, with everything selection and reports need to know."""
+
+    name: str
+    cls_name: str
+    kind: SiteKind
+    layer: int | None
+    role: str
+    weight_shape: tuple[int, ...] | None = None
+    weight_transposed: bool = False  # Conv1D stores [in, out]
+    index: int = 0  # position in module order (execution order once a whole graph exists)
+    feeds: list[str] = field(default_factory=list)  # norms: the linears their output reaches
+
+    @property
+    def reduction_axis(self) -> int:
+        """Axis of the weight along which blocks run: the input-feature (reduction) axis."""
+        return 0 if self.weight_transposed else -1
+
+    def to_dict(self) -> dict:
+        return {
+            "name": self.name, "class": self.cls_name, "kind": self.kind, "layer": self.layer,
+            "role": self.role, "weight_shape": list(self.weight_shape) if self.weight_shape else None,
+            "weight_transposed": self.weight_transposed, "feeds": list(self.feeds),
+        }
+
+
+def classify(module: nn.Module) -> SiteKind | None:
+    """The site kind of a module, or None when passes do not act on it."""
+    cls_name = type(module).__name__
+    if isinstance(module, nn.Linear):
+        return "linear"
+    if cls_name == "Conv1D" and getattr(module, "weight", None) is not None:
+        return "conv1d"
+    if is_norm_class(cls_name) and isinstance(getattr(module, "weight", None), nn.Parameter):
+        return "norm"
+    return None
+
+
+def discover_sites(model: nn.Module) -> dict[str, Site]:
+    """The site table of a model in module order: every Linear, Conv1D and norm."""
+    sites: dict[str, Site] = {}
+    for name, module in model.named_modules():
+        kind = classify(module)
+        if kind is None or not name:
+            continue
+        weight = module.weight
+        sites[name] = Site(
+            name=name,
+            cls_name=type(module).__name__,
+            kind=kind,
+            layer=layer_index(name),
+            role=role_of(name, kind),
+            weight_shape=tuple(weight.shape),
+            weight_transposed=kind == "conv1d",
+            index=len(sites),
+        )
+    return sites

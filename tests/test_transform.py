@@ -1,0 +1,200 @@
+"""transform(): fake-quant in module and graph mode, API preservation, cache, gradients, plans."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import qtransform
+from qtransform import fake_quantize
+from qtransform.errors import UserError
+
+from .conftest import ids
+
+W4A16 = {"version": 1, "quantize": [
+    {"name": "w4", "targets": ["Linear"], "ignore": ["lm_head"], "format": "mxfp4", "tensors": ["weight"]}]}
+
+
+def _linears(model):
+    return {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear) or type(m).__name__ == "Conv1D"}
+
+
+def _reference(model, skip=("lm_head",), fmt="mxfp4", **opts):
+    """The same model with quantized weights written in: what fake-quant must compute."""
+    ref = copy.deepcopy(model)
+    for name, mod in _linears(ref).items():
+        if name in skip:
+            continue
+        axis = 0 if type(mod).__name__ == "Conv1D" else -1
+        with torch.no_grad():
+            mod.weight.copy_(fake_quantize(mod.weight, fmt, axis=axis, **opts))
+    return ref
+
+
+def _params(model):
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama", "mistral", "gpt2", "bert"])
+def test_w4a16_equals_quantized_weights_and_keeps_api(tiny, arch):
+    model = tiny(arch)
+    before = _params(model)
+    out = qtransform.transform(model, W4A16)
+    assert type(out) is type(model) and out is not model
+    assert list(out.state_dict()) == list(model.state_dict())
+    x = ids()
+    with torch.no_grad():
+        got = out(input_ids=x)[0]
+        want = _reference(model)(input_ids=x)[0]
+        plain = model(input_ids=x)[0]
+    assert torch.equal(got, want)
+    assert not torch.equal(got, plain)
+    after = _params(model)
+    assert all(torch.equal(before[k], after[k]) for k in before)  # caller's model untouched
+    n_quantized = len([n for n in _linears(model) if n != "lm_head"])
+    assert len([i for i in out.qtransform_log if i["pass_name"] == "fake_quant"]) == n_quantized
+
+
+def test_bf16_and_generate(tiny):
+    model = tiny("qwen2", dtype=torch.bfloat16)
+    out = qtransform.transform(model, W4A16)
+    x = ids(1, 5)
+    with torch.no_grad():
+        got = out(input_ids=x).logits
+        want = _reference(model)(input_ids=x).logits
+    assert got.dtype == torch.bfloat16 and torch.equal(got, want)
+    gen = out.generate(x, max_new_tokens=4, do_sample=False)
+    ref = _reference(model).generate(x, max_new_tokens=4, do_sample=False)
+    assert gen.shape == (1, 9) and torch.equal(gen, ref)
+
+
+def test_input_quantization_w16a4(tiny):
+    model = tiny("llama")
+    policy = {"version": 1, "quantize": [{"targets": ["model.layers.0.mlp.down_proj"], "format": "mxfp4",
+                                          "tensors": ["input"]}]}
+    out = qtransform.transform(model, policy)
+    site = out.model.layers[0].mlp.down_proj
+    x = torch.randn(2, 3, 128)
+    with torch.no_grad():
+        assert torch.equal(site(x), F.linear(fake_quantize(x, "mxfp4"), model.model.layers[0].mlp.down_proj.weight))
+
+
+def test_later_rule_overrides_earlier_for_same_site_and_tensor(tiny):
+    model = tiny("qwen2")
+    policy = {"version": 1, "quantize": [
+        {"name": "all", "targets": ["Linear"], "ignore": ["lm_head"], "format": "mxfp4"},
+        {"name": "down8", "targets": ["*.down_proj"], "format": "mxfp8_e4m3"}]}
+    plan = qtransform.plan(model, policy)
+    rows = {r.site: r for r in plan.rows}
+    assert rows["model.layers.0.mlp.down_proj"].rule == "quantize[1] 'down8'"
+    assert rows["model.layers.0.mlp.up_proj"].rule == "quantize[0] 'all'"
+    assert "lm_head" not in rows and plan.for_site("lm_head") == []
+    assert "lm_head" in plan.to_text() and "(none)" in plan.to_text()
+    out = qtransform.transform(model, policy)
+    w = model.model.layers[1].mlp.down_proj.weight
+    with torch.no_grad():
+        assert torch.equal(out.model.layers[1].mlp.down_proj.weight_fake_quant(w), fake_quantize(w, "mxfp8_e4m3"))
+
+
+def test_unmatched_entries_are_errors_with_suggestions_and_leave_model_untouched(tiny):
+    model = tiny("qwen2")
+    before = _params(model)
+    bad = {"version": 1, "quantize": [{"targets": ["model.layers.*.mlp.down_prj"], "format": "mxfp4"}]}
+    with pytest.raises(UserError, match=r"down_prj.*closest site names: model\.layers\.\d\.mlp\.down_proj"):
+        qtransform.transform(model, bad)
+    typo_ignore = {"version": 1, "quantize": [{"targets": ["Linear"], "ignore": ["lm_haed"], "format": "mxfp4"}]}
+    with pytest.raises(UserError, match="lm_haed.*lm_head"):
+        qtransform.transform(model, typo_ignore)
+    no_layers = {"version": 1, "quantize": [{"targets": ["Linear"], "layers": "10-17", "format": "mxfp4"}]}
+    with pytest.raises(UserError, match="selects no site"):
+        qtransform.transform(model, no_layers)
+    after = _params(model)
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_weight_cache_requantizes_after_optimizer_step_and_gradients_reach_parameter(tiny):
+    model = qtransform.transform(tiny("qwen2"), W4A16).train()
+    site = model.model.layers[0].mlp.up_proj
+    fq = site.weight_fake_quant
+    x = ids()
+    model(input_ids=x).logits.sum().backward()
+    first = fq._cached
+    assert site.weight.grad is not None and site.weight.grad.abs().sum() > 0
+    model(input_ids=x)
+    assert fq._cached is first  # unchanged weight: not re-quantized
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    opt.step()
+    model(input_ids=x)
+    assert fq._cached is not first
+    assert torch.equal(fq._cached, fake_quantize(site.weight.detach(), "mxfp4"))
+
+
+def test_ste_gradient_equals_gradient_through_quantized_weight():
+    lin = nn.Linear(64, 8)
+    model = qtransform.transform(nn.Sequential(lin), {"version": 1, "quantize": [
+        {"targets": ["Linear"], "format": "nvfp4"}]})
+    x = torch.randn(4, 64)
+    model(x).pow(2).sum().backward()
+    wq = fake_quantize(lin.weight.detach(), "nvfp4").requires_grad_(True)
+    F.linear(x, wq, lin.bias).pow(2).sum().backward()
+    assert torch.equal(model[0].weight.grad, wq.grad)
+
+
+def test_inplace_transforms_the_given_model(tiny):
+    model = tiny("qwen2")
+    weight = model.model.layers[0].mlp.up_proj.weight
+    out = qtransform.transform(model, W4A16, inplace=True)
+    assert out is model and out.model.layers[0].mlp.up_proj.weight is weight
+
+
+def test_torch_export_shows_one_fake_quant_node_per_site(tiny):
+    out = qtransform.transform(tiny("qwen2"), W4A16)
+    ep = torch.export.export(out, (), {"input_ids": ids(), "use_cache": False}, strict=False)
+    nodes = [n for n in ep.graph.nodes if n.target == torch.ops.qtransform.fake_quant.default]
+    labels = sorted(n.args[3] for n in nodes)
+    assert len(nodes) == 14
+    assert labels[0] == "model.layers.0.mlp.down_proj/weight_fake_quant"
+
+
+def test_graph_mode_runs_the_same_pass_on_the_whole_model_graph(tiny):
+    model = tiny("qwen2")
+    x = ids()
+    program = qtransform.transform(model, W4A16, {"input_ids": x}, mode="graph", return_program=True)
+    gm = program.module()
+    assert len(program.insertions(pass_name="fake_quant")) == 14
+    with torch.no_grad():
+        got = gm(input_ids=x, use_cache=False).logits
+        want = qtransform.transform(model, W4A16)(input_ids=x).logits
+    assert torch.equal(got, want)
+
+
+def test_save_pretrained_and_reload_from_local_folder(tiny, tmp_path):
+    model = tiny("qwen2")
+    out = qtransform.transform(model, W4A16)
+    out.save_pretrained(tmp_path / "m")
+    reloaded = qtransform.models.load_model(tmp_path / "m")
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), reloaded.state_dict().values()))
+    again = qtransform.transform(reloaded, W4A16)
+    x = ids()
+    with torch.no_grad():
+        assert torch.equal(again(input_ids=x).logits, out(input_ids=x).logits)
+
+
+def test_hub_id_without_network_is_a_clear_error():
+    with pytest.raises(UserError, match="hub ids are not downloaded"):
+        qtransform.models.load_model("Qwen/Qwen2.5-0.5B")
+
+
+def test_plain_torch_mlp():
+    torch.manual_seed(0)
+    mlp = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 16))
+    out = qtransform.transform(mlp, {"version": 1, "quantize": [{"targets": ["Linear"], "format": "int4",
+                                                                  "block_size": 32}]})
+    x = torch.randn(3, 32)
+    ref = _reference(mlp, skip=(), fmt="int4", block_size=32)
+    with torch.no_grad():
+        assert torch.equal(out(x), ref(x))
