@@ -90,6 +90,9 @@ class Program:
             original = getattr(parent, attr)
             gm = fx.symbolic_trace(original)
             gm.train(original.training)
+            # keep the original parameter order, so state_dict keys come out unchanged
+            order = [k for k in original._parameters if k in gm._parameters]
+            gm._parameters = {k: gm._parameters[k] for k in order + [k for k in gm._parameters if k not in order]}
             gm.qtransform_site = site.to_dict()  # survives deepcopy; says what this module was
             setattr(parent, attr, gm)
             gsite = GraphSite(site, gm, name)

@@ -27,6 +27,12 @@ def select_sites(program: Program, section: Any, where: str, *, kinds: tuple[str
     selector = Selector.from_section(section)
     candidates = [s for s in program.sites.values() if s.kind in kinds]
     names = [s.name for s in candidates]
+    if selector.layers is not None and not any(selector.in_layers(s) for s in candidates):
+        present = sorted({s.layer for s in candidates if s.layer is not None})
+        raise UserError(
+            f"{where}: layers {selector.layers_spec!r} selects no site; the model's layers are "
+            + (f"{present[0]}-{present[-1]}" if present else "not numbered")
+        )
     for entry in selector.unmatched_entries(candidates):
         hint = closest_names(entry, names)
         raise UserError(

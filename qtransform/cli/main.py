@@ -12,7 +12,7 @@ import sys
 
 from qtransform.errors import UserError
 
-COMMAND_MODULES = ("model", "policy")
+COMMAND_MODULES = ("model", "policy", "scan")
 
 
 def build_parser() -> argparse.ArgumentParser:
