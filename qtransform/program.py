@@ -63,6 +63,7 @@ class Program:
     log: list[Insertion] = field(default_factory=list)
     plan_rows: list[Any] = field(default_factory=list)  # pipeline.PlanRow, filled by passes
     _graphs: dict[str, GraphSite] = field(default_factory=dict, repr=False)
+    _linear_graphs: dict[bool, fx.Graph] = field(default_factory=dict, repr=False)
 
     # -- sites -----------------------------------------------------------------------------
     def site(self, name: str) -> Site:
@@ -88,7 +89,7 @@ class Program:
             parent_name, _, attr = name.rpartition(".")
             parent = self.model.get_submodule(parent_name) if parent_name else self.model
             original = getattr(parent, attr)
-            gm = fx.symbolic_trace(original)
+            gm = self._trace(original)
             gm.train(original.training)
             # keep the original parameter order, so state_dict keys come out unchanged
             order = [k for k in original._parameters if k in gm._parameters]
@@ -98,6 +99,21 @@ class Program:
             gsite = GraphSite(site, gm, name)
         self._graphs[name] = gsite
         return gsite
+
+    def _trace(self, module: nn.Module) -> fx.GraphModule:
+        """symbolic_trace, reusing one graph for every plain nn.Linear (their graphs are equal
+        and tracing is most of the cost of a transform)."""
+        if type(module) is not nn.Linear:
+            return fx.symbolic_trace(module)
+        key = module.bias is None
+        if key not in self._linear_graphs:
+            self._linear_graphs[key] = fx.symbolic_trace(module).graph
+        template = self._linear_graphs[key]
+        graph = fx.Graph()
+        graph.graph_copy(template, {}, return_output_node=False)
+        out = next(n for n in template.nodes if n.op == "output")
+        graph.output(next(n for n in graph.nodes if n.name == out.args[0].name))
+        return fx.GraphModule(module, graph, class_name="Linear")
 
     def record(self, insertion: Insertion) -> None:
         self.log.append(insertion)

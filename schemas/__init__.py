@@ -1,0 +1,36 @@
+"""The policy schema: Pydantic models, the selector language, loading and readable errors."""
+
+from .aqn import Multiplier, NoiseSpec, Schedule
+from .errors import PolicyError, Problem
+from .legacy import from_legacy_srdd
+from .loading import dump_policy, is_legacy_srdd, load_policy
+from .policy import HWErrorSpec, InstrumentSpec, Policy, QuantRule, Thresholds
+from .selectors import (
+    Selector,
+    SiteRef,
+    closest_names,
+    parse_layers,
+    resolve_quant_rules,
+)
+
+__all__ = [
+    "HWErrorSpec",
+    "InstrumentSpec",
+    "Multiplier",
+    "NoiseSpec",
+    "Policy",
+    "PolicyError",
+    "Problem",
+    "QuantRule",
+    "Schedule",
+    "Selector",
+    "SiteRef",
+    "Thresholds",
+    "closest_names",
+    "dump_policy",
+    "from_legacy_srdd",
+    "is_legacy_srdd",
+    "load_policy",
+    "parse_layers",
+    "resolve_quant_rules",
+]

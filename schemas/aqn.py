@@ -1,0 +1,195 @@
+"""The AQN (Adaptive Quantization Noise) section: schedule, multipliers, targets.
+
+Only validation lives here; the schedule math is `qtransform.noise`'s.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from .base import (
+    Entries,
+    Int,
+    NonNegFloat,
+    NonNegInt,
+    Phase,
+    PosFloat,
+    PosInt,
+    Selected,
+    StrictModel,
+)
+from .errors import Issue, problems_error
+from .selectors import SiteRef
+
+
+class Schedule(StrictModel):
+    """How AQN's sigma changes over training (the math lives in `qtransform.noise`).
+
+    The run is given either as ``total_steps`` (split into ``num_stages`` equal intervals, default
+    10) or per epoch as ``steps_per_epoch`` + ``stages_per_epoch`` (each epoch runs the whole
+    schedule in ``stages_per_epoch`` intervals). In both, the first interval is noise-free and
+    ``warmup_steps`` noise-free steps come before the intervals.
+    """
+
+    kind: Literal["exponential", "linear", "cosine", "constant"] = "exponential"
+    sigma_start: PosFloat
+    sigma_end: NonNegFloat | None = Field(None, description="required except for 'constant'")
+    num_stages: PosInt | None = Field(None, description="K; null = 10 (total_steps mode only)")
+    total_steps: PosInt | None = None
+    steps_per_epoch: PosInt | None = None
+    stages_per_epoch: PosInt | None = None
+    epochs: PosInt | None = None
+    warmup_steps: NonNegInt = 0
+
+    @property
+    def per_epoch(self) -> bool:
+        return self.steps_per_epoch is not None or self.stages_per_epoch is not None
+
+    @property
+    def stages(self) -> int:
+        """K: the number of intervals one schedule is split into."""
+        if self.per_epoch:
+            return self.stages_per_epoch or 0
+        return self.num_stages if self.num_stages is not None else 10
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Schedule:
+        issues = self._mode_issues()
+        if not issues:  # the checks below need a well-defined K and run length
+            issues = self._length_issues() + self._sigma_issues()
+        if issues:
+            raise problems_error(issues)
+        return self
+
+    def _mode_issues(self) -> list[Issue]:
+        """Exactly one way to give the run length: total_steps, or the per-epoch pair."""
+        if self.total_steps is not None and self.per_epoch:
+            return [Issue(("total_steps",), f"give total_steps or {_PAIR}, not both")]
+        if not self.per_epoch:
+            if self.total_steps is None:
+                return [Issue(("total_steps",), f"missing: give total_steps, or {_PAIR}")]
+            if self.epochs is not None:
+                return [Issue(("epochs",), f"only used with {_PAIR}", self.epochs)]
+            return []
+        issues = [
+            Issue((name,), f"missing: {_PAIR} go together")
+            for name in ("steps_per_epoch", "stages_per_epoch")
+            if getattr(self, name) is None
+        ]
+        if self.num_stages is not None:
+            issues.append(Issue(("num_stages",), "not used with stages_per_epoch", self.num_stages))
+        return issues
+
+    def _length_issues(self) -> list[Issue]:
+        """Every stage needs at least one step after the warmup."""
+        if self.per_epoch:
+            steps, where = self.steps_per_epoch, "steps_per_epoch"
+            span = steps * (self.epochs or 1)
+        else:
+            span, where = self.total_steps, "total_steps"
+            steps = span - self.warmup_steps
+        if self.warmup_steps >= span:
+            return [
+                Issue(
+                    ("warmup_steps",), f"leaves no step to train ({span} in all)", self.warmup_steps
+                )
+            ]
+        if steps < self.stages:
+            return [
+                Issue((where,), f"too few steps for {self.stages} stages", getattr(self, where))
+            ]
+        return []
+
+    def _sigma_issues(self) -> list[Issue]:
+        field = "stages_per_epoch" if self.per_epoch else "num_stages"
+        if self.kind == "constant":
+            if self.sigma_end is not None:
+                return [Issue(("sigma_end",), "not used by a constant schedule", self.sigma_end)]
+            return [] if self.stages >= 2 else [Issue((field,), _TWO_STAGES, self.stages)]
+        if self.sigma_end is None:
+            return [Issue(("sigma_end",), f"missing: required by a {self.kind} schedule")]
+        issues = []
+        if self.sigma_end > self.sigma_start:
+            issues.append(
+                Issue(("sigma_end",), "must be <= sigma_start (sigma decays)", self.sigma_end)
+            )
+        if self.kind != "exponential":
+            return issues + (
+                [] if self.stages >= 2 else [Issue((field,), _TWO_STAGES, self.stages)]
+            )
+        if self.sigma_end == 0:
+            issues.append(Issue(("sigma_end",), _ZERO_END, self.sigma_end))
+        if self.stages < 3:
+            issues.append(Issue((field,), _THREE_STAGES, self.stages))
+        return issues
+
+
+_PAIR = "steps_per_epoch and stages_per_epoch"
+_TWO_STAGES = "needs at least 2 stages (the first one is noise-free)"
+_THREE_STAGES = (
+    "the exponential (QeRL) schedule needs at least 3 stages: the first is noise-free and "
+    "sigma_i = sigma_start * (sigma_end/sigma_start)^(i/(K-2)) divides by K-2"
+)
+_ZERO_END = (
+    "must be > 0 for an exponential schedule: the ratio sigma_end/sigma_start = 0 makes every "
+    "stage after the first noise-free (0^x = 0), so AQN silently stops; use e.g. sigma_start/100"
+)
+
+
+class Multiplier(Selected):
+    """Scale sigma at the selected sites."""
+
+    targets: Entries = Field(min_length=1)
+    value: PosFloat
+
+
+class NoiseSpec(Selected):
+    """QeRL's Adaptive Quantization Noise: Gaussian noise on norm weights, on a schedule."""
+
+    targets: Entries = Field(default_factory=lambda: ["RMSNorm", "LayerNorm"], min_length=1)
+    schedule: Schedule
+    layer_multipliers: dict[NonNegInt, PosFloat] = Field(
+        default_factory=dict,
+        description='sigma multiplier per layer index, e.g. {"14": 1.5}',
+        json_schema_extra={"propertyNames": {"pattern": "^[0-9]+$"}},
+    )
+    multipliers: list[Multiplier] = Field(default_factory=list)
+    resample: Literal["step", "forward"] = "step"
+    apply_during: Phase = "train"
+    seed: Int = 0
+
+    @field_validator("layer_multipliers", mode="before")
+    @classmethod
+    def _layer_keys(cls, value: Any) -> Any:
+        """JSON object keys are strings: accept "14" and 14 alike, as integers."""
+        if not isinstance(value, dict):
+            return value
+        out: dict[Any, Any] = {}
+        issues = []
+        for key, mult in value.items():
+            text = (
+                str(key).strip()
+                if isinstance(key, (str, int)) and not isinstance(key, bool)
+                else ""
+            )
+            if not (text.isascii() and text.isdigit()):
+                issues.append(
+                    Issue((key,), "key must be a layer index (a non-negative integer)", key)
+                )
+            elif int(text) in out:
+                issues.append(Issue((key,), f"layer {int(text)} is given twice", key))
+            else:
+                out[int(text)] = mult
+        if issues:
+            raise problems_error(issues)
+        return out
+
+    def multiplier_for(self, site: SiteRef) -> float:
+        """layer_multipliers[site.layer] (default 1) times every matching `multipliers` value."""
+        factor = self.layer_multipliers.get(site.layer, 1.0) if site.layer is not None else 1.0
+        for mult in self.multipliers:
+            if mult.selector().matches(site):
+                factor *= mult.value
+        return factor

@@ -1,0 +1,234 @@
+"""The selector language shared by every policy section (llm-compressor's vocabulary).
+
+A section selects sites with three fields:
+
+- ``targets``: entries a site must match (any one of them);
+- ``ignore``: entries that exclude a site even when a target matches (**ignore beats targets**);
+- ``layers``: an optional layer spec such as ``"10-17,20"``; a site outside it, or one that sits
+  in no numbered layer (``lm_head``, the final norm), is excluded.
+
+An entry is one of:
+
+- a **class selector**: a bare identifier starting with an uppercase letter (no ``.``, ``*``,
+  ``?``). It matches a site whose class name equals it. Names ending in ``Norm`` also match class
+  names ending with them (``RMSNorm`` matches ``Qwen2RMSNorm`` and ``LlamaRMSNorm``), so one
+  policy serves several model families. ``Linear`` matches every linear site, including GPT-2's
+  ``Conv1D`` (kind ``conv1d``): both are matrix multiplications by a weight.
+- a **regular expression** after ``re:``, applied with ``re.fullmatch`` to the fully-qualified
+  module name. This deliberately differs from llm-compressor, which uses ``re.match`` (anchored
+  only at the start, so ``re:.*gate`` also matches ``gate_proj`` there). Write ``re:.*gate.*`` to
+  match anywhere in the name.
+- otherwise a **glob** (``fnmatch``, case-sensitive; ``*`` also crosses dots) matched against the
+  whole name or a trailing run of its dotted parts: ``lm_head`` and ``mlp.down_proj`` match
+  ``model.layers.3.mlp.down_proj``-style paths without a leading ``*.``.
+
+Across quantize rules, a later rule overrides an earlier one for the same (site, tensor); see
+`resolve_quant_rules`.
+"""
+
+from __future__ import annotations
+
+import difflib
+import fnmatch
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any, Literal, Protocol
+
+LINEAR_KINDS = ("linear", "conv1d")
+REGEX_PREFIX = "re:"
+_LAYERS_ITEM = re.compile(r"\s*(\d+)\s*(?:-\s*(\d+)\s*)?\Z")
+
+
+class SiteRef(Protocol):
+    """What a selector needs to know about a site (`qtransform.sites.Site` provides it)."""
+
+    name: str
+    cls_name: str
+    kind: str  # "linear" | "conv1d" | "norm" | "matmul"
+    layer: int | None
+
+
+def is_class_entry(text: str) -> bool:
+    """True for a class selector: a bare identifier starting with an uppercase letter."""
+    return text.isidentifier() and text[0].isupper()
+
+
+def parse_layers(spec: str) -> frozenset[int]:
+    """'10-17,20' -> {10, ..., 17, 20}; raises ValueError naming the bad item."""
+    if not isinstance(spec, str) or not spec.strip():
+        raise ValueError("empty layer spec; write e.g. '10-17,20'")
+    layers: set[int] = set()
+    for item in spec.split(","):
+        match = _LAYERS_ITEM.match(item)
+        if not match:
+            raise ValueError(f"cannot read layer range {item.strip()!r}; write e.g. '10-17,20'")
+        lo = int(match.group(1))
+        hi = int(match.group(2)) if match.group(2) is not None else lo
+        if hi < lo:
+            raise ValueError(f"layer range {item.strip()!r} runs backwards; write {hi}-{lo}")
+        layers.update(range(lo, hi + 1))
+    return frozenset(layers)
+
+
+def format_layers(layers: Iterable[int]) -> str:
+    """{10, 11, 12, 20} -> '10-12,20' (the inverse of `parse_layers`)."""
+    items = sorted(set(layers))
+    runs: list[str] = []
+    i = 0
+    while i < len(items):
+        j = i
+        while j + 1 < len(items) and items[j + 1] == items[j] + 1:
+            j += 1
+        runs.append(str(items[i]) if i == j else f"{items[i]}-{items[j]}")
+        i = j + 1
+    return ",".join(runs)
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One compiled target/ignore entry."""
+
+    text: str
+    kind: Literal["class", "regex", "glob"]
+    regex: re.Pattern[str] | None = None
+
+    def matches(self, site: SiteRef) -> bool:
+        if self.kind == "class":
+            return (
+                site.cls_name == self.text
+                or (self.text.endswith("Norm") and site.cls_name.endswith(self.text))
+                or (self.text == "Linear" and site.kind in LINEAR_KINDS)
+            )
+        if self.kind == "regex":
+            assert self.regex is not None
+            return self.regex.fullmatch(site.name) is not None
+        return fnmatch.fnmatchcase(site.name, self.text) or fnmatch.fnmatchcase(
+            site.name, "*." + self.text
+        )
+
+
+def compile_entry(text: str) -> Entry:
+    """Compile one entry; raises ValueError for an empty entry or an invalid regex."""
+    if not isinstance(text, str) or not text.strip():
+        raise ValueError("empty selector entry")
+    if text != text.strip():
+        raise ValueError("selector entry has leading or trailing spaces")
+    if text.startswith(REGEX_PREFIX):
+        pattern = text[len(REGEX_PREFIX) :]
+        if not pattern:
+            raise ValueError("empty regular expression after 're:'")
+        try:
+            return Entry(text, "regex", re.compile(pattern))
+        except (re.error, OverflowError, RecursionError) as exc:
+            raise ValueError(f"invalid regular expression: {exc}") from None
+    if is_class_entry(text):
+        return Entry(text, "class")
+    return Entry(text, "glob")
+
+
+@dataclass(frozen=True)
+class Selector:
+    """Compiled targets/ignore/layers. `lenient_targets` marks a target list of alternatives
+    (a section's default, such as ["RMSNorm", "LayerNorm"]): its entries count as unmatched only
+    when none of them matches, since each model family has only one of them."""
+
+    targets: tuple[Entry, ...]
+    ignore: tuple[Entry, ...] = ()
+    layers: frozenset[int] | None = None
+    layers_spec: str | None = None
+    lenient_targets: bool = False
+
+    @classmethod
+    def compile(
+        cls,
+        targets: Sequence[str],
+        ignore: Sequence[str] = (),
+        layers: str | None = None,
+        *,
+        lenient_targets: bool = False,
+    ) -> Selector:
+        """Build a selector; raises ValueError for a bad entry or layer spec."""
+        return _compile(tuple(targets), tuple(ignore), layers, lenient_targets)
+
+    @classmethod
+    def from_section(cls, section: Any) -> Selector:
+        """The selector of a policy section (anything with targets/ignore/layers fields)."""
+        field = getattr(type(section), "model_fields", {}).get("targets")
+        default = None
+        if field is not None and not field.is_required():
+            default = field.get_default(call_default_factory=True)
+        return cls.compile(
+            section.targets,
+            section.ignore,
+            section.layers,
+            lenient_targets=default is not None and list(section.targets) == list(default),
+        )
+
+    def in_layers(self, site: SiteRef) -> bool:
+        return self.layers is None or (site.layer is not None and site.layer in self.layers)
+
+    def matches(self, site: SiteRef) -> bool:
+        """True when the site is in `layers`, matches a target and no ignore entry."""
+        if not self.in_layers(site):
+            return False
+        if any(e.matches(site) for e in self.ignore):
+            return False
+        return any(e.matches(site) for e in self.targets)
+
+    def unmatched_entries(self, sites: Iterable[SiteRef]) -> list[str]:
+        """Target and ignore entries that match none of `sites` inside `layers` (usually typos)."""
+        pool = [s for s in sites if self.in_layers(s)]
+        dead_targets = [e.text for e in self.targets if not any(e.matches(s) for s in pool)]
+        if self.lenient_targets and len(dead_targets) < len(self.targets):
+            dead_targets = []
+        dead_ignore = [e.text for e in self.ignore if not any(e.matches(s) for s in pool)]
+        return dead_targets + dead_ignore
+
+
+@lru_cache(maxsize=512)
+def _compile(
+    targets: tuple[str, ...], ignore: tuple[str, ...], layers: str | None, lenient: bool
+) -> Selector:
+    return Selector(
+        tuple(compile_entry(t) for t in targets),
+        tuple(compile_entry(t) for t in ignore),
+        parse_layers(layers) if layers is not None else None,
+        layers,
+        lenient,
+    )
+
+
+def closest_names(entry: str, names: Sequence[str], n: int = 3) -> list[str]:
+    """Up to n site names that look like `entry` (compared whole and by last dotted part)."""
+    core = entry.removeprefix(REGEX_PREFIX).strip("*?.^$")
+    by_key: dict[str, str] = {}
+    for name in names:
+        by_key.setdefault(name, name)
+        by_key.setdefault(name.rsplit(".", 1)[-1], name)
+    keys = difflib.get_close_matches(core, list(by_key), n=n * 3, cutoff=0.6)
+    out: list[str] = []
+    for key in keys:
+        if by_key[key] not in out:
+            out.append(by_key[key])
+    return out[:n]
+
+
+def resolve_quant_rules(
+    policy: Any, sites: Iterable[SiteRef]
+) -> dict[tuple[str, str], tuple[int, Any]]:
+    """(site name, tensor) -> (rule index, QuantRule) of the rule that applies.
+
+    Rules are applied in order and a later matching rule overrides an earlier one for the same
+    (site, tensor); a rule's other tensors keep what earlier rules chose.
+    """
+    sites = list(sites)
+    chosen: dict[tuple[str, str], tuple[int, Any]] = {}
+    for index, rule in enumerate(policy.quantize):
+        selector = Selector.from_section(rule)
+        for site in sites:
+            if selector.matches(site):
+                for tensor in rule.tensors:
+                    chosen[(site.name, tensor)] = (index, rule)
+    return chosen

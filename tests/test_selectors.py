@@ -1,0 +1,176 @@
+"""The selector language: entry kinds, precedence, layer specs, unmatched entries, suggestions."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+from qtransform.schemas import Policy, Selector, closest_names, parse_layers, resolve_quant_rules
+from qtransform.schemas.selectors import compile_entry, format_layers
+
+from qtransform.sites import Site
+
+
+@dataclass(frozen=True)
+class FakeSite:
+    name: str
+    cls_name: str
+    kind: str
+    layer: int | None
+
+
+def qwen_sites(n_layers: int = 4) -> list[FakeSite]:
+    sites = [FakeSite("model.embed_norm", "Qwen2RMSNorm", "norm", None)]
+    for i in range(n_layers):
+        p = f"model.layers.{i}"
+        sites.append(FakeSite(f"{p}.input_layernorm", "Qwen2RMSNorm", "norm", i))
+        for leaf in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            sites.append(FakeSite(f"{p}.self_attn.{leaf}", "Linear", "linear", i))
+        for leaf in ("gate_proj", "up_proj", "down_proj"):
+            sites.append(FakeSite(f"{p}.mlp.{leaf}", "Linear", "linear", i))
+    sites += [FakeSite("model.norm", "Qwen2RMSNorm", "norm", None), FakeSite("lm_head", "Linear", "linear", None)]
+    return sites
+
+
+def chosen(selector: Selector, sites) -> list[str]:
+    return [s.name for s in sites if selector.matches(s)]
+
+
+def test_entry_kinds():
+    assert compile_entry("Linear").kind == "class"
+    assert compile_entry("RMSNorm").kind == "class"
+    assert compile_entry("re:.*q_proj").kind == "regex"
+    for glob in ("lm_head", "model.layers.*.mlp.*", "Model.x", "Lin*", "L?near"):
+        assert compile_entry(glob).kind == "glob"
+
+
+@pytest.mark.parametrize(
+    ("entry", "cls_name", "kind", "hit"),
+    [
+        ("RMSNorm", "Qwen2RMSNorm", "norm", True),
+        ("RMSNorm", "LlamaRMSNorm", "norm", True),
+        ("RMSNorm", "RMSNorm", "norm", True),
+        ("LayerNorm", "LayerNorm", "norm", True),
+        ("LayerNorm", "Qwen2RMSNorm", "norm", False),
+        ("RMSNorm", "LayerNorm", "norm", False),
+        ("Linear", "Linear", "linear", True),
+        ("Linear", "Conv1D", "conv1d", True),  # GPT-2's Conv1D is a linear site
+        ("Linear", "Linear8bitLt", "linear", True),  # any nn.Linear subclass has kind linear
+        ("Conv1D", "Conv1D", "conv1d", True),
+        ("Conv1D", "Linear", "linear", False),
+        ("Linear", "Qwen2RMSNorm", "norm", False),
+        ("Linear", "matmul", "matmul", False),
+    ],
+)
+def test_class_selector(entry, cls_name, kind, hit):
+    assert compile_entry(entry).matches(FakeSite("m.x", cls_name, kind, 0)) is hit
+
+
+def test_glob_matches_whole_name_or_dotted_suffix():
+    site = FakeSite("model.layers.3.mlp.down_proj", "Linear", "linear", 3)
+    for entry in ("down_proj", "mlp.down_proj", "model.layers.*.mlp.*", "*.down_*", "*proj"):
+        assert compile_entry(entry).matches(site), entry
+    for entry in ("own_proj", "mlp", "layers.3", "Down_proj"):  # no partial words, case-sensitive
+        assert not compile_entry(entry).matches(site), entry
+
+
+def test_regex_is_fullmatch_not_search():
+    gate = FakeSite("model.layers.0.mlp.gate", "Linear", "linear", 0)
+    gate_proj = FakeSite("model.layers.0.mlp.gate_proj", "Linear", "linear", 0)
+    entry = compile_entry("re:.*gate")
+    assert entry.matches(gate) and not entry.matches(gate_proj)  # re.match would take both
+    assert not compile_entry("re:mlp").matches(gate)  # re.search would match
+    assert compile_entry("re:.*gate.*").matches(gate_proj)
+
+
+@pytest.mark.parametrize("bad", ["", " Linear", "re:", "re:[abc", "re:(", "re:a{99999999999}"])
+def test_bad_entries_raise_value_error(bad):
+    with pytest.raises(ValueError):
+        compile_entry(bad)
+
+
+def test_parse_and_format_layers():
+    assert parse_layers("10-17,20") == frozenset([*range(10, 18), 20])
+    assert parse_layers(" 3 , 5 - 6 ") == {3, 5, 6}
+    assert format_layers(parse_layers("0-2,4,6-7")) == "0-2,4,6-7"
+    for bad in ("", "a", "3-1", "1,,2", "-1", "1-", "1.5"):
+        with pytest.raises(ValueError):
+            parse_layers(bad)
+
+
+def test_ignore_beats_targets_and_layers_restrict():
+    sites = qwen_sites()
+    sel = Selector.compile(["Linear"], ["lm_head", "re:.*self_attn\\..*"], "1-2")
+    names = chosen(sel, sites)
+    assert names and all(".mlp." in n for n in names)
+    assert {int(n.split(".")[2]) for n in names} == {1, 2}
+    # an ignored site stays out even if it is also targeted by name
+    assert "lm_head" not in chosen(Selector.compile(["lm_head", "Linear"], ["lm_head"]), sites)
+
+
+def test_site_without_layer_is_excluded_when_layers_given():
+    sites = qwen_sites()
+    assert "model.norm" in chosen(Selector.compile(["RMSNorm"]), sites)
+    assert "model.norm" not in chosen(Selector.compile(["RMSNorm"], layers="0-99"), sites)
+
+
+def test_unmatched_entries_reports_typos_inside_layers():
+    sites = qwen_sites(4)
+    sel = Selector.compile(["Linear", "*.q_prj"], ["lm_haed", "lm_head"])
+    assert sel.unmatched_entries(sites) == ["*.q_prj", "lm_haed"]
+    assert Selector.compile(["Linear"], layers="40-50").unmatched_entries(sites) == ["Linear"]
+
+
+def test_default_targets_are_alternatives():
+    """noise's default ["RMSNorm", "LayerNorm"]: a Qwen model has no LayerNorm, that is fine."""
+    policy = Policy.model_validate({"noise": {"schedule": {"sigma_start": 0.01, "sigma_end": 0.001, "total_steps": 100}}})
+    sites = qwen_sites()
+    assert policy.noise.selector().unmatched_entries(sites) == []
+    assert policy.noise.selector().unmatched_entries([s for s in sites if s.kind == "linear"]) == [
+        "RMSNorm", "LayerNorm",
+    ]
+    explicit = Selector.compile(["RMSNorm", "LayerNorm"])
+    assert explicit.unmatched_entries(sites) == ["LayerNorm"]
+
+
+def test_closest_names():
+    names = [s.name for s in qwen_sites(2)]
+    assert closest_names("lm_haed", names) == ["lm_head"]
+    assert closest_names("model.layers.1.mlp.up_prj", names)[0] == "model.layers.1.mlp.up_proj"
+    assert closest_names("zzzzzz", names) == []
+    assert len(closest_names("q_proj", names, n=1)) == 1
+
+
+def test_later_rule_overrides_earlier_per_site_and_tensor():
+    policy = Policy.model_validate({"quantize": [
+        {"name": "all", "format": "mxfp4", "tensors": ["weight", "input"], "ignore": ["lm_head"]},
+        {"name": "mlp8", "format": "mxfp8_e4m3", "targets": ["mlp.*"], "layers": "1"},
+        {"name": "down_in", "format": "nvfp4", "targets": ["down_proj"], "tensors": ["input"]},
+    ]})
+    table = resolve_quant_rules(policy, qwen_sites(2))
+    assert table[("model.layers.0.self_attn.q_proj", "weight")][1].name == "all"
+    assert table[("model.layers.1.mlp.up_proj", "weight")] == (1, policy.quantize[1])
+    assert table[("model.layers.1.mlp.up_proj", "input")][1].name == "all"  # rule 1 left inputs alone
+    assert table[("model.layers.0.mlp.down_proj", "input")][1].name == "down_in"
+    assert table[("model.layers.0.mlp.down_proj", "weight")][1].name == "all"
+    assert not any(site == "lm_head" for site, _ in table)
+    assert not any(site.endswith("norm") for site, _ in table)
+
+
+def test_noise_multiplier_for_combines_layer_and_selector_multipliers():
+    policy = Policy.model_validate({"noise": {
+        "schedule": {"sigma_start": 0.01, "sigma_end": 0.001, "total_steps": 100},
+        "layer_multipliers": {"1": 1.5, 2: 2.0},
+        "multipliers": [{"targets": ["input_layernorm"], "layers": "1-2", "value": 3.0}],
+    }})
+    by_name = {s.name: s for s in qwen_sites(3)}
+    assert policy.noise.multiplier_for(by_name["model.layers.0.input_layernorm"]) == 1.0
+    assert policy.noise.multiplier_for(by_name["model.layers.1.input_layernorm"]) == pytest.approx(4.5)
+    assert policy.noise.multiplier_for(by_name["model.layers.2.input_layernorm"]) == pytest.approx(6.0)
+    assert policy.noise.multiplier_for(by_name["model.norm"]) == 1.0
+
+
+def test_real_site_class_fits_the_protocol():
+    site = Site("model.layers.5.mlp.up_proj", "Linear", "linear", 5, "up")
+    assert Selector.compile(["up_proj"], layers="5").matches(site)
+    assert not Selector.from_section(Policy.model_validate({"quantize": [{"format": "int4", "layers": "4"}]}).quantize[0]).matches(site)
