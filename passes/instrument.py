@@ -1,0 +1,252 @@
+"""Instrument pass: taps on the weight, input and output of selected sites (SRDD scans).
+
+A tap is an identity on the value it sits on. In eager mode it feeds streaming float64
+accumulators (`qtransform.metrics.ErrorStats`) and keeps no tensor, so a scan over any number of
+batches holds a constant amount of state per site; traced (torch.export, compile) it is one
+`qtransform::tap` node labelled `<site>:<point>`, which exports turn into named outputs.
+
+What each tap measures, comparing the value the model computes (the head) with the raw value the
+site had before any pass (see `GraphSite`):
+
+- weight: quantized weight against the original, once per weight version (optimizer steps bump
+  the version), not once per forward;
+- input: quantized activation against the unquantized input (input quantization);
+- output: quantized output against the raw output (output quantization) and, in shadow mode,
+  the site's *local* error: its output against the full-precision result of the same site on the
+  same input (`F.linear(raw input, raw weight, bias)`; `addmm` with the [in, out] weight for
+  GPT-2's Conv1D). Sites no other pass touched are exact and skip the shadow product.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, fx, nn
+
+from qtransform import formats, ops
+from qtransform.graph import POINTS, GraphSite
+from qtransform.metrics import BlockExponentHistogram, ErrorStats
+from qtransform.pipeline import Action, Pass
+from qtransform.program import Program
+from qtransform.selection import QUANTIZABLE, select_sites
+
+Quantizer = tuple[str, dict[str, Any]]  # (format, fake_quantize keyword options)
+
+
+def sample_rows(t: Tensor, offset: int, stride: int) -> Tensor:
+    """Every `stride`-th token row of an activation [..., features], from `offset`: the same
+    tokens of every site, at a fraction of the cost (stride 1: the tensor itself)."""
+    if stride == 1:
+        return t
+    return t.reshape(-1, t.shape[-1])[offset % stride::stride]
+
+
+class Tap(nn.Module):
+    """Identity on one site value that accumulates error metrics while enabled.
+
+    Called as `tap(head, *extras)` by the graph: weight and input taps get the raw value; output
+    taps get the raw output, raw input, raw weight and (when the site has one) the bias.
+    Activations are measured on every `stride`-th token row (the offset moves by one each call,
+    so repeated batches cover every position); weights are always measured whole.
+    """
+
+    def __init__(self, site: str, point: str, *, site_kind: str, quantizer: Quantizer | None,
+                 shadow: bool = False, saturation: bool = True, block_exponents: bool = False):
+        super().__init__()
+        self.site = site
+        self.point = point
+        self.label = f"{site}:{point}"
+        self.site_kind = site_kind
+        self.quantizer = quantizer
+        self.shadow = shadow and point == "output"
+        self.saturation = saturation and quantizer is not None
+        self.block_exponents = (block_exponents and point == "weight" and quantizer is not None
+                                and formats.get(quantizer[0]).family == "mx")
+        self.enabled = True
+        self.stride = 1
+        self.reset()
+
+    def extra_repr(self) -> str:
+        fmt = self.quantizer[0] if self.quantizer else "unquantized"
+        return f"{self.label!r}, {fmt}{', shadow' if self.shadow else ''}, enabled={self.enabled}"
+
+    def reset(self) -> None:
+        """Forget everything measured so far (a new scan starts from empty accumulators)."""
+        self.stats = ErrorStats()
+        self.local = ErrorStats() if self.shadow else None
+        self.exponents = BlockExponentHistogram() if self.block_exponents else None
+        self.calls = 0
+        self._weight_key: tuple | None = None
+
+    def forward(self, head: Tensor, *extras: Tensor) -> Tensor:
+        if not self.enabled:
+            return head
+        if ops.is_tracing(head):
+            return torch.ops.qtransform.tap(head, self.label)
+        with torch.no_grad():
+            if self.point == "weight":
+                self._observe_weight(head, extras[0])
+            else:
+                self._observe(head, *extras)
+        self.calls += 1
+        return head
+
+    # -- eager measurements -------------------------------------------------------------------
+    def _saturated(self, raw: Tensor, sampled: Tensor) -> Tensor | None:
+        """The format's clipped-at-max mask of the measured elements."""
+        if not self.saturation:
+            return None
+        fmt, opts = self.quantizer  # type: ignore[misc]
+        if opts.get("rounding") == "stochastic":  # clipping does not depend on the rounding draw
+            opts = {**opts, "rounding": "rne"}
+        if sampled is raw or (opts.get("axis", -1) in (-1, raw.dim() - 1) and not opts.get("block_shape")):
+            return formats.saturated(sampled, fmt, **opts)  # blocks lie within token rows
+        return sample_rows(formats.saturated(raw, fmt, **opts), self.calls, self.stride)
+
+    def _observe_weight(self, head: Tensor, raw: Tensor) -> None:
+        key = (raw._version, raw.data_ptr(), raw.dtype, raw.device, tuple(raw.shape))
+        if key == self._weight_key or head is raw:
+            return
+        self._weight_key = key
+        self.stats = ErrorStats().update(raw, head, self._saturated(raw, raw))  # this version only
+        if self.exponents is not None:
+            fmt, opts = self.quantizer  # type: ignore[misc]
+            self.exponents = BlockExponentHistogram().update(formats.block_exponents(raw, fmt, **opts))
+
+    def _observe(self, head: Tensor, raw: Tensor, *operands: Tensor) -> None:
+        rows = sample_rows(head, self.calls, self.stride)
+        if head is not raw:  # something (fake-quant, noise) changed the value: measure it
+            raw_rows = sample_rows(raw, self.calls, self.stride)
+            self.stats.update(raw_rows, rows, self._saturated(raw, raw_rows))
+        if self.local is not None:
+            x, *params = operands
+            self.local.update(self.reference(sample_rows(x, self.calls, self.stride), *params), rows)
+
+    def reference(self, x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+        """The site's full-precision output on `x`, computed as the original module does."""
+        if self.site_kind == "conv1d":
+            out = torch.addmm(bias, x.view(-1, x.size(-1)), weight) if bias is not None else \
+                torch.mm(x.view(-1, x.size(-1)), weight)
+            return out.view(*x.shape[:-1], weight.shape[-1])
+        return F.linear(x, weight, bias)
+
+    # -- results ------------------------------------------------------------------------------
+    def result(self) -> dict[str, Any]:
+        """This tap's metrics: `quant` (head vs raw value), `local` (shadow), block exponents."""
+        out: dict[str, Any] = {
+            "site": self.site, "point": self.point, "label": self.label,
+            "format": self.quantizer[0] if self.quantizer else None, "calls": self.calls,
+            "quant": self.stats.result() if self.stats.n else None,
+        }
+        if self.local is not None:
+            out["local"] = self.local.result() if self.local.n else None
+        if self.exponents is not None:
+            out["block_exponents"] = self.exponents.result()
+        return out
+
+
+# -- model-level helpers ----------------------------------------------------------------------
+def taps(model: nn.Module) -> list[Tap]:
+    """Every tap in a transformed model, in module order."""
+    return [m for m in model.modules() if isinstance(m, Tap)]
+
+
+def reset_taps(model: nn.Module) -> None:
+    for tap in taps(model):
+        tap.reset()
+
+
+def set_taps_enabled(model: nn.Module, enabled: bool) -> None:
+    """Disabled taps are plain identities, eager and traced (no `qtransform::tap` node)."""
+    for tap in taps(model):
+        tap.enabled = enabled
+
+
+@contextmanager
+def tapping(model: nn.Module, enabled: bool = True, *, stride: int = 1) -> Iterator[list[Tap]]:
+    """Enable (or disable) every tap for a block, measuring every `stride`-th token row of
+    activations; each tap's flag and stride are restored afterwards."""
+    if stride < 1:
+        raise ValueError(f"stride must be >= 1, got {stride}")
+    found = taps(model)
+    before = [(t.enabled, t.stride) for t in found]
+    for tap in found:
+        tap.enabled, tap.stride = enabled, stride
+    try:
+        yield found
+    finally:
+        for tap, (flag, old) in zip(found, before, strict=True):
+            tap.enabled, tap.stride = flag, old
+
+
+def tap_results(model: nn.Module) -> list[dict[str, Any]]:
+    return [t.result() for t in taps(model)]
+
+
+# -- the pass ---------------------------------------------------------------------------------
+def _bias_node(gsite: GraphSite) -> fx.Node | None:
+    """The node carrying the site's bias, in a module graph or in the whole-model graph."""
+    if gsite.op_node is not None:
+        node = gsite.op_node
+        if node.target == torch.ops.aten.addmm.default:
+            bias = node.args[0]
+        else:
+            bias = node.args[2] if len(node.args) > 2 else None
+        return bias if isinstance(bias, fx.Node) else None
+    return next((n for n in gsite.gm.graph.nodes if n.op == "get_attr" and n.target == "bias"), None)
+
+
+class InstrumentPass(Pass):
+    """Taps on the points the policy's `instrument` section selects; no section, no taps."""
+
+    name = "instrument"
+    tag = "tap"
+    requires = ("fake_quant",)
+    provides = ("instrument",)
+
+    def select(self, program: Program, policy: Any) -> list[Action]:
+        spec = policy.instrument
+        if spec is None:
+            return []
+        actions = []
+        points = [p for p in POINTS if p in spec.points]
+        for site in select_sites(program, spec, "instrument", kinds=QUANTIZABLE):
+            has_bias = getattr(program.model.get_submodule(site.name), "bias", None) is not None
+            for point in points:
+                extra: tuple[str, ...] = (f"raw:{point}",)
+                if point == "output" and spec.shadow:
+                    extra += ("raw:input", "raw:weight") + (("raw:bias",) if has_bias else ())
+                actions.append(Action(site, point, "instrument", {"spec": spec}, extra=extra))
+        return actions
+
+    def build(self, program: Program, action: Action) -> nn.Module:
+        spec = action.params["spec"]
+        site = action.site
+        others = [i for i in program.insertions(site=site.name) if i.pass_name != self.name]
+        if "raw:bias" in action.extra:
+            gsite = program.site_graph(site.name)
+            bias = _bias_node(gsite)
+            if bias is None:
+                raise ValueError(f"{site.name}: has a bias but its graph shows none")
+            gsite.raw["bias"] = bias  # exposes the bias as a value the tap can take
+        return Tap(site.name, action.point, site_kind=site.kind,
+                   quantizer=quantizer(program, site.name, action.point),
+                   shadow=spec.shadow and bool(others),
+                   saturation="saturation" in spec.metrics,
+                   block_exponents="block_exponents" in spec.metrics)
+
+    def describe(self, action: Action) -> str:
+        return "tap + shadow" if action.point == "output" and len(action.extra) > 1 else "tap"
+
+
+def quantizer(program: Program, site: str, point: str) -> Quantizer | None:
+    """(format, options) of the fake-quant module on this point, read from the insertion log."""
+    for ins in program.insertions(site=site, pass_name="fake_quant"):
+        if ins.point == point:
+            fq = program.module().get_submodule(ins.module_path)
+            return fq.fmt, {**fq.options, "axis": fq.axis}
+    return None

@@ -1,0 +1,233 @@
+"""AQN noise: a node on norm weights, never a write; the controller, seeding, phases, checkpoints."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+from qtransform.passes.aqn_noise import AQNNoise
+
+import qtransform
+from qtransform.errors import UserError
+from qtransform.noise import Schedule, sigma_at, site_seed
+
+from .conftest import ids
+
+SCHEDULE = {"sigma_start": 0.01, "sigma_end": 0.0001, "num_stages": 10, "total_steps": 100}
+W4 = {"name": "w4", "targets": ["Linear"], "ignore": ["lm_head"], "format": "mxfp4", "tensors": ["weight"]}
+
+
+def noise_policy(**noise) -> dict:
+    return {"version": 1, "noise": {"schedule": SCHEDULE, **noise}}
+
+
+def params(model) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def logits(model, x=None) -> torch.Tensor:
+    with torch.no_grad():
+        return model(input_ids=ids() if x is None else x).logits
+
+
+def test_noise_is_a_node_params_never_written_and_buffers_hidden(tiny):
+    model = tiny("qwen2")
+    out = qtransform.transform(model, noise_policy(apply_during="both"))
+    before = params(out)
+    assert list(before) == list(model.state_dict())  # z is not in state_dict
+    assert not any("aqn" in n for n, _ in out.named_parameters())
+    controller = qtransform.noise_controller(out)
+    assert len(controller.modules) == 5  # 2 layers x 2 norms + final norm
+    for step in range(0, 100, 3):
+        controller.set_step(step)
+        logits(out)
+    after = params(out)
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert "qtransform.noise" not in str(type(out))  # the user's class is kept
+
+
+def test_disabled_and_eval_are_bit_identical_to_the_clean_transformed_model(tiny):
+    model = tiny("qwen2")
+    clean = qtransform.transform(model, {"version": 1, "quantize": [W4]})
+    noisy = qtransform.transform(model, {"version": 1, "quantize": [W4], **noise_policy()})
+    controller = qtransform.noise_controller(noisy)
+    controller.set_step(50)
+    want = logits(clean)
+    assert torch.equal(logits(noisy), want)  # apply_during "train" and the model is in eval
+    noisy.train()
+    assert not torch.equal(logits(noisy), want)
+    with controller.disabled():
+        assert torch.equal(logits(noisy), want)
+    assert not torch.equal(logits(noisy), want)
+    controller.set_step(5)  # interval 0: sigma 0
+    assert torch.equal(logits(noisy), want)
+
+
+def test_empirical_std_equals_sigma_times_multiplier(tiny):
+    constant = {"kind": "constant", "sigma_start": 0.02, "num_stages": 2, "total_steps": 10}
+    policy = {"version": 1, "noise": {"schedule": constant, "layer_multipliers": {"1": 1.5},
+                                      "apply_during": "both"}}
+    out = qtransform.transform(tiny("qwen2"), policy)
+    controller = qtransform.noise_controller(out)
+    site = "model.layers.1.input_layernorm"
+    module, gamma = controller.modules[site], out.model.layers[1].input_layernorm.weight
+    samples = []
+    for step in range(5, 205):
+        controller.set_step(step)
+        samples.append((module(gamma) - gamma).detach())
+    assert controller.sigma()[site] == pytest.approx(0.03)
+    noise = torch.cat(samples)
+    assert noise.std().item() == pytest.approx(0.03, rel=0.05) and abs(noise.mean().item()) < 0.003
+
+
+def test_same_seed_same_noise_sites_independent_and_resample_modes(tiny):
+    model = tiny("qwen2")
+    a, b, c = (qtransform.noise_controller(qtransform.transform(model, noise_policy(seed=s))) for s in (0, 0, 1))
+    site0, site1 = "model.layers.0.input_layernorm", "model.layers.1.post_attention_layernorm"
+    za, zb = [], []
+    for step in range(100):
+        for ctl in (a, b, c):
+            ctl.set_step(step)
+        assert torch.equal(a.modules[site0].z, b.modules[site0].z)
+        assert not torch.equal(a.modules[site0].z, c.modules[site0].z)
+        za.append(a.modules[site0].z.clone())
+        zb.append(a.modules[site1].z.clone())
+    corr = torch.corrcoef(torch.stack([torch.cat(za), torch.cat(zb)]))[0, 1]
+    assert abs(corr) < 0.05
+    per_step = qtransform.transform(model, noise_policy(apply_during="both"))
+    per_forward = qtransform.transform(model, noise_policy(apply_during="both", resample="forward"))
+    for out in (per_step, per_forward):
+        qtransform.noise_controller(out).set_step(50)
+    assert torch.equal(logits(per_step), logits(per_step))
+    assert not torch.equal(logits(per_forward), logits(per_forward))
+
+
+def test_z_is_a_float32_draw_of_seed_site_step_cast_to_the_weight_dtype(tiny):
+    out = qtransform.transform(tiny("qwen2", dtype=torch.bfloat16), noise_policy(seed=7, apply_during="both"))
+    controller = qtransform.noise_controller(out)
+    controller.set_step(33)
+    site = "model.layers.1.input_layernorm"
+    generator = torch.Generator().manual_seed(site_seed(7, site, 33))
+    want = torch.randn(64, generator=generator, dtype=torch.float32).to(torch.bfloat16)
+    module = controller.modules[site]
+    assert module.z.dtype == torch.bfloat16 and torch.equal(module.z, want)
+    gamma = out.model.layers[1].input_layernorm.weight
+    assert torch.equal(module(gamma), gamma + module.sigma * want)
+
+
+def test_controller_state_round_trips_through_a_checkpoint(tiny):
+    model = tiny("qwen2")
+    policy = noise_policy(apply_during="both", resample="forward", seed=3)
+    first = qtransform.transform(model, policy)
+    controller = qtransform.noise_controller(first)
+    for _ in range(42):
+        controller.step()
+    logits(first)  # a forward inside the step advances the per-forward stream
+    buffer = io.BytesIO()
+    torch.save(controller.state_dict(), buffer)
+    second = qtransform.transform(model, policy)
+    restored = qtransform.noise_controller(second)
+    buffer.seek(0)
+    restored.load_state_dict(torch.load(buffer))
+    assert restored.current_step == 42 and restored.sigma() == controller.sigma()
+    assert torch.equal(logits(first), logits(second))
+    with pytest.raises(UserError, match="seed"):
+        qtransform.noise_controller(qtransform.transform(model, noise_policy(seed=4))).load_state_dict(
+            controller.state_dict())
+
+
+def test_gradients_flow_through_noise_and_fake_quant_nodes(tiny):
+    out = qtransform.transform(tiny("qwen2"), {"version": 1, "quantize": [W4], **noise_policy()}).train()
+    qtransform.noise_controller(out).set_step(50)
+    out(input_ids=ids(), labels=ids()).loss.backward()
+    layer = out.model.layers[0]
+    assert layer.input_layernorm.weight.grad.abs().sum() > 0
+    assert layer.mlp.up_proj.weight.grad.abs().sum() > 0
+
+
+def test_plan_lists_every_noised_site_with_its_multiplier(tiny):
+    policy = noise_policy(layer_multipliers={"1": 1.5},
+                          multipliers=[{"targets": ["*.input_layernorm"], "value": 1.2}])
+    plan = qtransform.plan(tiny("qwen2"), policy)
+    rows = {r.site: r.detail for r in plan.rows}
+    assert len(rows) == 5
+    assert rows["model.layers.1.post_attention_layernorm"].endswith("sigma x1.5 (layer 1)")
+    assert rows["model.layers.0.input_layernorm"].endswith("sigma x1.2 (multipliers[0])")
+    assert "sigma x1.8 (layer 1 x1.5, multipliers[0] x1.2)" in rows["model.layers.1.input_layernorm"]
+    assert rows["model.norm"].startswith("exponential 0.01->0.0001 K=10, sigma x1")
+
+
+@pytest.mark.parametrize("noise, match", [
+    ({"targets": ["*.input_layernrm"]}, r"input_layernrm.*closest site names"),
+    ({"layers": "10-17"}, r"noise: layers '10-17' selects no site"),
+    ({"layer_multipliers": {"7": 2.0}}, r"layer_multipliers: layer 7 has no noised site"),
+    ({"multipliers": [{"targets": ["*.q_prj"], "value": 2.0}]}, r"multipliers\[0\]: '\*\.q_prj' matches no"),
+    ({"multipliers": [{"targets": ["lm_head"], "value": 2.0}]}, r"multipliers\[0\]: matches only sites"),
+])
+def test_a_noise_section_that_does_nothing_is_an_error(tiny, noise, match):
+    with pytest.raises(UserError, match=match):
+        qtransform.transform(tiny("qwen2"), noise_policy(**noise))
+
+
+def test_linear_weights_can_be_targeted(tiny):
+    model = tiny("qwen2")
+    out = qtransform.transform(model, noise_policy(targets=["Linear"], ignore=["lm_head"], apply_during="both"))
+    controller = qtransform.noise_controller(out)
+    assert len(controller.modules) == 14 and "model.layers.0.mlp.up_proj" in controller.modules
+    controller.set_step(50)
+    assert not torch.equal(logits(out), logits(model))
+    assert all(torch.equal(a, b) for a, b in zip(out.state_dict().values(), model.state_dict().values(), strict=True))
+
+
+def test_export_shows_one_noise_node_per_site_and_override(tiny):
+    out = qtransform.transform(tiny("qwen2"), noise_policy(apply_during="both"))
+    controller = qtransform.noise_controller(out)
+    controller.set_step(50)
+    ep = torch.export.export(out, (), {"input_ids": ids(), "use_cache": False}, strict=False)
+    nodes = [n for n in ep.graph.nodes if n.target == torch.ops.qtransform.noise.default]
+    assert sorted(n.args[4] for n in nodes)[0] == "model.layers.0.input_layernorm/weight_noise"
+    assert len(nodes) == 5 and all(n.args[3] == "add" for n in nodes)
+    with torch.no_grad():
+        assert torch.equal(ep.module()(input_ids=ids(), use_cache=False).logits, logits(out))
+    module: AQNNoise = controller.modules["model.norm"]
+    module.noise_override = torch.ones_like(module.z)
+    w = out.model.norm.weight
+    assert torch.equal(module(w), w + module.sigma * torch.ones_like(w))
+
+
+def test_graph_mode_noise_and_controller(tiny):
+    model = tiny("qwen2")
+    x = ids()
+    gm = qtransform.transform(model, noise_policy(apply_during="both"), {"input_ids": x}, mode="graph")
+    controller = qtransform.noise_controller(gm)
+    assert len(controller.modules) == 5
+    clean = logits(model, x)
+    assert torch.equal(gm(input_ids=x, use_cache=False).logits, clean)  # step 0: noise-free
+    controller.set_step(50)
+    with torch.no_grad():
+        assert not torch.equal(gm(input_ids=x, use_cache=False).logits, clean)
+        with controller.disabled():
+            assert torch.equal(gm(input_ids=x, use_cache=False).logits, clean)
+
+
+def test_training_smoke_w4a16_mxfp4_with_aqn(tiny):
+    """A few dozen AdamW steps on a fixed batch: loss goes down, sigma follows the schedule."""
+    schedule = {"sigma_start": 0.01, "sigma_end": 0.0001, "num_stages": 5, "total_steps": 30}
+    out = qtransform.transform(tiny("qwen2"), {"version": 1, "quantize": [W4],
+                                               "noise": {"schedule": schedule}}).train()
+    controller = qtransform.noise_controller(out)
+    reference = Schedule("exponential", **schedule)
+    opt = torch.optim.AdamW(out.parameters(), lr=3e-3)
+    x = ids(4, 16)
+    losses = []
+    for step in range(36):
+        assert set(controller.sigma().values()) == {sigma_at(step, reference)}
+        loss = out(input_ids=x, labels=x).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        controller.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.8 * losses[0]
+    assert controller.current_step == 36 and sigma_at(36, reference) == pytest.approx(0.0001)
