@@ -201,3 +201,24 @@ def test_plain_torch_mlp():
     ref = _reference(mlp, skip=(), fmt="int4", block_size=32)
     with torch.no_grad():
         assert torch.equal(out(x), ref(x))
+
+
+def test_to_dtype_requantizes_and_ddp_wraps_the_transformed_model(tiny, tmp_path):
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    model = tiny("qwen2")
+    out = qtransform.transform(model, W4A16)
+    x = ids()
+    with torch.no_grad():
+        out(input_ids=x)  # cache fp32 weights
+        got = out.to(torch.bfloat16)(input_ids=x).logits
+        want = _reference(model.to(torch.bfloat16))(input_ids=x).logits
+    assert got.dtype == torch.bfloat16 and torch.equal(got, want)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        ddp = DDP(out.float().train())
+        ddp(input_ids=x).logits.sum().backward()
+        assert out.model.layers[0].mlp.up_proj.weight.grad is not None
+    finally:
+        dist.destroy_process_group()
