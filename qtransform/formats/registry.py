@@ -31,6 +31,13 @@ class ElementSpec:
     qmax: int = 0  # int elements: largest integer code (values are code * step)
     step: float = 1.0  # int elements: value of one integer code
 
+    @property
+    def bits(self) -> int:
+        """Width of one element code including the sign bit (int elements: sign-magnitude)."""
+        if self.kind == "float":
+            return 1 + self.ebits + self.mbits
+        return 1 + self.qmax.bit_length()
+
     def grid(self) -> torch.Tensor:
         """All non-negative representable values, ascending (fp32, on the CPU)."""
         if self.kind == "int":

@@ -1,0 +1,100 @@
+"""The encoded form of a fake-quantized tensor: element bit codes plus block (and tensor) scales.
+
+`decode(encode(x))` is bit-identical to `fake_quantize(x)` for deterministic rounding, so the
+encoded form is a faithful description of what the simulation computed (for export, inspection
+and histograms).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from qtransform.formats.blocking import BlockLayout, from_blocks, per_block
+from qtransform.formats.elements import (
+    CANONICAL_NAN,
+    decode_elements,
+    encode_elements,
+    pow2,
+    twos_complement,
+)
+from qtransform.formats.mx import NAN_CODE
+from qtransform.formats.options import QuantConfig, resolve
+from qtransform.formats.quantize import check_input, quantize_blocks
+from qtransform.formats.registry import FormatSpec
+
+
+@dataclass(frozen=True)
+class Encoded:
+    """Codes and scales of one tensor.
+
+    codes: uint8 `[n_blocks, block_numel]` element bit codes, sign in bit `bits - 1` (E2M1:
+        0..15); int elements are sign-magnitude (see `signed_codes`). Padding codes are 0.
+    scales: `[n_blocks]`: MX E8M0 codes (uint8, E + 127, 0xFF = NaN); NVFP4 the E4M3 block
+        scale values (fp32); int groups the fp32 group scale.
+    tensor_scale: NVFP4 only (fp32, 0-dim): default variant the global decode scale d
+        (value = code * (scale * d)); compressed-tensors its global scale g
+        (value = code * (scale / g)); one_level None.
+    """
+
+    config: QuantConfig
+    codes: torch.Tensor
+    scales: torch.Tensor
+    tensor_scale: torch.Tensor | None
+    layout: BlockLayout
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def format(self) -> str:
+        return self.config.spec.name
+
+    def scale_grid(self) -> torch.Tensor:
+        """`scales` shaped like the block grid (blocked dim replaced by its block count)."""
+        return per_block(self.scales, self.layout)
+
+    def signed_codes(self) -> torch.Tensor:
+        """Int elements as ordinary two's complement integers (int8; -0 becomes 0)."""
+        return twos_complement(self.codes, self.config.spec.element)
+
+
+def encode(
+    x: torch.Tensor,
+    fmt: str | FormatSpec,
+    *,
+    generator: torch.Generator | None = None,
+    **options: Any,
+) -> Encoded:
+    """Encode x with the same options as `fake_quantize`."""
+    cfg = resolve(fmt, **options)
+    check_input(x, cfg)
+    res, layout = quantize_blocks(x, cfg, generator)
+    return Encoded(
+        config=cfg,
+        codes=encode_elements(res.q, cfg.spec.element),
+        scales=res.scales,
+        tensor_scale=res.tensor_scale,
+        layout=layout,
+        dtype=x.dtype,
+        shape=tuple(x.shape),
+    )
+
+
+def decode(enc: Encoded) -> torch.Tensor:
+    """Values of an `Encoded` tensor, in its original dtype and shape."""
+    cfg = enc.config
+    q = decode_elements(enc.codes, cfg.spec.element)
+    if cfg.family == "mx":
+        code = enc.scales.to(torch.int32)
+        scale = torch.where(code == NAN_CODE, CANONICAL_NAN, pow2(code - 127))
+    elif cfg.family == "int" or cfg.nvfp4_variant == "one_level":
+        scale = enc.scales
+    elif cfg.nvfp4_variant == "default":
+        scale = enc.scales * enc.tensor_scale
+    else:
+        scale = enc.scales / enc.tensor_scale
+    out = q * scale[:, None]
+    out = torch.where(torch.isnan(out), CANONICAL_NAN, out)
+    return from_blocks(out, enc.layout).reshape(enc.shape).to(enc.dtype)

@@ -1,0 +1,188 @@
+"""Compiled CPU fast path for deterministic fake quantization (bit-identical to the reference).
+
+Eager torch spends one memory pass per elementwise op (a dozen per format); `qfast.c` does one
+pass per block. It is compiled on first use with the system C compiler into a per-user cache
+(`$QTRANSFORM_CACHE_DIR`, else `$XDG_CACHE_HOME/qtransform`, else `~/.cache/qtransform`), keyed by
+the source, compiler, flags and CPU, written atomically and loaded with ctypes (which releases the
+GIL). No compiler, a failed build, a non-CPU tensor, stochastic rounding or
+`QTRANSFORM_FASTPATH=0` all fall back silently to the torch reference path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+from qtransform.formats.blocking import BlockLayout
+from qtransform.formats.options import QuantConfig
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("qfast.c")
+BASE_FLAGS = ["-O3", "-std=gnu11", "-shared", "-fPIC", "-ffp-contract=off", "-fno-fast-math"]
+# tried in order: the first set that compiles is cached (no OpenMP runtime: single-threaded)
+FLAG_SETS = (["-march=native", "-fopenmp"], ["-fopenmp"], [])
+MIN_PARALLEL = 1 << 16  # elements; below this one thread beats the OpenMP fork/join
+
+_FAMILY = {"mx": 0, "nvfp4": 1, "int": 2}
+_VARIANT = {"default": 0, "compressed-tensors": 1, "one_level": 2}
+_RULE = {"floor": 0, "rceil": 1, "ceil": 2, "even": 3}
+
+
+class _Params(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_int32) for n in
+                ("family", "variant", "scale_rule", "rna", "is_int", "mbits", "emin", "emax")]
+    _fields_ += [(n, ctypes.c_float) for n in ("max_normal", "step", "inv_step", "qmax")]
+
+
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_failed = False
+
+
+def enabled() -> bool:
+    """False when the environment variable QTRANSFORM_FASTPATH is set to 0."""
+    return os.environ.get("QTRANSFORM_FASTPATH", "1") != "0"
+
+
+def cache_dir() -> Path:
+    """Where compiled kernels are kept (per user, shared by processes)."""
+    if os.environ.get("QTRANSFORM_CACHE_DIR"):
+        return Path(os.environ["QTRANSFORM_CACHE_DIR"])
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "qtransform"
+
+
+def _cpu_id() -> str:
+    """CPU model and feature flags, so a -march=native build is never reused on another CPU."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+        lines = [ln for ln in text.splitlines() if ln.startswith(("model name", "flags"))]
+        return "\n".join(sorted(set(lines)))
+    except OSError:
+        return platform.processor() or platform.machine()
+
+
+def _compiler() -> tuple[str, str] | None:
+    cc = os.environ.get("CC", "cc")
+    path = shutil.which(cc)
+    if path is None:
+        return None
+    try:
+        version = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return path, version.stdout.splitlines()[0] if version.stdout else ""
+
+
+def build() -> Path | None:
+    """Compile qfast.c into the cache unless a build for this source/compiler/CPU is there."""
+    found = _compiler()
+    if found is None:
+        log.debug("fast path: no C compiler found")
+        return None
+    cc, version = found
+    src = SOURCE.read_bytes()
+    key = hashlib.sha256(
+        b"\0".join([src, version.encode(), repr((BASE_FLAGS, FLAG_SETS)).encode(),
+                    _cpu_id().encode(), platform.machine().encode()])
+    ).hexdigest()[:20]
+    target = cache_dir() / key / "libqfast.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    for extra in FLAG_SETS:
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+        os.close(fd)
+        cmd = [cc, *BASE_FLAGS, *extra, str(SOURCE), "-o", tmp]
+        try:
+            res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        except (OSError, subprocess.SubprocessError) as err:
+            res = None
+            log.debug("fast path: %s failed: %s", " ".join(cmd), err)
+        if res is not None and res.returncode == 0:
+            os.replace(tmp, target)  # atomic: concurrent builders all write complete files
+            return target
+        if res is not None:
+            log.debug("fast path: %s failed:\n%s", " ".join(cmd), res.stderr)
+        Path(tmp).unlink(missing_ok=True)
+    return None
+
+
+def library() -> ctypes.CDLL | None:
+    """The loaded kernel library, building it on first use; None when unavailable."""
+    global _lib, _failed
+    if _lib is not None or _failed:
+        return _lib
+    with _lock:
+        if _lib is None and not _failed:
+            try:
+                path = build()
+                if path is not None:
+                    lib = ctypes.CDLL(str(path))
+                    lib.qf_quantize.restype = ctypes.c_int
+                    lib.qf_quantize.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 5 + [
+                        ctypes.POINTER(_Params), ctypes.c_int]
+                    _lib = lib
+            except OSError as err:
+                log.debug("fast path: could not build or load the kernel: %s", err)
+            _failed = _lib is None
+    return _lib
+
+
+def _params(cfg: QuantConfig) -> _Params:
+    e = cfg.spec.element
+    return _Params(
+        family=_FAMILY[cfg.family], variant=_VARIANT[cfg.nvfp4_variant],
+        scale_rule=_RULE[cfg.scale_rule], rna=int(cfg.rounding == "rna"),
+        is_int=int(e.kind == "int"), mbits=e.mbits, emin=e.emin, emax=e.emax,
+        max_normal=e.max_normal, step=e.step, inv_step=1.0 / e.step, qmax=float(e.qmax),
+    )
+
+
+def quantize(
+    x: torch.Tensor, cfg: QuantConfig, layout: BlockLayout, want_sat: bool
+) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """(fake-quantized fp32, saturation mask or None) shaped `layout.shape`, or None when the
+    fast path does not apply (the caller then runs the reference path)."""
+    if (
+        x.device.type != "cpu"
+        or not cfg.deterministic
+        or x.numel() == 0
+        or not enabled()
+        or library() is None
+    ):
+        return None
+    x32 = x.detach().to(torch.float32).reshape(layout.shape)
+    if layout.tile:
+        xm = x32.contiguous()
+        rows, cols = xm.shape[-2:]
+        batch = xm.numel() // (rows * cols)
+        tile_r, tile_c = layout.tile
+    else:
+        xm = x32.movedim(layout.axis, -1).contiguous()
+        cols = xm.shape[-1]
+        batch, rows, tile_r, tile_c = 1, xm.numel() // cols, 1, layout.block
+    out = torch.empty_like(xm)
+    sat = torch.empty(xm.shape, dtype=torch.bool) if want_sat else None
+    threads = torch.get_num_threads() if xm.numel() >= MIN_PARALLEL else 1
+    params = _params(cfg)
+    assert _lib is not None
+    _lib.qf_quantize(
+        xm.data_ptr(), out.data_ptr(), 0 if sat is None else sat.data_ptr(),
+        batch, rows, cols, tile_r, tile_c, ctypes.byref(params), threads,
+    )
+    if not layout.tile:
+        out = out.movedim(-1, layout.axis)
+        sat = None if sat is None else sat.movedim(-1, layout.axis)
+    return out, sat

@@ -1,0 +1,97 @@
+"""NVFP4: E2M1 elements, an E4M3 scale per block of 16 and (two-level) one fp32 scale per tensor.
+
+Three named fp32 orders of operations (`nvfp4_variant`), because the public references round
+differently on ties and treat zero and tiny scales differently; see docs/numerics.md.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from qtransform.formats.blocking import BlockQuant
+from qtransform.formats.elements import CANONICAL_NAN, divide, round_magnitude, round_signed
+from qtransform.formats.options import QuantConfig
+from qtransform.formats.registry import E4M3
+
+FLT_MAX = torch.finfo(torch.float32).max
+E4M3_MAX = 448.0
+GLOBAL_RANGE = 2688.0  # E2M1 max (6) * E4M3 max (448)
+ONE_SIXTH = float(torch.tensor(1 / 6, dtype=torch.float32))  # fl32(1/6)
+
+# element values, dequantized values, scaled values (for saturation), block scales, tensor scale
+Parts = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]
+
+
+def e4m3_rne(v: torch.Tensor) -> torch.Tensor:
+    """Round non-negative fp32 values (already clamped to <= 448) to E4M3, ties to even."""
+    return round_magnitude(v, E4M3, "rne")
+
+
+def _canonical(t: torch.Tensor) -> torch.Tensor:
+    return torch.where(torch.isnan(t), CANONICAL_NAN, t)
+
+
+def tensor_amax(x: torch.Tensor) -> torch.Tensor:
+    """max |x| over the whole tensor as a 0-dim fp32 tensor (NaN propagates; empty gives 0)."""
+    if x.numel() == 0:
+        return torch.zeros((), dtype=torch.float32, device=x.device)
+    return x.detach().abs().amax().to(torch.float32)
+
+
+def _default(
+    blocks: torch.Tensor, amax_t: torch.Tensor, cfg: QuantConfig, u: torch.Tensor | None
+) -> Parts:
+    """NVIDIA's reference order (NVFP4 pretraining paper, App. B)."""
+    g = torch.clamp_max(amax_t.new_tensor(GLOBAL_RANGE) / amax_t, FLT_MAX)  # a true division
+    g = torch.where(g == 0, 1.0, g)
+    d = 1.0 / g
+    amax_b = blocks.abs().amax(dim=-1)
+    s = torch.clamp(torch.clamp_max(amax_b * (g * ONE_SIXTH), FLT_MAX), -E4M3_MAX, E4M3_MAX)
+    s = e4m3_rne(s)
+    sd = (s * d)[:, None]
+    enc = torch.clamp_max(1.0 / sd, FLT_MAX)
+    y = blocks * enc
+    q = round_signed(torch.clamp(y, -6.0, 6.0), cfg.spec.element, cfg.rounding, u)
+    return q, q * sd, y, s, d
+
+
+def _compressed_tensors(
+    blocks: torch.Tensor, amax_t: torch.Tensor, cfg: QuantConfig, u: torch.Tensor | None
+) -> Parts:
+    """compressed-tensors / llm-compressor order: scale = e4m3(g * amax_b / 6) / g, x / scale."""
+    g = amax_t.reciprocal() * GLOBAL_RANGE  # Python's `2688 / tensor` computes exactly this
+    g = torch.where(torch.isfinite(g), g, 1.0)  # amax 0, NaN, or so tiny that g overflows
+    amax_b = blocks.abs().amax(dim=-1)
+    s = e4m3_rne(torch.clamp(g * divide(amax_b, 6.0), -E4M3_MAX, E4M3_MAX))
+    s = torch.where(s == 0, 0.125, s)
+    scale = (s / g)[:, None]
+    y = blocks / scale
+    qa = round_magnitude(torch.clamp(y, -6.0, 6.0).abs(), cfg.spec.element, cfg.rounding, u)
+    q = torch.where(y < 0, -qa, qa)  # the sign of an exact zero is lost (-0 becomes +0)
+    return q, q * scale, y, s, g
+
+
+def _one_level(blocks: torch.Tensor, cfg: QuantConfig, u: torch.Tensor | None) -> Parts:
+    """No tensor scale: s = e4m3(amax_b / 6), elements x / s (torchao's order, no lower clamp)."""
+    amax_b = blocks.abs().amax(dim=-1)
+    s = e4m3_rne(torch.clamp_max(divide(amax_b, 6.0), E4M3_MAX))
+    sb = s[:, None]
+    y = torch.where(sb == 0, blocks * 0.0, blocks / torch.where(sb == 0, 1.0, sb))
+    q = round_signed(torch.clamp(y, -6.0, 6.0), cfg.spec.element, cfg.rounding, u)
+    return q, q * sb, y, s, None
+
+
+def quantize_nvfp4(
+    blocks: torch.Tensor, cfg: QuantConfig, u: torch.Tensor | None, amax_t: torch.Tensor
+) -> BlockQuant:
+    """Quantize NVFP4 blocks; `amax_t` is the amax of the whole (unpadded) tensor."""
+    if cfg.nvfp4_variant == "default":
+        q, out, y, s, ts = _default(blocks, amax_t, cfg, u)
+    elif cfg.nvfp4_variant == "compressed-tensors":
+        q, out, y, s, ts = _compressed_tensors(blocks, amax_t, cfg, u)
+    else:
+        q, out, y, s, ts = _one_level(blocks, cfg, u)
+    return BlockQuant(
+        out=_canonical(out), q=_canonical(q), sat=y.abs() > 6.0, scales=_canonical(s),
+        tensor_scale=None if ts is None else _canonical(ts),
+    )

@@ -1,0 +1,185 @@
+"""The compiled CPU fast path is bit-identical to the torch reference path, and optional."""
+
+from __future__ import annotations
+
+import itertools
+import shutil
+
+import pytest
+import torch
+
+from qtransform.formats import fake_quantize, fastpath, names, saturated
+from qtransform.formats.options import resolve
+from qtransform.formats.quantize import layout_for
+
+NAN, INF = float("nan"), float("inf")
+HAS_CC = shutil.which("cc") is not None or shutil.which("gcc") is not None
+
+CONFIGS = (
+    [(f, {"scale_rule": r, "rounding": o}) for f in names() if f.startswith("mx")
+     for r in ("floor", "rceil", "ceil", "even") for o in ("rne", "rna")]
+    + [("nvfp4", {"nvfp4_variant": v, "rounding": o})
+       for v in ("default", "compressed-tensors", "one_level") for o in ("rne", "rna")]
+    + [(f, {"rounding": o}) for f in ("int4", "int8") for o in ("rne", "rna")]
+)
+
+
+def _datasets() -> list[torch.Tensor]:
+    """Random data over many scales and distributions, then adversarial blocks."""
+    g = torch.Generator().manual_seed(0)
+    out = [torch.randn(9, 70, generator=g) * s for s in (1e-30, 1e-6, 1.0, 3e4, 1e30)]
+    out.append(torch.rand(9, 70, generator=g) ** 6 * 10)  # skewed, positive
+    out.append(torch.randn(9, 70, generator=g) / torch.rand(9, 70, generator=g))  # heavy tails
+    out.append(torch.rand(9, 70, generator=g) ** 4 * 2.0**-120)  # subnormal territory
+    ties = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.25, 7.5, 0.125, 0.375,
+                         7.9999995, 3.9999998, 1.9999999, 448.0, 464.0, 480.0, 57344.0,
+                         2.0**-127, 2.0**-126, 2.0**-149, 1e-45, 3.4e38, -0.0, 0.0, 1.0])
+    adv = torch.cat([ties * s for s in (1.0, -1.0, 2.0**-60, 2.0**60, 1 / 3)]).reshape(5, 26)
+    out.append(torch.cat([adv, adv.flip(1), adv * 7], 1))
+    zero = torch.zeros(4, 64)
+    zero[1, ::2] = -0.0
+    zero[2, 40] = 1e-40
+    out.append(zero)
+    for special in (NAN, INF, -INF):  # NVFP4 default: a NaN anywhere makes the tensor NaN
+        s = torch.randn(4, 64, generator=g)
+        s[1, 3] = special
+        out.append(s)
+    return out
+
+
+DATA = _datasets()
+
+
+def _reference(x: torch.Tensor, fmt: str, mp: pytest.MonkeyPatch, **opts) -> torch.Tensor:
+    with mp.context() as m:
+        m.setenv("QTRANSFORM_FASTPATH", "0")
+        return fake_quantize(x, fmt, **opts)
+
+
+def _ref_sat(x: torch.Tensor, fmt: str, mp: pytest.MonkeyPatch, **opts) -> torch.Tensor:
+    with mp.context() as m:
+        m.setenv("QTRANSFORM_FASTPATH", "0")
+        return saturated(x, fmt, **opts)
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and torch.equal(a.view(torch.int32), b.view(torch.int32))
+
+
+@pytest.fixture(scope="module")
+def lib():
+    if not HAS_CC:
+        pytest.skip("no C compiler")
+    lib = fastpath.library()
+    assert lib is not None, "a compiler is installed, so the fast path must build"
+    return lib
+
+
+@pytest.mark.parametrize(("fmt", "opts"), CONFIGS, ids=[f"{f}-{'-'.join(o.values())}"
+                                                         for f, o in CONFIGS])
+def test_bit_identical_to_reference(lib, fmt, opts, monkeypatch):
+    tile = (16, 16) if fmt == "nvfp4" else (32, 32)
+    layouts = [{}, {"axis": 0}, {"block_shape": tile}]
+    if fmt in ("int4", "int8"):
+        layouts.append({"block_size": 32})
+    for x, lay in itertools.product(DATA, layouts):
+        cfg = resolve(fmt, **opts, **lay)
+        assert fastpath.quantize(x, cfg, layout_for(x, cfg), False) is not None
+        fast, ref = fake_quantize(x, fmt, **opts, **lay), _reference(x, fmt, monkeypatch, **opts, **lay)
+        assert _same(fast, ref), (
+            f"{lay} max|x|={x.abs().max().item()}: {(fast.view(torch.int32) != ref.view(torch.int32)).sum()} differ"
+        )
+        assert torch.equal(saturated(x, fmt, **opts, **lay),
+                           _ref_sat(x, fmt, monkeypatch, **opts, **lay))
+
+
+@pytest.mark.parametrize(("fmt", "opts"), [("mxfp4", {}), ("mxfp8_e4m3", {"scale_rule": "even"}),
+                                           ("nvfp4", {}), ("int8", {"rounding": "rna"})])
+def test_multithreaded_and_other_dtypes(lib, fmt, opts, monkeypatch):
+    x = torch.randn(3, 250, 130) * torch.logspace(-8, 8, 130)  # > MIN_PARALLEL elements
+    prev = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for lay in ({}, {"axis": 1}):
+            assert _same(fake_quantize(x, fmt, **opts, **lay),
+                         _reference(x, fmt, monkeypatch, **opts, **lay))
+    finally:
+        torch.set_num_threads(prev)
+    for dtype in (torch.bfloat16, torch.float16):
+        xd = x[0].to(dtype)
+        a, b = fake_quantize(xd, fmt, **opts), _reference(xd, fmt, monkeypatch, **opts)
+        assert a.dtype == dtype and torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+
+def test_long_single_row_is_split_across_tasks(lib, monkeypatch):
+    x = torch.randn(1, 200_000)
+    assert _same(fake_quantize(x, "mxfp4"), _reference(x, "mxfp4", monkeypatch))
+
+
+def test_zero_saturated_grad_uses_the_same_mask(lib, monkeypatch):
+    x = torch.randn(5, 96) * 5
+    xg = x.clone().requires_grad_()
+    fake_quantize(xg, "mxfp4", zero_saturated_grad=True).sum().backward()
+    assert torch.equal(xg.grad, (~_ref_sat(x, "mxfp4", monkeypatch)).float())
+
+
+def test_env_var_disables(lib, monkeypatch):
+    x = torch.randn(4, 64)
+    cfg = resolve("mxfp4")
+    monkeypatch.setenv("QTRANSFORM_FASTPATH", "0")
+    assert fastpath.quantize(x, cfg, layout_for(x, cfg), False) is None
+    monkeypatch.setenv("QTRANSFORM_FASTPATH", "1")
+    assert fastpath.quantize(x, cfg, layout_for(x, cfg), False) is not None
+
+
+def test_not_used_for_stochastic_or_empty(lib):
+    x = torch.randn(4, 64)
+    cfg = resolve("mxfp4", rounding="stochastic")
+    assert fastpath.quantize(x, cfg, layout_for(x, cfg), False) is None
+    e = torch.empty(0, 32)
+    cfg = resolve("mxfp4")
+    assert fastpath.quantize(e, cfg, layout_for(e, cfg), False) is None
+
+
+def test_no_compiler_falls_back_silently(monkeypatch, tmp_path):
+    monkeypatch.setattr(fastpath, "_lib", None)
+    monkeypatch.setattr(fastpath, "_failed", False)
+    monkeypatch.setenv("CC", "no-such-compiler-qtransform")
+    monkeypatch.setenv("QTRANSFORM_CACHE_DIR", str(tmp_path))
+    x = torch.randn(4, 64)
+    out = fake_quantize(x, "nvfp4")
+    assert fastpath.library() is None and fastpath._failed
+    assert _same(out, _reference(x, "nvfp4", monkeypatch))
+
+
+def test_build_is_cached_and_atomic(monkeypatch, tmp_path):
+    if not HAS_CC:
+        pytest.skip("no C compiler")
+    monkeypatch.setenv("QTRANSFORM_CACHE_DIR", str(tmp_path))
+    first = fastpath.build()
+    assert first is not None and first.is_relative_to(tmp_path)
+    stamp = first.stat().st_mtime_ns
+    assert fastpath.build() == first and first.stat().st_mtime_ns == stamp
+    assert [p.name for p in first.parent.iterdir()] == ["libqfast.so"]  # no temp files left
+
+
+def test_broken_source_falls_back(monkeypatch, tmp_path):
+    bad = tmp_path / "qfast.c"
+    bad.write_text("this is not C\n")
+    monkeypatch.setattr(fastpath, "SOURCE", bad)
+    monkeypatch.setenv("QTRANSFORM_CACHE_DIR", str(tmp_path / "cache"))
+    assert fastpath.build() is None
+    assert not any((tmp_path / "cache").rglob("*.so"))
+
+
+def test_portable_build_is_bit_identical_too(monkeypatch, tmp_path):
+    """The fallback flag set (no -march=native, no OpenMP) computes the same bits."""
+    if not HAS_CC:
+        pytest.skip("no C compiler")
+    monkeypatch.setattr(fastpath, "FLAG_SETS", ([],))
+    monkeypatch.setattr(fastpath, "_lib", None)
+    monkeypatch.setattr(fastpath, "_failed", False)
+    monkeypatch.setenv("QTRANSFORM_CACHE_DIR", str(tmp_path))
+    assert fastpath.library() is not None
+    for (fmt, opts), x in itertools.product(CONFIGS[::5], DATA[::2]):
+        assert _same(fake_quantize(x, fmt, **opts), _reference(x, fmt, monkeypatch, **opts))
