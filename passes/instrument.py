@@ -38,11 +38,17 @@ Quantizer = tuple[str, dict[str, Any]]  # (format, fake_quantize keyword options
 
 
 def sample_rows(t: Tensor, offset: int, stride: int) -> Tensor:
-    """Every `stride`-th token row of an activation [..., features], from `offset`: the same
-    tokens of every site, at a fraction of the cost (stride 1: the tensor itself)."""
+    """Every `stride`-th token row of an activation [..., features] from `offset` (stride 1:
+    the tensor itself). Measuring a sample divides the cost of taps by about `stride`."""
     if stride == 1:
         return t
-    return t.reshape(-1, t.shape[-1])[offset % stride::stride]
+    return t.reshape(-1, t.shape[-1])[offset::stride]
+
+
+def next_offset(seen: int, stride: int) -> int:
+    """The first row of the next call to sample when `seen` rows came before: counting rows
+    across calls keeps every `stride`-th token of the whole stream, whatever the batch shapes."""
+    return -seen % stride
 
 
 class Tap(nn.Module):
@@ -50,8 +56,8 @@ class Tap(nn.Module):
 
     Called as `tap(head, *extras)` by the graph: weight and input taps get the raw value; output
     taps get the raw output, raw input, raw weight and (when the site has one) the bias.
-    Activations are measured on every `stride`-th token row (the offset moves by one each call,
-    so repeated batches cover every position); weights are always measured whole.
+    Activations are measured on every `stride`-th token row of the stream the site sees (see
+    `next_offset`); weights are always measured whole.
     """
 
     def __init__(self, site: str, point: str, *, site_kind: str, quantizer: Quantizer | None,
@@ -80,6 +86,7 @@ class Tap(nn.Module):
         self.local = ErrorStats() if self.shadow else None
         self.exponents = BlockExponentHistogram() if self.block_exponents else None
         self.calls = 0
+        self.rows_seen = 0
         self._weight_key: tuple | None = None
 
     def forward(self, head: Tensor, *extras: Tensor) -> Tensor:
@@ -96,7 +103,7 @@ class Tap(nn.Module):
         return head
 
     # -- eager measurements -------------------------------------------------------------------
-    def _saturated(self, raw: Tensor, sampled: Tensor) -> Tensor | None:
+    def _saturated(self, raw: Tensor, sampled: Tensor, offset: int = 0) -> Tensor | None:
         """The format's clipped-at-max mask of the measured elements."""
         if not self.saturation:
             return None
@@ -105,7 +112,7 @@ class Tap(nn.Module):
             opts = {**opts, "rounding": "rne"}
         if sampled is raw or (opts.get("axis", -1) in (-1, raw.dim() - 1) and not opts.get("block_shape")):
             return formats.saturated(sampled, fmt, **opts)  # blocks lie within token rows
-        return sample_rows(formats.saturated(raw, fmt, **opts), self.calls, self.stride)
+        return sample_rows(formats.saturated(raw, fmt, **opts), offset, self.stride)
 
     def _observe_weight(self, head: Tensor, raw: Tensor) -> None:
         key = (raw._version, raw.data_ptr(), raw.dtype, raw.device, tuple(raw.shape))
@@ -118,21 +125,23 @@ class Tap(nn.Module):
             self.exponents = BlockExponentHistogram().update(formats.block_exponents(raw, fmt, **opts))
 
     def _observe(self, head: Tensor, raw: Tensor, *operands: Tensor) -> None:
-        rows = sample_rows(head, self.calls, self.stride)
+        offset = next_offset(self.rows_seen, self.stride)
+        self.rows_seen += head.numel() // head.shape[-1]
+        rows = sample_rows(head, offset, self.stride)
         if head is not raw:  # something (fake-quant, noise) changed the value: measure it
-            raw_rows = sample_rows(raw, self.calls, self.stride)
-            self.stats.update(raw_rows, rows, self._saturated(raw, raw_rows))
+            raw_rows = sample_rows(raw, offset, self.stride)
+            self.stats.update(raw_rows, rows, self._saturated(raw, raw_rows, offset))
         if self.local is not None:
             x, *params = operands
-            self.local.update(self.reference(sample_rows(x, self.calls, self.stride), *params), rows)
+            self.local.update(self.reference(sample_rows(x, offset, self.stride), *params), rows)
 
     def reference(self, x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
         """The site's full-precision output on `x`, computed as the original module does."""
-        if self.site_kind == "conv1d":
-            out = torch.addmm(bias, x.view(-1, x.size(-1)), weight) if bias is not None else \
-                torch.mm(x.view(-1, x.size(-1)), weight)
-            return out.view(*x.shape[:-1], weight.shape[-1])
-        return F.linear(x, weight, bias)
+        if self.site_kind != "conv1d":
+            return F.linear(x, weight, bias)
+        rows = x.view(-1, x.size(-1))
+        out = torch.mm(rows, weight) if bias is None else torch.addmm(bias, rows, weight)
+        return out.view(*x.shape[:-1], weight.shape[-1])
 
     # -- results ------------------------------------------------------------------------------
     def result(self) -> dict[str, Any]:
@@ -156,6 +165,7 @@ def taps(model: nn.Module) -> list[Tap]:
 
 
 def reset_taps(model: nn.Module) -> None:
+    """Empty every tap's accumulators (and forget which weight version was measured)."""
     for tap in taps(model):
         tap.reset()
 
@@ -181,10 +191,6 @@ def tapping(model: nn.Module, enabled: bool = True, *, stride: int = 1) -> Itera
     finally:
         for tap, (flag, old) in zip(found, before, strict=True):
             tap.enabled, tap.stride = flag, old
-
-
-def tap_results(model: nn.Module) -> list[dict[str, Any]]:
-    return [t.result() for t in taps(model)]
 
 
 # -- the pass ---------------------------------------------------------------------------------
