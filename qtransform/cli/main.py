@@ -12,7 +12,7 @@ import sys
 
 from qtransform.errors import UserError
 
-COMMAND_MODULES = ("model", "policy", "scan")
+COMMAND_MODULES = ("model", "policy", "scan", "export")
 
 
 def build_parser() -> argparse.ArgumentParser:

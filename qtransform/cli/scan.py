@@ -1,0 +1,240 @@
+"""`qtransform scan`, `compare` and `guide`: SRDD scans from the terminal.
+
+`scan --calib FILE` runs the activation scan (`qtransform.activation_scan.scan_activations`)
+instead of the weight scan; `--calib builtin` uses the demo's calibration sentences.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from qtransform.errors import UserError
+
+EPILOG_SCAN = """examples:
+  qtransform scan                     # the demo: all-MiniLM-L6-v2, MXFP4 vs NVFP4, ONNX
+  qtransform scan ./Qwen2.5-1.5B --format mxfp4 --out scans/mxfp4
+  qtransform scan model.safetensors --format mxfp4 --scale-rule rceil --out scans/rceil --json
+  qtransform scan ./Qwen2.5-1.5B --policy policy.json --out scans/p --fail-on-problematic
+"""
+EPILOG_COMPARE = """example:
+  qtransform compare ./Qwen2.5-1.5B --formats mxfp4,nvfp4,mxfp8_e4m3
+"""
+EPILOG_GUIDE = """examples:
+  qtransform guide scans/mxfp4/report.json --out policy.json
+  qtransform guide scans/mxfp4 --out aqn.json --aqn --tiers 1.5,1.2,1.0 --total-steps 174
+"""
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    raw = argparse.RawDescriptionHelpFormatter
+    s = sub.add_parser("scan", help="per-layer quantization error of a model's weights (SRDD scan)",
+                       epilog=EPILOG_SCAN, formatter_class=raw)
+    s.add_argument("model", nargs="?",
+                   help="safetensors file, HF/safetensors folder, builtin:<arch> or demo; omitted: "
+                        "the full demo on all-MiniLM-L6-v2 (qtransform.demo)")
+    s.add_argument("--format", help="format to scan (e.g. mxfp4); optional with --policy")
+    s.add_argument("--policy", help="policy JSON: quantize rules select sites (and formats), "
+                                    "instrument.thresholds flag problems")
+    s.add_argument("--calib", metavar="FILE",
+                   help="activation scan on calibration data: a text file (one sample per line), "
+                        "a .json list of strings or token-id lists, or 'builtin'")
+    s.add_argument("--out", help="folder for report.json/.csv/.md/.png (required with MODEL; "
+                                 "the demo's default: ./qtransform-demo)")
+    s.add_argument("--threshold", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a threshold: sqnr_db, deadzone, saturation, relative_error")
+    s.add_argument("--fail-on-problematic", action="store_true",
+                   help="exit 1 when any site is problematic")
+    s.add_argument("--no-onnx", action="store_true",
+                   help="demo only: skip the ONNX export (its slowest step)")
+    _add_common(s)
+    s.set_defaults(func=run_scan)
+
+    c = sub.add_parser("compare", help="several formats side by side over the same weights",
+                       epilog=EPILOG_COMPARE, formatter_class=raw)
+    c.add_argument("model", help="safetensors file, HF/safetensors folder, builtin:<arch> or demo")
+    c.add_argument("--formats", required=True, help="comma-separated formats")
+    c.add_argument("--policy", help="policy JSON whose quantize rules select the sites")
+    c.add_argument("--out", help="folder for comparison.json and comparison.md")
+    _add_common(c)
+    c.set_defaults(func=run_compare)
+
+    g = sub.add_parser("guide", help="turn a scan report into a policy (mixed precision / AQN)",
+                       epilog=EPILOG_GUIDE, formatter_class=raw)
+    g.add_argument("report", help="report.json, or the folder `qtransform scan` wrote")
+    g.add_argument("--out", required=True, help="policy JSON file to write")
+    g.add_argument("--tiers", default="1.5,1.2,1.0",
+                   help="AQN sigma multipliers by SQNR group, worst first (default 1.5,1.2,1.0)")
+    g.add_argument("--total-steps", type=int, default=1000, help="training steps of the AQN schedule")
+    g.add_argument("--aqn", action="store_true",
+                   help="always add SRDD-guided AQN and keep the scanned format")
+    g.set_defaults(func=run_guide)
+
+
+def _add_common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--block-size", type=int, help="elements per block (default: the format's)")
+    p.add_argument("--scale-rule", help="MX scale rule: floor (default), rceil, ceil, even")
+    p.add_argument("--rounding", help="rne (default), rna or stochastic")
+    p.add_argument("--nvfp4-variant", help="NVFP4: default, compressed-tensors, one_level")
+    p.add_argument("--json", action="store_true", help="print JSON on stdout instead of tables")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars on stderr")
+
+
+def _options(args: argparse.Namespace) -> dict[str, Any]:
+    keys = ("block_size", "scale_rule", "rounding", "nvfp4_variant")
+    return {k: getattr(args, k) for k in keys if getattr(args, k) is not None}
+
+
+def _source(model: str) -> Any:
+    """A module for builtin/demo models, else the checkpoint path (scanned tensor by tensor)."""
+    if model.startswith("builtin:") or model == "demo":
+        from qtransform.models import load_model
+
+        return load_model(model)
+    if not Path(model).exists():
+        raise UserError(f"{model}: no such file or folder")
+    return model
+
+
+def _thresholds(items: list[str]) -> dict[str, float]:
+    from qtransform.report import DEFAULT_THRESHOLDS
+
+    out = {}
+    for item in items:
+        key, _, value = item.partition("=")
+        if key not in DEFAULT_THRESHOLDS:
+            from qtransform.formats import suggest
+
+            raise UserError(f"unknown threshold {key!r}{suggest(key, list(DEFAULT_THRESHOLDS))}; "
+                            f"known: {', '.join(DEFAULT_THRESHOLDS)}")
+        try:
+            out[key] = float(value)
+        except ValueError:
+            raise UserError(f"threshold {key}: {value!r} is not a number") from None
+    return out
+
+
+def _progress(args: argparse.Namespace) -> bool | None:
+    return False if args.no_progress else None  # None: bars only when stderr is a terminal
+
+
+def run_scan(args: argparse.Namespace) -> int:
+    from qtransform.scan import scan_weights
+
+    if args.model is None:
+        from qtransform.demo import run_from_args
+
+        return run_from_args(args)
+    if args.out is None:
+        raise UserError("give --out FOLDER for the report files")
+    if args.format is None and args.policy is None:
+        raise UserError("give --format (e.g. --format mxfp4) or a --policy with quantize rules")
+    if args.policy is not None and not Path(args.policy).exists():
+        raise UserError(f"{args.policy}: no such policy file")
+    if args.calib is not None:
+        report = _activation_scan(args)
+    else:
+        report = scan_weights(_source(args.model), args.format, policy=args.policy, options=_options(args),
+                              thresholds=_thresholds(args.threshold), progress=_progress(args))
+    files = report.save(args.out)
+    if args.json:
+        print(report.to_json())
+    else:
+        print(scan_table(report))
+        print(f"\nwrote {', '.join(str(p) for p in files.values())}")
+    return 1 if args.fail_on_problematic and report.problems() else 0
+
+
+def _activation_scan(args: argparse.Namespace):
+    """The --calib branch: run the model on calibration text or token ids (`--calib builtin`: the
+    demo's sentences) and scan weights, activations and each site's output error."""
+    from qtransform.activation_scan import cli_policy, scan_activations
+    from qtransform.calibration import builtin_calibration, read_calibration
+    from qtransform.models import load_model, load_tokenizer
+
+    builtin = args.calib == "builtin" and not Path(args.calib).exists()
+    calib = builtin_calibration() if builtin else read_calibration(args.calib)
+    model = load_model(args.model)
+    policy = cli_policy(model, args.format, args.policy, _options(args))
+    report = scan_activations(model, policy, calib, tokenizer=load_tokenizer(args.model),
+                              progress=_progress(args))
+    report.meta["source"] = args.model
+    report.meta["calibration"]["file"] = "builtin" if builtin else args.calib
+    report.thresholds.update(_thresholds(args.threshold))
+    return report
+
+
+def scan_table(report) -> str:
+    """The terminal view: one line per layer, then sites outside layers, problems, advice."""
+    from qtransform.recommend import recommend
+    from qtransform.report import format_metric as fm
+
+    head = f"{'layer':>5} {'sites':>5} {'SQNR dB':>8} {'worst site':<28} {'worst':>7} " \
+           f"{'rel_rmse':>9} {'deadzone':>9} {'satur.':>8} {'bad':>4}"
+    lines = [f"{report.meta.get('format')} scan of {report.meta.get('source')} "
+             f"({len(report.rows)} sites)", head, "-" * len(head)]
+    for e in report.layer_summary():
+        worst = e["worst_site"].partition(f".{e['layer']}.")[2] or e["worst_site"]
+        lines.append(f"{e['layer']:>5} {e['sites']:>5} {fm('sqnr_db', e['sqnr_db']):>8} {worst[-28:]:<28} "
+                     f"{fm('sqnr_db', e['worst_sqnr_db']):>7} {fm('rel_rmse', e['rel_rmse']):>9} "
+                     f"{fm('deadzone', e['deadzone']):>9} {fm('saturation', e['saturation']):>8} "
+                     f"{e['problem_sites'] or '':>4}")
+    for row in (r for r in report.rows if r.layer is None):
+        m = row.metrics
+        lines.append(f"{'-':>5} {1:>5} {fm('sqnr_db', m['sqnr_db']):>8} {row.label[-28:]:<28} "
+                     f"{fm('sqnr_db', m['sqnr_db']):>7} {fm('rel_rmse', m['rel_rmse']):>9} "
+                     f"{fm('deadzone', m['deadzone']):>9} {fm('saturation', m['saturation']):>8} "
+                     f"{1 if report.row_problems(row) else '':>4}")
+    problems = report.problems()
+    if problems:
+        lines += ["", f"problematic sites ({len(problems)}):"]
+        lines += [f"  {row.label}: {'; '.join(why)}" for row, why in problems[:20]]
+        if len(problems) > 20:
+            lines.append(f"  ... and {len(problems) - 20} more (report.md lists all)")
+    lines += ["", "recommendation: " + recommend(report).text]
+    return "\n".join(lines)
+
+
+def run_compare(args: argparse.Namespace) -> int:
+    from qtransform import io as qio
+    from qtransform.scan import compare_formats
+
+    names = [f.strip() for f in args.formats.split(",") if f.strip()]
+    if not names:
+        raise UserError("--formats needs at least one format, e.g. --formats mxfp4,nvfp4")
+    if args.policy is not None and not Path(args.policy).exists():
+        raise UserError(f"{args.policy}: no such policy file")
+    result = compare_formats(_source(args.model), names, policy=args.policy, options=_options(args),
+                             progress=_progress(args))
+    if args.out:
+        out = Path(args.out)
+        qio.write_json(out / "comparison.json", result.to_dict())
+        qio.write_text(out / "comparison.md", result.to_markdown())
+    if args.json:
+        print(json.dumps(result.to_dict(), indent=2))
+    else:
+        print(result.to_markdown().rstrip())
+    return 0
+
+
+def run_guide(args: argparse.Namespace) -> int:
+    from qtransform import io as qio
+    from qtransform.recommend import guide, recommend
+    from qtransform.report import ScanReport
+
+    path = Path(args.report)
+    if not path.exists():
+        raise UserError(f"{path}: no such report (give report.json or the folder `qtransform scan` wrote)")
+    try:
+        tiers = tuple(float(t) for t in args.tiers.split(","))
+        report = ScanReport.load(path)
+        policy = guide(report, tiers, total_steps=args.total_steps, aqn=args.aqn)
+    except (ValueError, KeyError, OSError) as exc:
+        raise UserError(f"{path}: {exc}") from None
+    qio.write_json(args.out, policy)
+    print(recommend(report, tiers, total_steps=args.total_steps).text, file=sys.stderr)
+    print(f"wrote {args.out}", file=sys.stderr)
+    return 0

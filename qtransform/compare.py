@@ -1,0 +1,88 @@
+"""The result of comparing formats on the same tensors: totals, winners, and warnings.
+
+Kept apart from the scanning loop (`qtransform.scan.compare_formats`) because it is pure
+bookkeeping on metric dicts: which format wins each metric, and an explanation whenever the mean
+relative error ranks formats opposite to SQNR (the trap described in docs/metrics.md).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from qtransform.report import ScanReport, encode_floats, format_metric
+
+COMPARED_METRICS = {  # metric -> True when higher is better
+    "sqnr_db": True, "mse": False, "rmse": False, "cosine": True, "max_abs_error": False,
+    "deadzone": False, "mean_rel_error": False,
+}
+
+
+@dataclass
+class Comparison:
+    """Several formats over the same weights: model-wide totals, per-metric winners, notes."""
+
+    formats: list[str]
+    totals: dict[str, dict[str, float]]  # format -> metrics of all its errors summed up
+    winners: dict[str, str]  # metric -> best format ("tie" when equal)
+    notes: list[str]
+    reports: dict[str, ScanReport]
+
+    @classmethod
+    def of(cls, totals: dict[str, dict[str, float]], reports: dict[str, ScanReport]) -> Comparison:
+        """Rank the formats on every compared metric and explain the disagreements."""
+        winners = {m: _winner(totals, m, higher) for m, higher in COMPARED_METRICS.items()}
+        return cls(list(totals), totals, winners, _disagreements(totals), reports)
+
+    def to_dict(self) -> dict[str, Any]:
+        return encode_floats({
+            "schema": "qtransform.comparison", "schema_version": "1",
+            "formats": self.formats, "totals": self.totals, "winners": self.winners,
+            "notes": self.notes,
+            "options": {f: r.meta.get("options", {}) for f, r in self.reports.items()},
+            "sites": len(next(iter(self.reports.values())).rows),
+        })
+
+    def to_markdown(self) -> str:
+        head = "| metric | " + " | ".join(self.formats) + " | better |"
+        lines = [head, "|" + "---|" * (len(self.formats) + 2)]
+        for metric in COMPARED_METRICS:
+            cells = [format_metric(metric, self.totals[f][metric]) for f in self.formats]
+            lines.append(f"| {metric} | " + " | ".join(cells) + f" | {self.winners[metric]} |")
+        return "\n".join(lines + [""] + [f"> {note}" for note in self.notes]) + "\n"
+
+
+def _winner(results: dict[str, dict[str, float]], metric: str, higher: bool) -> str:
+    vals = {f: r[metric] for f, r in results.items() if not math.isnan(r[metric])}
+    if not vals:
+        return "n/a"
+    best = max(vals.values()) if higher else min(vals.values())
+    top = [f for f, v in vals.items() if v == best]
+    return top[0] if len(top) == 1 else "tie"
+
+
+def _disagreements(results: dict[str, dict[str, float]]) -> list[str]:
+    """Explain every pair where mean relative error ranks opposite to SQNR (the seed's trap)."""
+    notes = []
+    names = list(results)
+    for i, first in enumerate(names):
+        for second in names[i + 1 :]:
+            a, b = (first, second) if results[first]["sqnr_db"] >= results[second]["sqnr_db"] else (second, first)
+            ra, rb = results[a], results[b]
+            if not (ra["sqnr_db"] > rb["sqnr_db"] and ra["mean_rel_error"] > rb["mean_rel_error"]):
+                continue
+            why = (
+                f"{a} zeroes more small weights (deadzone {100 * ra['deadzone']:.2f} % vs "
+                f"{100 * rb['deadzone']:.2f} %), and each zeroed weight counts as a 100 % error"
+                if ra["deadzone"] > rb["deadzone"]
+                else "small weights with large relative errors dominate the mean"
+            )
+            notes.append(
+                f"{a} is better by SQNR ({ra['sqnr_db']:.2f} vs {rb['sqnr_db']:.2f} dB) but worse by "
+                f"mean relative error ({100 * ra['mean_rel_error']:.2f} % vs "
+                f"{100 * rb['mean_rel_error']:.2f} %): mean(|x - q| / |x|) weighs every element "
+                f"equally however small, and {why}. Small weights carry little of the signal, so "
+                f"rank formats by SQNR / MSE (docs/metrics.md)."
+            )
+    return notes

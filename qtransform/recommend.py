@@ -1,0 +1,185 @@
+"""From a scan report to an action: which layers to keep in high precision, where AQN goes.
+
+The rule reads the share of problematic decoder layers (a layer is as bad as its worst site):
+
+- under 10 %: keep those layers in high precision, quantize the rest;
+- 10-30 %: keep the worst (by layer SQNR, at most `keep_fraction` of the layers) in high
+  precision and train the rest with SRDD-guided AQN: sigma multipliers by SQNR tier;
+- over 30 %: the format is too coarse for this model: try a finer one (e.g. MXFP8).
+
+Every recommendation carries a policy dict that does it, validated by `qtransform.schemas`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from qtransform.report import ScanReport
+
+DEFAULT_TIERS = (1.5, 1.2, 1.0)
+AQN_SCHEDULE = {"kind": "exponential", "sigma_start": 1e-2, "sigma_end": 1e-4, "num_stages": 10}
+KEEP_BELOW, CHANGE_ABOVE = 0.10, 0.30
+_FORMAT_OPTIONS = ("block_size", "block_shape", "scale_rule", "rounding", "nvfp4_variant", "seed", "axis")
+
+
+@dataclass
+class Recommendation:
+    """What to do about a scan, why, and the policy that does it."""
+
+    kind: str  # keep_high_precision | high_precision_and_aqn | change_format
+    share: float  # problematic layers / layers (sites / sites when no row has a layer)
+    problematic_layers: list[int]
+    kept_layers: list[int]
+    kept_sites: list[str]
+    text: str
+    policy: dict[str, Any]
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+def layer_tiers(layer_sqnr: dict[int, float], tiers: Sequence[float] = DEFAULT_TIERS) -> dict[int, float]:
+    """Sigma multiplier per layer: layers ranked by SQNR split into len(tiers) equal groups,
+    the worst group gets tiers[0] (ties keep layer order; NaN SQNR ranks as best)."""
+    if not tiers or any(not (isinstance(t, int | float) and t > 0) for t in tiers):
+        raise ValueError(f"tiers must be positive multipliers, got {list(tiers)!r}")
+    order = sorted(layer_sqnr, key=lambda k: (_nan_last(layer_sqnr[k]), k))
+    n = len(order)
+    return {layer: float(tiers[rank * len(tiers) // n]) for rank, layer in enumerate(order)}
+
+
+def aqn_section(
+    layer_sqnr: dict[int, float], tiers: Sequence[float] = DEFAULT_TIERS, *, total_steps: int = 1000,
+    layers: Sequence[int] | None = None,
+) -> dict[str, Any]:
+    """SRDD-guided AQN: QeRL's exponential schedule (1e-2 to 1e-4, 10 stages) on the norms, with
+    larger sigma where the scan found larger error. `total_steps` is the training run's length."""
+    from qtransform.schemas.selectors import format_layers
+
+    section: dict[str, Any] = {
+        "targets": ["RMSNorm", "LayerNorm"],
+        "schedule": {**AQN_SCHEDULE, "total_steps": int(total_steps)},
+        "layer_multipliers": {str(k): v for k, v in sorted(layer_tiers(layer_sqnr, tiers).items())},
+        "seed": 0,
+    }
+    if layers is not None:
+        section["layers"] = format_layers(layers)
+    return section
+
+
+def finer_format(fmt: str) -> str | None:
+    """A format with more element bits to suggest when too many layers fail (None: none finer)."""
+    return {"mxfp8_e4m3": "mxint8", "mxint8": None, "int8": None}.get(fmt, "mxfp8_e4m3")
+
+
+def _rules(report: ScanReport) -> list[dict[str, Any]]:
+    """Copies of the quantize rules the report measured (meta.quantize), else one rule for its format."""
+    from qtransform.formats import names
+
+    rules = report.meta.get("quantize")
+    if rules:
+        return [dict(r) for r in rules]
+    fmt = report.meta.get("format")
+    if fmt not in names():
+        raise ValueError(f"the report names no quantize rules and no single format (format {fmt!r})")
+    return [{"name": "weights", "targets": ["Linear"], "format": fmt, "tensors": ["weight"]}]
+
+
+def _ignoring(rules: list[dict[str, Any]], sites: Sequence[str]) -> list[dict[str, Any]]:
+    for rule in rules:
+        rule["ignore"] = list(dict.fromkeys([*rule.get("ignore", []), *sites]))
+    return rules
+
+
+def _validated(policy: dict[str, Any]) -> dict[str, Any]:
+    from qtransform.schemas import load_policy
+
+    load_policy(policy)  # a PolicyError here is a bug in this module, not a user mistake
+    return policy
+
+
+def recommend(
+    report: ScanReport, tiers: Sequence[float] = DEFAULT_TIERS, *, keep_fraction: float = KEEP_BELOW,
+    total_steps: int = 1000,
+) -> Recommendation:
+    """The recommendation for a report (see the module docstring for the rule)."""
+    layers = report.layers()
+    bad_rows = [row for row, _ in report.problems()]
+    bad_layers = report.problematic_layers()
+    loose = [r.site for r in bad_rows if r.layer is None]  # e.g. lm_head: always kept when bad
+    units = len(layers) if layers else len(report.rows)
+    share = (len(bad_layers) if layers else len(bad_rows)) / units if units else 0.0
+    fmt = str(report.meta.get("format"))
+    sqnr = report.layer_sqnr()
+    rules = _rules(report)
+
+    new = finer_format(fmt)
+    if share > CHANGE_ABOVE and new is not None:
+        for rule in rules:
+            for key in _FORMAT_OPTIONS:
+                rule.pop(key, None)
+            rule["format"] = new
+        text = (f"{len(bad_layers)} of {len(layers)} layers ({100 * share:.0f} %) have problematic sites: "
+                f"{fmt} is too coarse for this model; try {new} (check with `qtransform compare MODEL "
+                f"--formats {fmt},{new}`).")
+        return Recommendation("change_format", share, bad_layers, [], [], text,
+                              _validated({"version": 1, "quantize": rules}))
+
+    if share < KEEP_BELOW or share > CHANGE_ABOVE or not layers:  # the last two: nothing better to do
+        kept = list(dict.fromkeys([r.site for r in report.rows if r.layer in set(bad_layers)] + loose))
+        what = f"layers {_layer_text(bad_layers)}" if bad_layers else ""
+        what += (" and " if what and loose else "") + ", ".join(loose)
+        text = "No problematic sites: quantize every scanned weight." if not kept else (
+            f"{100 * share:.0f} % {'of layers are' if layers else 'of sites are'} problematic: keep "
+            f"{what} in high precision ({len(kept)} sites) and quantize the rest"
+            + (f" ({fmt} has no finer format to move to)." if share > CHANGE_ABOVE else "."))
+        policy = {"version": 1, "quantize": _ignoring(rules, kept)}
+        return Recommendation("keep_high_precision", share, bad_layers, bad_layers, kept, text, _validated(policy))
+
+    budget = max(1, math.floor(keep_fraction * len(layers)))
+    kept_layers = sorted(sorted(bad_layers, key=lambda k: (_nan_last(sqnr[k]), k))[:budget])
+    kept = list(dict.fromkeys([r.site for r in report.rows if r.layer in set(kept_layers)] + loose))
+    rest = [k for k in layers if k not in kept_layers]
+    noise = aqn_section({k: sqnr[k] for k in rest}, tiers, total_steps=total_steps, layers=rest)
+    text = (f"{len(bad_layers)} of {len(layers)} layers ({100 * share:.0f} %) are problematic: keep the "
+            f"worst by SQNR ({_layer_text(kept_layers)}) in high precision and train the others with "
+            f"SRDD-guided AQN (sigma x{'/'.join(f'{t:g}' for t in tiers)} by SQNR tier, worst first).")
+    policy = {"version": 1, "quantize": _ignoring(rules, kept), "noise": noise}
+    return Recommendation("high_precision_and_aqn", share, bad_layers, kept_layers, kept, text, _validated(policy))
+
+
+def guide(
+    report: ScanReport, tiers: Sequence[float] = DEFAULT_TIERS, *, total_steps: int = 1000, aqn: bool = False
+) -> dict[str, Any]:
+    """The policy that carries out the report's recommendation (see `recommend`).
+
+    `aqn=True` asks for SRDD-guided AQN whatever the recommendation: the scanned format stays, the
+    sites the recommendation keeps stay in high precision, every other layer gets a sigma tier.
+    """
+    rec = recommend(report, tiers, total_steps=total_steps)
+    if not aqn or "noise" in rec.policy:
+        return rec.policy
+    rest = [k for k in report.layers() if k not in rec.kept_layers]
+    sqnr = report.layer_sqnr()
+    if not rest:
+        raise ValueError("the report has no decoder layers to put AQN on")
+    policy = {
+        "version": 1,
+        "quantize": _ignoring(_rules(report), rec.kept_sites),
+        "noise": aqn_section({k: sqnr[k] for k in rest}, tiers, total_steps=total_steps, layers=rest),
+    }
+    return _validated(policy)
+
+
+def _nan_last(value: float) -> float:
+    return math.inf if math.isnan(value) else value
+
+
+def _layer_text(layers: Sequence[int]) -> str:
+    from qtransform.schemas.selectors import format_layers
+
+    return format_layers(layers) if layers else "none"

@@ -1,0 +1,405 @@
+"""Weight scans: how much each Linear-like weight of a model loses under a format.
+
+A weight scan needs no data and no forward pass: each 2-D weight is fake-quantized once and
+compared with itself, tensor by tensor, so a checkpoint far larger than memory can be scanned
+(peak memory is set by the largest tensor). `compare_formats` runs several formats over the same
+tensors and adds their errors up across the model.
+
+What is scanned: the weight of every `nn.Linear` and GPT-2 `Conv1D` (the sites of
+`qtransform.sites`, lm_head included and marked by its role); from a safetensors checkpoint,
+every floating 2-D `*.weight` tensor except embeddings. Embeddings are looked up, not multiplied,
+so block quantization of their rows is a different question. Blocks run along the reduction axis
+(axis 0 for Conv1D, which stores [in, out]; GPT-2's `c_attn`/`c_fc`/`c_proj` in checkpoints).
+
+The activation scan (qtransform.activation_scan) feeds the same `ErrorStats` accumulators and
+builds the same `ScanReport` from rows with point "input"/"output".
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from qtransform import formats
+from qtransform.compare import Comparison
+from qtransform.errors import UserError
+from qtransform.metrics import BlockExponentHistogram, ErrorStats
+from qtransform.report import DEFAULT_THRESHOLDS, ScanReport, SiteRow, build_meta
+from qtransform.sites import Site, discover_sites, layer_index, role_of
+
+LINEAR_KINDS = ("linear", "conv1d")
+GPT2_CONV1D_LEAVES = ("c_attn", "c_fc", "c_proj")
+_FLOAT_DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64}
+_ROLE_ORDER = ("q", "k", "v", "qkv", "o", "gate", "up", "gate_up", "down", "fc1", "fc2", "other", "lm_head")
+
+
+@dataclass(frozen=True)
+class WeightRef:
+    """One weight to scan: its site and a loader, so that only one tensor is in memory at a time."""
+
+    site: Site
+    load: Callable[[], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class QuantChoice:
+    """The format and `fake_quantize` keyword options applied to one site."""
+
+    fmt: str
+    options: dict[str, Any]
+    seed: int = 0
+
+
+# -- sources ----------------------------------------------------------------------------------
+def module_weights(model: nn.Module) -> list[WeightRef]:
+    """Every Linear / Conv1D site of a model with a 2-D weight, in module order."""
+    modules = dict(model.named_modules())
+    refs = []
+    for site in discover_sites(model).values():
+        weight = getattr(modules[site.name], "weight", None)
+        if site.kind in LINEAR_KINDS and isinstance(weight, torch.Tensor) and weight.ndim == 2:
+            refs.append(WeightRef(site, weight.detach))
+    return refs
+
+
+def is_embedding(name: str) -> bool:
+    """Embedding tables (token, position, type): looked up, never multiplied."""
+    leaf = name.rsplit(".", 1)[-1]
+    return "embed" in leaf or leaf in ("wte", "wpe")
+
+
+def checkpoint_files(path: str | os.PathLike[str]) -> list[Path]:
+    """The safetensors files of a checkpoint: the file itself, or every one in a folder."""
+    p = Path(path)
+    if not p.exists():
+        raise UserError(f"{p}: no such file or folder (expected a safetensors checkpoint or HF folder)")
+    if p.is_file():
+        if p.suffix != ".safetensors":
+            raise UserError(f"{p}: not a .safetensors file")
+        return [p]
+    files = sorted(p.glob("*.safetensors"))
+    if not files:
+        found = ", ".join(sorted(f.name for f in p.iterdir())[:6]) or "nothing"
+        raise UserError(f"{p}: no .safetensors files in this folder (found: {found})")
+    return files
+
+
+def checkpoint_weights(path: str | os.PathLike[str]) -> list[WeightRef]:
+    """Linear-like 2-D weights of a safetensors checkpoint, read lazily one tensor at a time."""
+    from safetensors import safe_open
+
+    refs = []
+    for file in checkpoint_files(path):
+        with safe_open(file, framework="pt") as fh:
+            for key in fh.keys():
+                info = fh.get_slice(key)
+                shape = tuple(info.get_shape())
+                if not key.endswith(".weight") or len(shape) != 2 or info.get_dtype() not in _FLOAT_DTYPES:
+                    continue
+                name = key[: -len(".weight")]
+                if is_embedding(name):
+                    continue
+                kind = "conv1d" if name.rsplit(".", 1)[-1] in GPT2_CONV1D_LEAVES else "linear"
+                site = Site(
+                    name=name, cls_name="Conv1D" if kind == "conv1d" else "Linear", kind=kind,
+                    layer=layer_index(name), role=role_of(name, kind), weight_shape=shape,
+                    weight_transposed=kind == "conv1d",
+                )
+                refs.append(WeightRef(site, _loader(file, key)))
+    return sorted(refs, key=_site_order)
+
+
+def _loader(file: Path, key: str) -> Callable[[], torch.Tensor]:
+    def load() -> torch.Tensor:
+        from safetensors import safe_open
+
+        # Opened per tensor: a long-lived handle keeps every page it has read mapped (and counted
+        # in RSS); reopening bounds memory by the current tensor for the price of a header parse.
+        with safe_open(file, framework="pt") as fh:
+            return fh.get_tensor(key)
+
+    return load
+
+
+def _site_order(ref: WeightRef) -> tuple:
+    site = ref.site
+    role = _ROLE_ORDER.index(site.role) if site.role in _ROLE_ORDER else len(_ROLE_ORDER)
+    return (site.layer is None, site.layer or 0, role, site.name)
+
+
+def weight_refs(source: nn.Module | str | os.PathLike[str]) -> list[WeightRef]:
+    """The weights of a module, or of a safetensors file / folder."""
+    if isinstance(source, nn.Module):
+        return module_weights(source)
+    return checkpoint_weights(source)
+
+
+def source_label(source: Any) -> str:
+    return type(source).__name__ if isinstance(source, nn.Module) else str(source)
+
+
+# -- formats and options ----------------------------------------------------------------------
+def choice_for(fmt: str, options: dict[str, Any] | None) -> QuantChoice:
+    """Validate `fmt` and options once (unknown names become UserErrors with a suggestion)."""
+    opts = dict(options or {})
+    seed = int(opts.pop("seed", 0))
+    try:
+        spec = formats.get(fmt)
+        formats.fake_quantize(torch.zeros(1, 64), spec, **opts)
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
+    return QuantChoice(spec.name, opts, seed)
+
+
+def applicable_options(fmt: str, options: dict[str, Any] | None) -> dict[str, Any]:
+    """The subset of shared options a format takes (compare runs MX and NVFP4 side by side)."""
+    spec = formats.get(fmt)
+    return {
+        k: v for k, v in (options or {}).items()
+        if k not in ("scale_rule", "nvfp4_variant") or k in spec.options
+    }
+
+
+def effective_options(choice: QuantChoice) -> dict[str, Any]:
+    """Options with the format's defaults spelled out: results are meaningless without them."""
+    spec = formats.get(choice.fmt)
+    out: dict[str, Any] = {}
+    if "block_shape" not in choice.options:
+        out["block_size"] = spec.default_block
+    if "scale_rule" in spec.options:
+        out["scale_rule"] = "floor"
+    if "nvfp4_variant" in spec.options:
+        out["nvfp4_variant"] = "default"
+    out["rounding"] = "rne"
+    out.update({k: (list(v) if isinstance(v, tuple) else v) for k, v in choice.options.items() if v is not None})
+    if choice.options.get("rounding") == "stochastic":
+        out["seed"] = choice.seed
+    return out
+
+
+def policy_choices(policy: Any, sites: Sequence[Site]) -> dict[str, QuantChoice]:
+    """Site name -> format/options of the quantize rule that applies to its weight."""
+    from qtransform.schemas import load_policy, resolve_quant_rules
+
+    per_rule: dict[int, QuantChoice] = {}
+    out = {}
+    for (name, tensor), (index, rule) in resolve_quant_rules(load_policy(policy), sites).items():
+        if tensor != "weight":
+            continue
+        if index not in per_rule:
+            opts = rule.format_options()
+            opts.pop("zero_saturated_grad", None)  # a training option; no effect on values
+            if rule.axis is not None:
+                opts["axis"] = rule.axis
+            if rule.seed is not None:
+                opts["seed"] = rule.seed
+            per_rule[index] = choice_for(rule.format, opts)
+        out[name] = per_rule[index]
+    return out
+
+
+def policy_thresholds(policy: Any) -> dict[str, float]:
+    from qtransform.schemas import load_policy
+
+    pol = load_policy(policy)
+    if pol.instrument is None:
+        return dict(DEFAULT_THRESHOLDS)
+    return dict(pol.instrument.thresholds.model_dump())
+
+
+def policy_rules(policy: Any) -> list[dict[str, Any]]:
+    """The policy's quantize rules as JSON dicts (recommendations edit copies of them)."""
+    from qtransform.schemas import load_policy
+
+    return [r.model_dump(mode="json", exclude_defaults=True) for r in load_policy(policy).quantize]
+
+
+# -- measuring one tensor ---------------------------------------------------------------------
+def measure(
+    w: torch.Tensor, site: Site, choice: QuantChoice
+) -> tuple[ErrorStats, BlockExponentHistogram | None]:
+    """Fake-quantize one weight and accumulate its error, saturation and MX block exponents."""
+    opts = dict(choice.options)
+    if "block_shape" not in opts:
+        opts.setdefault("axis", site.reduction_axis)
+    gen = None
+    if opts.get("rounding") == "stochastic":
+        gen = torch.Generator(device=w.device).manual_seed(choice.seed)
+    with torch.no_grad():
+        xq = formats.fake_quantize(w, choice.fmt, generator=gen, **opts)
+        sat = formats.saturated(w, choice.fmt, **opts)
+        stats = ErrorStats().update(w, xq, sat)
+        del xq, sat
+        hist = block_exponent_histogram(w, choice.fmt, opts) if formats.get(choice.fmt).family == "mx" else None
+    return stats, hist
+
+
+def block_exponent_histogram(w: torch.Tensor, fmt: str, opts: dict[str, Any]) -> BlockExponentHistogram:
+    """Histogram of the MX shared exponents of w under `opts`.
+
+    E depends only on each block's amax (and the scale rule), so rather than running
+    `block_exponents` over the whole tensor (a full quantization) we hand it one [amax, 0] pair
+    per block with block_size 2: the same exponents for a sixteenth of the work. Zero-padding a
+    row does not change its amax. 2-D tiles take the direct route.
+    """
+    hist = BlockExponentHistogram()
+    if opts.get("block_shape") is not None:
+        return hist.update(formats.block_exponents(w, fmt, **opts))
+    block = opts.get("block_size") or formats.get(fmt).default_block
+    rows = w.detach().movedim(opts.get("axis", -1), -1)
+    rows = torch.nn.functional.pad(rows, (0, -rows.shape[-1] % block))
+    amax = rows.reshape(-1, block).abs().amax(dim=1, keepdim=True).to(torch.float32)
+    pairs = torch.cat([amax, torch.zeros_like(amax)], dim=1)
+    rule = {"scale_rule": opts["scale_rule"]} if "scale_rule" in opts else {}
+    return hist.update(formats.block_exponents(pairs, fmt, block_size=2, **rule))
+
+
+def _progress(refs: Sequence[WeightRef], progress: bool | None, desc: str):
+    """A tqdm bar in parameters on stderr; progress=None shows it only on a terminal."""
+    from tqdm.auto import tqdm
+
+    total = sum(math.prod(r.site.weight_shape or ()) for r in refs)
+    return tqdm(total=total, unit="param", unit_scale=True, desc=desc, file=sys.stderr,
+                disable=None if progress is None else not progress, leave=False)
+
+
+def _select(refs: list[WeightRef], policy: Any) -> list[tuple[WeightRef, QuantChoice | None]]:
+    """(weight, choice) pairs; with a policy only the sites its rules select, with their choice."""
+    if not refs:
+        raise UserError("no Linear-like 2-D weights found to scan")
+    if policy is None:
+        return [(r, None) for r in refs]
+    chosen = policy_choices(policy, [r.site for r in refs])
+    pairs = [(r, chosen[r.site.name]) for r in refs if r.site.name in chosen]
+    if not pairs:
+        raise UserError("the policy's quantize rules select none of the scanned weights")
+    return pairs
+
+
+def _row(ref: WeightRef, choice: QuantChoice, stats: ErrorStats, hist: BlockExponentHistogram | None) -> SiteRow:
+    site = ref.site
+    return SiteRow.from_stats(
+        site.name, "weight", stats, layer=site.layer, role=site.role, kind=site.kind,
+        shape=list(site.weight_shape or ()), fmt=choice.fmt, options=effective_options(choice),
+        block_exponents=hist.result() if hist is not None else None,
+    )
+
+
+# -- public API -------------------------------------------------------------------------------
+def scan_weights(
+    source: nn.Module | str | os.PathLike[str],
+    fmt: str | None = None,
+    *,
+    policy: Any = None,
+    options: dict[str, Any] | None = None,
+    thresholds: dict[str, float] | None = None,
+    progress: bool | None = False,
+) -> ScanReport:
+    """Scan every Linear-like weight of `source` under `fmt` (with `fake_quantize` `options`).
+
+    With a `policy` (Policy, dict or path): its quantize rules select the sites and, when `fmt` is
+    None, give each site its format and options; its `instrument.thresholds` flag problems
+    (`thresholds` overrides both).
+    """
+    if fmt is None and policy is None:
+        raise UserError("give a format (e.g. mxfp4) or a policy with quantize rules")
+    default = choice_for(fmt, options) if fmt is not None else None
+    pairs = _select(weight_refs(source), policy)
+    rows = []
+    with _progress([r for r, _ in pairs], progress, f"scan {fmt or 'policy'}") as bar:
+        for ref, by_policy in pairs:
+            choice = default or by_policy
+            assert choice is not None
+            w = ref.load()
+            rows.append(_row(ref, choice, *measure(w, ref.site, choice)))
+            bar.update(w.numel())
+            del w
+    fmts = sorted({row.format for row in rows})
+    meta = build_meta(
+        kind="weight_scan", source=source_label(source), fmt=fmts[0] if len(fmts) == 1 else "mixed",
+        options=effective_options(default) if default else {}, quantize=_rules(policy, default),
+    )
+    return ScanReport(meta=meta, rows=rows, thresholds=_limits(policy, thresholds))
+
+
+def _limits(policy: Any, thresholds: dict[str, float] | None) -> dict[str, float]:
+    limits = dict(policy_thresholds(policy) if policy is not None else DEFAULT_THRESHOLDS)
+    limits.update(thresholds or {})
+    return limits
+
+
+def _rules(policy: Any, choice: QuantChoice | None) -> list[dict[str, Any]]:
+    """The quantize rules the scan measured: the policy's (with the scanned format, if one was
+    given) or one rule for every Linear; recommendations start from them."""
+    rules = policy_rules(policy) if policy is not None else [{"name": "weights", "targets": ["Linear"]}]
+    if choice is None:
+        return rules
+    return [{**{k: v for k, v in r.items() if k not in _RULE_FORMAT_KEYS}, **_rule_options(choice)}
+            for r in rules]
+
+
+_RULE_FORMAT_KEYS = ("format", "block_size", "block_shape", "scale_rule", "rounding", "nvfp4_variant", "seed", "axis")
+
+
+def _rule_options(choice: QuantChoice) -> dict[str, Any]:
+    """A QuantChoice as policy-rule fields."""
+    rule: dict[str, Any] = {"format": choice.fmt}
+    for key in ("block_size", "block_shape", "scale_rule", "rounding", "nvfp4_variant"):
+        if key in choice.options:
+            value = choice.options[key]
+            rule[key] = list(value) if isinstance(value, tuple) else value
+    if choice.options.get("rounding") == "stochastic":
+        rule["seed"] = choice.seed
+    return rule
+
+
+def compare_formats(
+    source: nn.Module | str | os.PathLike[str],
+    formats_: Sequence[str],
+    *,
+    policy: Any = None,
+    options: dict[str, Any] | None = None,
+    progress: bool | None = False,
+) -> Comparison:
+    """Quantize the same weights with each format; totals sum the accumulators over all tensors.
+
+    Per-layer dB values are never averaged: a model-wide SQNR is the signal energy of all weights
+    over their total error energy. Shared `options` go to the formats that take them. Each tensor
+    is read once for all formats.
+    """
+    if len(formats_) < 1:
+        raise UserError("give at least one format to compare")
+    choices = {}
+    for fmt in formats_:
+        choice = choice_for(fmt, applicable_options(fmt, options))
+        choices[choice.fmt] = choice
+    pairs = _select(weight_refs(source), policy)
+    rows: dict[str, list[SiteRow]] = {f: [] for f in choices}
+    totals = {f: ErrorStats() for f in choices}
+    with _progress([r for r, _ in pairs], progress, "compare") as bar:
+        for ref, _ in pairs:
+            w = ref.load()
+            for f, choice in choices.items():
+                stats, hist = measure(w, ref.site, choice)
+                totals[f].merge(stats)
+                rows[f].append(_row(ref, choice, stats, hist))
+            bar.update(w.numel())
+            del w
+    limits = _limits(policy, None)
+    reports = {
+        f: ScanReport(
+            meta=build_meta(kind="weight_scan", source=source_label(source), fmt=f,
+                            options=effective_options(c), quantize=_rules(policy, c)),
+            rows=rows[f], thresholds=limits,
+        )
+        for f, c in choices.items()
+    }
+    return Comparison.of({f: t.result() for f, t in totals.items()}, reports)
