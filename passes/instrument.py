@@ -25,10 +25,10 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor, fx, nn
+from torch import Tensor, nn
 
 from qtransform import formats, ops
-from qtransform.graph import POINTS, GraphSite
+from qtransform.graph import POINTS
 from qtransform.metrics import BlockExponentHistogram, ErrorStats
 from qtransform.pipeline import Action, Pass
 from qtransform.program import Program
@@ -194,18 +194,6 @@ def tapping(model: nn.Module, enabled: bool = True, *, stride: int = 1) -> Itera
 
 
 # -- the pass ---------------------------------------------------------------------------------
-def _bias_node(gsite: GraphSite) -> fx.Node | None:
-    """The node carrying the site's bias, in a module graph or in the whole-model graph."""
-    if gsite.op_node is not None:
-        node = gsite.op_node
-        if node.target == torch.ops.aten.addmm.default:
-            bias = node.args[0]
-        else:
-            bias = node.args[2] if len(node.args) > 2 else None
-        return bias if isinstance(bias, fx.Node) else None
-    return next((n for n in gsite.gm.graph.nodes if n.op == "get_attr" and n.target == "bias"), None)
-
-
 class InstrumentPass(Pass):
     """Taps on the points the policy's `instrument` section selects; no section, no taps."""
 
@@ -233,12 +221,6 @@ class InstrumentPass(Pass):
         spec = action.params["spec"]
         site = action.site
         others = [i for i in program.insertions(site=site.name) if i.pass_name != self.name]
-        if "raw:bias" in action.extra:
-            gsite = program.site_graph(site.name)
-            bias = _bias_node(gsite)
-            if bias is None:
-                raise ValueError(f"{site.name}: has a bias but its graph shows none")
-            gsite.raw["bias"] = bias  # exposes the bias as a value the tap can take
         return Tap(site.name, action.point, site_kind=site.kind,
                    quantizer=quantizer(program, site.name, action.point),
                    shadow=spec.shadow and bool(others),

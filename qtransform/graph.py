@@ -64,7 +64,10 @@ class GraphSite:
                 self.raw[point] = self._locate(point)
             except ValueError:
                 continue
+        bias = self._bias()
         self.heads: dict[str, fx.Node] = dict(self.raw)
+        if bias is not None:  # readable as "raw:bias" (shadow computations), never a head
+            self.raw["bias"] = bias
 
     # -- locating values -------------------------------------------------------------------
     def value(self, point: str) -> fx.Node:
@@ -93,6 +96,19 @@ class GraphSite:
         if not isinstance(value, fx.Node):
             raise ValueError(f"{self.site.name}: output is not a single tensor")
         return value
+
+    def _bias(self) -> fx.Node | None:
+        """The node carrying a linear site's bias, or None."""
+        node = self.op_node
+        if node is None:
+            return next((n for n in self.gm.graph.nodes if n.op == "get_attr" and n.target == "bias"), None)
+        if self.site.kind not in ("linear", "conv1d"):
+            return None
+        if node.target == torch.ops.aten.addmm.default:
+            bias = node.args[0]
+        else:
+            bias = node.args[2] if len(node.args) > 2 else None
+        return bias if isinstance(bias, fx.Node) else None
 
     def _whole_graph_value(self, point: str) -> fx.Node:
         node = self.op_node
