@@ -1,0 +1,242 @@
+"""The other ways to write fake-quant into an exported graph: inlined bodies, and QDQ.
+
+- inline: every `qtransform.<FORMAT>FakeQuant` call is replaced by its function body, for tools
+  that do not read model-local functions. Same numbers as the function mode.
+- qdq: QuantizeLinear/DequantizeLinear with FLOAT4E2M1 / FLOAT8 / INT4 / INT8 elements and E8M0
+  or E4M3 scales (opset >= 24), the form deployment toolchains consume. Weights are stored
+  quantized (codes and scales from `qtransform.formats.encode`, so their DequantizeLinear gives
+  the reference values exactly); activations are quantized in the graph. onnx.checker and onnx's
+  reference evaluator accept it; onnxruntime 1.31 answers NOT_IMPLEMENTED for these types.
+"""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import torch
+from onnx import ModelProto, NodeProto, TensorProto, helper, numpy_helper
+
+from qtransform import formats
+from qtransform.errors import UserError
+from qtransform.formats.blocking import from_blocks
+from qtransform.formats.elements import decode_elements
+from qtransform.formats.registry import E4M3
+from qtransform.onnx_functions import (
+    DOMAIN,
+    FLT_MAX,
+    Body,
+    FakeQuantConfig,
+    amax_or_inf,
+    block_view,
+    pow2,
+    round_magnitude,
+    shared_exponent,
+)
+from qtransform.onnx_graph import config_of, fake_quant_nodes
+
+# element name -> (ONNX element type, numpy dtype that onnx.numpy_helper writes as that type)
+QDQ_ELEMENTS = {
+    "e2m1": (TensorProto.FLOAT4E2M1, ml_dtypes.float4_e2m1fn),
+    "e4m3": (TensorProto.FLOAT8E4M3FN, ml_dtypes.float8_e4m3fn),
+    "e5m2": (TensorProto.FLOAT8E5M2, ml_dtypes.float8_e5m2),
+    "int4": (TensorProto.INT4, ml_dtypes.int4),
+    "int8": (TensorProto.INT8, np.int8),
+}
+
+
+# -- inline -------------------------------------------------------------------------------------
+def inline_functions(model: ModelProto) -> ModelProto:
+    """Expand every qtransform function call into its body, named `<node name>/<value>`
+    (in place: a model can be gigabytes).
+
+    onnx.inliner does the same but leaves the expanded nodes unnamed; the names say which site
+    each op belongs to.
+    """
+    bodies = {(f.domain, f.name, f.overload): f for f in model.functions}
+    nodes: list[NodeProto] = []
+    for node in model.graph.node:
+        f = bodies.get((node.domain, node.op_type, node.overload))
+        if f is None:
+            nodes.append(node)
+            continue
+        rename = dict(zip(f.input, node.input, strict=True)) | dict(zip(f.output, node.output, strict=True))
+        nodes.extend(Body(list(f.node)).embed(node.name, rename))
+    types = _elem_types(model)
+    for node in nodes:  # CastLike to a known type is a Cast, which onnxruntime constant-folds
+        if node.op_type == "CastLike" and types.get(node.input[1]):
+            to = types[node.input[1]]
+            node.op_type = "Cast"
+            del node.input[1:]
+            node.attribute.append(helper.make_attribute("to", to))
+    del model.graph.node[:]
+    model.graph.node.extend(nodes)
+    _drop_functions(model, lambda f: f.domain == DOMAIN)
+    return model
+
+
+def _elem_types(model: ModelProto) -> dict[str, int]:
+    """Element type of every value whose type the exporter recorded."""
+    types = {t.name: t.data_type for t in model.graph.initializer}
+    for vi in (*model.graph.input, *model.graph.value_info, *model.graph.output):
+        types.setdefault(vi.name, vi.type.tensor_type.elem_type)
+    return types
+
+
+def _drop_functions(model: ModelProto, drop) -> None:
+    keep = [f for f in model.functions if not drop(f)]
+    del model.functions[:]
+    model.functions.extend(keep)
+    if not any(n.domain == DOMAIN for n in model.graph.node):
+        keep_ops = [o for o in model.opset_import if o.domain != DOMAIN]
+        del model.opset_import[:]
+        model.opset_import.extend(keep_ops)
+
+
+# -- qdq ------------------------------------------------------------------------------------------
+def qdq_problem(cfg: FakeQuantConfig) -> str | None:
+    """Why a fake-quant config has no QDQ form, or None."""
+    if cfg.spec.element.name not in QDQ_ELEMENTS:
+        return f"{cfg.spec.element.name} elements have no ONNX tensor type"
+    if cfg.tile:
+        return "2D tiles (block_shape) have no blocked QuantizeLinear form"
+    if cfg.rounding != "rne":
+        return f"rounding {cfg.rounding!r}: QuantizeLinear rounds half to even only"
+    return None
+
+
+def _check(nodes: list[NodeProto]) -> None:
+    problems = [(n.name, cfg.spec.name, why) for n in nodes
+                if (why := qdq_problem(cfg := config_of(n))) is not None]
+    if problems:
+        fmts = sorted({fmt for _, fmt, _ in problems})
+        listed = "; ".join(f"{label} ({fmt}: {why})" for label, fmt, why in problems[:5])
+        more = f" and {len(problems) - 5} more" if len(problems) > 5 else ""
+        raise UserError(
+            f"fake_quant='qdq' has no QuantizeLinear/DequantizeLinear mapping for {', '.join(fmts)}: "
+            f"{listed}{more}. QDQ covers mxfp4, mxfp8_e4m3, mxfp8_e5m2, nvfp4, int4 and int8 with "
+            "rne rounding and 1D blocks; export the others with fake_quant='function'"
+        )
+
+
+def _init(name: str, values: np.ndarray) -> TensorProto:
+    return numpy_helper.from_array(np.ascontiguousarray(values), name)
+
+
+def _weight_qdq(node: NodeProto, init: TensorProto, cfg: FakeQuantConfig) -> tuple[list, list]:
+    """Stored codes and scales, and the DequantizeLinear nodes that rebuild the weight."""
+    label, elem = node.name, cfg.spec.element
+    w = torch.from_numpy(numpy_helper.to_array(init).astype(np.float32))
+    enc = formats.encode(w, cfg.spec.name, **cfg.kwargs())
+    values = from_blocks(decode_elements(enc.codes, elem), enc.layout).reshape(enc.shape)
+    np_type = QDQ_ELEMENTS[elem.name][1]
+    q = _init(f"{label}/q", values.numpy().astype(np_type))
+    grid = enc.scale_grid().reshape(enc.layout.grid_shape)
+    block = {"axis": cfg.axis, "block_size": cfg.block, "output_dtype": TensorProto.FLOAT}
+    inits, nodes, scale = [q], [], f"{label}/scale"
+    if cfg.spec.family == "mx":
+        inits.append(_init(scale, grid.numpy().astype(np.uint8).view(ml_dtypes.float8_e8m0fnu)))
+    elif cfg.spec.family == "int" or cfg.variant == "compressed-tensors":
+        value = grid if cfg.spec.family == "int" else grid / enc.tensor_scale
+        inits.append(_init(scale, value.numpy().astype(np.float32)))
+    else:  # NVFP4 two-level: E4M3 block scales times one fp32 decode scale
+        d = 1.0 if enc.tensor_scale is None else float(enc.tensor_scale)
+        inits += [_init(f"{label}/block_scale", grid.numpy().astype(ml_dtypes.float8_e4m3fn)),
+                  _init(f"{label}/tensor_scale", np.array(d, np.float32))]
+        nodes.append(helper.make_node("DequantizeLinear", [f"{label}/block_scale", f"{label}/tensor_scale"],
+                                      [scale], name=f"{label}/scale_dequantize", output_dtype=TensorProto.FLOAT))
+    out = node.output[0] if init.data_type == TensorProto.FLOAT else f"{label}/dequantized"
+    nodes.append(helper.make_node("DequantizeLinear", [q.name, scale], [out], name=f"{label}/dequantize", **block))
+    if out != node.output[0]:
+        nodes.append(helper.make_node("Cast", [out], [node.output[0]], name=f"{label}/cast", to=init.data_type))
+    return inits, nodes
+
+
+def _nvfp4_scale(b: Body, amax: str, variant: str) -> str:
+    """Per-block NVFP4 scale in the variant's order (E4M3 block scale times the tensor scale)."""
+    def e4m3(v: str) -> str:
+        return round_magnitude(b, b.op("Min", v, b.const(448.0)), E4M3, "rne")
+
+    if variant == "one_level":
+        return e4m3(b.op("Div", amax, b.const(6.0)))
+    amax_t = b.op("ReduceMax", amax, keepdims=0)
+    if variant == "default":
+        g = b.op("Min", b.op("Div", b.const(2688.0), amax_t), b.const(FLT_MAX))
+        g = b.op("Where", b.op("Equal", g, b.const(0.0)), b.const(1.0), g)
+        s = e4m3(b.op("Min", b.op("Mul", amax, b.op("Mul", g, b.const(np.float32(1 / 6)))), b.const(FLT_MAX)))
+        return b.op("Mul", s, b.op("Div", b.const(1.0), g))
+    g = b.op("Mul", b.op("Div", b.const(1.0), amax_t), b.const(2688.0))
+    g = b.op("Where", b.op("Or", b.op("IsNaN", g), b.op("IsInf", g)), b.const(1.0), g)
+    s = e4m3(b.op("Mul", g, b.op("Div", amax, b.const(6.0))))
+    return b.op("Div", b.op("Where", b.op("Equal", s, b.const(0.0)), b.const(0.125), s), g)
+
+
+def _activation_scale(b: Body, xb: str, axes: str, cfg: FakeQuantConfig) -> str:
+    """Per-block scale for QuantizeLinear on activations: the function bodies' rules. Blocks
+    with NaN/Inf get a NaN scale; int and NVFP4 scales below the smallest normal (zero blocks)
+    are raised to it, since QuantizeLinear divides by the scale."""
+    elem = cfg.spec.element
+    amax = amax_or_inf(b, xb, axes)
+    bad = b.op("IsInf", amax)
+    if cfg.spec.family == "mx":
+        zero = b.op("Equal", amax, b.const(0.0))
+        safe = b.op("Where", b.op("Or", bad, zero), b.const(1.0), amax)
+        e = b.op("Where", zero, b.const(-127.0), shared_exponent(b, safe, elem, cfg.scale_rule))
+        return b.op("Where", bad, b.const(np.nan), pow2(b, e))
+    if cfg.spec.family == "int":
+        scale = b.op("Div", amax, b.const(float(elem.qmax)))
+    else:
+        scale = _nvfp4_scale(b, amax, cfg.variant)
+    scale = b.op("Max", scale, b.const(2.0**-126))
+    return b.op("Where", bad, b.const(np.nan), scale)
+
+
+def _activation_qdq(node: NodeProto, cfg: FakeQuantConfig) -> list[NodeProto]:
+    """Scales computed from the activation in the graph, then QuantizeLinear/DequantizeLinear."""
+    b = Body()
+    view = block_view(b, b.op("Cast", "X", to=TensorProto.FLOAT), cfg)
+    scale = view.grid(_activation_scale(b, view.xb, view.axes, cfg))
+    if cfg.spec.family == "mx":
+        scale = b.op("Cast", scale, to=TensorProto.FLOAT8E8M0)
+    elem_type = QDQ_ELEMENTS[cfg.spec.element.name][0]
+    block = {"axis": cfg.axis, "block_size": cfg.block}
+    x32 = b.nodes[0].output[0]
+    q = b.op("QuantizeLinear", x32, scale, output_dtype=elem_type, **block)
+    y = b.op("DequantizeLinear", q, scale, output_dtype=TensorProto.FLOAT, **block)
+    b.nodes.append(helper.make_node("CastLike", [y, "X"], ["Y"]))
+    return b.embed(node.name, {"X": node.input[0], "Y": node.output[0]})
+
+
+def to_qdq(model: ModelProto) -> ModelProto:
+    """Replace every fake-quant node by QuantizeLinear/DequantizeLinear (see module docstring),
+    in place."""
+    targets = fake_quant_nodes(model)
+    _check(targets)
+    ids = {id(n) for n in targets}
+    inits = {t.name: t for t in model.graph.initializer}
+    uses: dict[str, int] = {}
+    for n in model.graph.node:
+        for v in n.input:
+            uses[v] = uses.get(v, 0) + 1
+    nodes, new_inits, dropped = [], [], set()
+    for node in model.graph.node:
+        if id(node) not in ids:
+            nodes.append(node)
+            continue
+        cfg = config_of(node, model)
+        src = node.input[0]
+        if src in inits:
+            i, n = _weight_qdq(node, inits[src], cfg)
+            new_inits += i
+            nodes += n
+            if uses[src] == 1:
+                dropped.add(src)
+        else:
+            nodes += _activation_qdq(node, cfg)
+    del model.graph.node[:]
+    model.graph.node.extend(nodes)
+    keep = [t for t in model.graph.initializer if t.name not in dropped]
+    del model.graph.initializer[:]
+    model.graph.initializer.extend(keep + new_inits)
+    names = {formats.get(n).onnx_op for n in formats.names()}
+    _drop_functions(model, lambda f: f.domain == DOMAIN and f.name in names)
+    return model

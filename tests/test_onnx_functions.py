@@ -1,0 +1,153 @@
+"""ONNX function bodies: bit-exact in onnxruntime against qtransform.formats.fake_quantize.
+
+Every format and option runs as one fake-quant node in a single model (one onnxruntime session),
+on random rows with a random scale per row plus adversarial values: every power of two and its
+neighbours (exact exponents), subnormals, ties, signed zeros, NaN and Inf, ragged rows.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import replace
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+import torch
+from onnx import TensorProto, helper
+
+from qtransform import fake_quantize, formats
+from qtransform.onnx_export import ExportError
+from qtransform.onnx_functions import DOMAIN, FakeQuantConfig, fake_quant_function
+
+
+def all_configs() -> list[tuple[str, dict]]:
+    """Every registered format with every deterministic scale rule / rounding / variant, plus
+    non-default blocking (axis 0, 2D tiles, an odd int group)."""
+    out = []
+    for fmt in formats.names():
+        spec = formats.get(fmt)
+        rules = spec.options.get("scale_rule", (None,))
+        variants = spec.options.get("nvfp4_variant", (None,))
+        for rule, rounding, variant in itertools.product(rules, ("rne", "rna"), variants):
+            opts = {"rounding": rounding}
+            opts |= {"scale_rule": rule} if rule else {}
+            opts |= {"nvfp4_variant": variant} if variant else {}
+            out.append((fmt, opts))
+        out.append((fmt, {"axis": 0}))
+        out.append((fmt, {"block_shape": (16, 32) if spec.family == "int" else spec.tile}))
+    out.append(("int4", {"block_size": 24}))
+    return out
+
+
+def adversarial(rows: int = 48, cols: int = 200, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, cols, generator=g) * torch.exp2(torch.randint(-24, 24, (rows, 1), generator=g).float())
+    p = torch.exp2(torch.arange(-149, 128).float())
+    special = torch.cat([
+        p, torch.nextafter(p, torch.tensor(0.0)), torch.nextafter(p, torch.tensor(float("inf"))),
+        torch.tensor([0.0, -0.0, 6.25, 7.5, 5.0, 3.5, 2.5, 0.25, 0.75, 1.25, 7.9999995, 1e-40,
+                      3.4e38, float("nan"), float("inf"), -float("inf")]),
+    ])
+    special = special * torch.where(torch.rand(special.numel(), generator=g) < 0.5, -1.0, 1.0)
+    flat = x.flatten()
+    flat[torch.randperm(flat.numel(), generator=g)[: special.numel()]] = special
+    x = flat.reshape(rows, cols)
+    x[0] = 0.0  # an all-zero row
+    x[1, :16] = -0.0
+    x[2] *= 1e-38  # a row of (mostly) subnormals
+    return x
+
+
+def model_for(configs: list[FakeQuantConfig], shape: list, elem_type: int = TensorProto.FLOAT) -> onnx.ModelProto:
+    """One input, one fake-quant node and output per config, functions attached."""
+    nodes, outputs, functions = [], [], {}
+    for i, cfg in enumerate(configs):
+        node = helper.make_node(cfg.spec.onnx_op, ["x"], [f"y{i}"], domain=DOMAIN, name=f"fq{i}",
+                                **cfg.attributes())
+        node.overload = cfg.overload()
+        nodes.append(node)
+        outputs.append(helper.make_tensor_value_info(f"y{i}", elem_type, shape))
+        functions.setdefault((cfg.spec.onnx_op, cfg.overload()), fake_quant_function(cfg, 21))
+    graph = helper.make_graph(nodes, "fq", [helper.make_tensor_value_info("x", elem_type, shape)], outputs)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid(DOMAIN, 1)],
+                              functions=list(functions.values()), ir_version=10)
+    onnx.checker.check_model(model)
+    return model
+
+
+def run(model: onnx.ModelProto, x: np.ndarray) -> list[np.ndarray]:
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    return session.run(None, {"x": x})
+
+
+def bit_mismatches(got: torch.Tensor, want: torch.Tensor) -> int:
+    """Elements whose bits differ (any NaN equals any NaN: payloads are not part of the contract)."""
+    assert got.dtype == want.dtype
+    ints = torch.int32 if got.dtype == torch.float32 else torch.int16
+    both_nan = torch.isnan(got) & torch.isnan(want)
+    return int((~((got.view(ints) == want.view(ints)) | both_nan)).sum())
+
+
+def check(cases: list[tuple[str, dict]], x: torch.Tensor, *, static: bool, elem_type: int = TensorProto.FLOAT):
+    """Run every case as one node of one model; assert all outputs equal fake_quantize bit for bit."""
+    shape = tuple(x.shape) if static else None
+    configs = [replace(FakeQuantConfig.from_options(f, o), shape=shape) for f, o in cases]
+    assert all(c.static_blocks() == static for c in configs)
+    dims = list(x.shape) if static else [f"d{i}" for i in range(x.dim())]
+    outs = run(model_for(configs, dims, elem_type), x.numpy())
+    failures = []
+    for (fmt, opts), got in zip(cases, outs, strict=True):
+        bad = bit_mismatches(torch.from_numpy(got), fake_quantize(x, fmt, **opts))
+        if bad:
+            failures.append(f"{fmt} {opts}: {bad} elements differ")
+    assert not failures, "\n".join(failures)
+
+
+def test_every_format_and_option_is_bit_exact_in_onnxruntime():
+    cases = all_configs()
+    assert len(cases) >= 60
+    check(cases, adversarial(), static=True)
+
+
+def test_dynamic_shapes_block_the_same_way():
+    """Bodies of inputs with symbolic dims cut blocks from Shape(x) at run time."""
+    cases = [("mxfp4", {}), ("mxfp8_e4m3", {"axis": 0}), ("nvfp4", {}), ("nvfp4", {"nvfp4_variant": "one_level"}),
+             ("int4", {"block_size": 24}), ("mxfp6_e3m2", {"block_shape": (32, 32)}),
+             ("nvfp4", {"block_shape": (16, 16), "nvfp4_variant": "compressed-tensors"})]
+    check(cases, adversarial(seed=3), static=False)
+
+
+@pytest.mark.parametrize("static", [True, False])
+def test_other_ranks_and_axes(static):
+    x3 = adversarial(32, 200, seed=1).reshape(4, 8, 200)
+    cases = [("mxfp4", {}), ("mxfp4", {"axis": 1}), ("nvfp4", {"axis": 0}), ("int8", {"axis": -2}),
+             ("mxfp8_e5m2", {"block_shape": (32, 32)})]
+    check(cases, x3, static=static)
+
+
+def test_half_precision_inputs_round_at_the_end():
+    xh = torch.nan_to_num(adversarial(seed=2), posinf=0.0, neginf=0.0).clamp(-6e4, 6e4).half()
+    check([("mxfp4", {}), ("nvfp4", {}), ("int4", {})], xh, static=True, elem_type=TensorProto.FLOAT16)
+
+
+def test_node_attributes_and_overloads_name_the_options():
+    cfg = FakeQuantConfig.from_options("mxfp4", {"scale_rule": "rceil", "axis": 0})
+    assert cfg.spec.onnx_op == "MXFP4FakeQuant"
+    assert cfg.attributes() == {"axis": 0, "rounding": "rne", "block_size": 32, "scale_rule": "rceil"}
+    assert cfg.overload() == "b32_axis0_rne_rceil"
+    tiles = FakeQuantConfig.from_options("nvfp4", {"block_shape": [16, 16], "nvfp4_variant": "one_level"})
+    assert tiles.attributes()["block_shape"] == [16, 16] and tiles.overload() == "b16x16_axism1_rne_one_level"
+    fn = fake_quant_function(cfg, 21)
+    assert (fn.domain, fn.name, fn.overload) == (DOMAIN, "MXFP4FakeQuant", cfg.overload())
+    assert all(n.domain == "" for n in fn.node)  # standard ops only
+
+
+def test_stochastic_rounding_and_bad_options_are_clear_errors():
+    from qtransform.onnx_export import _fake_quant_translation
+
+    with pytest.raises(ExportError, match="layer/weight_fake_quant.*stochastic rounding cannot be exported"):
+        _fake_quant_translation(None, "mxfp4", '{"rounding": "stochastic"}', "layer/weight_fake_quant")
+    with pytest.raises(ExportError, match="scale_rule='flor'.*did you mean 'floor'"):
+        _fake_quant_translation(None, "mxfp4", '{"scale_rule": "flor"}', "layer/weight_fake_quant")

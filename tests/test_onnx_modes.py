@@ -1,0 +1,124 @@
+"""Export modes on a small MLP: inlined bodies, QDQ, noise as random draws or off, Programs."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+import torch
+from onnx.reference import ReferenceEvaluator
+from torch import nn
+
+import qtransform
+from qtransform.errors import UserError
+from qtransform.onnx_export import export_onnx
+from qtransform.onnx_functions import DOMAIN
+
+W4A4 = {"version": 1, "quantize": [
+    {"targets": ["0"], "format": "mxfp4", "tensors": ["weight", "input"]},
+    {"targets": ["2"], "format": "nvfp4", "tensors": ["weight"]},
+    {"targets": ["4"], "format": "int8", "tensors": ["weight", "input"]}]}
+NOISY = {**W4A4, "hw_error": {"targets": ["Linear"], "error_type": "absolute_gaussian", "error_scale": 0.1}}
+
+
+def mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(64, 96), nn.ReLU(), nn.Linear(96, 64), nn.GELU(), nn.Linear(64, 32)).eval()
+
+
+def x(batch: int = 3) -> torch.Tensor:
+    return torch.randn(batch, 64, generator=torch.Generator().manual_seed(batch))
+
+
+def ort_run(path, feeds: dict) -> list[np.ndarray]:
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    return session.run(None, feeds)
+
+
+def torch_out(model: nn.Module, inp: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model(inp)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return qtransform.transform(mlp(), W4A4)
+
+
+@pytest.fixture(scope="module")
+def function_file(model, tmp_path_factory):
+    return export_onnx(model, tmp_path_factory.mktemp("f") / "m.onnx", x())
+
+
+def test_inline_expands_bodies_into_named_standard_ops(model, function_file, tmp_path):
+    path = export_onnx(model, tmp_path / "inline.onnx", x(), fake_quant="inline")
+    proto = onnx.load(path)
+    assert not proto.functions and all(n.domain == "" for n in proto.graph.node)
+    assert any(n.name.startswith("0/weight_fake_quant/") for n in proto.graph.node)
+    for batch in (1, 5):
+        feeds = {"input_0": x(batch).numpy()}
+        assert np.array_equal(ort_run(path, feeds)[0], ort_run(function_file, feeds)[0])
+
+
+def test_qdq_passes_the_checker_and_the_reference_evaluator(model, tmp_path):
+    path = export_onnx(model, tmp_path / "qdq.onnx", x(), fake_quant="qdq")
+    proto = onnx.load(path)
+    onnx.checker.check_model(proto, full_check=True)
+    assert proto.opset_import[0].version >= 24 and not proto.functions
+    ops = [n.op_type for n in proto.graph.node]
+    assert ops.count("DequantizeLinear") == 3 + 1 + 2  # 3 weights, NVFP4 block scales, 2 activations
+    assert ops.count("QuantizeLinear") == 2
+    types = {t.name: t.data_type for t in proto.graph.initializer}
+    assert types["0/weight_fake_quant/q"] == onnx.TensorProto.FLOAT4E2M1
+    assert types["0/weight_fake_quant/scale"] == onnx.TensorProto.FLOAT8E8M0
+    assert types["2/weight_fake_quant/block_scale"] == onnx.TensorProto.FLOAT8E4M3FN
+    assert types["4/weight_fake_quant/q"] == onnx.TensorProto.INT8
+    inp = x()
+    got = ReferenceEvaluator(proto).run(None, {"input_0": inp.numpy()})[0]
+    want = torch_out(model, inp)
+    assert np.abs(got - want.numpy()).max() <= 1e-5 * float(want.abs().max())
+
+
+def test_qdq_names_the_formats_it_cannot_express(tmp_path):
+    pol = {"version": 1, "quantize": [{"targets": ["0"], "format": "mxfp6_e2m3"},
+                                      {"targets": ["2"], "format": "mxfp4", "rounding": "rna"}]}
+    with pytest.raises(UserError, match=r"mxfp4, mxfp6_e2m3.*0/weight_fake_quant \(mxfp6_e2m3: e2m3 elements"):
+        export_onnx(qtransform.transform(mlp(), pol), tmp_path / "q.onnx", x(), fake_quant="qdq")
+    assert not (tmp_path / "q.onnx").exists()
+
+
+def test_noise_modes(tmp_path):
+    model = qtransform.transform(mlp(), NOISY)
+    inputs = export_onnx(model, tmp_path / "in.onnx", x())
+    names = [i.name for i in onnx.load(inputs).graph.input]
+    assert names == ["input_0", "noise:0/output", "noise:2/output", "noise:4/output"]
+    feeds = {"input_0": x().numpy()} | {n: np.zeros((3, d), np.float32) for n, d in zip(names[1:], (96, 64, 32), strict=True)}
+    clean = ort_run(inputs, feeds)[0]
+
+    off = export_onnx(model, tmp_path / "off.onnx", x(), noise="off")
+    proto = onnx.load(off)
+    assert [i.name for i in proto.graph.input] == ["input_0"]
+    assert not any(n.op_type == "Noise" for n in proto.graph.node)
+    assert np.array_equal(ort_run(off, {"input_0": x().numpy()})[0], clean)
+
+    rnd = export_onnx(model, tmp_path / "rnd.onnx", x(), noise="random")
+    proto = onnx.load(rnd)
+    draws = [n for n in proto.graph.node if n.op_type == "RandomNormalLike"]
+    assert [i.name for i in proto.graph.input] == ["input_0"] and len(draws) == 3
+    assert all(any(a.name == "seed" for a in d.attribute) for d in draws)
+    first, again = (ort_run(rnd, {"input_0": x().numpy()})[0] for _ in range(2))
+    assert np.array_equal(first, again)  # seeded: a fresh session draws the same numbers
+    assert not np.allclose(first, clean)
+
+
+def test_a_graph_mode_program_exports_and_is_audited_against_its_log(tmp_path):
+    program = qtransform.transform(mlp(), W4A4, x(), mode="graph", return_program=True)
+    path = export_onnx(program, tmp_path / "p.onnx", x())
+    proto = onnx.load(path)
+    labels = sorted(n.name for n in proto.graph.node if n.domain == DOMAIN)
+    assert labels == sorted(f"{i.site}/{i.point}_fake_quant" for i in program.insertions(pass_name="fake_quant"))
+    inp = x() + 1.0  # the captured graph module itself only runs at the captured shape
+    want = torch_out(program.module(), inp)
+    got = ort_run(path, {"input_0": inp.numpy()})[0]
+    assert np.abs(got - want.numpy()).max() <= 1e-5 * float(want.abs().max())
