@@ -17,12 +17,19 @@ from typing import Any
 
 import torch
 
-_CHUNK = 1 << 17  # elements per float64 pass: four rows of this stay in cache
+from qtransform.formats import fastpath
+
+_CHUNK = 1 << 15  # elements per chunk of the torch path (19 float64 rows: 5 MB)
 _SUMS = (
     "sum_x", "sum_x2", "sum_x3", "sum_x4", "sum_q", "sum_q2", "sum_q3", "sum_q4",
     "sum_e2", "sum_abs_e", "sum_xq", "sum_rel", "nonzero", "deadzone", "saturated",
 )
-_S = {name: i for i, name in enumerate(_SUMS)}
+_COUNTS = ("n", "saturation_checked", "nan_orig", "nan_quant", "nonfinite")
+# the accumulator: one float64 vector (counts are exact below 2^53), laid out as qfast.c's qf_stats
+_FIELDS = (*_SUMS, *_COUNTS, "max_abs_error")
+_F = {name: i for i, name in enumerate(_FIELDS)}
+_MAX = _F["max_abs_error"]
+assert len(_FIELDS) == fastpath.STATS_SLOTS
 
 
 def _ratio(num: float, den: float) -> float:
@@ -38,17 +45,41 @@ class ErrorStats:
     `update` many times (any chunking, any shapes), `merge` accumulators of other tensors or
     workers, then `result()`. Pairs where x or xq is NaN/Inf are left out of every sum and counted
     (`nan_orig`, `nan_quant`, `nonfinite`), so one NaN block cannot hide the rest of a tensor and
-    is still reported. Sums stay on the device of the first update until `result()`/`state()`.
+    is still reported. All sums and counts live in one float64 vector on the device of the first
+    update: an update never waits for the device, reading a count or `result()` does. On CPU an
+    update is one call of the compiled kernel (`fastpath.error_stats`) that adds into that vector.
     """
 
     def __init__(self) -> None:
-        self.n = 0
-        self.saturation_checked = 0  # elements that came with a saturation mask
-        self.nan_orig = 0
-        self.nan_quant = 0
-        self.nonfinite = 0
-        self._sums: torch.Tensor | None = None  # float64, one entry per name in _SUMS
-        self._max: torch.Tensor | None = None  # float64 scalar: max |x - xq|
+        self._acc: torch.Tensor | None = None  # float64, one entry per name in _FIELDS
+
+    def _count(self, name: str) -> int:
+        return 0 if self._acc is None else int(self._acc[_F[name]])
+
+    @property
+    def n(self) -> int:
+        """Pairs measured (finite x and xq)."""
+        return self._count("n")
+
+    @property
+    def saturation_checked(self) -> int:
+        """Measured pairs that came with a saturation mask."""
+        return self._count("saturation_checked")
+
+    @property
+    def nan_orig(self) -> int:
+        """NaN values seen in x."""
+        return self._count("nan_orig")
+
+    @property
+    def nan_quant(self) -> int:
+        """NaN values seen in xq (an MX block holding an Inf comes out all NaN)."""
+        return self._count("nan_quant")
+
+    @property
+    def nonfinite(self) -> int:
+        """Pairs left out because x or xq was NaN or ±Inf."""
+        return self._count("nonfinite")
 
     def update(self, x: torch.Tensor, xq: torch.Tensor, saturated: torch.Tensor | None = None) -> ErrorStats:
         """Add the pairs (x, xq); `saturated` is the format's clipped-at-max-normal mask, if known."""
@@ -57,63 +88,43 @@ class ErrorStats:
             raise ValueError(f"shape mismatch: x {tuple(x.shape)}, xq {tuple(xq.shape)}{extra}")
         if x.numel() == 0:
             return self
-        xf, qf = x.detach().reshape(-1), xq.detach().reshape(-1)
-        sf = None if saturated is None else saturated.detach().reshape(-1)
-        sums, mx = _pass(xf, qf, sf, exact=False)
-        if not bool(torch.isfinite(sums).all()):
-            ok = torch.isfinite(xf) & torch.isfinite(qf)
-            kept = int(ok.sum())
-            self.nan_orig += int(torch.isnan(xf).sum())
-            self.nan_quant += int(torch.isnan(qf).sum())
-            self.nonfinite += xf.numel() - kept
-            if kept < xf.numel():
-                xf, qf, sf = xf[ok], qf[ok], None if sf is None else sf[ok]
-            if kept == 0:
-                return self
-            sums, mx = _pass(xf, qf, sf, exact=True)
-        self._add(xf.numel(), sums, mx)
-        if sf is not None:
-            self.saturation_checked += sf.numel()
+        if self._acc is None and x.is_cpu:
+            self._acc = torch.zeros(len(_FIELDS), dtype=torch.float64)
+        if self._acc is not None and fastpath.error_stats(x, xq, saturated, self._acc):
+            return self
+        self._add(_pass(x.detach().reshape(-1), xq.detach().reshape(-1),
+                        None if saturated is None else saturated.detach().reshape(-1)))
         return self
 
-    def _add(self, n: int, sums: torch.Tensor, mx: torch.Tensor) -> None:
-        if self._sums is None or self._max is None:
-            self._sums, self._max = sums.clone(), mx.clone()
-        else:
-            self._sums += sums.to(self._sums.device)
-            self._max = torch.maximum(self._max, mx.to(self._max.device))
-        self.n += n
+    def _add(self, v: torch.Tensor) -> None:
+        """Add an accumulator vector: sums and counts add, the max is kept."""
+        if self._acc is None:
+            self._acc = v.clone()
+            return
+        v = v.to(self._acc.device)
+        self._acc[:_MAX] += v[:_MAX]
+        torch.maximum(self._acc[_MAX:], v[_MAX:], out=self._acc[_MAX:])
 
     def merge(self, other: ErrorStats) -> ErrorStats:
         """Add another accumulator (another tensor, batch or worker) into this one."""
-        if other._sums is not None and other._max is not None:
-            self._add(other.n, other._sums, other._max)
-        self.saturation_checked += other.saturation_checked
-        self.nan_orig += other.nan_orig
-        self.nan_quant += other.nan_quant
-        self.nonfinite += other.nonfinite
+        if other._acc is not None:
+            self._add(other._acc)
         return self
 
     def state(self) -> dict[str, float]:
         """The raw accumulator as plain numbers (JSON-able; `from_state` rebuilds it exactly)."""
-        out: dict[str, float] = {
-            "n": self.n, "saturation_checked": self.saturation_checked,
-            "nan_orig": self.nan_orig, "nan_quant": self.nan_quant, "nonfinite": self.nonfinite,
-        }
-        sums = self._sums.tolist() if self._sums is not None else [0.0] * len(_SUMS)
-        out.update(zip(_SUMS, sums, strict=True))
-        out["max_abs_error"] = float(self._max) if self._max is not None else 0.0
+        values = self._acc.tolist() if self._acc is not None else [0.0] * len(_FIELDS)
+        raw = dict(zip(_FIELDS, values, strict=True))
+        out: dict[str, float] = {k: int(raw[k]) for k in _COUNTS}
+        out.update((k, raw[k]) for k in (*_SUMS, "max_abs_error"))
         return out
 
     @classmethod
     def from_state(cls, state: dict[str, Any]) -> ErrorStats:
         """Inverse of `state()`, e.g. to re-aggregate the rows of a saved report."""
         stats = cls()
-        for key in ("n", "saturation_checked", "nan_orig", "nan_quant", "nonfinite"):
-            setattr(stats, key, int(state[key]))
-        if stats.n:
-            stats._sums = torch.tensor([float(state[k]) for k in _SUMS], dtype=torch.float64)
-            stats._max = torch.tensor(float(state["max_abs_error"]), dtype=torch.float64)
+        if any(state[k] for k in _COUNTS):
+            stats._acc = torch.tensor([float(state[k]) for k in _FIELDS], dtype=torch.float64)
         return stats
 
     def result(self) -> dict[str, float]:
@@ -144,48 +155,60 @@ class ErrorStats:
         }
 
 
-def _pass(xf: torch.Tensor, qf: torch.Tensor, sf: torch.Tensor | None, *, exact: bool):
-    """All sums of one flat tensor pair: float64 element math on cache-sized chunks.
+def _pass(xf: torch.Tensor, qf: torch.Tensor, sf: torch.Tensor | None) -> torch.Tensor:
+    """Torch path (other devices, float64, no compiler): the accumulator vector of one flat
+    pair, from float64 element math on chunks and one stacked reduction per chunk.
 
-    The fast pass counts nonzeros on the inputs and sums |e|/|x| with `nansum`. That is right
-    unless some x == 0 has xq != 0 (no quantizer does that; noise can): the sum then comes out
-    infinite and the caller reruns with `exact`, which drops x == 0 explicitly.
+    The same terms as qf_stats: non-finite pairs become (0, 0), which adds nothing to any sum,
+    and are counted; |e|/|x| is taken where x != 0. Masks are float64 rows, not bool tensors
+    (which cost several times more per element on CPU), and nothing is read back to the host.
     """
     chunk = min(_CHUNK, xf.numel())
-    buf = torch.empty(4, chunk, dtype=torch.float64, device=xf.device)
-    sums = torch.zeros(len(_SUMS), dtype=torch.float64, device=xf.device)
-    mx = torch.zeros((), dtype=torch.float64, device=xf.device)
+    rows = torch.zeros(_F["nonfinite"], chunk, dtype=torch.float64, device=xf.device)
+    acc = torch.zeros(len(_FIELDS), dtype=torch.float64, device=xf.device)
+    views = _RowViews(rows)
     for start in range(0, xf.numel(), chunk):
         xs, qs = xf[start : start + chunk], qf[start : start + chunk]
-        X, Q, A, B = (row[: xs.numel()] for row in buf)
-        X.copy_(xs)
-        Q.copy_(qs)
-        torch.sub(X, Q, out=A)
-        v = {"sum_e2": torch.dot(A, A), "sum_xq": torch.dot(X, Q)}
-        A.abs_()
-        v["sum_abs_e"] = A.sum()
-        mx = torch.maximum(mx, A.max())
-        torch.abs(X, out=B)
-        A.div_(B)  # |e| / |x|: NaN where x == xq == 0, Inf where x == 0 != xq
-        if exact:
-            v["sum_rel"] = A.nan_to_num_(nan=0.0, posinf=0.0).sum()
-            torch.sign(X, out=A)
-            torch.sign(Q, out=B)
-            v["nonzero"] = torch.dot(A, A)
-            v["deadzone"] = v["nonzero"] - torch.dot(B.mul_(A), B)
-        else:
-            v["sum_rel"] = A.nansum()
-            v["nonzero"] = torch.count_nonzero(xs).to(torch.float64)
-            v["deadzone"] = v["nonzero"] - torch.count_nonzero(qs)
-        for V, tag in ((X, "x"), (Q, "q")):
-            torch.mul(V, V, out=A)
-            v[f"sum_{tag}"], v[f"sum_{tag}2"] = V.sum(), A.sum()
-            v[f"sum_{tag}3"], v[f"sum_{tag}4"] = torch.dot(A, V), torch.dot(A, A)
-        v["saturated"] = torch.zeros_like(mx)
-        sums += torch.stack([v[k] for k in _SUMS])
+        if xs.numel() < chunk:
+            views = _RowViews(rows[:, : xs.numel()])
+        R = views
+        R.x.copy_(xs)
+        R.q.copy_(qs)
+        torch.ne(R.v, R.v, out=R.nan)  # NaN != NaN: the nan_orig and nan_quant rows
+        torch.mul(R.v, 0.0, out=R.p2)  # 0 where finite, NaN where not
+        torch.eq(R.p2[0] + R.p2[1], 0.0, out=R.ok)
+        R.v.nan_to_num_(0.0, 0.0, 0.0).mul_(R.ok)  # a pair with a NaN/Inf becomes (0, 0)
+        torch.mul(R.v, R.v, out=R.p2)
+        torch.mul(R.p2, R.v, out=R.p3)
+        torch.mul(R.p2, R.p2, out=R.p4)
+        torch.sub(R.x, R.q, out=R.ae)
+        torch.mul(R.ae, R.ae, out=R.e2)
+        R.ae.abs_()
+        torch.mul(R.x, R.q, out=R.xq)
+        torch.div(R.ae, torch.abs(R.x, out=R.rel), out=R.rel).nan_to_num_(0.0, 0.0)  # x == 0: 0
+        torch.ne(R.x, 0.0, out=R.nz)
+        torch.eq(R.q, 0.0, out=R.dz).mul_(R.nz)
+        if sf is not None:
+            R.sat.copy_(sf[start : start + chunk]).ne_(0.0).mul_(R.ok)
+        acc[: _F["nonfinite"]] += R.all.sum(dim=1)  # the saturation_checked row stays 0
+        torch.maximum(acc[_MAX], R.ae.max(), out=acc[_MAX])
     if sf is not None:
-        sums[_S["saturated"]] = torch.count_nonzero(sf).to(torch.float64)
-    return sums, mx
+        acc[_F["saturation_checked"]] = acc[_F["n"]]
+    acc[_F["nonfinite"]] = xf.numel() - acc[_F["n"]]
+    return acc
+
+
+class _RowViews:
+    """Named rows of the torch path's float64 chunk buffer, one per accumulator field."""
+
+    def __init__(self, rows: torch.Tensor) -> None:
+        self.all = rows
+        self.v, self.p2, self.p3, self.p4 = rows[:8].view(2, 4, -1).unbind(1)  # x.. x⁴, q.. q⁴
+        self.x, self.q = self.v
+        self.e2, self.ae, self.xq = rows[_F["sum_e2"]], rows[_F["sum_abs_e"]], rows[_F["sum_xq"]]
+        self.rel, self.nz, self.dz = rows[_F["sum_rel"]], rows[_F["nonzero"]], rows[_F["deadzone"]]
+        self.sat, self.ok = rows[_F["saturated"]], rows[_F["n"]]
+        self.nan = rows[_F["nan_orig"] : _F["nan_quant"] + 1]  # [nan_orig, nan_quant]
 
 
 def _kurtosis(n: float, s1: float, s2: float, s3: float, s4: float) -> float:
@@ -220,10 +243,14 @@ class BlockExponentHistogram:
         self.out_of_range = 0
 
     def update(self, exponents: torch.Tensor) -> BlockExponentHistogram:
-        e = exponents.detach().reshape(-1).to(device="cpu", dtype=torch.int64)
-        inside = (e >= self.LOW) & (e <= self.HIGH)
-        self.out_of_range += int(e.numel() - inside.sum())
-        self.counts += torch.bincount(e[inside] - self.LOW, minlength=self.counts.numel())
+        # bin 0 collects everything below LOW, the last bin everything above HIGH
+        e = exponents.detach().reshape(-1)
+        bins = torch.zeros(self.counts.numel() + 2, dtype=torch.int64)
+        if not fastpath.bincount(e, self.LOW, bins):
+            e = e.to("cpu", torch.int64)
+            bins += torch.bincount((e - (self.LOW - 1)).clamp_(0, bins.numel() - 1), minlength=bins.numel())
+        self.counts += bins[1:-1]
+        self.out_of_range += int(bins[0] + bins[-1])
         return self
 
     def merge(self, other: BlockExponentHistogram) -> BlockExponentHistogram:

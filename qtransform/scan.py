@@ -31,6 +31,7 @@ from torch import nn
 from qtransform import formats
 from qtransform.compare import Comparison
 from qtransform.errors import UserError
+from qtransform.formats.quantize import quantize_with_info
 from qtransform.metrics import BlockExponentHistogram, ErrorStats
 from qtransform.report import DEFAULT_THRESHOLDS, ScanReport, SiteRow, build_meta
 from qtransform.sites import Site, discover_sites, layer_index, role_of
@@ -226,40 +227,21 @@ def policy_rules(policy: Any) -> list[dict[str, Any]]:
 def measure(
     w: torch.Tensor, site: Site, choice: QuantChoice
 ) -> tuple[ErrorStats, BlockExponentHistogram | None]:
-    """Fake-quantize one weight and accumulate its error, saturation and MX block exponents."""
+    """Fake-quantize one weight and accumulate its error, saturation and MX block exponents.
+
+    One quantization gives all three (`quantize_with_info`); the metrics are one more pass.
+    """
     opts = dict(choice.options)
     if "block_shape" not in opts:
         opts.setdefault("axis", site.reduction_axis)
     gen = None
     if opts.get("rounding") == "stochastic":
         gen = torch.Generator(device=w.device).manual_seed(choice.seed)
-    with torch.no_grad():
-        xq = formats.fake_quantize(w, choice.fmt, generator=gen, **opts)
-        sat = formats.saturated(w, choice.fmt, **opts)
-        stats = ErrorStats().update(w, xq, sat)
-        del xq, sat
-        hist = block_exponent_histogram(w, choice.fmt, opts) if formats.get(choice.fmt).family == "mx" else None
+    is_mx = formats.get(choice.fmt).family == "mx"
+    xq, sat, exps = quantize_with_info(w, choice.fmt, exponents=is_mx, generator=gen, **opts)
+    stats = ErrorStats().update(w, xq, sat)
+    hist = BlockExponentHistogram().update(exps) if exps is not None else None
     return stats, hist
-
-
-def block_exponent_histogram(w: torch.Tensor, fmt: str, opts: dict[str, Any]) -> BlockExponentHistogram:
-    """Histogram of the MX shared exponents of w under `opts`.
-
-    E depends only on each block's amax (and the scale rule), so rather than running
-    `block_exponents` over the whole tensor (a full quantization) we hand it one [amax, 0] pair
-    per block with block_size 2: the same exponents for a sixteenth of the work. Zero-padding a
-    row does not change its amax. 2-D tiles take the direct route.
-    """
-    hist = BlockExponentHistogram()
-    if opts.get("block_shape") is not None:
-        return hist.update(formats.block_exponents(w, fmt, **opts))
-    block = opts.get("block_size") or formats.get(fmt).default_block
-    rows = w.detach().movedim(opts.get("axis", -1), -1)
-    rows = torch.nn.functional.pad(rows, (0, -rows.shape[-1] % block))
-    amax = rows.reshape(-1, block).abs().amax(dim=1, keepdim=True).to(torch.float32)
-    pairs = torch.cat([amax, torch.zeros_like(amax)], dim=1)
-    rule = {"scale_rule": opts["scale_rule"]} if "scale_rule" in opts else {}
-    return hist.update(formats.block_exponents(pairs, fmt, block_size=2, **rule))
 
 
 def _progress(refs: Sequence[WeightRef], progress: bool | None, desc: str):

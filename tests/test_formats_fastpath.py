@@ -8,9 +8,10 @@ import shutil
 import pytest
 import torch
 
-from qtransform.formats import fake_quantize, fastpath, names, saturated
+from qtransform.formats import block_exponents, fake_quantize, fastpath, names, saturated
 from qtransform.formats.options import resolve
-from qtransform.formats.quantize import layout_for
+from qtransform.formats.quantize import layout_for, quantize_with_info
+from qtransform.metrics import ErrorStats
 
 NAN, INF = float("nan"), float("inf")
 HAS_CC = shutil.which("cc") is not None or shutil.which("gcc") is not None
@@ -183,3 +184,58 @@ def test_portable_build_is_bit_identical_too(monkeypatch, tmp_path):
     assert fastpath.library() is not None
     for (fmt, opts), x in itertools.product(CONFIGS[::5], DATA[::2]):
         assert _same(fake_quantize(x, fmt, **opts), _reference(x, fmt, monkeypatch, **opts))
+    x = torch.cat([d.reshape(-1) for d in DATA])  # and the statistics kernel, with NaN and Inf
+    xq, sat, _ = quantize_with_info(x, "mxfp4")
+    fast = ErrorStats().update(x, xq, sat).state()
+    monkeypatch.setenv("QTRANSFORM_FASTPATH", "0")
+    ref = ErrorStats().update(x, xq, sat).state()
+    assert {k: v for k, v in fast.items() if not k.startswith("sum_")} == {
+        k: v for k, v in ref.items() if not k.startswith("sum_")}
+    for key in ("sum_x2", "sum_q4", "sum_e2", "sum_abs_e", "sum_rel"):
+        assert fast[key] == pytest.approx(ref[key], rel=1e-12), key
+
+
+@pytest.mark.parametrize(("fmt", "opts"), CONFIGS[::3], ids=[f"{f}-{'-'.join(o.values())}"
+                                                             for f, o in CONFIGS[::3]])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_bf16_fp16_inputs_are_read_natively_and_bit_identical(lib, fmt, opts, dtype, monkeypatch):
+    for x, lay in itertools.product(DATA, ({}, {"axis": 0}, {"block_shape": (16, 16)})):
+        xd = x.to(dtype)
+        a, b = fake_quantize(xd, fmt, **opts, **lay), _reference(xd, fmt, monkeypatch, **opts, **lay)
+        assert a.dtype == dtype and torch.equal(a.view(torch.int16), b.view(torch.int16)), lay
+        assert torch.equal(saturated(xd, fmt, **opts, **lay), _ref_sat(xd, fmt, monkeypatch, **opts, **lay))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_quantize_with_info_is_one_call_of_the_three(lib, dtype, monkeypatch):
+    """(fake_quantize, saturated, block_exponents) from one quantization, on both paths."""
+    for (fmt, opts), x in itertools.product(CONFIGS[::2], DATA):
+        mx = fmt.startswith("mx")
+        for lay in ({}, {"axis": 0}, {"block_shape": (16, 16)}):
+            xd = x.to(dtype)
+            got = quantize_with_info(xd, fmt, exponents=mx, **opts, **lay)
+            with monkeypatch.context() as m:
+                m.setenv("QTRANSFORM_FASTPATH", "0")
+                ref = quantize_with_info(xd, fmt, exponents=mx, **opts, **lay)
+                want = (fake_quantize(xd, fmt, **opts, **lay), saturated(xd, fmt, **opts, **lay),
+                        block_exponents(xd, fmt, **opts, **lay) if mx else None)
+            bits = torch.int32 if dtype == torch.float32 else torch.int16
+            for a, b, c in ((got[0].view(bits), ref[0].view(bits), want[0].view(bits)),
+                            got[1:2] + ref[1:2] + want[1:2]):
+                assert torch.equal(a, b) and torch.equal(b, c), (fmt, lay)
+            if mx:
+                assert torch.equal(got[2], ref[2]) and torch.equal(ref[2], want[2]), (fmt, lay)
+                assert torch.equal(block_exponents(xd, fmt, **opts, **lay), want[2])  # fast path
+            else:
+                assert got[2] is None and ref[2] is None
+
+
+def test_quantize_with_info_stochastic_and_errors(lib):
+    x = torch.randn(4, 64)
+    out, sat, exps = quantize_with_info(x, "mxfp4", rounding="stochastic",
+                                        generator=torch.Generator().manual_seed(0))
+    again = fake_quantize(x, "mxfp4", rounding="stochastic", generator=torch.Generator().manual_seed(0))
+    assert torch.equal(out, again) and torch.equal(sat, saturated(x, "mxfp4")) and exps is None
+    with pytest.raises(ValueError, match="MX formats only"):
+        quantize_with_info(x, "nvfp4", exponents=True)
+    assert quantize_with_info(torch.tensor(3.3), "mxfp4", exponents=True)[2].shape == ()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 
 import numpy as np
 import pytest
@@ -12,6 +13,7 @@ from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
 from qtransform import metrics
+from qtransform.formats import fastpath
 from qtransform.metrics import BlockExponentHistogram, ErrorStats
 
 RTOL = 1e-12
@@ -139,6 +141,7 @@ def test_shape_mismatch_is_an_error():
         ErrorStats().update(torch.zeros(3), torch.zeros(4))
 
 
+@pytest.mark.parametrize("fast", ["1", "0"])  # the compiled kernel, then the torch path
 @settings(max_examples=40, deadline=None)
 @given(
     arrays(np.float32, st.integers(1, 400),
@@ -146,8 +149,10 @@ def test_shape_mismatch_is_an_error():
     st.lists(st.integers(0, 400), max_size=6),
     st.integers(16, 128),
 )
-def test_chunking_does_not_change_the_result(values, cuts, chunk):
-    metrics._CHUNK = chunk  # also exercise the internal chunk loop
+def test_chunking_does_not_change_the_result(fast, values, cuts, chunk):
+    default_chunk, metrics._CHUNK = metrics._CHUNK, chunk  # also exercise the torch path's chunks
+    before = os.environ.get("QTRANSFORM_FASTPATH")
+    os.environ["QTRANSFORM_FASTPATH"] = fast
     try:
         x = torch.from_numpy(values)
         q = quantize_like(x, step=0.5)
@@ -158,7 +163,11 @@ def test_chunking_does_not_change_the_result(values, cuts, chunk):
             chunked.update(x[lo:hi], q[lo:hi], sat[lo:hi])
         one = ErrorStats().update(x, q, sat)
     finally:
-        metrics._CHUNK = 1 << 17
+        metrics._CHUNK = default_chunk
+        if before is None:
+            os.environ.pop("QTRANSFORM_FASTPATH")
+        else:
+            os.environ["QTRANSFORM_FASTPATH"] = before
     a, b = chunked.result(), one.result()
     # sums of non-negative terms: relative agreement
     for key in ("sqnr_db", "mse", "cosine", "max_abs_error", "deadzone", "saturation", "mean_rel_error"):
@@ -179,3 +188,111 @@ def test_block_exponent_histogram_counts_and_merges():
     merged = BlockExponentHistogram.from_result(r).merge(BlockExponentHistogram().update(torch.tensor([5])))
     assert merged.result()["max"] == 5 and merged.result()["blocks"] == 7
     assert BlockExponentHistogram().result()["min"] is None
+
+
+# -- the compiled statistics kernel (fastpath.error_stats) against the torch path ---------------
+NAN, INF = float("nan"), float("inf")
+SIGNED = {"sum_x": 1, "sum_x3": 3, "sum_q": 1, "sum_q3": 3, "sum_xq": 2}  # sums that can cancel
+
+
+def _pairs() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Random data over scales, sizes beyond one kernel chunk, and adversarial pairs."""
+    g = torch.Generator().manual_seed(7)
+    out = []
+    for n, scale in ((1, 1.0), (3, 1e-3), (255, 1.0), (4099, 30.0), (70_001, 0.02)):
+        x = torch.randn(n, generator=g) * scale
+        out.append((x, quantize_like(x / scale) * scale))
+    specials = [0.0, -0.0, 1e-45, -1e-40, 2.0**-126, 6e-8, 3e-5, 3.4e38, -3.4e38, 65504.0,
+                70000.0, NAN, INF, -INF, 1.0, -2.5, 0.3]
+    s = torch.tensor(specials)
+    x, q = s.repeat_interleave(len(s)), s.repeat(len(s))  # every pair of specials
+    out.append((x, q))
+    x = torch.randn(50_000, generator=g) * 4
+    x[::7], x[3::11], x[5::13], x[6::17] = 0.0, -0.0, NAN, INF
+    q = quantize_like(x)
+    q[1::19], q[2::23], q[7::29] = NAN, 0.0, 0.7  # NaN only in xq; deadzone; x == 0 with xq != 0
+    out.append((x, q))
+    out.append((torch.full((40,), NAN), torch.zeros(40)))  # nothing finite
+    return out
+
+
+def _both_paths(x, q, sat, monkeypatch) -> tuple[dict, dict]:
+    fast = ErrorStats().update(x, q, sat).state()
+    with monkeypatch.context() as m:
+        m.setenv("QTRANSFORM_FASTPATH", "0")
+        ref = ErrorStats().update(x, q, sat).state()
+    return fast, ref
+
+
+def _assert_same_state(fast: dict, ref: dict, x: torch.Tensor, q: torch.Tensor) -> None:
+    ok = torch.isfinite(x) & torch.isfinite(q)
+    mags = {"x": x.double()[ok].abs(), "q": q.double()[ok].abs()}
+    for key, want in ref.items():
+        got = fast[key]
+        if key in SIGNED:  # agreement relative to the sum of magnitudes of the terms
+            scale = float((mags["x"] * mags["q"]).sum()) if key == "sum_xq" else float(
+                (mags[key[4]] ** SIGNED[key]).sum())
+            assert abs(got - want) <= RTOL * scale, key
+        elif key.startswith("sum_"):
+            assert got == pytest.approx(want, rel=RTOL, abs=0.0), key
+        else:  # counts and max |e|: exact
+            assert got == want, key
+
+
+@pytest.mark.skipif(fastpath.library() is None, reason="no C compiler: only the torch path runs")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_fused_kernel_equals_the_torch_path(dtype, threads, monkeypatch):
+    prev = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for x, q in _pairs():
+            x, q = x.to(dtype), q.to(dtype)
+            assert fastpath.error_stats(x, q, None, torch.zeros(fastpath.STATS_SLOTS, dtype=torch.float64))
+            for sat in (None, x.float().abs() > 2):
+                fast, ref = _both_paths(x, q, sat, monkeypatch)
+                _assert_same_state(fast, ref, x, q)
+    finally:
+        torch.set_num_threads(prev)
+
+
+@pytest.mark.skipif(fastpath.library() is None, reason="no C compiler: only the torch path runs")
+def test_fused_kernel_result_does_not_depend_on_threads_or_layout(monkeypatch):
+    x = torch.randn(300, 257, generator=torch.Generator().manual_seed(8))
+    q = quantize_like(x)
+    prev = torch.get_num_threads()
+    states = []
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            states.append(ErrorStats().update(x, q).state())
+    finally:
+        torch.set_num_threads(prev)
+    assert states[0] == states[1]  # fixed chunks, added in order: bit-identical sums
+    assert ErrorStats().update(x.T, q.T).state() == ErrorStats().update(x.T.contiguous(), q.T.contiguous()).state()
+
+
+def test_unsupported_inputs_take_the_torch_path_with_the_same_result(monkeypatch):
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(1000, generator=g)
+    q, sat = quantize_like(x), x.abs() > 2
+    acc = torch.zeros(fastpath.STATS_SLOTS, dtype=torch.float64)
+    assert not fastpath.error_stats(x.double(), q.double(), None, acc)  # float64
+    assert not fastpath.error_stats(x, q.bfloat16(), None, acc)  # mixed dtypes
+    assert not fastpath.error_stats(x, q, sat.float(), acc)  # a non-bool mask
+    assert not acc.any()
+    want = ErrorStats().update(x, q, sat).state()
+    for args in ((x.double(), q.double(), sat), (x, q, sat.float())):
+        _assert_same_state(ErrorStats().update(*args).state(), want, x, q)
+    monkeypatch.setenv("QTRANSFORM_FASTPATH", "0")
+    assert not fastpath.error_stats(x, q, None, acc)
+
+
+def test_block_exponent_histogram_paths_agree(monkeypatch):
+    e = torch.tensor([-200, -128, -127, -3, 0, 127, 128, 1000, 5, 5], dtype=torch.int32)
+    fast = BlockExponentHistogram().update(e).result()
+    with monkeypatch.context() as m:
+        m.setenv("QTRANSFORM_FASTPATH", "0")
+        ref = BlockExponentHistogram().update(e).result()
+    assert fast == ref == BlockExponentHistogram().update(e.to(torch.int64)).result()
+    assert (ref["out_of_range"], ref["counts"]["5"], ref["min"], ref["max"]) == (4, 2, -127, 127)

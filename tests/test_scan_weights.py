@@ -21,7 +21,6 @@ from qtransform.formats import block_exponents, fake_quantize, saturated
 from qtransform.metrics import BlockExponentHistogram, ErrorStats
 from qtransform.report import FILES, ScanReport
 from qtransform.scan import (
-    block_exponent_histogram,
     checkpoint_weights,
     compare_formats,
     scan_weights,
@@ -102,16 +101,23 @@ def test_module_scan_covers_linear_and_conv1d_with_the_right_axis(tiny):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("axis", [-1, 0])
-def test_block_exponents_from_block_amax_equal_the_formats_block_exponents(dtype, axis):
+@pytest.mark.parametrize("conv", [False, True])
+def test_scan_block_exponents_equal_the_formats_block_exponents(dtype, conv, monkeypatch):
+    """The histogram the scan takes from its one quantization equals `block_exponents` on the
+    reference path, NaN/Inf/zero/subnormal blocks and padded rows included, for every rule."""
     w = torch.randn(40, 70, generator=torch.Generator().manual_seed(0)) * 0.02  # 70: padded rows
     w[3, 5], w[7, 40], w[10], w[11, :33], w[12], w[13] = math.nan, math.inf, 0.0, 1e-40, 7.9999995, -448.0
     w = w.to(dtype)
+    model = nn.Module()
+    model.c_proj = Conv1D(70, 40) if conv else nn.Linear(70, 40, bias=False)
+    model.c_proj.weight.data = w.T.contiguous() if conv else w  # blocks run along the 70 inputs
     for rule in ("floor", "rceil", "ceil", "even"):
         for fmt in ("mxfp4", "mxfp8_e4m3", "mxint8"):
-            got = block_exponent_histogram(w, fmt, {"axis": axis, "scale_rule": rule}).result()
-            want = BlockExponentHistogram().update(block_exponents(w, fmt, axis=axis, scale_rule=rule))
-            assert got == want.result(), (rule, fmt)
+            row = scan_weights(model, fmt, options={"scale_rule": rule}).rows[0]
+            with monkeypatch.context() as m:
+                m.setenv("QTRANSFORM_FASTPATH", "0")
+                want = BlockExponentHistogram().update(block_exponents(w, fmt, scale_rule=rule))
+            assert row.block_exponents == want.result(), (rule, fmt)
 
 
 def test_checkpoint_scan_matches_the_module_scan(tiny, tmp_path):

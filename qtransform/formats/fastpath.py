@@ -1,7 +1,9 @@
-"""Compiled CPU fast path for deterministic fake quantization (bit-identical to the reference).
+"""Compiled CPU fast path for deterministic fake quantization (bit-identical to the reference)
+and for the error statistics of `qtransform.metrics.ErrorStats` (equal up to summation order).
 
-Eager torch spends one memory pass per elementwise op (a dozen per format); `qfast.c` does one
-pass per block. It is compiled on first use with the system C compiler into a per-user cache
+Eager torch spends one memory pass per elementwise op (a dozen per format, two dozen for the
+metrics) and microseconds of dispatch per op; `qfast.c` does one pass per block and one pass for
+all the metrics. It is compiled on first use with the system C compiler into a per-user cache
 (`$QTRANSFORM_CACHE_DIR`, else `$XDG_CACHE_HOME/qtransform`, else `~/.cache/qtransform`), keyed by
 the source, compiler, flags and CPU, written atomically and loaded with ctypes (which releases the
 GIL). No compiler, a failed build, a non-CPU tensor, stochastic rounding or
@@ -37,6 +39,7 @@ MIN_PARALLEL = 1 << 16  # elements; below this one thread beats the OpenMP fork/
 _FAMILY = {"mx": 0, "nvfp4": 1, "int": 2}
 _VARIANT = {"default": 0, "compressed-tensors": 1, "one_level": 2}
 _RULE = {"floor": 0, "rceil": 1, "ceil": 2, "even": 3}
+_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # read natively by qfast.c
 
 
 class _Params(ctypes.Structure):
@@ -131,8 +134,14 @@ def library() -> ctypes.CDLL | None:
                 if path is not None:
                     lib = ctypes.CDLL(str(path))
                     lib.qf_quantize.restype = ctypes.c_int
-                    lib.qf_quantize.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 5 + [
-                        ctypes.POINTER(_Params), ctypes.c_int]
+                    lib.qf_quantize.argtypes = [ctypes.c_void_p, ctypes.c_int] + [ctypes.c_void_p] * 3 + [
+                        ctypes.c_int64] * 5 + [ctypes.POINTER(_Params), ctypes.c_int]
+                    lib.qf_bincount.restype = None
+                    lib.qf_bincount.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32,
+                                                ctypes.c_int32, ctypes.c_void_p]
+                    lib.qf_stats.restype = ctypes.c_int
+                    lib.qf_stats.argtypes = [ctypes.c_void_p] * 3 + [
+                        ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
                     _lib = lib
             except OSError as err:
                 log.debug("fast path: could not build or load the kernel: %s", err)
@@ -151,10 +160,12 @@ def _params(cfg: QuantConfig) -> _Params:
 
 
 def quantize(
-    x: torch.Tensor, cfg: QuantConfig, layout: BlockLayout, want_sat: bool
-) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-    """(fake-quantized fp32, saturation mask or None) shaped `layout.shape`, or None when the
-    fast path does not apply (the caller then runs the reference path)."""
+    x: torch.Tensor, cfg: QuantConfig, layout: BlockLayout, want_sat: bool, *,
+    exponents: bool = False, values: bool = True,
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None] | None:
+    """(fake-quantized fp32 shaped `layout.shape` unless not `values`, saturation mask if
+    `want_sat`, MX block exponents int32 shaped `layout.grid_shape` if `exponents`) from one
+    pass, or None when the fast path does not apply (the caller then runs the reference path)."""
     if (
         x.device.type != "cpu"
         or not cfg.deterministic
@@ -163,26 +174,84 @@ def quantize(
         or library() is None
     ):
         return None
-    x32 = x.detach().to(torch.float32).reshape(layout.shape)
+    code = _DTYPES.get(x.dtype)
+    if code is None:  # float64: narrowed here, as the reference path does
+        x, code = x.to(torch.float32), _DTYPES[torch.float32]
+    xs = x.detach().reshape(layout.shape)
     if layout.tile:
-        xm = x32.contiguous()
+        xm = xs.contiguous()
         rows, cols = xm.shape[-2:]
         batch = xm.numel() // (rows * cols)
         tile_r, tile_c = layout.tile
+        grid = (*xm.shape[:-2], -(-rows // tile_r), -(-cols // tile_c))
     else:
-        xm = x32.movedim(layout.axis, -1).contiguous()
+        xm = xs.movedim(layout.axis, -1).contiguous()
         cols = xm.shape[-1]
         batch, rows, tile_r, tile_c = 1, xm.numel() // cols, 1, layout.block
-    out = torch.empty_like(xm)
-    sat = torch.empty(xm.shape, dtype=torch.bool) if want_sat else None
+        grid = (*xm.shape[:-1], -(-cols // tile_c))
+    out = torch.empty(xm.shape, dtype=torch.float32) if values else None
+    sat = torch.empty(xm.shape, dtype=torch.bool) if want_sat and values else None
+    exps = torch.empty(grid, dtype=torch.int32) if exponents else None
     threads = torch.get_num_threads() if xm.numel() >= MIN_PARALLEL else 1
     params = _params(cfg)
     assert _lib is not None
-    _lib.qf_quantize(
-        xm.data_ptr(), out.data_ptr(), 0 if sat is None else sat.data_ptr(),
+    if _lib.qf_quantize(
+        xm.data_ptr(), code, _ptr(out), _ptr(sat), _ptr(exps),
         batch, rows, cols, tile_r, tile_c, ctypes.byref(params), threads,
-    )
+    ):
+        raise MemoryError("qf_quantize: out of memory")
     if not layout.tile:
-        out = out.movedim(-1, layout.axis)
-        sat = None if sat is None else sat.movedim(-1, layout.axis)
-    return out, sat
+        out, sat, exps = (None if t is None else t.movedim(-1, layout.axis) for t in (out, sat, exps))
+    return out, sat, exps
+
+
+def _ptr(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.data_ptr()
+
+
+STATS_SLOTS = 21  # qtransform.metrics._FIELDS: 15 sums and counts, 5 counts, max |e|
+
+
+def error_stats(
+    x: torch.Tensor, xq: torch.Tensor, saturated: torch.Tensor | None, acc: torch.Tensor
+) -> bool:
+    """Add the `ErrorStats` sums of the pairs (x, xq) into `acc` (CPU float64, `STATS_SLOTS`)
+    in one compiled pass; False (acc untouched) where that does not apply: another device or
+    dtype, mixed dtypes, a non-bool mask, no compiler, `QTRANSFORM_FASTPATH=0`."""
+    code = _DTYPES.get(x.dtype)
+    if (
+        code is None
+        or xq.dtype != x.dtype
+        or not (x.is_cpu and xq.is_cpu and acc.is_cpu)
+        or (saturated is not None and (saturated.dtype != torch.bool or not saturated.is_cpu))
+        or not enabled()
+        or library() is None
+    ):
+        return False
+    x, xq = x.contiguous(), xq.contiguous()
+    sat = None if saturated is None else saturated.contiguous()
+    n = x.numel()
+    threads = torch.get_num_threads() if n >= MIN_PARALLEL else 1
+    assert _lib is not None
+    if _lib.qf_stats(x.data_ptr(), xq.data_ptr(), _ptr(sat), n, code, acc.data_ptr(), threads):
+        raise MemoryError("qf_stats: out of memory")
+    return True
+
+
+def bincount(values: torch.Tensor, low: int, counts: torch.Tensor) -> bool:
+    """Add a histogram of int32 `values` into `counts` (CPU int64, bins low.. plus one bin below
+    and one above at the ends) in one serial pass; False (counts untouched) where that does not
+    apply. Serial on purpose: block exponents are small, a parallel region is not."""
+    if (
+        values.dtype != torch.int32
+        or values.device.type != "cpu"
+        or counts.dtype != torch.int64
+        or not counts.is_contiguous()
+        or not enabled()
+        or library() is None
+    ):
+        return False
+    v = values.contiguous()
+    assert _lib is not None
+    _lib.qf_bincount(v.data_ptr(), v.numel(), low, counts.numel() - 2, counts.data_ptr())
+    return True

@@ -1,12 +1,16 @@
-/* Fast CPU path of qtransform fake quantization (loaded by fastpath.py through ctypes).
+/* Fast CPU path of qtransform fake quantization and scan statistics (loaded by fastpath.py
+ * through ctypes).
  *
  * One pass per block: amax, scale, then every element with exactly the fp32 operations of the
  * torch reference path (qtransform/formats/{mx,nvfp4,intgroup,elements}.py), so the results are
- * bit-identical. Must be compiled without -ffast-math and with -ffp-contract=off: a fused
- * multiply-add or a reassociation would change roundings. Plain C, no torch headers.
+ * bit-identical. The statistics kernel (qf_stats, end of file) does the float64 element math of
+ * qtransform/metrics.py. Must be compiled without -ffast-math and with -ffp-contract=off: a fused
+ * multiply-add or a reassociation would change roundings. Plain C (GCC vector extensions for
+ * the statistics), no torch headers.
  */
 #include <float.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 enum { FAM_MX = 0, FAM_NVFP4 = 1, FAM_INT = 2 };
@@ -39,6 +43,31 @@ static inline int ceil_log2f(float a) {
     uint32_t u = f2u(a) & 0x7fffffffu;
     int pow2 = (u >> 23) ? (u & 0x7fffffu) == 0 : (u & (u - 1)) == 0;
     return floor_log2f(a) + !pow2;
+}
+
+/* Input dtypes: fp32, bf16, fp16, widened exactly to fp32 bit patterns (a NaN stays a NaN;
+ * no result depends on its payload). */
+enum { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2 };
+
+static inline uint32_t h2f_bits(uint16_t h) {
+    uint32_t s = (uint32_t)(h & 0x8000u) << 16, a = h & 0x7fffu;
+    if (a >= 0x7c00u) return s | 0x7f800000u | ((a & 0x3ffu) << 13); /* Inf, NaN */
+    if (a < 0x400u) return s | f2u((float)a * 0x1p-24f);             /* zero, subnormal */
+    return s | ((a << 13) + (112u << 23));
+}
+
+static inline __attribute__((always_inline)) uint32_t load_bits(const void *p, int64_t i,
+                                                                 int dtype) {
+    if (dtype == DT_F32) return ((const uint32_t *)p)[i];
+    if (dtype == DT_BF16) return (uint32_t)((const uint16_t *)p)[i] << 16;
+    return h2f_bits(((const uint16_t *)p)[i]);
+}
+
+static void widen(const void *src, int64_t i0, int dtype, float *dst, int64_t n) {
+    if (dtype == DT_BF16)
+        for (int64_t i = 0; i < n; i++) dst[i] = u2f(load_bits(src, i0 + i, DT_BF16));
+    else
+        for (int64_t i = 0; i < n; i++) dst[i] = u2f(load_bits(src, i0 + i, DT_F16));
 }
 
 /* An element grid, copied into locals so the compiler sees loop invariants. */
@@ -227,38 +256,49 @@ static inline void apply_plan(const float *x, float *o, uint8_t *sat, int64_t n,
     else fill_nan(o, sat, n);
 }
 
-/* Tiles j0..j1 of one tile row (nr rows); IS_INT and RNA are compile-time constants in each
- * instantiation so the element loops carry no branches. Blocks go in chunks: all amaxes, then
- * all plans (independent iterations, so the per-block divisions overlap), then the elements
- * (the chunk is still in cache). */
+/* MX shared exponent E of a block as `block_exponents` reports it: -127 for a zero block, 128
+ * for a block holding NaN or Inf */
+static inline int32_t block_exponent(uint32_t amax_bits, const qf_params *p) {
+    if (amax_bits >= 0x7f800000u) return 128;
+    return amax_bits ? mx_exponent(u2f(amax_bits), p) : -127;
+}
+
+/* The nt tiles of one task: nr rows of one tile row, from the task's first column on (x with
+ * row stride ldx; o and sat with ld; ncols columns left to the row's end, for the ragged last
+ * tile). IS_INT and RNA are compile-time constants in each instantiation so the element loops
+ * carry no branches. Blocks go in chunks: all amaxes, then all plans (independent iterations,
+ * so the per-block divisions overlap), then the elements (the chunk is still in cache).
+ * `o` NULL: exponents only; `e` (MX): E of tile k at e[k]. */
 #define CHUNK 32
 #define DEFINE_RUN(NAME, IS_INT, RNA)                                                          \
-    static void NAME(const float *x, float *o, uint8_t *sat, int64_t cols, int64_t nr,         \
-                     int64_t tile_c, int64_t j0, int64_t j1, const qf_params *p,               \
-                     const tensor_scale *ts) {                                                 \
+    static void NAME(const float *x, int64_t ldx, float *o, uint8_t *sat, int64_t ld,         \
+                     int32_t *e, int64_t ncols, int64_t nr, int64_t tile_c, int64_t nt,        \
+                     const qf_params *p, const tensor_scale *ts) {                             \
         grid_t g = grid_of(p);                                                                 \
         g.is_int = IS_INT;                                                                     \
         g.rna = RNA;                                                                           \
         uint32_t am[CHUNK];                                                                    \
         plan_t pl[CHUNK];                                                                      \
-        for (int64_t jc = j0; jc < j1; jc += CHUNK) {                                          \
-            int64_t nj = j1 - jc < CHUNK ? j1 - jc : CHUNK;                                    \
+        for (int64_t jc = 0; jc < nt; jc += CHUNK) {                                           \
+            int64_t nj = nt - jc < CHUNK ? nt - jc : CHUNK;                                    \
             for (int64_t k = 0; k < nj; k++) {                                                 \
-                int64_t c0 = (jc + k) * tile_c, n = cols - c0 < tile_c ? cols - c0 : tile_c;   \
+                int64_t c0 = (jc + k) * tile_c, n = ncols - c0 < tile_c ? ncols - c0 : tile_c; \
                 uint32_t m = 0;                                                                \
                 for (int64_t r = 0; r < nr; r++) {                                             \
-                    uint32_t v = amax_bits_of(x + r * cols + c0, n);                           \
+                    uint32_t v = amax_bits_of(x + r * ldx + c0, n);                            \
                     m = v > m ? v : m;                                                         \
                 }                                                                              \
                 am[k] = m;                                                                     \
             }                                                                                  \
+            if (e)                                                                             \
+                for (int64_t k = 0; k < nj; k++) e[jc + k] = block_exponent(am[k], p);         \
+            if (!o) continue;                                                                  \
             for (int64_t k = 0; k < nj; k++) pl[k] = plan_block(am[k], p, ts);                 \
             for (int64_t k = 0; k < nj; k++) {                                                 \
-                int64_t c0 = (jc + k) * tile_c, n = cols - c0 < tile_c ? cols - c0 : tile_c;   \
+                int64_t c0 = (jc + k) * tile_c, n = ncols - c0 < tile_c ? ncols - c0 : tile_c; \
                 for (int64_t r = 0; r < nr; r++) {                                             \
-                    int64_t off = r * cols + c0;                                               \
-                    uint8_t *s = sat ? sat + off : 0;                                          \
-                    apply_plan(x + off, o + off, s, n, pl[k], g);                              \
+                    uint8_t *s = sat ? sat + r * ld + c0 : 0;                                  \
+                    apply_plan(x + r * ldx + c0, o + r * ld + c0, s, n, pl[k], g);             \
                 }                                                                              \
             }                                                                                  \
         }                                                                                      \
@@ -268,20 +308,36 @@ DEFINE_RUN(run_float_rna, 0, 1)
 DEFINE_RUN(run_int_rne, 1, 0)
 DEFINE_RUN(run_int_rna, 1, 1)
 
-/* x, out (and sat, optional): `batch` contiguous row-major matrices of rows x cols; blocks are
- * tiles of tile_r x tile_c (1D blocks: tile_r = 1), zero-padded at the ragged edges. */
-int qf_quantize(const float *x, float *out, uint8_t *sat, int64_t batch, int64_t rows,
-                int64_t cols, int64_t tile_r, int64_t tile_c, const qf_params *p, int nthreads) {
+/* x (dtype: fp32, bf16 or fp16), out (fp32) and sat (optional): `batch` contiguous row-major
+ * matrices of rows x cols; blocks are tiles of tile_r x tile_c (1D blocks: tile_r = 1),
+ * zero-padded at the ragged edges. exps (MX, optional): E of every tile, row-major over
+ * [batch, tile rows, tile cols]; out NULL computes only those. bf16/fp16 are widened tile row by
+ * tile row into a per-thread buffer (no separate conversion pass). Returns -1 without memory. */
+int qf_quantize(const void *x, int dtype, float *out, uint8_t *sat, int32_t *exps, int64_t batch,
+                int64_t rows, int64_t cols, int64_t tile_r, int64_t tile_c, const qf_params *p,
+                int nthreads) {
     int64_t ntr = (rows + tile_r - 1) / tile_r, ntc = (cols + tile_c - 1) / tile_c;
     int64_t total = batch * rows * cols;
     if (total == 0) return 0;
+    int failed = 0;
     tensor_scale ts = {1.0f, 1.0f, 0.0f, 0};
     if (p->family == FAM_NVFP4 && p->variant != NV_ONE_LEVEL) {
         uint32_t m = 0;
 #pragma omp parallel for num_threads(nthreads) reduction(max : m) schedule(static)
         for (int64_t c = 0; c < (total + 65535) / 65536; c++) {
             int64_t lo = c * 65536, hi = lo + 65536 < total ? lo + 65536 : total;
-            uint32_t v = amax_bits_of(x + lo, hi - lo);
+            float buf[512];
+            uint32_t v = 0;
+            for (int64_t i = lo; i < hi; i += 512) {
+                int64_t n = hi - i < 512 ? hi - i : 512;
+                const float *src = (const float *)x + i;
+                if (dtype != DT_F32) {
+                    widen(x, i, dtype, buf, n);
+                    src = buf;
+                }
+                uint32_t w = amax_bits_of(src, n);
+                v = w > v ? w : v;
+            }
             m = v > m ? v : m;
         }
         ts = nv_tensor(u2f(m), p);
@@ -292,17 +348,156 @@ int qf_quantize(const float *x, float *out, uint8_t *sat, int64_t batch, int64_t
     int64_t splits = rowsets >= want ? 1 : (want + rowsets - 1) / rowsets;
     int64_t span = (ntc + splits - 1) / splits;
     splits = (ntc + span - 1) / span;
-    void (*run)(const float *, float *, uint8_t *, int64_t, int64_t, int64_t, int64_t, int64_t,
-                const qf_params *, const tensor_scale *) =
+    void (*run)(const float *, int64_t, float *, uint8_t *, int64_t, int32_t *, int64_t, int64_t,
+                int64_t, int64_t, const qf_params *, const tensor_scale *) =
         p->is_int ? (p->rna ? run_int_rna : run_int_rne) : (p->rna ? run_float_rna : run_float_rne);
-#pragma omp parallel for num_threads(nthreads) schedule(static)
-    for (int64_t t = 0; t < rowsets * splits; t++) {
-        int64_t rs = t / splits, j0 = (t % splits) * span;
-        int64_t j1 = j0 + span < ntc ? j0 + span : ntc;
-        int64_t b = rs / ntr, r0 = (rs % ntr) * tile_r;
-        int64_t nr = rows - r0 < tile_r ? rows - r0 : tile_r;
-        int64_t off = b * rows * cols + r0 * cols;
-        run(x + off, out + off, sat ? sat + off : 0, cols, nr, tile_c, j0, j1, p, &ts);
+#pragma omp parallel num_threads(nthreads)
+    {
+        int64_t width = span * tile_c < cols ? span * tile_c : cols;
+        float *buf = dtype == DT_F32 ? 0 : malloc(sizeof(float) * tile_r * width);
+        if (dtype != DT_F32 && !buf) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < rowsets * splits; t++) {
+            int64_t rs = t / splits, j0 = (t % splits) * span;
+            int64_t nt = j0 + span < ntc ? span : ntc - j0, c0 = j0 * tile_c;
+            int64_t b = rs / ntr, r0 = (rs % ntr) * tile_r;
+            int64_t nr = rows - r0 < tile_r ? rows - r0 : tile_r;
+            int64_t off = b * rows * cols + r0 * cols + c0, w = cols - c0 < width ? cols - c0 : width;
+            const float *src = (const float *)x + off;
+            if (dtype != DT_F32) {
+                if (!buf) continue;
+                for (int64_t r = 0; r < nr; r++) widen(x, off + r * cols, dtype, buf + r * w, w);
+                src = buf;
+            }
+            run(src, dtype == DT_F32 ? cols : w, out ? out + off : 0, sat ? sat + off : 0, cols,
+                exps ? exps + rs * ntc + j0 : 0, cols - c0, nr, tile_c, nt, p, &ts);
+        }
+        free(buf);
     }
+    return failed ? -1 : 0;
+}
+
+/* Histogram of n int32 values (MX block exponents) into counts[nbins + 2]: bin 1 + v - lo for
+ * lo <= v < lo + nbins, bin 0 below, bin nbins + 1 above. Serial: a block per 16+ elements is
+ * little work, and a parallel region costs more than that on a loaded machine. */
+void qf_bincount(const int32_t *v, int64_t n, int32_t lo, int32_t nbins, int64_t *counts) {
+    for (int64_t i = 0; i < n; i++) {
+        int64_t b = (int64_t)v[i] - lo + 1;
+        counts[b < 0 ? 0 : (b > nbins ? nbins + 1 : b)]++;
+    }
+}
+
+/* ---- Error statistics of qtransform.metrics.ErrorStats: one pass over (x, xq[, saturated]) ----
+ *
+ * Inputs are fp32, bf16 or fp16 (both the same), widened exactly to double; every per-element
+ * term is the double expression of the torch path (x2 = x*x, x3 = x2*x, x4 = x2*x2, |e|/|x|), so
+ * only the summation order differs. Pairs where x or xq is NaN/Inf become (0, 0), which adds
+ * nothing to any sum, and are counted instead. Sums run in 4-wide double lanes over 256-element
+ * tiles, tiles add into per-chunk lanes, chunks (a fixed size, so the result does not depend on
+ * the thread count) run in parallel and are added in order. */
+/* output slots: the order of qtransform.metrics._FIELDS */
+enum { S_X, S_X2, S_X3, S_X4, S_Q, S_Q2, S_Q3, S_Q4, S_E2, S_AE, S_XQ, S_REL, N_SUMS,
+       C_NONZERO = N_SUMS, C_DEADZONE, C_SAT, C_KEPT, C_SAT_CHECKED, C_NAN_X, C_NAN_Q,
+       C_NONFINITE, S_MAX, N_STATS };
+#define STILE 256
+#define SCHUNK 16384
+
+typedef double v4d __attribute__((vector_size(32)));
+typedef int64_t v4l __attribute__((vector_size(32)));
+
+/* Sums of elements lo..hi into res[N_STATS]; dtype and has_sat are constants after inlining. */
+static inline __attribute__((always_inline)) void stats_range(
+    const void *x, const void *q, const uint8_t *sat, int64_t lo, int64_t hi, int dtype,
+    int has_sat, double *res) {
+    float xs[STILE] __attribute__((aligned(32))), qs[STILE] __attribute__((aligned(32)));
+    float ds[STILE] __attribute__((aligned(32))); /* |x|, or +Inf where x == 0: |e|/Inf = 0 */
+    const v4l absmask = {INT64_MAX, INT64_MAX, INT64_MAX, INT64_MAX};
+    v4d acc[N_SUMS], mx = {0, 0, 0, 0};
+    int64_t cnt[C_NONFINITE - N_SUMS] = {0};
+    memset(acc, 0, sizeof acc);
+    for (int64_t t = lo; t < hi; t += STILE) {
+        int m = hi - t < STILE ? (int)(hi - t) : STILE;
+        uint32_t nz = 0, dz = 0, ns = 0, kept = 0, nanx = 0, nanq = 0;
+        for (int i = 0; i < m; i++) {
+            uint32_t ux = load_bits(x, t + i, dtype), uq = load_bits(q, t + i, dtype);
+            uint32_t ax = ux & 0x7fffffffu, aq = uq & 0x7fffffffu;
+            uint32_t ok = (ax < 0x7f800000u) & (aq < 0x7f800000u), nzx = ok & (ax != 0);
+            nanx += ax > 0x7f800000u;
+            nanq += aq > 0x7f800000u;
+            kept += ok;
+            nz += nzx;
+            dz += nzx & (aq == 0);
+            if (has_sat) ns += ok & (sat[t + i] != 0);
+            xs[i] = u2f(ux & -ok);
+            qs[i] = u2f(uq & -ok);
+            ds[i] = u2f(nzx ? ax : 0x7f800000u);
+        }
+        for (int i = m; i < ((m + 3) & ~3); i++) xs[i] = qs[i] = 0.0f, ds[i] = u2f(0x7f800000u);
+        v4d ta[N_SUMS], tm = {0, 0, 0, 0};
+        memset(ta, 0, sizeof ta);
+        for (int i = 0; i < m; i += 4) {
+            v4d X = {xs[i], xs[i + 1], xs[i + 2], xs[i + 3]};
+            v4d Q = {qs[i], qs[i + 1], qs[i + 2], qs[i + 3]};
+            v4d D = {ds[i], ds[i + 1], ds[i + 2], ds[i + 3]};
+            v4d E = X - Q, AE = (v4d)((v4l)E & absmask), X2 = X * X, Q2 = Q * Q;
+            ta[S_X] += X, ta[S_X2] += X2, ta[S_X3] += X2 * X, ta[S_X4] += X2 * X2;
+            ta[S_Q] += Q, ta[S_Q2] += Q2, ta[S_Q3] += Q2 * Q, ta[S_Q4] += Q2 * Q2;
+            ta[S_E2] += E * E, ta[S_AE] += AE, ta[S_XQ] += X * Q;
+            ta[S_REL] += AE / D;
+            v4l gt = AE > tm;
+            tm = (v4d)(((v4l)AE & gt) | ((v4l)tm & ~gt));
+        }
+        for (int k = 0; k < N_SUMS; k++) acc[k] += ta[k];
+        v4l gt = tm > mx;
+        mx = (v4d)(((v4l)tm & gt) | ((v4l)mx & ~gt));
+        cnt[C_NONZERO - N_SUMS] += nz, cnt[C_DEADZONE - N_SUMS] += dz, cnt[C_SAT - N_SUMS] += ns;
+        cnt[C_KEPT - N_SUMS] += kept, cnt[C_NAN_X - N_SUMS] += nanx, cnt[C_NAN_Q - N_SUMS] += nanq;
+    }
+    for (int k = 0; k < N_SUMS; k++) res[k] = (acc[k][0] + acc[k][1]) + (acc[k][2] + acc[k][3]);
+    for (int k = N_SUMS; k < C_NONFINITE; k++) res[k] = (double)cnt[k - N_SUMS];
+    res[C_SAT_CHECKED] = has_sat ? res[C_KEPT] : 0.0;
+    res[C_NONFINITE] = (double)(hi - lo) - res[C_KEPT];
+    double a = mx[0] > mx[1] ? mx[0] : mx[1], b = mx[2] > mx[3] ? mx[2] : mx[3];
+    res[S_MAX] = a > b ? a : b;
+}
+
+static void stats_chunk(const void *x, const void *q, const uint8_t *sat, int64_t lo, int64_t hi,
+                        int dtype, double *res) {
+    if (dtype == DT_F32) sat ? stats_range(x, q, sat, lo, hi, DT_F32, 1, res)
+                             : stats_range(x, q, sat, lo, hi, DT_F32, 0, res);
+    else if (dtype == DT_BF16) sat ? stats_range(x, q, sat, lo, hi, DT_BF16, 1, res)
+                                   : stats_range(x, q, sat, lo, hi, DT_BF16, 0, res);
+    else sat ? stats_range(x, q, sat, lo, hi, DT_F16, 1, res)
+             : stats_range(x, q, sat, lo, hi, DT_F16, 0, res);
+}
+
+/* Adds the statistics of n pairs into acc[N_STATS] (sums and counts added, max kept): the
+ * running accumulator itself, so a call is one add per slot. Returns -1 without memory. */
+int qf_stats(const void *x, const void *q, const uint8_t *sat, int64_t n, int dtype, double *acc,
+             int nthreads) {
+    int64_t nchunks = (n + SCHUNK - 1) / SCHUNK;
+    double one[N_STATS], *part = nchunks > 1 ? malloc(sizeof(double) * N_STATS * nchunks) : one;
+    if (!part) return -1;
+    if (nchunks == 1) { /* no parallel region: it costs more than a small chunk */
+        stats_chunk(x, q, sat, 0, n, dtype, part);
+    } else {
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+        for (int64_t c = 0; c < nchunks; c++) {
+            int64_t lo = c * SCHUNK, hi = lo + SCHUNK < n ? lo + SCHUNK : n;
+            stats_chunk(x, q, sat, lo, hi, dtype, part + c * N_STATS);
+        }
+    }
+    double total[N_STATS] = {0};
+    for (int64_t c = 0; c < nchunks; c++) {
+        const double *r = part + c * N_STATS;
+        for (int k = 0; k < S_MAX; k++) total[k] += r[k];
+        total[S_MAX] = r[S_MAX] > total[S_MAX] ? r[S_MAX] : total[S_MAX];
+    }
+    for (int k = 0; k < S_MAX; k++) acc[k] += total[k];
+    acc[S_MAX] = total[S_MAX] > acc[S_MAX] ? total[S_MAX] : acc[S_MAX];
+    if (part != one) free(part);
     return 0;
 }

@@ -61,19 +61,31 @@ def quantize_blocks(
 
 
 def _forward(
-    x: torch.Tensor, cfg: QuantConfig, generator: torch.Generator | None, want_sat: bool
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Fake-quantized x in its own dtype, plus the saturation mask when asked for."""
+    x: torch.Tensor, cfg: QuantConfig, generator: torch.Generator | None, want_sat: bool,
+    want_exps: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Fake-quantized x in its own dtype, plus the saturation mask and the MX block exponents
+    when asked for, all from one quantization."""
     layout = layout_for(x, cfg)
-    fast = fastpath.quantize(x, cfg, layout, want_sat)
+    fast = fastpath.quantize(x, cfg, layout, want_sat, exponents=want_exps)
     if fast is not None:
-        out, sat = fast
+        out, sat, exps = fast
+        assert out is not None
     else:
         res, _ = quantize_blocks(x, cfg, generator)
         out = from_blocks(res.out, layout)
         sat = from_blocks(res.sat, layout) if want_sat else None
+        exps = _exponents(res, layout) if want_exps else None
     out = out.reshape(x.shape).to(x.dtype)
-    return out, None if sat is None else sat.reshape(x.shape)
+    if exps is not None and not x.ndim:
+        exps = exps.reshape(())
+    return out, None if sat is None else sat.reshape(x.shape), exps
+
+
+def _exponents(res: BlockQuant, layout: BlockLayout) -> torch.Tensor:
+    """Reference path: E from the E8M0 codes, shaped like the block grid (NaN blocks: 128)."""
+    e = torch.where(res.scales == NAN_CODE, 128, res.scales.to(torch.int32) - 127)
+    return per_block(e, layout)
 
 
 class _FakeQuant(torch.autograd.Function):
@@ -81,7 +93,7 @@ class _FakeQuant(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, cfg, generator):  # type: ignore[override]
-        out, sat = _forward(x, cfg, generator, want_sat=cfg.zero_saturated_grad)
+        out, sat, _ = _forward(x, cfg, generator, want_sat=cfg.zero_saturated_grad)
         if sat is not None:
             ctx.save_for_backward(sat)
         ctx.mask = sat is not None
@@ -137,11 +149,45 @@ def block_exponents(x: torch.Tensor, fmt: str | FormatSpec, **options: Any) -> t
     """MX only: the unbiased shared exponent E of every block (int32, shaped like the block
     grid: the blocked dim replaced by its block count). Zero blocks read -127, NaN blocks 128."""
     options.pop("generator", None)
+    cfg = _mx_only(_checked(x, fmt, options))
+    cfg = replace(cfg, rounding="rne")  # E does not depend on it
+    layout = layout_for(x, cfg)
+    fast = fastpath.quantize(x, cfg, layout, False, exponents=True, values=False)
+    if fast is not None:
+        e = fast[2]
+        assert e is not None
+    else:
+        e = _exponents(quantize_blocks(x, cfg)[0], layout)
+    return e.reshape(layout.grid_shape if x.ndim else ())
+
+
+def _checked(x: torch.Tensor, fmt: str | FormatSpec, options: dict[str, Any]) -> QuantConfig:
     cfg = resolve(fmt, **options)
     check_input(x, cfg)
+    return cfg
+
+
+def _mx_only(cfg: QuantConfig) -> QuantConfig:
     if cfg.family != "mx":
         raise ValueError(f"{cfg.spec.name}: block_exponents is defined for MX formats only")
-    res, layout = quantize_blocks(x, replace(cfg, rounding="rne"))  # E does not depend on it
-    e = res.scales.to(torch.int32) - 127
-    e = torch.where(res.scales == NAN_CODE, 128, e)
-    return per_block(e, layout).reshape(layout.grid_shape if x.ndim else ())
+    return cfg
+
+
+def quantize_with_info(
+    x: torch.Tensor,
+    fmt: str | FormatSpec,
+    *,
+    exponents: bool = False,
+    generator: torch.Generator | None = None,
+    **options: Any,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """`(fake_quantize(x), saturated(x), block_exponents(x) if exponents)` with the same options,
+    from one quantization instead of three: what a scan measures. No gradient. `exponents` is
+    for MX formats only (ValueError otherwise)."""
+    cfg = _checked(x, fmt, options)
+    if exponents:
+        _mx_only(cfg)
+    with torch.no_grad():
+        out, sat, exps = _forward(x, cfg, generator, want_sat=True, want_exps=exponents)
+    assert sat is not None
+    return out, sat, exps
