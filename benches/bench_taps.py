@@ -15,11 +15,11 @@ import statistics
 import time
 
 import torch
-from qtransform.passes.instrument import tapping
 from torch import nn
 
 import qtransform
 from qtransform.models import build_tiny, load_model
+from qtransform.passes.instrument import tapping
 
 STRIDES = (1, 4, 16, 64)  # 16: the default of scan_activations
 

@@ -13,7 +13,6 @@ from types import SimpleNamespace
 from typing import Any
 
 import torch
-from qtransform.schemas.selectors import format_layers
 from torch import Tensor, nn
 
 from qtransform import ops
@@ -21,6 +20,7 @@ from qtransform.errors import UserError
 from qtransform.noise import Schedule, active_in, draw_normal, sigma_at, site_seed
 from qtransform.pipeline import Action, Pass
 from qtransform.program import Program
+from qtransform.schemas.selectors import format_layers
 from qtransform.selection import select_sites
 from qtransform.sites import Site
 

@@ -7,11 +7,11 @@ import pickle
 
 import pytest
 import torch
-from qtransform.passes.instrument import Tap, reset_taps, set_taps_enabled, tapping, taps
 
 import qtransform
 from qtransform import fake_quantize, formats
 from qtransform.metrics import ErrorStats
+from qtransform.passes.instrument import Tap, reset_taps, set_taps_enabled, tapping, taps
 
 from .conftest import ids
 

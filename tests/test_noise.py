@@ -6,11 +6,11 @@ import io
 
 import pytest
 import torch
-from qtransform.passes.aqn_noise import AQNNoise
 
 import qtransform
 from qtransform.errors import UserError
 from qtransform.noise import Schedule, sigma_at, site_seed
+from qtransform.passes.aqn_noise import AQNNoise
 
 from .conftest import ids
 

@@ -6,10 +6,10 @@ import math
 from fractions import Fraction
 
 import pytest
-from qtransform.schemas import PolicyError, load_policy
 
 from qtransform.errors import UserError
 from qtransform.noise import Schedule, sigma_at, stage_values
+from qtransform.schemas import PolicyError, load_policy
 
 
 def qerl_sigma(step: int, total: int, k: int, start: float, end: float) -> float:

@@ -6,6 +6,10 @@ import json
 from pathlib import Path
 
 import pytest
+
+import qtransform
+from qtransform.errors import UserError
+from qtransform.formats import registry
 from qtransform.schemas import (
     Policy,
     PolicyError,
@@ -15,10 +19,6 @@ from qtransform.schemas import (
     load_policy,
 )
 from qtransform.schemas.generate import SCHEMA_PATH, schema_text
-
-import qtransform
-from qtransform.errors import UserError
-from qtransform.formats import registry
 
 EXAMPLES = sorted((Path(__file__).resolve().parents[1] / "schemas" / "examples").glob("*.json"))
 SCHEDULE = {"sigma_start": 0.01, "sigma_end": 0.0001, "num_stages": 10, "total_steps": 1000}

@@ -10,10 +10,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from qtransform.schemas import load_policy
-from qtransform.schemas.generate import schema_text
 
 from qtransform.cli.main import main
+from qtransform.schemas import load_policy
+from qtransform.schemas.generate import schema_text
 
 REPO = Path(__file__).resolve().parents[1]
 QERL = "schemas/examples/qerl_aqn.json"

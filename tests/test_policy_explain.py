@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+
 from qtransform.schemas import load_policy
 from qtransform.schemas.explain import explain, summary
 

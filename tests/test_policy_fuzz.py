@@ -9,11 +9,11 @@ from typing import Any
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
+from qtransform.formats import registry
 from qtransform.schemas import Policy, PolicyError, dump_policy, load_policy
 from qtransform.schemas.base import METRICS, TENSORS
 from qtransform.schemas.selectors import format_layers
-
-from qtransform.formats import registry
 
 EXAMPLES = [json.loads(p.read_text()) for p in sorted((Path(__file__).resolve().parents[1] / "schemas" / "examples").glob("*.json"))]
 FAST = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])

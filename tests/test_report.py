@@ -11,12 +11,12 @@ import stat
 
 import pytest
 import torch
-from qtransform.schemas import load_policy, resolve_quant_rules
 
 from qtransform import io as qio
 from qtransform.metrics import ErrorStats
 from qtransform.recommend import guide, layer_tiers, recommend
 from qtransform.report import FILES, ScanReport, SiteRow, build_meta
+from qtransform.schemas import load_policy, resolve_quant_rules
 from qtransform.sites import Site
 
 ROLES = ("self_attn.q_proj", "mlp.up_proj", "mlp.down_proj")

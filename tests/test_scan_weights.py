@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from qtransform.schemas import load_policy
 from safetensors.torch import save_file
 from torch import nn
 
@@ -25,6 +24,7 @@ from qtransform.scan import (
     compare_formats,
     scan_weights,
 )
+from qtransform.schemas import load_policy
 
 HIDDEN = 64
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import pytest
+
 from qtransform.schemas import Policy, Selector, closest_names, parse_layers, resolve_quant_rules
 from qtransform.schemas.selectors import compile_entry, format_layers
-
 from qtransform.sites import Site
 
 

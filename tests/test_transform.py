@@ -180,7 +180,8 @@ def test_save_pretrained_and_reload_from_local_folder(tiny, tmp_path):
     out = qtransform.transform(model, W4A16)
     out.save_pretrained(tmp_path / "m")
     reloaded = qtransform.models.load_model(tmp_path / "m")
-    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), reloaded.state_dict().values()))
+    want, got = model.state_dict(), reloaded.state_dict()
+    assert list(got) == list(want) and all(torch.equal(want[k], got[k]) for k in want)
     again = qtransform.transform(reloaded, W4A16)
     x = ids()
     with torch.no_grad():
