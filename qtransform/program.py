@@ -16,6 +16,7 @@ from torch import fx, nn
 from qtransform.errors import UserError
 from qtransform.graph import GraphSite, Insertion
 from qtransform.sites import Site
+from qtransform.tracing import SiteTracer
 
 
 @dataclass
@@ -63,7 +64,7 @@ class Program:
     log: list[Insertion] = field(default_factory=list)
     plan_rows: list[Any] = field(default_factory=list)  # pipeline.PlanRow, filled by passes
     _graphs: dict[str, GraphSite] = field(default_factory=dict, repr=False)
-    _linear_graphs: dict[bool, fx.Graph] = field(default_factory=dict, repr=False)
+    _trace: SiteTracer = field(default_factory=SiteTracer, repr=False)
 
     # -- sites -----------------------------------------------------------------------------
     def site(self, name: str) -> Site:
@@ -99,21 +100,6 @@ class Program:
             gsite = GraphSite(site, gm, name)
         self._graphs[name] = gsite
         return gsite
-
-    def _trace(self, module: nn.Module) -> fx.GraphModule:
-        """symbolic_trace, reusing one graph for every plain nn.Linear (their graphs are equal
-        and tracing is most of the cost of a transform)."""
-        if type(module) is not nn.Linear:
-            return fx.symbolic_trace(module)
-        key = module.bias is None
-        if key not in self._linear_graphs:
-            self._linear_graphs[key] = fx.symbolic_trace(module).graph
-        template = self._linear_graphs[key]
-        graph = fx.Graph()
-        graph.graph_copy(template, {}, return_output_node=False)
-        out = next(n for n in template.nodes if n.op == "output")
-        graph.output(next(n for n in graph.nodes if n.name == out.args[0].name))
-        return fx.GraphModule(module, graph, class_name="Linear")
 
     def record(self, insertion: Insertion) -> None:
         self.log.append(insertion)

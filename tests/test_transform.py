@@ -223,3 +223,42 @@ def test_to_dtype_requantizes_and_ddp_wraps_the_transformed_model(tiny, tmp_path
         assert out.model.layers[0].mlp.up_proj.weight.grad is not None
     finally:
         dist.destroy_process_group()
+
+
+class _BranchyLinear(nn.Linear):
+    """A Linear subclass whose forward cannot be symbolically traced (data-dependent branch)."""
+
+    def forward(self, x):
+        if x.abs().max() > 1e6:
+            x = x.clamp(-1e6, 1e6)
+        return F.linear(x, self.weight, self.bias)
+
+
+def test_untraceable_site_modules_get_opaque_graphs_with_the_same_keys():
+    import transformers as tf
+
+    torch.manual_seed(0)
+    t5 = tf.T5ForConditionalGeneration(tf.T5Config(vocab_size=64, d_model=32, d_ff=64, num_layers=1,
+                                                  num_heads=2, d_kv=16)).eval()
+    policy = {**W4A16, "noise": {"schedule": {"kind": "constant", "sigma_start": 0.1, "total_steps": 10},
+                                       "apply_during": "both"}}
+    out = qtransform.transform(t5, policy)
+    assert list(out.state_dict()) == list(t5.state_dict())
+    x = ids(2, 5, vocab=64)
+    controller = qtransform.noise_controller(out)
+    controller.set_step(5)
+    with torch.no_grad():
+        noisy = out(input_ids=x, decoder_input_ids=x).logits
+        with controller.disabled():
+            clean = out(input_ids=x, decoder_input_ids=x).logits
+        want = _reference(t5)(input_ids=x, decoder_input_ids=x).logits  # lm_head is tied: kept
+    assert torch.equal(clean, want) and not torch.equal(noisy, clean)
+
+    torch.manual_seed(0)
+    mlp = nn.Sequential(_BranchyLinear(32, 16))
+    q = qtransform.transform(mlp, {"version": 1, "quantize": [{"targets": ["Linear"], "format": "nvfp4",
+                                                               "tensors": ["weight", "input"]}]})
+    v = torch.randn(3, 32)
+    with torch.no_grad():
+        assert torch.equal(q(v), F.linear(fake_quantize(v, "nvfp4"), fake_quantize(mlp[0].weight, "nvfp4"), mlp[0].bias))
+    assert list(q.state_dict()) == ["0.weight", "0.bias"]
