@@ -193,3 +193,24 @@ def test_noise_inputs_zero_disable_and_a_draw_reproduces_pytorch(exported):
     assert np.abs(got_clean - clean.numpy()).max() <= LOGIT_RTOL * scale
     assert np.abs(got_noisy - noisy.numpy()).max() <= LOGIT_RTOL * scale
     assert np.abs(got_noisy - got_clean).max() > 100 * LOGIT_RTOL * scale
+
+
+@pytest.mark.parametrize("rule", [
+    {"targets": ["Linear"], "ignore": ["lm_head"], "format": "mxfp4", "tensors": ["weight"]},
+    {"targets": ["Linear"], "ignore": ["lm_head"], "format": "nvfp4", "tensors": ["weight"]},
+    {"targets": ["Linear"], "ignore": ["lm_head"], "format": "mxfp4", "tensors": ["input"]},
+], ids=["w4a16_mxfp4", "w4a16_nvfp4", "w16a4_mxfp4"])
+def test_each_parity_policy_alone_on_qwen2(tmp_path, rule):
+    """The issue's three policies one at a time (the combined export above checks every node)."""
+    model = qtransform.transform(build_tiny("qwen2", num_layers=1), {"version": 1, "quantize": [rule]})
+    path = qtransform.export_onnx(model, tmp_path / "m.onnx", {"input_ids": ids()})
+    proto = onnx.load(path)
+    assert len(fake_quant_nodes(proto)) == 7
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    for batch, seq in SHAPES:
+        x = ids(batch, seq, seed=batch)
+        got = session.run(None, {"input_ids": x.numpy()})[0]
+        with torch.no_grad():
+            ref = model(input_ids=x).logits
+        err = np.abs(got - ref.numpy()).max() / float(ref.abs().max())
+        assert err <= LOGIT_RTOL, f"{rule['format']} {batch}x{seq}: relative logit error {err:.2e}"
