@@ -149,9 +149,7 @@ class GraphSite:
             consumer.replace_input_with(head, new)
         else:
             head.replace_all_uses_with(new, delete_user_cb=lambda user: user is not new)
-        self.heads[point] = new
-        graph.lint()
-        self.gm.recompile()
+        self.heads[point] = new  # the caller lints and recompiles (once per pass, not per insertion)
         path = f"{self.prefix}.{attr}" if self.prefix else attr
         return Insertion(self.site.name, point, pass_name, tag, new.name, path)
 

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 
-def _umask() -> int:
+def current_umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
     return mask
@@ -38,7 +38,7 @@ def atomic_path(path: str | os.PathLike[str]) -> Iterator[Path]:
     try:
         yield tmp
         if tmp.exists():
-            os.chmod(tmp, 0o666 & ~_umask())  # mkstemp creates 0600; match a plain open()
+            os.chmod(tmp, 0o666 & ~current_umask())  # mkstemp creates 0600; match a plain open()
         os.replace(tmp, dest)
     except BaseException:
         tmp.unlink(missing_ok=True)

@@ -31,6 +31,7 @@ from torch import nn
 import qtransform.ops  # noqa: F401 - registers the custom ops the translations refer to
 from qtransform.capture import normalize_inputs
 from qtransform.errors import UserError
+from qtransform.io import current_umask
 from qtransform.onnx_functions import DOMAIN, ExportError, FakeQuantConfig, UnsupportedExport
 from qtransform.onnx_graph import (
     audit,
@@ -270,12 +271,6 @@ def _torch_export(module: nn.Module, signature_model: nn.Module, example_inputs:
 
 
 # -- saving --------------------------------------------------------------------------------------
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
 def save_model(model: ModelProto, path: str | os.PathLike, *, external_data_threshold: int = PROTO_LIMIT) -> Path:
     """Write atomically: into a temporary folder beside `path`, then `os.replace`. A model larger
     than `external_data_threshold` bytes keeps its tensors in `<name>.data` beside it."""
@@ -287,7 +282,7 @@ def save_model(model: ModelProto, path: str | os.PathLike, *, external_data_thre
     try:
         onnx.save_model(model, tmp / dest.name, save_as_external_data=external,
                         all_tensors_to_one_file=True, location=data_name, size_threshold=1024)
-        mode = 0o666 & ~_umask()  # mkdtemp's folder is private; the files should not be
+        mode = 0o666 & ~current_umask()  # mkdtemp's folder is private; the files should not be
         for written in tmp.iterdir():
             os.chmod(written, mode)
         if external:

@@ -136,6 +136,7 @@ class PassManager:
                     gm.graph.lint()
                 except Exception as exc:
                     raise RuntimeError(f"pass {p.name!r} left an invalid graph: {exc}") from exc
+                gm.recompile()
         return program
 
 
