@@ -82,8 +82,8 @@ def child(folder: str, fmt: str, threads: int) -> None:
 
     torch.set_num_threads(threads)
     from qtransform import formats
+    from qtransform.core.metrics import BlockExponentHistogram, ErrorStats
     from qtransform.formats.quantize import quantize_with_info
-    from qtransform.metrics import BlockExponentHistogram, ErrorStats
     from qtransform.scan import checkpoint_weights, choice_for, measure, scan_weights
 
     import_peak = vm_hwm()

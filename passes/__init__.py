@@ -1,13 +1,11 @@
-"""The passes: one per file. `default_passes()` is the standard pipeline."""
+"""The passes, one per file. Importing this package registers each of them (`register_pass`),
+in pipeline order: fake-quant first, then noise, then instrumentation (taps see what the model
+computes)."""
 
-from __future__ import annotations
+from qtransform.passes.aqn_noise import AQNNoise, AQNNoisePass  # noqa: I001 - registration order
+from qtransform.passes.fake_quant import FakeQuantize, FakeQuantPass
+from qtransform.passes.hw_error import HWError, HWErrorPass
+from qtransform.passes.instrument import InstrumentPass, Tap
 
-
-def default_passes() -> list:
-    """Fake-quant first, then noise, then instrumentation (taps see what the model computes)."""
-    from qtransform.passes.aqn_noise import AQNNoisePass
-    from qtransform.passes.fake_quant import FakeQuantPass
-    from qtransform.passes.hw_error import HWErrorPass
-    from qtransform.passes.instrument import InstrumentPass
-
-    return [FakeQuantPass(), AQNNoisePass(), HWErrorPass(), InstrumentPass()]
+__all__ = ["AQNNoise", "AQNNoisePass", "FakeQuantPass", "FakeQuantize", "HWError", "HWErrorPass",
+           "InstrumentPass", "Tap"]

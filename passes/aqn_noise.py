@@ -15,14 +15,15 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from qtransform import ops
+from qtransform.core import ops
+from qtransform.core.program import Program
+from qtransform.core.schedule import Schedule, active_in, draw_normal, sigma_at, site_seed
+from qtransform.core.sites import Site
 from qtransform.errors import UserError
-from qtransform.noise import Schedule, active_in, draw_normal, sigma_at, site_seed
-from qtransform.pipeline import Action, Pass
-from qtransform.program import Program
+from qtransform.pipeline.base import Action, Pass, register_pass
+from qtransform.pipeline.selection import select_sites
+from qtransform.schemas import NoiseSpec
 from qtransform.schemas.selectors import format_layers
-from qtransform.selection import select_sites
-from qtransform.sites import Site
 
 NOISE_KINDS = ("norm", "linear", "conv1d")
 
@@ -142,17 +143,16 @@ def site_multipliers(program: Program, spec: Any, sites: list[Site]) -> dict[str
     return out
 
 
-class AQNNoisePass(Pass):
+@register_pass
+class AQNNoisePass(Pass[NoiseSpec]):
     """Inserts `AQNNoise` on the weight of every site the policy's `noise` section selects."""
 
     name = "aqn_noise"
     tag = "aqn_noise"
+    section = "noise"
     provides = ("aqn_noise",)
 
-    def select(self, program: Program, policy: Any) -> list[Action]:
-        spec = getattr(policy, "noise", None)
-        if spec is None:
-            return []
+    def select(self, program: Program, spec: NoiseSpec) -> list[Action]:
         sites = select_sites(program, spec, "noise", kinds=NOISE_KINDS)
         factors = site_multipliers(program, spec, sites)
         config = NoiseConfig(Schedule.from_spec(spec.schedule), spec.resample, spec.apply_during, spec.seed)

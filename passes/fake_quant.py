@@ -13,10 +13,12 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from qtransform import formats, ops
-from qtransform.pipeline import Action, Pass
-from qtransform.program import Program
-from qtransform.selection import resolve_quantize
+from qtransform import formats
+from qtransform.core import ops
+from qtransform.core.program import Program
+from qtransform.pipeline.base import Action, Pass, register_pass
+from qtransform.pipeline.selection import resolve_quantize
+from qtransform.schemas import QuantRule
 
 
 class _CachedSTE(torch.autograd.Function):
@@ -88,13 +90,17 @@ class FakeQuantize(nn.Module):
         self._key = self._cached = None
 
 
-class FakeQuantPass(Pass):
+@register_pass
+class FakeQuantPass(Pass[list[QuantRule]]):
+    """Inserts `FakeQuantize` on every (site, tensor) the policy's `quantize` rules select."""
+
     name = "fake_quant"
     tag = "fake_quant"
+    section = "quantize"
     provides = ("fake_quant",)
 
-    def select(self, program: Program, policy: Any) -> list[Action]:
-        return resolve_quantize(program, policy)
+    def select(self, program: Program, spec: list[QuantRule]) -> list[Action]:
+        return resolve_quantize(program, spec)
 
     def build(self, program: Program, action: Action) -> nn.Module:
         rule = action.params["rule"]

@@ -8,18 +8,17 @@ per-module generator seeded by (seed, site), so a run is reproducible.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from torch import Tensor, nn
 
-from qtransform import ops
+from qtransform.core import ops
+from qtransform.core.program import Program
+from qtransform.core.schedule import active_in, draw_normal, site_seed
+from qtransform.core.sites import Site
 from qtransform.errors import UserError
-from qtransform.noise import active_in, draw_normal, site_seed
-from qtransform.pipeline import Action, Pass
-from qtransform.program import Program
-from qtransform.selection import QUANTIZABLE, select_sites
-from qtransform.sites import Site
+from qtransform.pipeline.base import Action, Pass, register_pass
+from qtransform.pipeline.selection import QUANTIZABLE, select_sites
+from qtransform.schemas import HWErrorSpec
 
 OP_KIND = {"relative_gaussian": "relative", "absolute_gaussian": "add"}
 
@@ -64,7 +63,7 @@ class HWError(nn.Module):
         return x * (1 + scale * z) if self.kind == "relative" else x + scale * z
 
 
-def matmul_sites(program: Program, spec: Any) -> list[Site]:
+def matmul_sites(program: Program, spec: HWErrorSpec) -> list[Site]:
     """Attention matmul sites for `include_matmuls`: every matmul site in `layers` that no
     `ignore` entry names. They exist only in the whole-model graph the model runs as."""
     if program.mode != "graph" or program.whole is None:
@@ -81,17 +80,16 @@ def matmul_sites(program: Program, spec: Any) -> list[Site]:
     return chosen
 
 
-class HWErrorPass(Pass):
+@register_pass
+class HWErrorPass(Pass[HWErrorSpec]):
     """Inserts `HWError` at the policy's injection point of every selected site."""
 
     name = "hw_error"
     tag = "hw_error"
+    section = "hw_error"
     provides = ("hw_error",)
 
-    def select(self, program: Program, policy: Any) -> list[Action]:
-        spec = getattr(policy, "hw_error", None)
-        if spec is None:
-            return []
+    def select(self, program: Program, spec: HWErrorSpec) -> list[Action]:
         kinds = QUANTIZABLE + (("matmul",) if spec.include_matmuls else ())
         sites = select_sites(program, spec, "hw_error", kinds=kinds)
         actions = [Action(s, spec.injection_point if s.kind != "matmul" else "output", "hw_error", {"spec": spec})

@@ -1,7 +1,7 @@
 """Instrument pass: taps on the weight, input and output of selected sites (SRDD scans).
 
 A tap is an identity on the value it sits on. In eager mode it feeds streaming float64
-accumulators (`qtransform.metrics.ErrorStats`) and keeps no tensor, so a scan over any number of
+accumulators (`qtransform.core.metrics.ErrorStats`) and keeps no tensor, so a scan over any number of
 batches holds a constant amount of state per site; traced (torch.export, compile) it is one
 `qtransform::tap` node labelled `<site>:<point>`, which exports turn into named outputs.
 
@@ -27,12 +27,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from qtransform import formats, ops
-from qtransform.graph import POINTS
-from qtransform.metrics import BlockExponentHistogram, ErrorStats
-from qtransform.pipeline import Action, Pass
-from qtransform.program import Program
-from qtransform.selection import QUANTIZABLE, select_sites
+from qtransform import formats
+from qtransform.core import ops
+from qtransform.core.graph import POINTS
+from qtransform.core.metrics import BlockExponentHistogram, ErrorStats
+from qtransform.core.program import Program
+from qtransform.pipeline.base import Action, Pass, register_pass
+from qtransform.pipeline.selection import QUANTIZABLE, select_sites
+from qtransform.schemas import InstrumentSpec
 
 Quantizer = tuple[str, dict[str, Any]]  # (format, fake_quantize keyword options)
 
@@ -194,18 +196,17 @@ def tapping(model: nn.Module, enabled: bool = True, *, stride: int = 1) -> Itera
 
 
 # -- the pass ---------------------------------------------------------------------------------
-class InstrumentPass(Pass):
+@register_pass
+class InstrumentPass(Pass[InstrumentSpec]):
     """Taps on the points the policy's `instrument` section selects; no section, no taps."""
 
     name = "instrument"
     tag = "tap"
     requires = ("fake_quant",)
+    section = "instrument"
     provides = ("instrument",)
 
-    def select(self, program: Program, policy: Any) -> list[Action]:
-        spec = policy.instrument
-        if spec is None:
-            return []
+    def select(self, program: Program, spec: InstrumentSpec) -> list[Action]:
         actions = []
         points = [p for p in POINTS if p in spec.points]
         for site in select_sites(program, spec, "instrument", kinds=QUANTIZABLE):

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from qtransform.capture import normalize_inputs
+from qtransform.core.capture import normalize_inputs
 from qtransform.errors import UserError
 
 Calibration = Tensor | Sequence[str] | Sequence[Sequence[int]]

@@ -1,17 +1,13 @@
 """The policy schema: Pydantic models, the selector language, loading and readable errors."""
 
+from qtransform.core.sites import closest_names
+
 from .aqn import Multiplier, NoiseSpec, Schedule
 from .errors import PolicyError, Problem
 from .legacy import from_legacy_srdd
 from .loading import dump_policy, is_legacy_srdd, load_policy
 from .policy import HWErrorSpec, InstrumentSpec, Policy, QuantRule, Thresholds
-from .selectors import (
-    Selector,
-    SiteRef,
-    closest_names,
-    parse_layers,
-    resolve_quant_rules,
-)
+from .selectors import Selector, SiteRef, parse_layers, resolve_quant_rules
 
 __all__ = [
     "HWErrorSpec",

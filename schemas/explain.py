@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+from qtransform.core.schedule import Schedule as NoiseSchedule
+from qtransform.core.schedule import stage_values
 from qtransform.formats import registry
-from qtransform.noise import Schedule as NoiseSchedule
-from qtransform.noise import stage_values
 
 from .aqn import NoiseSpec, Schedule
 from .base import Selected

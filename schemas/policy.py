@@ -247,6 +247,12 @@ class Policy(StrictModel):
             raise problems_error(issues)
         return self
 
+    def section(self, name: str) -> Any:
+        """The section a pass reads (its `Pass.section`); None or [] when the policy has none."""
+        if name not in type(self).model_fields or name == "version":
+            raise KeyError(f"the policy has no section {name!r}")
+        return getattr(self, name)
+
     def to_json(self, indent: int | None = 2) -> str:
         """The policy as JSON text; `load_policy` reads it back to an equal Policy."""
         return self.model_dump_json(indent=indent)

@@ -28,7 +28,6 @@ Across quantize rules, a later rule overrides an earlier one for the same (site,
 
 from __future__ import annotations
 
-import difflib
 import fnmatch
 import re
 from collections.abc import Iterable, Sequence
@@ -36,13 +35,14 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any, Literal, Protocol
 
+from qtransform.core.sites import REGEX_PREFIX
+
 LINEAR_KINDS = ("linear", "conv1d")
-REGEX_PREFIX = "re:"
 _LAYERS_ITEM = re.compile(r"\s*(\d+)\s*(?:-\s*(\d+)\s*)?\Z")
 
 
 class SiteRef(Protocol):
-    """What a selector needs to know about a site (`qtransform.sites.Site` provides it)."""
+    """What a selector needs to know about a site (`qtransform.core.sites.Site` provides it)."""
 
     name: str
     cls_name: str
@@ -200,23 +200,10 @@ def _compile(
     )
 
 
-def closest_names(entry: str, names: Sequence[str], n: int = 3) -> list[str]:
-    """Up to n site names that look like `entry` (compared whole and by last dotted part)."""
-    core = entry.removeprefix(REGEX_PREFIX).strip("*?.^$")
-    by_key: dict[str, str] = {}
-    for name in names:
-        by_key.setdefault(name, name)
-        by_key.setdefault(name.rsplit(".", 1)[-1], name)
-    keys = difflib.get_close_matches(core, list(by_key), n=n * 3, cutoff=0.6)
-    out: list[str] = []
-    for key in keys:
-        if by_key[key] not in out:
-            out.append(by_key[key])
-    return out[:n]
 
 
 def resolve_quant_rules(
-    policy: Any, sites: Iterable[SiteRef]
+    rules: Sequence[Any], sites: Iterable[SiteRef]
 ) -> dict[tuple[str, str], tuple[int, Any]]:
     """(site name, tensor) -> (rule index, QuantRule) of the rule that applies.
 
@@ -225,7 +212,7 @@ def resolve_quant_rules(
     """
     sites = list(sites)
     chosen: dict[tuple[str, str], tuple[int, Any]] = {}
-    for index, rule in enumerate(policy.quantize):
+    for index, rule in enumerate(rules):
         selector = Selector.from_section(rule)
         for site in sites:
             if selector.matches(site):

@@ -12,17 +12,17 @@ from torch import nn
 
 import qtransform
 from qtransform import fake_quantize
-from qtransform.activation_scan import (
+from qtransform.calibration import builtin_calibration, calibration_batches, read_calibration
+from qtransform.cli.main import main
+from qtransform.errors import UserError
+from qtransform.scan.activations import (
     EndToEnd,
     SitePairs,
     auto_stride,
     resolve_policy,
     scan_activations,
 )
-from qtransform.calibration import builtin_calibration, calibration_batches, read_calibration
-from qtransform.cli.main import main
-from qtransform.errors import UserError
-from qtransform.fault_scan import gain_scan, instability_scan, kurtosis_scan, stochastic_policy
+from qtransform.scan.faults import gain_scan, instability_scan, kurtosis_scan, stochastic_policy
 
 from .conftest import ids
 

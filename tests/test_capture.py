@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import qtransform
-from qtransform.capture import CaptureError
+from qtransform.core.capture import CaptureError
 from qtransform.pipeline import Action, Pass, PassManager
 
 from .conftest import ids

@@ -77,7 +77,7 @@ class _Result:
 
 
 def test_demo_options_reach_run_demo_and_json_prints_the_summary(tmp_path, capsys, monkeypatch):
-    from qtransform import demo
+    from qtransform.cli import demo
 
     calls = {}
     monkeypatch.setattr(demo, "run_demo", lambda out, **kw: calls.update(kw, out=out) or _Result())
@@ -101,8 +101,8 @@ def test_scan_usage_errors_exit_2_without_traceback(argv, message, tmp_path, cap
 
 
 def test_demo_onnx_export_on_a_tiny_bert(tmp_path, tiny):
-    from qtransform.activation_scan import resolve_policy
-    from qtransform.demo import demo_policy, export_demo_onnx
+    from qtransform.cli.demo import demo_policy, export_demo_onnx
+    from qtransform.scan.activations import resolve_policy
 
     model = tiny("bert")
     policy = resolve_policy(model, demo_policy())

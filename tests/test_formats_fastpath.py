@@ -8,10 +8,10 @@ import shutil
 import pytest
 import torch
 
+from qtransform.core.metrics import ErrorStats
 from qtransform.formats import block_exponents, fake_quantize, fastpath, names, saturated
 from qtransform.formats.options import resolve
 from qtransform.formats.quantize import layout_for, quantize_with_info
-from qtransform.metrics import ErrorStats
 
 NAN, INF = float("nan"), float("inf")
 HAS_CC = shutil.which("cc") is not None or shutil.which("gcc") is not None

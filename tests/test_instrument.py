@@ -10,7 +10,7 @@ import torch
 
 import qtransform
 from qtransform import fake_quantize, formats
-from qtransform.metrics import ErrorStats
+from qtransform.core.metrics import ErrorStats
 from qtransform.passes.instrument import Tap, reset_taps, set_taps_enabled, tapping, taps
 
 from .conftest import ids

@@ -12,9 +12,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
-from qtransform import metrics
+from qtransform.core import metrics
+from qtransform.core.metrics import BlockExponentHistogram, ErrorStats
 from qtransform.formats import fastpath
-from qtransform.metrics import BlockExponentHistogram, ErrorStats
 
 RTOL = 1e-12
 

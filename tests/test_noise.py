@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import qtransform
+from qtransform.core.schedule import Schedule, sigma_at, site_seed
 from qtransform.errors import UserError
-from qtransform.noise import Schedule, sigma_at, site_seed
 from qtransform.passes.aqn_noise import AQNNoise
 
 from .conftest import ids
@@ -44,7 +44,7 @@ def test_noise_is_a_node_params_never_written_and_buffers_hidden(tiny):
         logits(out)
     after = params(out)
     assert all(torch.equal(before[k], after[k]) for k in before)
-    assert "qtransform.noise" not in str(type(out))  # the user's class is kept
+    assert "qtransform.core.schedule" not in str(type(out))  # the user's class is kept
 
 
 def test_disabled_and_eval_are_bit_identical_to_the_clean_transformed_model(tiny):

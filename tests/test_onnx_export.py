@@ -18,9 +18,9 @@ from onnx import helper
 
 import qtransform
 from qtransform import fake_quantize
-from qtransform.metrics import ErrorStats
+from qtransform.core.metrics import ErrorStats
+from qtransform.export.graph import config_of, fake_quant_nodes
 from qtransform.models import build_tiny
-from qtransform.onnx_graph import config_of, fake_quant_nodes
 
 from .conftest import ids
 
@@ -108,9 +108,9 @@ def test_onnxruntime_matches_pytorch_at_two_shapes_of_one_dynamic_export(exporte
     graph_inputs = {i.name: [d.dim_param or d.dim_value for d in i.type.tensor_type.shape.dim]
                     for i in ex.proto.graph.input}
     assert graph_inputs["input_ids"] == ["batch", "sequence"]
-    n_fq = sum(1 for e in ex.model.qtransform_log if e["pass_name"] == "fake_quant")
+    n_fq = sum(1 for e in qtransform.insertion_log(ex.model) if e.pass_name == "fake_quant")
     assert len(ex.fq) == n_fq and {n for n, _, _ in ex.fq} == {
-        f"{e['site']}/{e['point']}_fake_quant" for e in ex.model.qtransform_log if e["pass_name"] == "fake_quant"}
+        f"{e.site}/{e.point}_fake_quant" for e in qtransform.insertion_log(ex.model) if e.pass_name == "fake_quant"}
     formats_used = {config_of(n).spec.name for n in fake_quant_nodes(ex.proto)}
     assert formats_used == {"mxfp4", "nvfp4"}
     for batch, seq in SHAPES:

@@ -18,8 +18,8 @@ import torch
 from onnx import TensorProto, helper
 
 from qtransform import fake_quantize, formats
-from qtransform.onnx_export import ExportError
-from qtransform.onnx_functions import DOMAIN, FakeQuantConfig, fake_quant_function
+from qtransform.export.functions import DOMAIN, FakeQuantConfig, fake_quant_function
+from qtransform.export.onnx import ExportError
 
 
 def all_configs() -> list[tuple[str, dict]]:
@@ -145,7 +145,7 @@ def test_node_attributes_and_overloads_name_the_options():
 
 
 def test_stochastic_rounding_and_bad_options_are_clear_errors():
-    from qtransform.onnx_export import _fake_quant_translation
+    from qtransform.export.onnx import _fake_quant_translation
 
     with pytest.raises(ExportError, match="layer/weight_fake_quant.*stochastic rounding cannot be exported"):
         _fake_quant_translation(None, "mxfp4", '{"rounding": "stochastic"}', "layer/weight_fake_quant")

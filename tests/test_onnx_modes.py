@@ -12,8 +12,8 @@ from torch import nn
 
 import qtransform
 from qtransform.errors import UserError
-from qtransform.onnx_export import export_onnx
-from qtransform.onnx_functions import DOMAIN
+from qtransform.export.functions import DOMAIN
+from qtransform.export.onnx import export_onnx
 
 W4A4 = {"version": 1, "quantize": [
     {"targets": ["0"], "format": "mxfp4", "tensors": ["weight", "input"]},

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import onnx
 import onnxruntime as ort
@@ -10,8 +12,9 @@ import torch
 from torch import nn
 
 import qtransform
+from qtransform.core.tracing import module_graph
 from qtransform.errors import UserError
-from qtransform.onnx_export import ExportError, export_onnx, save_model
+from qtransform.export.onnx import ExportError, export_onnx, save_model
 
 POLICY = {"version": 1, "quantize": [{"targets": ["Linear"], "format": "mxfp4"}]}
 
@@ -102,7 +105,8 @@ def test_an_unexportable_fake_quant_names_its_site(tmp_path):
 
 def test_the_audit_refuses_a_graph_that_lost_a_fake_quant(tmp_path):
     model = small()
-    model.qtransform_log.append({**model.qtransform_log[0], "site": "9", "module_path": "9.weight_fake_quant"})
+    log = module_graph(model[0]).insertions  # the record export audits, kept on the site module
+    log.append(dataclasses.replace(log[0], site="9"))
     with pytest.raises(ExportError, match=r"audit failed: .* 3 fake-quant insertions, .* 2 .*missing .*: 9/weight_fake_quant"):
         export_onnx(model, tmp_path / "m.onnx", torch.randn(2, 32))
     assert not (tmp_path / "m.onnx").exists()

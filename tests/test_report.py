@@ -12,12 +12,14 @@ import stat
 import pytest
 import torch
 
-from qtransform import io as qio
-from qtransform.metrics import ErrorStats
-from qtransform.recommend import guide, layer_tiers, recommend
-from qtransform.report import FILES, ScanReport, SiteRow, build_meta
+from qtransform.core import io as qio
+from qtransform.core.metrics import ErrorStats
+from qtransform.core.sites import Site
+from qtransform.scan import render
+from qtransform.scan.recommend import guide, layer_tiers, recommend
+from qtransform.scan.render import FILES
+from qtransform.scan.report import ScanReport, SiteRow, build_meta
 from qtransform.schemas import load_policy, resolve_quant_rules
-from qtransform.sites import Site
 
 ROLES = ("self_attn.q_proj", "mlp.up_proj", "mlp.down_proj")
 
@@ -70,7 +72,7 @@ def test_json_is_strict_versioned_and_round_trips(tmp_path):
                                           layer=None, role="other", kind="linear", shape=[8], fmt="mxfp4", options={}))
     report.rows.append(SiteRow.from_stats("zeros", "weight", ErrorStats().update(zero, zero), layer=None,
                                           role="other", kind="linear", shape=[8], fmt="mxfp4", options={}))
-    text = report.to_json()
+    text = render.report_json(report)  # what report.json holds: the data plus the recommendation
     data = json.loads(text, parse_constant=lambda c: pytest.fail(f"non-strict JSON constant {c}"))
     assert (data["schema"], data["schema_version"]) == ("qtransform.scan_report", "1")
     assert data["rows"][-2]["metrics"]["sqnr_db"] == "inf" and data["rows"][-1]["metrics"]["sqnr_db"] == "nan"
@@ -88,11 +90,11 @@ def test_json_is_strict_versioned_and_round_trips(tmp_path):
 
 def test_csv_and_markdown():
     report = make_report([30.0, 15.0, 28.0])
-    rows = list(csv.DictReader(io.StringIO(report.to_csv())))
+    rows = list(csv.DictReader(io.StringIO(render.to_csv(report))))
     assert len(rows) == len(report.rows) and rows[0]["shape"] == "16x32"
     assert [r["site"] for r in rows if r["problematic"] == "1"] == ["model.layers.1.mlp.down_proj"]
     assert float(rows[0]["sqnr_db"]) == pytest.approx(report.rows[0].metrics["sqnr_db"], rel=1e-12)
-    md = report.to_markdown()
+    md = render.to_markdown(report)
     for part in ("## Recommendation", "## Layers", "## Sites", "```json", "problematic layers: 1",
                  "mean relative error is dominated by small values"):
         assert part in md
@@ -103,7 +105,7 @@ def test_few_problematic_layers_are_kept_in_high_precision():
     rec = recommend(report)
     assert rec.kind == "keep_high_precision" and rec.kept_layers == [19]
     assert rec.kept_sites == [f"model.layers.19.{r}" for r in ROLES]
-    chosen = resolve_quant_rules(load_policy(rec.policy), sites_of(report))
+    chosen = resolve_quant_rules(load_policy(rec.policy).quantize, sites_of(report))
     quantized = {name for name, _ in chosen}
     assert quantized.isdisjoint(rec.kept_sites) and "lm_head" in quantized
     assert len(quantized) == len(report.rows) - 3

@@ -15,11 +15,12 @@ from safetensors.torch import save_file
 from torch import nn
 
 from qtransform.cli.main import main
+from qtransform.core.metrics import BlockExponentHistogram, ErrorStats
 from qtransform.errors import UserError
 from qtransform.formats import block_exponents, fake_quantize, saturated
-from qtransform.metrics import BlockExponentHistogram, ErrorStats
-from qtransform.report import FILES, ScanReport
-from qtransform.scan import (
+from qtransform.scan.render import FILES
+from qtransform.scan.report import ScanReport
+from qtransform.scan.weights import (
     checkpoint_weights,
     compare_formats,
     scan_weights,

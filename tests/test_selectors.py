@@ -6,9 +6,9 @@ from dataclasses import dataclass
 
 import pytest
 
+from qtransform.core.sites import Site
 from qtransform.schemas import Policy, Selector, closest_names, parse_layers, resolve_quant_rules
 from qtransform.schemas.selectors import compile_entry, format_layers
-from qtransform.sites import Site
 
 
 @dataclass(frozen=True)
@@ -147,7 +147,7 @@ def test_later_rule_overrides_earlier_per_site_and_tensor():
         {"name": "mlp8", "format": "mxfp8_e4m3", "targets": ["mlp.*"], "layers": "1"},
         {"name": "down_in", "format": "nvfp4", "targets": ["down_proj"], "tensors": ["input"]},
     ]})
-    table = resolve_quant_rules(policy, qwen_sites(2))
+    table = resolve_quant_rules(policy.quantize, qwen_sites(2))
     assert table[("model.layers.0.self_attn.q_proj", "weight")][1].name == "all"
     assert table[("model.layers.1.mlp.up_proj", "weight")] == (1, policy.quantize[1])
     assert table[("model.layers.1.mlp.up_proj", "input")][1].name == "all"  # rule 1 left inputs alone

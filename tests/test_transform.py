@@ -59,7 +59,7 @@ def test_w4a16_equals_quantized_weights_and_keeps_api(tiny, arch):
     after = _params(model)
     assert all(torch.equal(before[k], after[k]) for k in before)  # caller's model untouched
     n_quantized = len([n for n in _linears(model) if n != "lm_head"])
-    assert len([i for i in out.qtransform_log if i["pass_name"] == "fake_quant"]) == n_quantized
+    assert len([i for i in qtransform.insertion_log(out) if i.pass_name == "fake_quant"]) == n_quantized
 
 
 def test_bf16_and_generate(tiny):

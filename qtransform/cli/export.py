@@ -67,8 +67,9 @@ def example_input_ids(model, batch: int, seq_len: int):
 def run_export(args: argparse.Namespace) -> int:
     import onnx
 
+    from qtransform.core.program import insertion_log
+    from qtransform.export.onnx import export_onnx
     from qtransform.models import load_model
-    from qtransform.onnx_export import export_onnx
     from qtransform.pipeline import transform
     from qtransform.schemas import load_policy
 
@@ -80,11 +81,12 @@ def run_export(args: argparse.Namespace) -> int:
                        fake_quant=args.fake_quant, taps=not args.no_taps, noise=args.noise,
                        opset=args.opset)
     seconds = time.perf_counter() - start
+    log = [i.to_dict() for i in insertion_log(model)]
     graph = onnx.load(str(path), load_external_data=False).graph
     summary = {
         "out": str(path),
         "seconds": round(seconds, 2),
-        "fake_quant_nodes": sum(1 for e in model.qtransform_log if e["pass_name"] == "fake_quant"),
+        "fake_quant_nodes": sum(1 for e in log if e["pass_name"] == "fake_quant"),
         "inputs": [i.name for i in graph.input],
         "outputs": [o.name for o in graph.output],
         "fake_quant": args.fake_quant,

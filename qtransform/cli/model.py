@@ -45,17 +45,19 @@ def run_plan(args: argparse.Namespace) -> int:
 
 
 def run_transform(args: argparse.Namespace) -> int:
+    from qtransform.core.program import insertion_log
     from qtransform.models import load_model
     from qtransform.pipeline import transform
-    from qtransform.saving import save_transformed
+    from qtransform.pipeline.saving import save_transformed
     from qtransform.schemas import load_policy
 
     policy = load_policy(args.policy)
     model = transform(load_model(args.model), policy, inplace=True)
     out = save_transformed(model, policy, args.out)
-    n = len(model.qtransform_log)
+    log = [i.to_dict() for i in insertion_log(model)]
+    n = len(log)
     if args.json:
-        print(json.dumps({"out": str(out), "insertions": model.qtransform_log}, indent=2))
+        print(json.dumps({"out": str(out), "insertions": log}, indent=2))
     else:
         print(f"transformed: {n} insertions; saved to {out} (reload: qtransform.load_transformed)")
     return 0

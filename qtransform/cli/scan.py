@@ -1,6 +1,6 @@
 """`qtransform scan`, `compare` and `guide`: SRDD scans from the terminal.
 
-`scan --calib FILE` runs the activation scan (`qtransform.activation_scan.scan_activations`)
+`scan --calib FILE` runs the activation scan (`qtransform.scan.activations.scan_activations`)
 instead of the weight scan; `--calib builtin` uses the demo's calibration sentences.
 """
 
@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from qtransform.cli.options import add_common, format_options, progress, thresholds
 from qtransform.errors import UserError
 
 EPILOG_SCAN = """examples:
@@ -35,7 +36,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                        epilog=EPILOG_SCAN, formatter_class=raw)
     s.add_argument("model", nargs="?",
                    help="safetensors file, HF/safetensors folder, builtin:<arch> or demo; omitted: "
-                        "the full demo on all-MiniLM-L6-v2 (qtransform.demo)")
+                        "the full demo on all-MiniLM-L6-v2 (qtransform.cli.demo)")
     s.add_argument("--format", help="format to scan (e.g. mxfp4); optional with --policy")
     s.add_argument("--policy", help="policy JSON: quantize rules select sites (and formats), "
                                     "instrument.thresholds flag problems")
@@ -50,7 +51,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="exit 1 when any site is problematic")
     s.add_argument("--no-onnx", action="store_true",
                    help="demo only: skip the ONNX export (its slowest step)")
-    _add_common(s)
+    add_common(s)
     s.set_defaults(func=run_scan)
 
     c = sub.add_parser("compare", help="several formats side by side over the same weights",
@@ -59,7 +60,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--formats", required=True, help="comma-separated formats")
     c.add_argument("--policy", help="policy JSON whose quantize rules select the sites")
     c.add_argument("--out", help="folder for comparison.json and comparison.md")
-    _add_common(c)
+    add_common(c)
     c.set_defaults(func=run_compare)
 
     g = sub.add_parser("guide", help="turn a scan report into a policy (mixed precision / AQN)",
@@ -74,20 +75,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     g.set_defaults(func=run_guide)
 
 
-def _add_common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--block-size", type=int, help="elements per block (default: the format's)")
-    p.add_argument("--scale-rule", help="MX scale rule: floor (default), rceil, ceil, even")
-    p.add_argument("--rounding", help="rne (default), rna or stochastic")
-    p.add_argument("--nvfp4-variant", help="NVFP4: default, compressed-tensors, one_level")
-    p.add_argument("--json", action="store_true", help="print JSON on stdout instead of tables")
-    p.add_argument("--no-progress", action="store_true", help="no progress bars on stderr")
-
-
-def _options(args: argparse.Namespace) -> dict[str, Any]:
-    keys = ("block_size", "scale_rule", "rounding", "nvfp4_variant")
-    return {k: getattr(args, k) for k in keys if getattr(args, k) is not None}
-
-
 def _source(model: str) -> Any:
     """A module for builtin/demo models, else the checkpoint path (scanned tensor by tensor)."""
     if model.startswith("builtin:") or model == "demo":
@@ -99,33 +86,11 @@ def _source(model: str) -> Any:
     return model
 
 
-def _thresholds(items: list[str]) -> dict[str, float]:
-    from qtransform.report import DEFAULT_THRESHOLDS
-
-    out = {}
-    for item in items:
-        key, _, value = item.partition("=")
-        if key not in DEFAULT_THRESHOLDS:
-            from qtransform.formats import suggest
-
-            raise UserError(f"unknown threshold {key!r}{suggest(key, list(DEFAULT_THRESHOLDS))}; "
-                            f"known: {', '.join(DEFAULT_THRESHOLDS)}")
-        try:
-            out[key] = float(value)
-        except ValueError:
-            raise UserError(f"threshold {key}: {value!r} is not a number") from None
-    return out
-
-
-def _progress(args: argparse.Namespace) -> bool | None:
-    return False if args.no_progress else None  # None: bars only when stderr is a terminal
-
-
 def run_scan(args: argparse.Namespace) -> int:
-    from qtransform.scan import scan_weights
+    from qtransform.scan.weights import scan_weights
 
     if args.model is None:
-        from qtransform.demo import run_from_args
+        from qtransform.cli.demo import run_from_args
 
         return run_from_args(args)
     if args.out is None:
@@ -137,8 +102,8 @@ def run_scan(args: argparse.Namespace) -> int:
     if args.calib is not None:
         report = _activation_scan(args)
     else:
-        report = scan_weights(_source(args.model), args.format, policy=args.policy, options=_options(args),
-                              thresholds=_thresholds(args.threshold), progress=_progress(args))
+        report = scan_weights(_source(args.model), args.format, policy=args.policy, options=format_options(args),
+                              thresholds=thresholds(args.threshold), progress=progress(args))
     files = report.save(args.out)
     if args.json:
         print(report.to_json())
@@ -151,26 +116,26 @@ def run_scan(args: argparse.Namespace) -> int:
 def _activation_scan(args: argparse.Namespace):
     """The --calib branch: run the model on calibration text or token ids (`--calib builtin`: the
     demo's sentences) and scan weights, activations and each site's output error."""
-    from qtransform.activation_scan import cli_policy, scan_activations
     from qtransform.calibration import builtin_calibration, read_calibration
     from qtransform.models import load_model, load_tokenizer
+    from qtransform.scan.activations import cli_policy, scan_activations
 
     builtin = args.calib == "builtin" and not Path(args.calib).exists()
     calib = builtin_calibration() if builtin else read_calibration(args.calib)
     model = load_model(args.model)
-    policy = cli_policy(model, args.format, args.policy, _options(args))
+    policy = cli_policy(model, args.format, args.policy, format_options(args))
     report = scan_activations(model, policy, calib, tokenizer=load_tokenizer(args.model),
-                              progress=_progress(args))
+                              progress=progress(args))
     report.meta["source"] = args.model
     report.meta["calibration"]["file"] = "builtin" if builtin else args.calib
-    report.thresholds.update(_thresholds(args.threshold))
+    report.thresholds.update(thresholds(args.threshold))
     return report
 
 
 def scan_table(report) -> str:
     """The terminal view: one line per layer, then sites outside layers, problems, advice."""
-    from qtransform.recommend import recommend
-    from qtransform.report import format_metric as fm
+    from qtransform.scan.recommend import recommend
+    from qtransform.scan.render import format_metric as fm
 
     head = f"{'layer':>5} {'sites':>5} {'SQNR dB':>8} {'worst site':<28} {'worst':>7} " \
            f"{'rel_rmse':>9} {'deadzone':>9} {'satur.':>8} {'bad':>4}"
@@ -199,16 +164,16 @@ def scan_table(report) -> str:
 
 
 def run_compare(args: argparse.Namespace) -> int:
-    from qtransform import io as qio
-    from qtransform.scan import compare_formats
+    from qtransform.core import io as qio
+    from qtransform.scan.weights import compare_formats
 
     names = [f.strip() for f in args.formats.split(",") if f.strip()]
     if not names:
         raise UserError("--formats needs at least one format, e.g. --formats mxfp4,nvfp4")
     if args.policy is not None and not Path(args.policy).exists():
         raise UserError(f"{args.policy}: no such policy file")
-    result = compare_formats(_source(args.model), names, policy=args.policy, options=_options(args),
-                             progress=_progress(args))
+    result = compare_formats(_source(args.model), names, policy=args.policy, options=format_options(args),
+                             progress=progress(args))
     if args.out:
         out = Path(args.out)
         qio.write_json(out / "comparison.json", result.to_dict())
@@ -221,9 +186,9 @@ def run_compare(args: argparse.Namespace) -> int:
 
 
 def run_guide(args: argparse.Namespace) -> int:
-    from qtransform import io as qio
-    from qtransform.recommend import guide, recommend
-    from qtransform.report import ScanReport
+    from qtransform.core import io as qio
+    from qtransform.scan.recommend import guide, recommend
+    from qtransform.scan.report import ScanReport
 
     path = Path(args.report)
     if not path.exists():

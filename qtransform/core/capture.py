@@ -15,9 +15,9 @@ import networkx as nx
 import torch
 from torch import fx, nn
 
+from qtransform.core.program import WHOLE_LOG_ATTR, Program, WholeGraph
+from qtransform.core.sites import Site, discover_sites, layer_index
 from qtransform.errors import UserError
-from qtransform.program import Program, WholeGraph
-from qtransform.sites import Site, discover_sites, layer_index
 
 _LINEAR_OPS = (torch.ops.aten.linear.default, torch.ops.aten.addmm.default)
 _MATMUL_OPS = {
@@ -108,6 +108,7 @@ def build_whole_graph(model: nn.Module, sites: dict[str, Site], example_inputs: 
     for i, name in enumerate(order):
         sites[name].index = i
     whole = WholeGraph(ep=ep, gm=gm, nodes=nodes, dag=dag, order=order)
+    gm.__dict__[WHOLE_LOG_ATTR] = whole.log  # the returned graph module carries what was done
     for name in order:
         if sites[name].kind == "norm":
             sites[name].feeds = whole.linears_fed_by(name, sites)

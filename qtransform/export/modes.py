@@ -18,10 +18,7 @@ from onnx import ModelProto, NodeProto, TensorProto, helper, numpy_helper
 
 from qtransform import formats
 from qtransform.errors import UserError
-from qtransform.formats.blocking import from_blocks
-from qtransform.formats.elements import decode_elements
-from qtransform.formats.registry import E4M3
-from qtransform.onnx_functions import (
+from qtransform.export.functions import (
     DOMAIN,
     FLT_MAX,
     Body,
@@ -32,7 +29,10 @@ from qtransform.onnx_functions import (
     round_magnitude,
     shared_exponent,
 )
-from qtransform.onnx_graph import config_of, fake_quant_nodes
+from qtransform.export.graph import config_of, fake_quant_nodes
+from qtransform.formats.blocking import from_blocks
+from qtransform.formats.elements import decode_elements
+from qtransform.formats.registry import E4M3
 
 # element name -> (ONNX element type, numpy dtype that onnx.numpy_helper writes as that type)
 QDQ_ELEMENTS = {

@@ -7,16 +7,19 @@ all read the same record of what was done.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import networkx as nx
 from torch import fx, nn
 
+from qtransform.core.graph import GraphSite, Insertion
+from qtransform.core.plan import Plan, PlanRow
+from qtransform.core.sites import Site, closest_names
+from qtransform.core.tracing import SiteTracer, module_graph
 from qtransform.errors import UserError
-from qtransform.graph import GraphSite, Insertion
-from qtransform.sites import Site
-from qtransform.tracing import SiteTracer
+
+WHOLE_LOG_ATTR = "_qtransform_log"  # a whole-model graph module's insertions, in its __dict__
 
 
 @dataclass
@@ -28,6 +31,7 @@ class WholeGraph:
     nodes: dict[str, fx.Node]  # site name -> its op node (norms: their weight's get_attr)
     dag: nx.DiGraph  # dataflow between fx nodes, by node name
     order: list[str]  # site names in execution order
+    log: list[Insertion] = field(default_factory=list)  # insertions into gm, kept on it
 
     def linears_fed_by(self, norm: str, sites: dict[str, Site]) -> list[str]:
         """Linear sites whose input is reached from the norm's output without crossing another
@@ -62,21 +66,19 @@ class Program:
     mode: str = "module"
     example_inputs: Any = None
     log: list[Insertion] = field(default_factory=list)
-    plan_rows: list[Any] = field(default_factory=list)  # pipeline.PlanRow, filled by passes
+    plan_rows: list[PlanRow] = field(default_factory=list)  # filled by the pass manager
     _graphs: dict[str, GraphSite] = field(default_factory=dict, repr=False)
     _trace: SiteTracer = field(default_factory=SiteTracer, repr=False)
 
     # -- sites -----------------------------------------------------------------------------
     def site(self, name: str) -> Site:
         if name not in self.sites:
-            from qtransform.schemas.selectors import closest_names
-
             hint = closest_names(name, list(self.sites))
             raise UserError(f"no site named {name!r}" + (f"; closest: {', '.join(hint)}" if hint else ""))
         return self.sites[name]
 
     def site_graph(self, name: str) -> GraphSite:
-        """The graph holding site `name`, traced and spliced into the model on first use."""
+        """The graph of site `name`, attached to its module (or the whole graph) on first use."""
         if name in self._graphs:
             return self._graphs[name]
         site = self.site(name)
@@ -85,19 +87,12 @@ class Program:
                 raise UserError(
                     f"site {name!r} lives only in the whole-model graph: pass example_inputs"
                 )
-            gsite = GraphSite(site, self.whole.gm, "", op_node=self.whole.nodes[name])
+            gm = self.whole.gm
+            gsite = GraphSite(site, gm, gm, "", self.whole.log, op_node=self.whole.nodes[name])
         else:
-            parent_name, _, attr = name.rpartition(".")
-            parent = self.model.get_submodule(parent_name) if parent_name else self.model
-            original = getattr(parent, attr)
-            gm = self._trace(original)
-            gm.train(original.training)
-            # keep the original parameter order, so state_dict keys come out unchanged
-            order = [k for k in original._parameters if k in gm._parameters]
-            gm._parameters = {k: gm._parameters[k] for k in order + [k for k in gm._parameters if k not in order]}
-            gm.qtransform_site = site.to_dict()  # survives deepcopy; says what this module was
-            setattr(parent, attr, gm)
-            gsite = GraphSite(site, gm, name)
+            module = self.model.get_submodule(name)
+            state = self._trace(module, name)
+            gsite = GraphSite(site, state, module, name, state.insertions)
         self._graphs[name] = gsite
         return gsite
 
@@ -119,8 +114,19 @@ class Program:
             return self.whole.gm
         return self.model
 
-    def plan(self):
-        """Every site with what each pass does to it (or nothing): see `pipeline.Plan`."""
-        from qtransform.pipeline import Plan
-
+    def plan(self) -> Plan:
+        """Every site with what each pass did to it (or nothing)."""
         return Plan(list(self.sites.values()), list(self.plan_rows))
+
+
+def insertion_log(model: nn.Module) -> list[Insertion]:
+    """What qtransform inserted into `model`, read from the model itself, with module paths as
+    they are now (after PEFT wrapping, say); empty for a model that was never transformed."""
+    found: list[Insertion] = []
+    for name, module in model.named_modules():
+        state = module_graph(module)
+        entries = state.insertions if state is not None else module.__dict__.get(WHOLE_LOG_ATTR, [])
+        for ins in entries:
+            attr = ins.module_path.rsplit(".", 1)[-1]
+            found.append(replace(ins, module_path=f"{name}.{attr}" if name else attr))
+    return found

@@ -1,7 +1,7 @@
 """Editing an exported graph: qtransform's opaque nodes become named, runnable, audited nodes.
 
 After torch.onnx has written one opaque `qtransform.*` node per custom op, this module renames
-each after its label, attaches function bodies (fake-quant from qtransform.onnx_functions, noise
+each after its label, attaches function bodies (fake-quant from qtransform.export.functions, noise
 here), turns taps into graph outputs `tap:<site>:<point>` and noise draws into graph inputs
 `noise:<site>/<point>` (or seeded draws, or nothing), and checks the fake-quant nodes against the
 transformation log.
@@ -19,7 +19,7 @@ import onnx
 from onnx import FunctionProto, ModelProto, NodeProto, TensorProto, helper
 
 from qtransform import formats
-from qtransform.onnx_functions import (
+from qtransform.export.functions import (
     DOMAIN,
     Body,
     ExportError,

@@ -32,8 +32,9 @@ from torch.utils.hooks import RemovableHandle
 
 from qtransform import formats
 from qtransform.calibration import Calibration, calibration_batches, run_model
+from qtransform.core.metrics import ErrorStats
+from qtransform.core.sites import Site, discover_sites
 from qtransform.errors import UserError
-from qtransform.metrics import ErrorStats
 from qtransform.passes.instrument import (
     Quantizer,
     Tap,
@@ -44,8 +45,8 @@ from qtransform.passes.instrument import (
     tapping,
 )
 from qtransform.pipeline import plan, transform
-from qtransform.report import ScanReport, SiteRow, build_meta
-from qtransform.scan import (
+from qtransform.scan.report import ScanReport, SiteRow, build_meta
+from qtransform.scan.weights import (
     QuantChoice,
     effective_options,
     policy_rules,
@@ -53,7 +54,6 @@ from qtransform.scan import (
     source_label,
 )
 from qtransform.schemas import InstrumentSpec, Policy, dump_policy, load_policy
-from qtransform.sites import Site, discover_sites
 
 
 def progress_bar(batches: list[Tensor], enabled: bool | None, what: str) -> Iterable[Tensor]:

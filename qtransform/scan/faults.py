@@ -16,7 +16,11 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from qtransform.activation_scan import (
+from qtransform.calibration import Calibration, calibration_batches, run_model
+from qtransform.core.metrics import ErrorStats
+from qtransform.errors import UserError
+from qtransform.passes.instrument import tapping
+from qtransform.scan.activations import (
     ForwardHooks,
     SitePairs,
     build_report,
@@ -27,11 +31,7 @@ from qtransform.activation_scan import (
     site_row,
     transform_for_scan,
 )
-from qtransform.calibration import Calibration, calibration_batches, run_model
-from qtransform.errors import UserError
-from qtransform.metrics import ErrorStats
-from qtransform.passes.instrument import tapping
-from qtransform.report import ScanReport
+from qtransform.scan.report import ScanReport
 from qtransform.schemas import Policy, dump_policy, load_policy
 
 

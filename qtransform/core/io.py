@@ -9,6 +9,7 @@ file system) followed by `os.replace`, which is atomic on POSIX and Windows.
 from __future__ import annotations
 
 import json
+import math
 import os
 import tempfile
 from collections.abc import Iterator
@@ -62,3 +63,14 @@ def write_text(path: str | os.PathLike[str], text: str, encoding: str = "utf-8")
 def write_json(path: str | os.PathLike[str], obj: Any, *, indent: int = 2) -> Path:
     """Atomically write `obj` as strict JSON (NaN/Infinity are rejected: encode them first)."""
     return write_text(path, json.dumps(obj, indent=indent, allow_nan=False) + "\n")
+
+
+def encode_floats(obj: Any) -> Any:
+    """Strict-JSON copy of obj: non-finite floats become the strings "inf", "-inf", "nan"."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return "nan" if math.isnan(obj) else ("inf" if obj > 0 else "-inf")
+    if isinstance(obj, dict):
+        return {k: encode_floats(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [encode_floats(v) for v in obj]
+    return obj

@@ -8,12 +8,15 @@ silently matches zero layers is how whole series of experiments ran without thei
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
+from qtransform.core.program import Program
+from qtransform.core.sites import Site, closest_names
 from qtransform.errors import UserError
-from qtransform.program import Program
-from qtransform.schemas.selectors import Selector, closest_names, resolve_quant_rules
-from qtransform.sites import Site
+from qtransform.pipeline.base import Action
+from qtransform.schemas import QuantRule
+from qtransform.schemas.selectors import Selector, resolve_quant_rules
 
 QUANTIZABLE = ("linear", "conv1d")
 
@@ -53,14 +56,12 @@ def rule_label(section: str, index: int, name: str | None) -> str:
     return f"{section}[{index}]" + (f" {name!r}" if name else "")
 
 
-def resolve_quantize(program: Program, policy: Any) -> list:
+def resolve_quantize(program: Program, rules: Sequence[QuantRule]) -> list[Action]:
     """One action per (site, tensor); a later rule overrides an earlier one for the same pair."""
-    from qtransform.pipeline import Action
-
-    for i, rule in enumerate(policy.quantize):
+    for i, rule in enumerate(rules):
         select_sites(program, rule, f"quantize[{i}]", kinds=QUANTIZABLE)  # errors for dead entries
     quantizable = [s for s in program.sites.values() if s.kind in QUANTIZABLE]
-    chosen = resolve_quant_rules(policy, quantizable)
+    chosen = resolve_quant_rules(rules, quantizable)
     order = {name: k for k, name in enumerate(program.sites)}
     points = {"weight": 0, "input": 1, "output": 2}
     return [

@@ -11,7 +11,9 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from qtransform.report import ScanReport, encode_floats, format_metric
+from qtransform.core.io import encode_floats
+from qtransform.scan.render import format_metric
+from qtransform.scan.report import ScanReport
 
 COMPARED_METRICS = {  # metric -> True when higher is better
     "sqnr_db": True, "mse": False, "rmse": False, "cosine": True, "max_abs_error": False,

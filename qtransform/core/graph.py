@@ -14,12 +14,21 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Protocol
 
 import torch
 from torch import fx, nn
 
-from qtransform.sites import Site
+from qtransform.core.sites import Site
+
+
+class GraphHost(Protocol):
+    """What runs a graph: a site module's ModuleGraph, or the whole-model GraphModule."""
+
+    graph: fx.Graph
+
+    def recompile(self) -> object: ...
+
 
 Point = Literal["weight", "input", "output"]
 POINTS: tuple[Point, ...] = ("weight", "input", "output")
@@ -53,10 +62,14 @@ class GraphSite:
     quantized weight, and can ask for the raw one as an extra argument.
     """
 
-    def __init__(self, site: Site, gm: fx.GraphModule, prefix: str, op_node: fx.Node | None = None):
+    def __init__(self, site: Site, host: GraphHost, owner: nn.Module, prefix: str,
+                 log: list[Insertion], op_node: fx.Node | None = None):
         self.site = site
-        self.gm = gm
-        self.prefix = prefix  # qualified name of `gm` inside the model ("" for the whole graph)
+        self.host = host  # what runs the graph: the site module's ModuleGraph, or the whole graph
+        self.graph = host.graph
+        self.owner = owner  # the module inserted modules are added to
+        self.prefix = prefix  # qualified name of `owner` inside the model ("" for the whole graph)
+        self.log = log  # insertions into this graph, kept with the transformed model
         self.op_node = op_node  # whole-graph mode: the site's op node
         self.raw: dict[str, fx.Node] = {}
         for point in POINTS:
@@ -81,7 +94,7 @@ class GraphSite:
         return table[key]
 
     def _locate(self, point: str) -> fx.Node:
-        graph = self.gm.graph
+        graph = self.graph
         if self.op_node is not None:
             return self._whole_graph_value(point)
         if point == "weight":
@@ -101,7 +114,7 @@ class GraphSite:
         """The node carrying a linear site's bias, or None."""
         node = self.op_node
         if node is None:
-            return next((n for n in self.gm.graph.nodes if n.op == "get_attr" and n.target == "bias"), None)
+            return next((n for n in self.graph.nodes if n.op == "get_attr" and n.target == "bias"), None)
         if self.site.kind not in ("linear", "conv1d"):
             return None
         if node.target == torch.ops.aten.addmm.default:
@@ -137,8 +150,8 @@ class GraphSite:
         extras = tuple(self.value(e) for e in extra)
         base = f"{_safe(self.site.name)}__" if self.op_node is not None else ""
         attr = self._free_attr(f"{base}{point}_{tag}")
-        self.gm.add_submodule(attr, module)
-        graph = self.gm.graph
+        self.owner.add_module(attr, module)
+        graph = self.graph
         consumer = self.op_node if self.op_node is not None and point != "output" and self.site.kind != "norm" else None
         anchor = max((head, *extras), key=self._position)
         with graph.inserting_before(consumer) if consumer is not None else graph.inserting_after(anchor):
@@ -151,17 +164,23 @@ class GraphSite:
             head.replace_all_uses_with(new, delete_user_cb=lambda user: user is not new)
         self.heads[point] = new  # the caller lints and recompiles (once per pass, not per insertion)
         path = f"{self.prefix}.{attr}" if self.prefix else attr
-        return Insertion(self.site.name, point, pass_name, tag, new.name, path)
+        insertion = Insertion(self.site.name, point, pass_name, tag, new.name, path)
+        self.log.append(insertion)
+        return insertion
+
+    def recompile(self) -> None:
+        """Make the host run the edited graph (once per pass, after the lint)."""
+        self.host.recompile()
 
     def _position(self, node: fx.Node) -> int:
-        for i, n in enumerate(self.gm.graph.nodes):
+        for i, n in enumerate(self.graph.nodes):
             if n is node:
                 return i
         raise ValueError(f"node {node.name} is not in the graph")
 
     def _free_attr(self, base: str) -> str:
         name, i = base, 1
-        while hasattr(self.gm, name):
+        while hasattr(self.owner, name):
             i += 1
             name = f"{base}_{i}"
         return name

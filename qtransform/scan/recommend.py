@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from qtransform.report import ScanReport
+    from qtransform.scan.report import ScanReport
 
 DEFAULT_TIERS = (1.5, 1.2, 1.0)
 AQN_SCHEDULE = {"kind": "exponential", "sigma_start": 1e-2, "sigma_end": 1e-4, "num_stages": 10}

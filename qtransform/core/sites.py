@@ -8,11 +8,15 @@ name, so this module is the one place that decides names, layer indices and role
 
 from __future__ import annotations
 
+import difflib
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
 from torch import nn
+
+REGEX_PREFIX = "re:"  # a selector that is a regular expression, not a glob
 
 SiteKind = Literal["linear", "conv1d", "norm", "matmul"]
 
@@ -118,3 +122,17 @@ def discover_sites(model: nn.Module) -> dict[str, Site]:
             index=len(sites),
         )
     return sites
+
+def closest_names(entry: str, names: Sequence[str], n: int = 3) -> list[str]:
+    """Up to n site names that look like `entry` (compared whole and by last dotted part)."""
+    core = entry.removeprefix(REGEX_PREFIX).strip("*?.^$")
+    by_key: dict[str, str] = {}
+    for name in names:
+        by_key.setdefault(name, name)
+        by_key.setdefault(name.rsplit(".", 1)[-1], name)
+    keys = difflib.get_close_matches(core, list(by_key), n=n * 3, cutoff=0.6)
+    out: list[str] = []
+    for key in keys:
+        if by_key[key] not in out:
+            out.append(by_key[key])
+    return out[:n]

@@ -3,7 +3,7 @@
 torch.onnx (dynamo) exports the model with qtransform's custom ops translated to opaque nodes in
 the `qtransform` domain. Opaque nodes are what keeps them: the exporter's optimiser would fold a
 decomposed weight fake-quant into an anonymous initializer. Afterwards each node is renamed after
-its label and given a model-local function body (qtransform.onnx_functions), taps become named
+its label and given a model-local function body (qtransform.export.functions), taps become named
 graph outputs and noise draws named graph inputs; an audit against the insertion log makes sure
 no fake-quant was lost on the way.
 """
@@ -28,12 +28,13 @@ import torch
 from onnx import ModelProto, helper
 from torch import nn
 
-import qtransform.ops  # noqa: F401 - registers the custom ops the translations refer to
-from qtransform.capture import normalize_inputs
+import qtransform.core.ops  # noqa: F401 - registers the custom ops the translations refer to
+from qtransform.core.capture import normalize_inputs
+from qtransform.core.io import current_umask
+from qtransform.core.program import Program, insertion_log
 from qtransform.errors import UserError
-from qtransform.io import current_umask
-from qtransform.onnx_functions import DOMAIN, ExportError, FakeQuantConfig, UnsupportedExport
-from qtransform.onnx_graph import (
+from qtransform.export.functions import DOMAIN, ExportError, FakeQuantConfig, UnsupportedExport
+from qtransform.export.graph import (
     audit,
     finish_fake_quant,
     finish_noise,
@@ -41,8 +42,8 @@ from qtransform.onnx_graph import (
     name_dims,
     rename_value,
 )
-from qtransform.onnx_modes import inline_functions, to_qdq
-from qtransform.program import Program
+from qtransform.export.modes import inline_functions, to_qdq
+from qtransform.passes import AQNNoise, HWError
 
 FAKE_QUANT_MODES = ("function", "inline", "qdq")
 NOISE_MODES = ("input", "random", "off")
@@ -111,8 +112,8 @@ def _log_of(model_or_program: nn.Module | Program) -> tuple[nn.Module, nn.Module
     if isinstance(model_or_program, Program):
         log = [i.to_dict() for i in model_or_program.log]
         return model_or_program.module(), model_or_program.model, log
-    log = getattr(model_or_program, "qtransform_log", None)
-    if log is None:
+    log = [i.to_dict() for i in insertion_log(model_or_program)]
+    if not log:
         raise UserError(
             "export_onnx needs a model returned by qtransform.transform (it carries the insertion "
             "log the export is audited against) or a Program"
@@ -128,7 +129,7 @@ def _noise_modules(module: nn.Module, log: list[dict]) -> list[tuple[str, str, n
             mod = module.get_submodule(entry["module_path"])
         except AttributeError:
             continue
-        if hasattr(mod, "noise_override"):
+        if isinstance(mod, (AQNNoise, HWError)):
             found.append((entry, mod))
     counts = Counter((e["site"], e["point"]) for e, _ in found)
     named = []

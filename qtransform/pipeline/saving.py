@@ -13,19 +13,19 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any
 
 from torch import nn
 
 from qtransform.errors import UserError
+from qtransform.models import load_model
+from qtransform.pipeline.transform import PolicyLike, transform
+from qtransform.schemas import dump_policy, load_policy
 
 POLICY_FILE = "qtransform_policy.json"
 
 
-def save_transformed(model: nn.Module, policy: Any, out_dir: str | os.PathLike) -> Path:
+def save_transformed(model: nn.Module, policy: PolicyLike, out_dir: str | os.PathLike) -> Path:
     """Write `save_pretrained` output plus the policy to `out_dir`, atomically as a folder."""
-    from qtransform.schemas import dump_policy, load_policy
-
     out = Path(out_dir)
     if not hasattr(model, "save_pretrained"):
         raise UserError(f"{type(model).__name__} has no save_pretrained; save its state_dict and policy")
@@ -50,9 +50,6 @@ def save_transformed(model: nn.Module, policy: Any, out_dir: str | os.PathLike) 
 
 def load_transformed(folder: str | os.PathLike) -> nn.Module:
     """Reload a folder written by `save_transformed`: the weights, transformed by its policy."""
-    from qtransform.models import load_model
-    from qtransform.pipeline import transform
-
     path = Path(folder)
     if not (path / POLICY_FILE).exists():
         raise UserError(f"{path}: no {POLICY_FILE}; was it written by `qtransform transform`?")

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from qtransform import io as qio
+from qtransform.core import io as qio
 from qtransform.errors import UserError
 
 DEFAULT_OUT = "qtransform-demo"
@@ -64,7 +64,7 @@ class DemoResult:
         return len(self.weights.problems()) + len(self.activations.problems())
 
     def to_dict(self) -> dict[str, Any]:
-        from qtransform.report import encode_floats
+        from qtransform.core.io import encode_floats
 
         return encode_floats({
             "model": self.model, "format": self.fmt, "calibration_samples": self.samples,
@@ -103,10 +103,10 @@ def run_demo(out: str | Path = DEFAULT_OUT, *, fmt: str = DEFAULT_FORMAT,
     `calib`: calibration samples (default: the built-in sentences). `progress`: tqdm bars (None:
     only on a terminal); `quiet` drops the step lines as well.
     """
-    from qtransform.activation_scan import resolve_policy, scan_activations
     from qtransform.calibration import builtin_calibration
     from qtransform.models import load_model, load_tokenizer
-    from qtransform.scan import choice_for, compare_formats, scan_weights
+    from qtransform.scan.activations import resolve_policy, scan_activations
+    from qtransform.scan.weights import choice_for, compare_formats, scan_weights
 
     out = Path(out)
     if out.exists() and not out.is_dir():
@@ -157,7 +157,7 @@ def export_demo_onnx(model: Any, policy: Any, tokenizer: Any, samples: list, pat
     """The transformed model as instrumented ONNX (taps as graph outputs, dynamic batch and
     sequence), traced on the first calibration sentences."""
     from qtransform.calibration import calibration_batches
-    from qtransform.onnx_export import export_onnx
+    from qtransform.export.onnx import export_onnx
     from qtransform.pipeline import transform
 
     if all(isinstance(s, str) for s in samples):
@@ -189,8 +189,8 @@ def layer_table(result: DemoResult) -> str:
     """One line per layer: weight SQNR under each compared format, the main format's deadzone and
     saturation, its activation error at the sites' outputs (each site's own, and accumulated from
     the input on) and the number of problematic rows."""
-    from qtransform.metrics import ErrorStats
-    from qtransform.report import format_metric as fm
+    from qtransform.core.metrics import ErrorStats
+    from qtransform.scan.render import format_metric as fm
 
     weights, acts, comparison = result.weights, result.activations, result.comparison
     per_format = {f: _by_layer(comparison.reports[f].rows) for f in comparison.formats}
@@ -220,8 +220,8 @@ def layer_table(result: DemoResult) -> str:
 def summary_text(result: DemoResult) -> str:
     """The terminal view: the per-layer table, the end-to-end effect, the whole-model comparison,
     the recommendation and the files written."""
-    from qtransform.recommend import recommend
-    from qtransform.report import format_metric as fm
+    from qtransform.scan.recommend import recommend
+    from qtransform.scan.render import format_metric as fm
 
     name = result.fmt.upper()
     end = result.activations.meta.get("end_to_end", {})
@@ -249,7 +249,7 @@ def summary_text(result: DemoResult) -> str:
 def run_from_args(args: argparse.Namespace) -> int:
     """`qtransform scan` without MODEL: the demo, with the scan command's options."""
     from qtransform.calibration import read_calibration
-    from qtransform.cli.scan import _options, _progress, _thresholds
+    from qtransform.cli.options import format_options, progress, thresholds
 
     if args.policy is not None:
         raise UserError("the demo uses its own W4A16 policy; give a MODEL to scan with --policy")
@@ -259,7 +259,7 @@ def run_from_args(args: argparse.Namespace) -> int:
 
         hf_logging.disable_progress_bar()
     result = run_demo(args.out or DEFAULT_OUT, fmt=args.format or DEFAULT_FORMAT, calib=calib,
-                      options=_options(args), thresholds=_thresholds(args.threshold),
-                      onnx=not args.no_onnx, progress=_progress(args), quiet=args.no_progress)
+                      options=format_options(args), thresholds=thresholds(args.threshold),
+                      onnx=not args.no_onnx, progress=progress(args), quiet=args.no_progress)
     print(json.dumps(result.to_dict(), indent=2) if args.json else summary_text(result))
     return 1 if args.fail_on_problematic and result.problems() else 0

@@ -11,7 +11,7 @@ every floating 2-D `*.weight` tensor except embeddings. Embeddings are looked up
 so block quantization of their rows is a different question. Blocks run along the reduction axis
 (axis 0 for Conv1D, which stores [in, out]; GPT-2's `c_attn`/`c_fc`/`c_proj` in checkpoints).
 
-The activation scan (qtransform.activation_scan) feeds the same `ErrorStats` accumulators and
+The activation scan (qtransform.scan.activations) feeds the same `ErrorStats` accumulators and
 builds the same `ScanReport` from rows with point "input"/"output".
 """
 
@@ -29,12 +29,12 @@ import torch
 from torch import nn
 
 from qtransform import formats
-from qtransform.compare import Comparison
+from qtransform.core.metrics import BlockExponentHistogram, ErrorStats
+from qtransform.core.sites import Site, discover_sites, layer_index, role_of
 from qtransform.errors import UserError
 from qtransform.formats.quantize import quantize_with_info
-from qtransform.metrics import BlockExponentHistogram, ErrorStats
-from qtransform.report import DEFAULT_THRESHOLDS, ScanReport, SiteRow, build_meta
-from qtransform.sites import Site, discover_sites, layer_index, role_of
+from qtransform.scan.compare import Comparison
+from qtransform.scan.report import DEFAULT_THRESHOLDS, ScanReport, SiteRow, build_meta
 
 LINEAR_KINDS = ("linear", "conv1d")
 GPT2_CONV1D_LEAVES = ("c_attn", "c_fc", "c_proj")
@@ -192,7 +192,7 @@ def policy_choices(policy: Any, sites: Sequence[Site]) -> dict[str, QuantChoice]
 
     per_rule: dict[int, QuantChoice] = {}
     out = {}
-    for (name, tensor), (index, rule) in resolve_quant_rules(load_policy(policy), sites).items():
+    for (name, tensor), (index, rule) in resolve_quant_rules(load_policy(policy).quantize, sites).items():
         if tensor != "weight":
             continue
         if index not in per_rule:

@@ -1,0 +1,42 @@
+"""Options shared by the scan commands and the demo: format options, thresholds, progress."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from qtransform.errors import UserError
+from qtransform.formats import suggest
+from qtransform.scan.report import DEFAULT_THRESHOLDS
+
+
+def add_common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--block-size", type=int, help="elements per block (default: the format's)")
+    p.add_argument("--scale-rule", help="MX scale rule: floor (default), rceil, ceil, even")
+    p.add_argument("--rounding", help="rne (default), rna or stochastic")
+    p.add_argument("--nvfp4-variant", help="NVFP4: default, compressed-tensors, one_level")
+    p.add_argument("--json", action="store_true", help="print JSON on stdout instead of tables")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars on stderr")
+
+
+def format_options(args: argparse.Namespace) -> dict[str, Any]:
+    keys = ("block_size", "scale_rule", "rounding", "nvfp4_variant")
+    return {k: getattr(args, k) for k in keys if getattr(args, k) is not None}
+
+
+def thresholds(items: list[str]) -> dict[str, float]:
+    out = {}
+    for item in items:
+        key, _, value = item.partition("=")
+        if key not in DEFAULT_THRESHOLDS:
+            raise UserError(f"unknown threshold {key!r}{suggest(key, list(DEFAULT_THRESHOLDS))}; "
+                            f"known: {', '.join(DEFAULT_THRESHOLDS)}")
+        try:
+            out[key] = float(value)
+        except ValueError:
+            raise UserError(f"threshold {key}: {value!r} is not a number") from None
+    return out
+
+
+def progress(args: argparse.Namespace) -> bool | None:
+    return False if args.no_progress else None  # None: bars only when stderr is a terminal

@@ -1,0 +1,52 @@
+"""Plans: every site of a model with what each pass does (or would do) there.
+
+A plan is read from the same rows the pass manager records while it inserts, so `plan()` before a
+transform and `Program.plan()` after it print the same table.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from qtransform.core.sites import Site
+
+
+@dataclass(frozen=True)
+class PlanRow:
+    """One insertion a pass makes (or would make): where, by which rule, with what settings."""
+
+    site: str
+    pass_name: str
+    point: str
+    rule: str
+    detail: str
+
+
+@dataclass
+class Plan:
+    """Every site with the rules that selected it (or none)."""
+
+    sites: list[Site]
+    rows: list[PlanRow]
+
+    def for_site(self, name: str) -> list[PlanRow]:
+        return [r for r in self.rows if r.site == name]
+
+    def to_dict(self) -> dict:
+        return {
+            "sites": [
+                {**s.to_dict(), "actions": [r.__dict__ for r in self.for_site(s.name)]} for s in self.sites
+            ]
+        }
+
+    def to_text(self) -> str:
+        """A table: one line per site, its layer, role and what each pass does there."""
+        width = max((len(s.name) for s in self.sites), default=4)
+        lines = [f"{'site':<{width}}  {'kind':<6} {'layer':>5}  {'role':<7} actions"]
+        for s in self.sites:
+            acts = "; ".join(f"{r.pass_name}:{r.point} {r.detail} [{r.rule}]" for r in self.for_site(s.name))
+            layer = "-" if s.layer is None else str(s.layer)
+            lines.append(f"{s.name:<{width}}  {s.kind:<6} {layer:>5}  {s.role:<7} {acts or '(none)'}")
+        selected = sum(1 for s in self.sites if self.for_site(s.name))
+        lines.append(f"{selected} of {len(self.sites)} sites selected, {len(self.rows)} insertions")
+        return "\n".join(lines)

@@ -1,0 +1,132 @@
+"""Module graphs: the fx graph a site module runs, attached to the module itself.
+
+A transformed site stays the object it was: an `nn.Linear` is still that `nn.Linear`, with its
+own Parameter objects, hooks and class, so PEFT can wrap it, FSDP2 can shard it and `isinstance`
+checks hold. What changes is the forward of that one instance: it runs the site's fx graph, in
+which passes insert modules (registered as children of the site module, so `.to()`, `.train()`
+and `modules()` reach them; none of them has persistent state, so `state_dict()` is unchanged).
+The generated code reads `self.weight` at every call, so whatever sits in the module's parameter
+slot now (a merged LoRA weight, FSDP2's unsharded tensor) is what the graph computes with.
+
+`torch.fx.symbolic_trace` gives the graph of Linear, Conv1D and the usual norms. A module whose
+forward cannot be traced (control flow on tensor attributes, as in T5's LayerNorm, or a user's
+Linear subclass) gets an *opaque* graph: its weight, input and output are graph values around one
+call of the class's own forward.
+"""
+
+from __future__ import annotations
+
+import inspect
+import types
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import fx, nn
+
+from qtransform.core.graph import Insertion
+from qtransform.errors import UserError
+
+STATE_ATTR = "_qtransform"  # the ModuleGraph of a transformed module, in its __dict__
+SELF_ATTR = "_qtransform_self"  # how an opaque graph names the module it belongs to
+
+
+def _call_opaque(module: nn.Module, tensors: dict[str, torch.Tensor], *args, **kwargs):
+    """The class forward of `module` with its own parameters/buffers taken from `tensors`."""
+    for name, value in tensors.items():
+        module.__dict__[name] = value  # shadows the parameter slot for this call only
+    try:
+        return type(module).forward(module, *args, **kwargs)
+    finally:
+        for name in tensors:
+            module.__dict__.pop(name, None)
+
+
+def _opaque_graph(module: nn.Module) -> fx.Graph:
+    """A graph computing `module(...)` with its weight (and other own tensors) as values."""
+    graph = fx.Graph()
+    params = [p for p in inspect.signature(type(module).forward).parameters.values()
+              if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)][1:]  # drop self
+    inputs = [graph.placeholder(p.name, default_value=p.default) if p.default is not p.empty
+              else graph.placeholder(p.name) for p in params]
+    own = [n for n, t in {**module._parameters, **module._buffers}.items() if t is not None]
+    values = {n: graph.get_attr(n) for n in own}
+    out = graph.call_function(_call_opaque, (graph.get_attr(SELF_ATTR), values, *inputs))
+    graph.output(out)
+    return graph
+
+
+@dataclass
+class ModuleGraph:
+    """The graph one site module runs, and the insertions made into it.
+
+    Lives in the module's `__dict__` (not a child module, not state), so it follows
+    `copy.deepcopy` and never shows up in `state_dict()` or `named_modules()`.
+    """
+
+    module: nn.Module
+    graph: fx.Graph
+    insertions: list[Insertion] = field(default_factory=list)
+
+    def add_submodule(self, name: str, module: nn.Module) -> None:
+        self.module.add_module(name, module)
+
+    def has_attr(self, name: str) -> bool:
+        return hasattr(self.module, name)
+
+    def recompile(self) -> None:
+        """Regenerate the instance forward from the graph (`self` is the site module)."""
+        code = self.graph.python_code(root_module="self")
+        scope: dict[str, Any] = dict(code.globals)
+        exec(compile(code.src, f"<qtransform site {type(self.module).__name__}>", "exec"), scope)  # noqa: S102
+        self.module.forward = types.MethodType(scope["forward"], self.module)
+
+
+def module_graph(module: nn.Module) -> ModuleGraph | None:
+    """The ModuleGraph of a transformed site module, or None."""
+    return module.__dict__.get(STATE_ATTR)
+
+
+class SiteTracer:
+    """Attaches graphs to site modules; every plain nn.Linear reuses one traced graph (their
+    graphs are equal and tracing is most of the cost of a transform)."""
+
+    def __init__(self) -> None:
+        self._linear_graphs: dict[bool, fx.Graph] = {}
+
+    def __call__(self, module: nn.Module, name: str) -> ModuleGraph:
+        if module_graph(module) is not None:
+            raise UserError(
+                f"{name} is transformed already: transform the original model (a transform is "
+                "not applied on top of another)"
+            )
+        graph = self._graph(module)
+        graph.owning_module = module  # lint checks get_attr / call_module targets on it
+        if any(n.op == "get_attr" and n.target == SELF_ATTR for n in graph.nodes):
+            module.__dict__[SELF_ATTR] = module
+        state = ModuleGraph(module, graph)
+        module.__dict__[STATE_ATTR] = state
+        state.recompile()
+        return state
+
+    def _graph(self, module: nn.Module) -> fx.Graph:
+        if type(module) is nn.Linear:
+            return self._linear(module)
+        try:
+            graph = fx.symbolic_trace(module).graph
+        except Exception:  # noqa: BLE001 - any trace failure: fall back to an opaque graph
+            return _opaque_graph(module)
+        if not any(n.op == "get_attr" and n.target == "weight" for n in graph.nodes):
+            return _opaque_graph(module)  # weight reached in a way passes cannot see
+        return graph
+
+    def _linear(self, module: nn.Linear) -> fx.Graph:
+        key = module.bias is None
+        if key not in self._linear_graphs:
+            self._linear_graphs[key] = fx.symbolic_trace(module).graph
+        template = self._linear_graphs[key]
+        graph = fx.Graph()
+        graph.graph_copy(template, {}, return_output_node=False)
+        out = next(n for n in template.nodes if n.op == "output")
+        graph.output(next(n for n in graph.nodes if n.name == out.args[0].name))
+        return graph

@@ -1,0 +1,7 @@
+"""ONNX export of transformed models: `export_onnx` (onnx.py) with the fake-quant function bodies
+(functions.py), post-processing and audit of the proto (graph.py) and the other encodings
+(modes.py)."""
+
+from qtransform.export.onnx import ExportError, export_onnx
+
+__all__ = ["ExportError", "export_onnx"]

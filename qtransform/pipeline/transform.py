@@ -1,0 +1,66 @@
+"""`transform()` and `plan()`: a policy applied to a model, or what applying it would do."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from qtransform.core.capture import capture
+from qtransform.core.plan import Plan, PlanRow
+from qtransform.core.program import Program
+from qtransform.pipeline.base import Pass, registered_passes
+from qtransform.pipeline.manager import PassManager
+from qtransform.schemas import Policy, load_policy
+
+PolicyLike = Policy | dict | str | Path
+
+
+def transform(
+    model: nn.Module,
+    policy: PolicyLike,
+    example_inputs: Any = None,
+    *,
+    inplace: bool = False,
+    mode: str = "module",
+    passes: Iterable[Pass] | None = None,
+    return_program: bool = False,
+) -> nn.Module | Program:
+    """Apply a policy to a model and return the transformed model.
+
+    Args:
+        model: any `nn.Module` (a transformers model, a PEFT model, a plain torch model).
+        policy: a `Policy`, a dict, JSON text or a path to a JSON file.
+        example_inputs: inputs for a whole-model capture (`torch.export`); needed for
+            `mode="graph"` and for attention-matmul sites.
+        inplace: transform `model` itself instead of a deep copy (saves memory on large models);
+            by default the caller's model is left untouched, also when this raises.
+        mode: `"module"` keeps the user's model and class (each site module runs its own graph);
+            `"graph"` returns the whole-model graph module.
+        passes: the passes to run; default: every registered pass.
+        return_program: return the `Program` (site table, graphs, log) instead of the model.
+
+    Example::
+
+        model = qtransform.transform(model, {"version": 1, "quantize": [
+            {"targets": ["Linear"], "ignore": ["lm_head"], "format": "mxfp4"}]})
+    """
+    policy = load_policy(policy)
+    manager = PassManager(list(passes) if passes is not None else registered_passes())
+    work = model if inplace else copy.deepcopy(model)
+    program = capture(work, example_inputs, mode=mode)
+    manager.run(program, policy)
+    return program if return_program else program.module()
+
+
+def plan(model: nn.Module, policy: PolicyLike, example_inputs: Any = None,
+         passes: Iterable[Pass] | None = None) -> Plan:
+    """What `transform` would do, without doing it: every site with its selecting rules."""
+    policy = load_policy(policy)
+    manager = PassManager(list(passes) if passes is not None else registered_passes())
+    program = capture(model, example_inputs)
+    rows = [PlanRow(a.site.name, p.name, a.point, a.rule, p.describe(a)) for p, a in manager.select(program, policy)]
+    return Plan(list(program.sites.values()), rows)

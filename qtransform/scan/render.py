@@ -1,0 +1,172 @@
+"""Renderers of a `ScanReport`: JSON with the recommendation, CSV, Markdown and a PNG plot.
+
+Presentation lives here, not in the report: the report is data and problem checks, the
+recommendation comes from `recommend`, and each renderer combines the two for one medium.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from qtransform.core import io as qio
+from qtransform.core.io import encode_floats
+from qtransform.scan.recommend import recommend
+from qtransform.schemas.selectors import format_layers
+
+if TYPE_CHECKING:
+    from qtransform.scan.report import ScanReport
+
+FILES = ("report.json", "report.csv", "report.md", "report.png")
+_PERCENT = ("rel_rmse", "deadzone", "saturation", "mean_rel_error")
+_CSV_METRICS = (
+    "sqnr_db", "mse", "rmse", "rel_rmse", "cosine", "max_abs_error", "deadzone", "saturation",
+    "mean_rel_error", "kurtosis_orig", "kurtosis_quant", "n", "nonzero", "deadzone_count",
+    "saturated_count", "nan_orig", "nan_quant", "nonfinite",
+)
+
+
+def report_json(report: ScanReport, indent: int | None = 2) -> str:
+    """report.json: the report's data plus the recommender's verdict on it."""
+    data = {**report.to_dict(), "recommendation": encode_floats(recommend(report).to_dict())}
+    return json.dumps(data, indent=indent, allow_nan=False)
+
+
+def to_csv(report: ScanReport) -> str:
+    """One line per row; metrics as plain numbers (inf/nan as Python spells them)."""
+    buf = io.StringIO()
+    writer = csv.writer(buf, lineterminator="\n")
+    writer.writerow(["site", "point", "layer", "role", "kind", "shape", "format", *_CSV_METRICS,
+                     "block_exp_min", "block_exp_max", "problematic", "problems"])
+    for row in report.rows:
+        why = report.row_problems(row)
+        exps = row.block_exponents or {}
+        writer.writerow([
+            row.site, row.point, "" if row.layer is None else row.layer, row.role, row.kind,
+            "x".join(map(str, row.shape)), row.format, *(row.metrics[k] for k in _CSV_METRICS),
+            exps.get("min", ""), exps.get("max", ""), int(bool(why)), "; ".join(why),
+        ])
+    return buf.getvalue()
+
+def to_markdown(report: ScanReport) -> str:
+    """A human-readable report: summary, recommendation, per-layer and per-site tables."""
+    rec = recommend(report)
+    opts = ", ".join(f"{k}={v}" for k, v in report.meta.get("options", {}).items())
+    total = report.aggregate() if report.rows else {}
+    lines = [
+        f"# Scan report: {report.meta.get('format')} on {report.meta.get('source')}", "",
+        f"- kind: {report.meta.get('kind')}; options: {opts or 'per site'}",
+        f"- qtransform {report.meta.get('qtransform_version')}, created {report.meta.get('created')}",
+        "- thresholds: " + ", ".join(f"{k} {v:g}" for k, v in report.thresholds.items()),
+        f"- {len(report.rows)} sites in {len(report.layers())} layers; "
+        f"{len(report.problems())} problematic sites; problematic layers: "
+        f"{_ranges(report.problematic_layers()) or 'none'}",
+    ]
+    if total:
+        lines.append("- whole model: " + ", ".join(
+            f"{k} {format_metric(k, total[k])}" for k in ("sqnr_db", "rel_rmse", "cosine", "deadzone", "saturation")))
+    lines += ["", "## Recommendation", "", rec.text, "", "```json",
+              json.dumps(rec.policy, indent=2), "```", "", "## Layers", ""]
+    lines += _md_table(
+        ["layer", "sites", "SQNR dB", "worst site", "worst SQNR dB", "rel_rmse", "deadzone",
+         "saturation", "problem sites"],
+        [[e["layer"], e["sites"], format_metric("sqnr_db", e["sqnr_db"]), e["worst_site"],
+          format_metric("sqnr_db", e["worst_sqnr_db"]), format_metric("rel_rmse", e["rel_rmse"]),
+          format_metric("deadzone", e["deadzone"]), format_metric("saturation", e["saturation"]), e["problem_sites"]]
+         for e in report.layer_summary()],
+    )
+    lines += ["", "## Sites", ""]
+    lines += _md_table(
+        ["site", "layer", "role", "shape", "SQNR dB", "rel_rmse", "cosine", "max err",
+         "deadzone", "saturation", "mean rel err*", "problems"],
+        [[r.label, "" if r.layer is None else r.layer, r.role, "x".join(map(str, r.shape)),
+          *(format_metric(k, r.metrics[k]) for k in ("sqnr_db", "rel_rmse", "cosine", "max_abs_error",
+                                              "deadzone", "saturation", "mean_rel_error")),
+          "; ".join(report.row_problems(r))] for r in report.rows],
+    )
+    lines += ["", "*mean relative error is dominated by small values that quantize to zero; "
+              "it is reported for comparison with older SRDD scans only (docs/metrics.md)."]
+    return "\n".join(lines) + "\n"
+
+def plot_png(report: ScanReport, path: str | os.PathLike[str]) -> Path:
+    """Per-site SQNR and deadzone by layer index, layer totals as lines, thresholds dashed."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
+
+    fig = Figure(figsize=(10, 6.5), layout="constrained")
+    FigureCanvasAgg(fig)  # render with Agg without touching pyplot's global backend
+    top, bottom = fig.subplots(2, 1, sharex=True)
+    layered = [r for r in report.rows if r.layer is not None]
+    rows = layered or report.rows
+    xs = [r.layer if layered else i for i, r in enumerate(rows)]
+    summary = report.layer_summary() if layered else []
+    colors = ["tab:red" if report.row_problems(r) else "tab:blue" for r in rows]
+    for ax, key, scale, unit, thr in (
+        (top, "sqnr_db", 1.0, "SQNR (dB)", report.thresholds["sqnr_db"]),
+        (bottom, "deadzone", 100.0, "deadzone (%)", 100.0 * report.thresholds["deadzone"]),
+    ):
+        ys = [_finite(r.metrics[key]) * scale for r in rows]
+        ax.scatter(xs, ys, s=12, alpha=0.6, c=colors, label="site (red: problematic)")
+        if summary:
+            ax.plot([e["layer"] for e in summary], [_finite(e[key]) * scale for e in summary],
+                    color="black", linewidth=1.2, label="layer total")
+        ax.axhline(thr, color="red", linestyle="--", linewidth=1, label=f"threshold {thr:g}")
+        ax.set_ylabel(unit)
+        ax.grid(alpha=0.3)
+        ax.legend(loc="best", fontsize=8)
+    bottom.set_xlabel("layer index" if layered else "site")
+    bottom.xaxis.set_major_locator(MaxNLocator(integer=True))
+    skipped = len(report.rows) - len(rows)
+    top.set_title(f"{report.meta.get('format')} scan of {Path(str(report.meta.get('source'))).name}"
+                  + (f" ({skipped} site(s) outside layers not shown)" if skipped else ""))
+    with qio.atomic_path(path) as tmp:
+        fig.savefig(tmp, dpi=110)
+    return Path(path)
+
+
+def save_report(report: ScanReport, out_dir: str | os.PathLike[str]) -> dict[str, Path]:
+    """Write report.json, report.csv, report.md and report.png into out_dir, each atomically."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    return {
+        "json": qio.write_text(out / FILES[0], report_json(report) + "\n"),
+        "csv": qio.write_text(out / FILES[1], to_csv(report)),
+        "md": qio.write_text(out / FILES[2], to_markdown(report)),
+        "png": plot_png(report, out / FILES[3]),
+    }
+
+
+def _finite(value: float) -> float:
+    return value if math.isfinite(value) else math.nan
+
+
+def format_metric(metric: str, value: float) -> str:
+    """A metric as table text: percentages for ratios, dB with two decimals."""
+    if isinstance(value, float) and math.isnan(value):
+        return "n/a"
+    if metric in _PERCENT:
+        return f"{100 * value:.2f} %"
+    if metric == "sqnr_db":
+        return f"{value:.2f}"
+    if metric == "cosine":
+        return f"{value:.6f}"
+    return f"{value:.4g}"
+
+
+def _ranges(layers: list[int]) -> str:
+    return format_layers(layers) if layers else ""
+
+
+def _md_table(head: list[str], body: list[list[Any]]) -> list[str]:
+    def esc(v: Any) -> str:
+        return str(v).replace("|", "\\|")
+
+    return ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)] + [
+        "| " + " | ".join(esc(v) for v in row) + " |" for row in body
+    ]

@@ -1,0 +1,120 @@
+"""A transformed site keeps its identity: same class, same Parameter objects, hooks still fire,
+PEFT can wrap it, and the graph it runs is still what passes edit and export reads."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+import qtransform
+from qtransform.formats import fake_quantize
+
+W4 = {"version": 1, "quantize": [{"targets": ["Linear"], "ignore": ["lm_head"], "format": "mxfp4"}]}
+
+
+def tiny_qwen2(seed: int = 0) -> Qwen2ForCausalLM:
+    torch.manual_seed(seed)
+    cfg = Qwen2Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    return Qwen2ForCausalLM(cfg).eval()
+
+
+def test_sites_stay_instances_of_their_class_with_their_own_parameters():
+    model = tiny_qwen2()
+    q = model.model.layers[0].self_attn.q_proj
+    norm = model.model.layers[0].input_layernorm
+    weight, norm_weight, keys = q.weight, norm.weight, list(model.state_dict())
+    pol = {**W4, "noise": {"targets": ["RMSNorm"], "schedule": {"sigma_start": 0.01, "sigma_end": 0.001, "total_steps": 10}}}
+    out = qtransform.transform(model, pol, inplace=True)
+    assert out is model
+    assert type(q) is nn.Linear and isinstance(q, nn.Linear)
+    assert model.model.layers[0].self_attn.q_proj is q and q.weight is weight
+    assert (q.in_features, q.out_features) == (64, 64)
+    assert type(norm).__name__ == "Qwen2RMSNorm" and norm.weight is norm_weight
+    assert list(model.state_dict()) == keys
+
+
+def test_the_site_computes_with_the_fake_quantized_weight():
+    model = tiny_qwen2()
+    q = qtransform.transform(model, W4).model.layers[1].mlp.down_proj
+    x = torch.randn(3, 5, 128)
+    expected = x @ fake_quantize(q.weight.detach(), "mxfp4", axis=-1).T  # no bias on down_proj
+    assert torch.equal(q(x), expected)
+
+
+def test_user_hooks_keep_firing_after_transform():
+    model = tiny_qwen2()
+    q = model.model.layers[0].self_attn.q_proj
+    seen: list[str] = []
+    q.register_forward_pre_hook(lambda m, a: seen.append("pre"))
+    q.register_forward_hook(lambda m, a, o: seen.append("post"))
+    q.register_full_backward_hook(lambda m, gi, go: seen.append("backward"))
+    q.weight.register_hook(lambda g: seen.append("grad") or g)
+    qtransform.transform(model, W4, inplace=True)
+    model.train()
+    model(torch.randint(0, 128, (1, 6)), labels=torch.randint(0, 128, (1, 6))).loss.backward()
+    assert seen[:2] == ["pre", "post"] and sorted(seen[2:]) == ["backward", "grad"]
+
+
+def test_a_hook_registered_after_transform_sees_the_site_output():
+    model = qtransform.transform(tiny_qwen2(), W4)
+    q = model.model.layers[0].self_attn.q_proj
+    captured = {}
+    q.register_forward_hook(lambda m, a, o: captured.setdefault("out", o))
+    x = torch.randn(2, 64)
+    y = q(x)
+    assert torch.equal(captured["out"], y)
+
+
+def test_writes_to_the_parameter_slot_are_what_the_graph_reads():
+    """The graph reads `self.weight` at call time: a new Parameter put in the slot is used."""
+    model = qtransform.transform(tiny_qwen2(), W4)
+    q = model.model.layers[0].self_attn.q_proj
+    new = torch.randn_like(q.weight)
+    q.weight = nn.Parameter(new)
+    x = torch.randn(2, 64)
+    assert torch.equal(q(x), x @ fake_quantize(new, "mxfp4", axis=-1).T)
+
+
+def test_deepcopy_of_a_transformed_model_is_independent():
+    model = qtransform.transform(tiny_qwen2(), W4)
+    twin = copy.deepcopy(model)
+    q, tq = model.model.layers[0].self_attn.q_proj, twin.model.layers[0].self_attn.q_proj
+    assert tq.forward.__self__ is tq
+    with torch.no_grad():
+        tq.weight.mul_(2)
+    x = torch.randn(2, 64)
+    assert torch.equal(q(x), x @ fake_quantize(q.weight.detach(), "mxfp4", axis=-1).T)
+    assert torch.equal(tq(x), x @ fake_quantize(tq.weight.detach(), "mxfp4", axis=-1).T)
+
+
+def test_transforming_a_transformed_model_is_refused():
+    model = qtransform.transform(tiny_qwen2(), W4)
+    with pytest.raises(qtransform.UserError, match="transformed already"):
+        qtransform.transform(model, W4)
+
+
+def test_peft_wraps_transformed_linears():
+    peft = pytest.importorskip("peft")
+    model = qtransform.transform(tiny_qwen2(), W4)
+    lora = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    wrapped = lora.base_model.model.model.layers[0].self_attn.q_proj
+    assert isinstance(wrapped.base_layer, nn.Linear)
+    x = torch.randn(2, 64)
+    base = x @ fake_quantize(wrapped.base_layer.weight.detach(), "mxfp4", axis=-1).T
+    torch.nn.init.normal_(wrapped.lora_B["default"].weight)  # a non-zero LoRA delta
+    delta = wrapped.lora_B["default"](wrapped.lora_A["default"](x)) * wrapped.scaling["default"]
+    torch.testing.assert_close(wrapped(x), base + delta, rtol=0, atol=1e-6)
+
+
+def test_export_and_graph_mode_still_see_the_fake_quant_nodes(tmp_path):
+    model = qtransform.transform(tiny_qwen2(), W4)
+    ids = torch.randint(0, 128, (1, 8))
+    ep = torch.export.export(model, (), {"input_ids": ids, "use_cache": False}, strict=False)
+    nodes = [n for n in ep.graph.nodes if n.op == "call_function" and "fake_quant" in str(n.target)]
+    assert len(nodes) == 14  # 7 linears per layer, 2 layers, lm_head ignored
+    assert len(qtransform.insertion_log(model)) == 14
