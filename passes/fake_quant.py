@@ -16,6 +16,7 @@ from torch import Tensor, nn
 from qtransform import formats
 from qtransform.core import ops
 from qtransform.core.program import Program
+from qtransform.core.versions import content_key
 from qtransform.pipeline.base import Action, Pass, register_pass
 from qtransform.pipeline.selection import resolve_quantize
 from qtransform.schemas import QuantRule
@@ -37,7 +38,8 @@ class FakeQuantize(nn.Module):
     """Quantize-dequantize one tensor of a site in one format.
 
     On a weight (`cache=True`) the quantized copy is kept and reused while the parameter's
-    version, storage, dtype, device and shape are unchanged. Under torch.export/compile the
+    content, dtype, device and shape are unchanged (`core.versions.content_key`: writes through
+    `.data`, merges and FSDP2's reused storage are all seen). Under torch.export/compile the
     module emits the `qtransform::fake_quant` op, labelled `<site>/<tensor>_fake_quant`.
     """
 
@@ -74,7 +76,7 @@ class FakeQuantize(nn.Module):
             return torch.ops.qtransform.fake_quant(x, self.fmt, ops.encode_options(self._opts()), self.label)
         if not self.cache:
             return formats.fake_quantize(x, self.fmt, generator=self._gen(x.device), **self._opts())
-        key = (x._version, x.untyped_storage().data_ptr(), x.dtype, x.device, tuple(x.shape))
+        key = content_key(x)
         if key != self._key or self._cached is None:
             with torch.no_grad():
                 self._cached = formats.fake_quantize(x.detach(), self.fmt, **self._opts())
@@ -84,10 +86,6 @@ class FakeQuantize(nn.Module):
                 return formats.fake_quantize(x, self.fmt, **self._opts())
             return _CachedSTE.apply(x, self._cached)
         return self._cached
-
-    def invalidate(self) -> None:
-        """Drop the cached weight (for writes that bypass autograd's version counter)."""
-        self._key = self._cached = None
 
 
 @register_pass

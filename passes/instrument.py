@@ -32,6 +32,7 @@ from qtransform.core import ops
 from qtransform.core.graph import POINTS
 from qtransform.core.metrics import BlockExponentHistogram, ErrorStats
 from qtransform.core.program import Program
+from qtransform.core.versions import content_key
 from qtransform.pipeline.base import Action, Pass, register_pass
 from qtransform.pipeline.selection import QUANTIZABLE, select_sites
 from qtransform.schemas import InstrumentSpec
@@ -117,7 +118,7 @@ class Tap(nn.Module):
         return sample_rows(formats.saturated(raw, fmt, **opts), offset, self.stride)
 
     def _observe_weight(self, head: Tensor, raw: Tensor) -> None:
-        key = (raw._version, raw.data_ptr(), raw.dtype, raw.device, tuple(raw.shape))
+        key = content_key(raw)
         if key == self._weight_key or head is raw:
             return
         self._weight_key = key

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any, Literal, Protocol
 
-from qtransform.core.sites import REGEX_PREFIX
+from qtransform.core.sites import ADAPTER_KEYS, REGEX_PREFIX
 
 LINEAR_KINDS = ("linear", "conv1d")
 _LAYERS_ITEM = re.compile(r"\s*(\d+)\s*(?:-\s*(\d+)\s*)?\Z")
@@ -95,6 +95,9 @@ class Entry:
     regex: re.Pattern[str] | None = None
 
     def matches(self, site: SiteRef) -> bool:
+        if getattr(site, "adapter", False) and not self.names_adapter:
+            return False  # PEFT adapters stay in full precision unless an entry names them
+        names = (site.name, alias) if (alias := getattr(site, "alias", None)) else (site.name,)
         if self.kind == "class":
             return (
                 site.cls_name == self.text
@@ -103,10 +106,14 @@ class Entry:
             )
         if self.kind == "regex":
             assert self.regex is not None
-            return self.regex.fullmatch(site.name) is not None
-        return fnmatch.fnmatchcase(site.name, self.text) or fnmatch.fnmatchcase(
-            site.name, "*." + self.text
-        )
+            return any(self.regex.fullmatch(n) is not None for n in names)
+        return any(fnmatch.fnmatchcase(n, self.text) or fnmatch.fnmatchcase(n, "*." + self.text)
+                   for n in names)
+
+    @property
+    def names_adapter(self) -> bool:
+        """Whether the entry names a PEFT adapter module (`lora_A`, `re:.*lora_B.*`, ...)."""
+        return self.kind != "class" and any(key in self.text for key in ADAPTER_KEYS)
 
 
 def compile_entry(text: str) -> Entry:

@@ -118,3 +118,89 @@ def test_export_and_graph_mode_still_see_the_fake_quant_nodes(tmp_path):
     nodes = [n for n in ep.graph.nodes if n.op == "call_function" and "fake_quant" in str(n.target)]
     assert len(nodes) == 14  # 7 linears per layer, 2 layers, lm_head ignored
     assert len(qtransform.insertion_log(model)) == 14
+
+
+@pytest.mark.parametrize("write", ["data_copy", "data_add", "no_grad_copy", "swap_rows"])
+def test_every_write_to_a_weight_is_seen_by_the_next_forward(write):
+    model = qtransform.transform(tiny_qwen2(), W4)
+    q = model.model.layers[0].self_attn.q_proj
+    x = torch.randn(2, 64)
+    q(x)  # fills the cache
+    new = torch.randn_like(q.weight)
+    if write == "data_copy":
+        q.weight.data.copy_(new)
+    elif write == "data_add":
+        q.weight.data += new
+        new = q.weight.detach().clone()
+    elif write == "no_grad_copy":
+        with torch.no_grad():
+            q.weight.copy_(new)
+    else:  # same values, other places: a sum would not see it
+        new = q.weight.detach().flip(0).clone()
+        q.weight.data.copy_(new)
+    assert torch.equal(q(x), x @ fake_quantize(new, "mxfp4", axis=-1).T)
+
+
+def test_peft_merge_and_unload_gives_the_fake_quantized_merged_weight():
+    peft = pytest.importorskip("peft")
+    model = qtransform.transform(tiny_qwen2(), W4)
+    lora = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["q_proj"]))
+    layer = lora.base_model.model.model.layers[0].self_attn.q_proj
+    torch.nn.init.normal_(layer.lora_B["default"].weight)
+    x = torch.randn(2, 64)
+    layer(x)  # the base weight is cached now
+    delta = layer.lora_B["default"].weight @ layer.lora_A["default"].weight * layer.scaling["default"]
+    merged_w = (layer.base_layer.weight + delta).detach()
+    merged = lora.merge_and_unload()
+    q = merged.model.layers[0].self_attn.q_proj
+    assert type(q) is nn.Linear
+    torch.testing.assert_close(q.weight.detach(), merged_w, rtol=0, atol=1e-6)
+    assert torch.equal(q(x), x @ fake_quantize(q.weight.detach(), "mxfp4", axis=-1).T)
+
+
+def lora_model(targets="all-linear"):
+    peft = pytest.importorskip("peft")
+    model = tiny_qwen2()
+    lora = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=targets))
+    for name, p in lora.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(p)  # a non-zero delta, so a quantized adapter would show
+    return lora
+
+
+def test_peft_first_then_transform_quantizes_bases_and_never_adapters():
+    lora = lora_model()
+    out = qtransform.transform(lora, W4)
+    quantized = {i.site for i in qtransform.insertion_log(out)}
+    assert quantized and all(s.endswith(".base_layer") for s in quantized)
+    assert len(quantized) == 14
+    layer = out.base_model.model.model.layers[1].mlp.up_proj
+    x = torch.randn(2, 64)
+    base = x @ fake_quantize(layer.base_layer.weight.detach(), "mxfp4", axis=-1).T
+    a, b = layer.lora_A["default"].weight, layer.lora_B["default"].weight
+    expected = base + (x @ a.T @ b.T) * layer.scaling["default"]  # the adapter in full precision
+    torch.testing.assert_close(layer(x), expected, rtol=0, atol=1e-6)
+
+
+def test_selectors_use_the_names_users_write_under_peft():
+    lora = lora_model(["q_proj", "v_proj"])
+    plan = qtransform.plan(lora, {"version": 1, "quantize": [
+        {"targets": ["q_proj"], "format": "nvfp4"},
+        {"targets": ["lora_A"], "format": "mxfp8_e4m3"}]})
+    chosen = {r.site: r.rule for r in plan.rows}
+    assert set(chosen) == {f"base_model.model.model.layers.{i}.self_attn.{p}" for i in (0, 1)
+                           for p in ("q_proj.base_layer", "q_proj.lora_A.default", "v_proj.lora_A.default")}
+    roles = {s.name: s.role for s in plan.sites}
+    assert roles["base_model.model.model.layers.0.self_attn.q_proj.base_layer"] == "q"
+    with pytest.raises(qtransform.UserError, match="lora_Z"):
+        qtransform.plan(lora, {"version": 1, "quantize": [{"targets": ["lora_Z"], "format": "nvfp4"}]})
+
+
+def test_gradients_reach_lora_parameters_and_not_the_frozen_base():
+    out = qtransform.transform(lora_model(), W4)
+    out.train()
+    ids = torch.randint(0, 128, (2, 6))
+    out(input_ids=ids, labels=ids).loss.backward()
+    grads = {n: p.grad for n, p in out.named_parameters()}
+    assert all(g is not None and g.abs().sum() > 0 for n, g in grads.items() if "lora_" in n)
+    assert all(g is None for n, g in grads.items() if "lora_" not in n)

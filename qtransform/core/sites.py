@@ -29,6 +29,29 @@ _ROLE_BY_LEAF = {
 }
 
 
+PEFT_PREFIX = "base_model.model."  # what get_peft_model puts before the model's own names
+ADAPTER_KEYS = ("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B", "lora_magnitude_vector")
+
+
+def peft_view(name: str) -> tuple[str, bool]:
+    """(the name a user writes for this module, whether it is a PEFT adapter module).
+
+    PEFT renames what it wraps: `q_proj` becomes `q_proj.base_layer` beside
+    `q_proj.lora_A.default`; `q_proj` and `lora_A` are what users mean and write."""
+    parts = name.split(".")
+    if parts[-1] == "base_layer":
+        return ".".join(parts[:-1]), False
+    for i, part in enumerate(parts):
+        if part in ADAPTER_KEYS:
+            return ".".join(parts[: i + 1]), True
+    return name, False
+
+
+def hf_name(name: str) -> str:
+    """The base model's own name of a module or tensor: PEFT's prefix and `base_layer` removed."""
+    return name.removeprefix(PEFT_PREFIX).replace(".base_layer.", ".").removesuffix(".base_layer")
+
+
 def layer_index(name: str) -> int | None:
     """Decoder/encoder layer index parsed from a module path (`model.layers.14.mlp` -> 14)."""
     match = _LAYER_RE.search(name)
@@ -76,6 +99,8 @@ class Site:
     weight_shape: tuple[int, ...] | None = None
     weight_transposed: bool = False  # Conv1D stores [in, out]
     index: int = 0  # position in module order (execution order once a whole graph exists)
+    alias: str | None = None  # the name users write when PEFT renamed the module (see peft_view)
+    adapter: bool = False  # a PEFT adapter (lora_A, lora_B, ...): only selected when named
     feeds: list[str] = field(default_factory=list)  # norms: the linears their output reaches
 
     @property
@@ -88,6 +113,7 @@ class Site:
             "name": self.name, "class": self.cls_name, "kind": self.kind, "layer": self.layer,
             "role": self.role, "weight_shape": list(self.weight_shape) if self.weight_shape else None,
             "weight_transposed": self.weight_transposed, "feeds": list(self.feeds),
+            "adapter": self.adapter,
         }
 
 
@@ -111,12 +137,15 @@ def discover_sites(model: nn.Module) -> dict[str, Site]:
         if kind is None or not name:
             continue
         weight = module.weight
+        alias, adapter = peft_view(name)
         sites[name] = Site(
             name=name,
             cls_name=type(module).__name__,
             kind=kind,
             layer=layer_index(name),
-            role=role_of(name, kind),
+            role=role_of(alias, kind),
+            alias=alias if alias != name else None,
+            adapter=adapter,
             weight_shape=tuple(weight.shape),
             weight_transposed=kind == "conv1d",
             index=len(sites),
