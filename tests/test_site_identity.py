@@ -204,3 +204,16 @@ def test_gradients_reach_lora_parameters_and_not_the_frozen_base():
     grads = {n: p.grad for n, p in out.named_parameters()}
     assert all(g is not None and g.abs().sum() > 0 for n, g in grads.items() if "lora_" in n)
     assert all(g is None for n, g in grads.items() if "lora_" not in n)
+
+
+def test_a_graph_mode_result_exports_and_matches_pytorch(tmp_path):
+    ort = pytest.importorskip("onnxruntime")
+    ids = torch.randint(0, 128, (1, 8))
+    model = qtransform.transform(tiny_qwen2(), W4, {"input_ids": ids}, mode="graph")
+    assert len([i for i in qtransform.insertion_log(model) if i.pass_name == "fake_quant"]) == 14
+    path = qtransform.export_onnx(model, tmp_path / "g.onnx", {"input_ids": ids}, dynamic=False)
+    sess = ort.InferenceSession(str(path))
+    onnx_logits = sess.run(None, {sess.get_inputs()[0].name: ids.numpy()})[0]
+    with torch.no_grad():
+        torch_logits = model(input_ids=ids, use_cache=False)["logits"]
+    torch.testing.assert_close(torch.from_numpy(onnx_logits), torch_logits, rtol=1e-4, atol=1e-4)
