@@ -84,7 +84,7 @@ def test_deepcopy_of_a_transformed_model_is_independent():
     model = qtransform.transform(tiny_qwen2(), W4)
     twin = copy.deepcopy(model)
     q, tq = model.model.layers[0].self_attn.q_proj, twin.model.layers[0].self_attn.q_proj
-    assert tq.forward.__self__ is tq
+    assert tq.forward.state.module is tq
     with torch.no_grad():
         tq.weight.mul_(2)
     x = torch.randn(2, 64)
@@ -217,3 +217,19 @@ def test_a_graph_mode_result_exports_and_matches_pytorch(tmp_path):
     with torch.no_grad():
         torch_logits = model(input_ids=ids, use_cache=False)["logits"]
     torch.testing.assert_close(torch.from_numpy(onnx_logits), torch_logits, rtol=1e-4, atol=1e-4)
+
+
+def test_a_pickled_transformed_model_loads_with_its_graphs(tmp_path):
+    import io
+
+    model = qtransform.transform(tiny_qwen2(), W4)
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    again = torch.load(buffer, weights_only=False)
+    ids = torch.randint(0, 128, (1, 7))
+    with torch.no_grad():
+        assert torch.equal(again(ids).logits, model(ids).logits)
+    q = again.model.layers[0].self_attn.q_proj
+    x = torch.randn(2, 64)
+    assert torch.equal(q(x), x @ fake_quantize(q.weight.detach(), "mxfp4", axis=-1).T)

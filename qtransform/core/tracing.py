@@ -17,7 +17,7 @@ call of the class's own forward.
 from __future__ import annotations
 
 import inspect
-import types
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -74,12 +74,37 @@ class ModuleGraph:
     def has_attr(self, name: str) -> bool:
         return hasattr(self.module, name)
 
-    def recompile(self) -> None:
-        """Regenerate the instance forward from the graph (`self` is the site module)."""
+    def compile(self) -> Callable[..., Any]:
+        """The graph as a Python function `forward(self, ...)` (`self` is the site module)."""
         code = self.graph.python_code(root_module="self")
         scope: dict[str, Any] = dict(code.globals)
         exec(compile(code.src, f"<qtransform site {type(self.module).__name__}>", "exec"), scope)  # noqa: S102
-        self.module.forward = types.MethodType(scope["forward"], self.module)
+        return scope["forward"]
+
+    def recompile(self) -> None:
+        """Make the site module run the graph as it is now."""
+        self.module.forward = GraphForward(self)
+
+
+class GraphForward:
+    """The instance forward of a transformed site: runs its graph with `self` = the module.
+
+    An object rather than a bound method so that pickling (`torch.save(model)`) keeps it: it
+    pickles the graph and compiles it again on load; `copy.deepcopy` follows the module."""
+
+    def __init__(self, state: ModuleGraph):
+        self.state = state
+        self.fn = state.compile()
+        self.__signature__ = inspect.Signature(list(inspect.signature(self.fn).parameters.values())[1:])
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.fn(self.state.module, *args, **kwargs)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"state": self.state}
+
+    def __setstate__(self, data: dict[str, Any]) -> None:
+        self.__init__(data["state"])
 
 
 def module_graph(module: nn.Module) -> ModuleGraph | None:
