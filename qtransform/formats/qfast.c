@@ -18,7 +18,7 @@ enum { NV_DEFAULT = 0, NV_CT = 1, NV_ONE_LEVEL = 2 };
 enum { RULE_FLOOR = 0, RULE_RCEIL = 1, RULE_CEIL = 2, RULE_EVEN = 3 };
 
 typedef struct {
-    int32_t family, variant, scale_rule, rna; /* rna: 0 = ties to even, 1 = ties away */
+    int32_t family, variant, scale_rule, rna; /* rna: 0 = ties to even, 1 = ties away, 2 = SR */
     int32_t is_int, mbits, emin, emax;        /* element: integer grid?, float fields */
     float max_normal, step, inv_step, qmax;   /* int grids: step and 1/step (powers of two) */
 } qf_params;
@@ -63,6 +63,92 @@ static inline __attribute__((always_inline)) uint32_t load_bits(const void *p, i
     return h2f_bits(((const uint16_t *)p)[i]);
 }
 
+/* Output narrowing, round to nearest even as torch's `.to()`, except that every NaN becomes
+ * the canonical quiet NaN of the dtype (bf16 0x7fc0, fp16 0x7e00), as the reference path writes. */
+static inline uint16_t f2bf_bits(uint32_t u) {
+    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0u;
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+static inline uint16_t f2h_bits(uint32_t u) {
+    uint32_t s = (u >> 16) & 0x8000u, a = u & 0x7fffffffu;
+    if (a > 0x7f800000u) return 0x7e00u;
+    if (a >= 0x477ff000u) return (uint16_t)(s | 0x7c00u); /* >= 65520 rounds to Inf */
+    if (a >= 0x38800000u) {                               /* normal: >= 2^-14 */
+        uint32_t r = a - (112u << 23);
+        return (uint16_t)(s | ((r + 0xfffu + ((r >> 13) & 1u)) >> 13));
+    }
+    /* subnormal steps of 2^-24: a * 2^24 is exact and < 2^10; adding 2^23 rounds half-even */
+    float t = u2f(a) * 0x1p24f;
+    return (uint16_t)(s | (uint32_t)((t + 8388608.0f) - 8388608.0f));
+}
+
+static void narrow(const float *src, void *dst, int64_t i0, int dtype, int64_t n) {
+    uint16_t *d = (uint16_t *)dst + i0;
+    if (dtype == DT_BF16)
+        for (int64_t i = 0; i < n; i++) d[i] = f2bf_bits(f2u(src[i]));
+    else
+        for (int64_t i = 0; i < n; i++) d[i] = f2h_bits(f2u(src[i]));
+}
+
+/* ---- The stochastic-rounding stream (qtransform/formats/philox.py documents it) ----
+ * Element i (row-major position in the original tensor) takes word i % 4 of Philox4x32-10 with
+ * counter (i / 4 low, i / 4 high, 0, 0) and key (seed low, seed high); u = (word >> 8) * 2^-24. */
+static inline void philox4x32_10(uint32_t c[4], uint32_t k0, uint32_t k1) {
+    for (int r = 0; r < 10; r++) {
+        if (r) k0 += 0x9E3779B9u, k1 += 0xBB67AE85u;
+        uint64_t p0 = (uint64_t)0xD2511F53u * c[0], p1 = (uint64_t)0xCD9E8D57u * c[2];
+        uint32_t n0 = (uint32_t)(p1 >> 32) ^ c[1] ^ k0, n2 = (uint32_t)(p0 >> 32) ^ c[3] ^ k1;
+        c[0] = n0, c[1] = (uint32_t)p1, c[2] = n2, c[3] = (uint32_t)p0;
+    }
+}
+
+/* Where the elements of a row of the blocked matrix sit in the original tensor: the matrix row R
+ * starts at (R / post) * cols * post + R % post and its elements are `post` apart (the blocked
+ * axis was moved last; post = product of the dims after it, 1 for the last axis and tiles). */
+typedef struct {
+    uint64_t seed;
+    int64_t post, cols;
+} sr_t;
+
+#define UGROUP 8 /* counters per batch: independent lanes the compiler can vectorize */
+static void fill_uniform(const sr_t *sr, int64_t row, int64_t col, int64_t n, float *u) {
+    uint32_t k0 = (uint32_t)sr->seed, k1 = (uint32_t)(sr->seed >> 32);
+    int64_t post = sr->post;
+    uint64_t base = (uint64_t)((row / post) * sr->cols * post + row % post) + (uint64_t)(col * post);
+    if (post != 1) {
+        for (int64_t i = 0; i < n; i++) {
+            uint64_t idx = base + (uint64_t)(i * post);
+            uint32_t c[4] = {(uint32_t)(idx >> 2), (uint32_t)(idx >> 34), 0, 0};
+            philox4x32_10(c, k0, k1);
+            u[i] = (float)(c[idx & 3] >> 8) * 0x1p-24f;
+        }
+        return;
+    }
+    uint64_t first = base >> 2, last = (base + (uint64_t)n - 1) >> 2;
+    int64_t skip = (int64_t)(base & 3), i = -skip;
+    for (uint64_t c0 = first; c0 <= last; c0 += UGROUP) {
+        uint32_t w[4][UGROUP];
+        for (int j = 0; j < UGROUP; j++) {
+            uint64_t ctr = c0 + (uint64_t)j;
+            w[0][j] = (uint32_t)ctr, w[1][j] = (uint32_t)(ctr >> 32), w[2][j] = 0, w[3][j] = 0;
+        }
+        uint32_t a0 = k0, a1 = k1;
+        for (int r = 0; r < 10; r++) {
+            if (r) a0 += 0x9E3779B9u, a1 += 0xBB67AE85u;
+            for (int j = 0; j < UGROUP; j++) {
+                uint64_t p0 = (uint64_t)0xD2511F53u * w[0][j], p1 = (uint64_t)0xCD9E8D57u * w[2][j];
+                uint32_t n0 = (uint32_t)(p1 >> 32) ^ w[1][j] ^ a0;
+                uint32_t n2 = (uint32_t)(p0 >> 32) ^ w[3][j] ^ a1;
+                w[0][j] = n0, w[1][j] = (uint32_t)p1, w[2][j] = n2, w[3][j] = (uint32_t)p0;
+            }
+        }
+        for (int j = 0; j < UGROUP; j++)
+            for (int k = 0; k < 4; k++, i++)
+                if (i >= 0 && i < n) u[i] = (float)(w[k][j] >> 8) * 0x1p-24f;
+    }
+}
+
 static void widen(const void *src, int64_t i0, int dtype, float *dst, int64_t n) {
     if (dtype == DT_BF16)
         for (int64_t i = 0; i < n; i++) dst[i] = u2f(load_bits(src, i0 + i, DT_BF16));
@@ -84,7 +170,7 @@ static inline grid_t grid_of(const qf_params *p) {
 /* Round a magnitude onto the element grid with saturation. Saturating first gives the same
  * result as the reference's round-then-saturate (the max normal is on the grid and rounding is
  * monotone) and keeps t small enough for the exact tricks below. a must not be NaN. */
-static inline float round_mag(float a, grid_t g) {
+static inline float round_mag(float a, grid_t g, float u) {
     a = a < g.max_normal ? a : g.max_normal;
     float t, step;
     if (g.is_int) {
@@ -97,8 +183,10 @@ static inline float round_mag(float a, grid_t g) {
         step = u2f((uint32_t)(127 - g.mbits + e) << 23);
     }
     /* t < 2^22: adding 2^23 rounds to an integer half-to-even; t + 0.5 is exact or rounds up
-     * only onto the next integer, so truncation gives ties-away */
-    float r = g.rna ? (float)(int32_t)(t + 0.5f) : (t + 8388608.0f) - 8388608.0f;
+     * only onto the next integer, so truncation gives ties-away; stochastic: floor(t + u) */
+    float r = g.rna == 2   ? (float)(int32_t)(t + u)
+              : g.rna == 1 ? (float)(int32_t)(t + 0.5f)
+                           : (t + 8388608.0f) - 8388608.0f;
     return r * step;
 }
 
@@ -115,10 +203,10 @@ static inline void fill_nan(float *o, uint8_t *sat, int64_t n) {
 
 /* y = x * mul (exact for MX), out = copysign(round(|y|), y) * post */
 static inline void apply_mul(const float *restrict x, float *restrict o, uint8_t *restrict sat,
-                             int64_t n, float mul, float post, grid_t g) {
+                             const float *restrict u, int64_t n, float mul, float post, grid_t g) {
     for (int64_t i = 0; i < n; i++) {
         float y = x[i] * mul;
-        o[i] = copysign_bits(round_mag(fabs_bits(y), g), y) * post;
+        o[i] = copysign_bits(round_mag(fabs_bits(y), g, g.rna == 2 ? u[i] : 0.0f), y) * post;
     }
     if (sat)
         for (int64_t i = 0; i < n; i++) sat[i] = fabs_bits(x[i] * mul) > g.max_normal;
@@ -126,10 +214,10 @@ static inline void apply_mul(const float *restrict x, float *restrict o, uint8_t
 
 /* y = x / div (non power-of-two scales divide, as the reference does) */
 static inline void apply_div(const float *restrict x, float *restrict o, uint8_t *restrict sat,
-                             int64_t n, float div, float post, grid_t g) {
+                             const float *restrict u, int64_t n, float div, float post, grid_t g) {
     for (int64_t i = 0; i < n; i++) {
         float y = x[i] / div;
-        o[i] = copysign_bits(round_mag(fabs_bits(y), g), y) * post;
+        o[i] = copysign_bits(round_mag(fabs_bits(y), g, g.rna == 2 ? u[i] : 0.0f), y) * post;
     }
     if (sat)
         for (int64_t i = 0; i < n; i++) sat[i] = fabs_bits(x[i] / div) > g.max_normal;
@@ -138,10 +226,10 @@ static inline void apply_div(const float *restrict x, float *restrict o, uint8_t
 /* compressed-tensors order: y = x / scale, clamp to +-6, an exact zero loses its sign, and any
  * NaN that the fp32 formula produces (0/0, 0*inf) comes out as the canonical NaN */
 static inline void apply_ct(const float *restrict x, float *restrict o, uint8_t *restrict sat,
-                            int64_t n, float scale, grid_t g) {
+                            const float *restrict u, int64_t n, float scale, grid_t g) {
     for (int64_t i = 0; i < n; i++) {
         float y = x[i] / scale;
-        float q = y != y ? 0.0f : round_mag(fabs_bits(y), g);
+        float q = y != y ? 0.0f : round_mag(fabs_bits(y), g, g.rna == 2 ? u[i] : 0.0f);
         float v = (y < 0.0f ? -q : q) * scale;
         o[i] = (y != y || v != v) ? u2f(QNAN) : v;
     }
@@ -151,7 +239,7 @@ static inline void apply_ct(const float *restrict x, float *restrict o, uint8_t 
 
 static inline float e4m3_rne(float v) {
     const grid_t e4m3 = {0, 0, 3, -6, 448.0f, 1.0f, 1.0f};
-    return round_mag(v, e4m3);
+    return round_mag(v, e4m3, 0.0f);
 }
 
 static int mx_exponent(float amax, const qf_params *p) {
@@ -246,13 +334,13 @@ static inline uint32_t amax_bits_of(const float *x, int64_t n) {
     return m;
 }
 
-static inline void apply_plan(const float *x, float *o, uint8_t *sat, int64_t n, plan_t pl,
-                              grid_t g) {
-    if (pl.kind == PLAN_MUL && n == 32) apply_mul(x, o, sat, 32, pl.a, pl.post, g);
-    else if (pl.kind == PLAN_MUL && n == 16) apply_mul(x, o, sat, 16, pl.a, pl.post, g);
-    else if (pl.kind == PLAN_MUL) apply_mul(x, o, sat, n, pl.a, pl.post, g);
-    else if (pl.kind == PLAN_DIV) apply_div(x, o, sat, n, pl.a, pl.post, g);
-    else if (pl.kind == PLAN_CT) apply_ct(x, o, sat, n, pl.a, g);
+static inline void apply_plan(const float *x, float *o, uint8_t *sat, const float *u, int64_t n,
+                              plan_t pl, grid_t g) {
+    if (pl.kind == PLAN_MUL && n == 32) apply_mul(x, o, sat, u, 32, pl.a, pl.post, g);
+    else if (pl.kind == PLAN_MUL && n == 16) apply_mul(x, o, sat, u, 16, pl.a, pl.post, g);
+    else if (pl.kind == PLAN_MUL) apply_mul(x, o, sat, u, n, pl.a, pl.post, g);
+    else if (pl.kind == PLAN_DIV) apply_div(x, o, sat, u, n, pl.a, pl.post, g);
+    else if (pl.kind == PLAN_CT) apply_ct(x, o, sat, u, n, pl.a, g);
     else fill_nan(o, sat, n);
 }
 
@@ -264,16 +352,19 @@ static inline int32_t block_exponent(uint32_t amax_bits, const qf_params *p) {
 }
 
 /* The nt tiles of one task: nr rows of one tile row, from the task's first column on (x with
- * row stride ldx; o and sat with ld; ncols columns left to the row's end, for the ragged last
- * tile). IS_INT and RNA are compile-time constants in each instantiation so the element loops
- * carry no branches. Blocks go in chunks: all amaxes, then all plans (independent iterations,
- * so the per-block divisions overlap), then the elements (the chunk is still in cache).
- * `o` NULL: exponents only; `e` (MX): E of tile k at e[k]. */
+ * row stride ldx, o with ldo, sat with lds; ncols columns left to the row's end, for the ragged
+ * last tile). IS_INT and RNA are compile-time constants in each instantiation so the element
+ * loops carry no branches. Blocks go in chunks: all amaxes, then all plans (independent
+ * iterations, so the per-block divisions overlap), then the elements (the chunk is still in
+ * cache). `o` NULL: exponents only; `e` (MX): E of tile k at e[k]. Stochastic rounding (RNA 2):
+ * the task's first row and column in the blocked matrix (row0, col0) place each element in the
+ * original tensor for its draw, made into `ub` (tile_c floats) just before the block is rounded. */
 #define CHUNK 32
 #define DEFINE_RUN(NAME, IS_INT, RNA)                                                          \
-    static void NAME(const float *x, int64_t ldx, float *o, uint8_t *sat, int64_t ld,         \
-                     int32_t *e, int64_t ncols, int64_t nr, int64_t tile_c, int64_t nt,        \
-                     const qf_params *p, const tensor_scale *ts) {                             \
+    static void NAME(const float *x, int64_t ldx, float *o, int64_t ldo, uint8_t *sat,        \
+                     int64_t lds, int32_t *e, int64_t ncols, int64_t nr, int64_t tile_c,       \
+                     int64_t nt, const qf_params *p, const tensor_scale *ts, const sr_t *sr,   \
+                     int64_t row0, int64_t col0, float *ub) {                                  \
         grid_t g = grid_of(p);                                                                 \
         g.is_int = IS_INT;                                                                     \
         g.rna = RNA;                                                                           \
@@ -297,29 +388,39 @@ static inline int32_t block_exponent(uint32_t amax_bits, const qf_params *p) {
             for (int64_t k = 0; k < nj; k++) {                                                 \
                 int64_t c0 = (jc + k) * tile_c, n = ncols - c0 < tile_c ? ncols - c0 : tile_c; \
                 for (int64_t r = 0; r < nr; r++) {                                             \
-                    uint8_t *s = sat ? sat + r * ld + c0 : 0;                                  \
-                    apply_plan(x + r * ldx + c0, o + r * ld + c0, s, n, pl[k], g);             \
+                    uint8_t *s = sat ? sat + r * lds + c0 : 0;                                 \
+                    if (RNA == 2) fill_uniform(sr, row0 + r, col0 + c0, n, ub);                \
+                    apply_plan(x + r * ldx + c0, o + r * ldo + c0, s, ub, n, pl[k], g);        \
                 }                                                                              \
             }                                                                                  \
         }                                                                                      \
     }
 DEFINE_RUN(run_float_rne, 0, 0)
 DEFINE_RUN(run_float_rna, 0, 1)
+DEFINE_RUN(run_float_sr, 0, 2)
 DEFINE_RUN(run_int_rne, 1, 0)
 DEFINE_RUN(run_int_rna, 1, 1)
+DEFINE_RUN(run_int_sr, 1, 2)
 
-/* x (dtype: fp32, bf16 or fp16), out (fp32) and sat (optional): `batch` contiguous row-major
- * matrices of rows x cols; blocks are tiles of tile_r x tile_c (1D blocks: tile_r = 1),
+typedef void (*run_fn)(const float *, int64_t, float *, int64_t, uint8_t *, int64_t, int32_t *,
+                       int64_t, int64_t, int64_t, int64_t, const qf_params *,
+                       const tensor_scale *, const sr_t *, int64_t, int64_t, float *);
+
+/* x and out (dtype: fp32, bf16 or fp16, both the same) and sat (optional): `batch` contiguous
+ * row-major matrices of rows x cols; blocks are tiles of tile_r x tile_c (1D blocks: tile_r = 1),
  * zero-padded at the ragged edges. exps (MX, optional): E of every tile, row-major over
  * [batch, tile rows, tile cols]; out NULL computes only those. bf16/fp16 are widened tile row by
- * tile row into a per-thread buffer (no separate conversion pass). Returns -1 without memory. */
-int qf_quantize(const void *x, int dtype, float *out, uint8_t *sat, int32_t *exps, int64_t batch,
+ * tile row into a per-thread buffer and the results narrowed from another (no separate
+ * conversion pass); the arithmetic is fp32 throughout. Stochastic rounding (p->rna == 2) draws
+ * from the stream of `seed`, with `post` as in sr_t. Returns -1 without memory. */
+int qf_quantize(const void *x, int dtype, void *out, uint8_t *sat, int32_t *exps, int64_t batch,
                 int64_t rows, int64_t cols, int64_t tile_r, int64_t tile_c, const qf_params *p,
-                int nthreads) {
+                uint64_t seed, int64_t post, int nthreads) {
     int64_t ntr = (rows + tile_r - 1) / tile_r, ntc = (cols + tile_c - 1) / tile_c;
     int64_t total = batch * rows * cols;
     if (total == 0) return 0;
     int failed = 0;
+    sr_t sr = {seed, post, cols};
     tensor_scale ts = {1.0f, 1.0f, 0.0f, 0};
     if (p->family == FAM_NVFP4 && p->variant != NV_ONE_LEVEL) {
         uint32_t m = 0;
@@ -348,34 +449,45 @@ int qf_quantize(const void *x, int dtype, float *out, uint8_t *sat, int32_t *exp
     int64_t splits = rowsets >= want ? 1 : (want + rowsets - 1) / rowsets;
     int64_t span = (ntc + splits - 1) / splits;
     splits = (ntc + span - 1) / span;
-    void (*run)(const float *, int64_t, float *, uint8_t *, int64_t, int32_t *, int64_t, int64_t,
-                int64_t, int64_t, const qf_params *, const tensor_scale *) =
-        p->is_int ? (p->rna ? run_int_rna : run_int_rne) : (p->rna ? run_float_rna : run_float_rne);
+    int sr_on = p->rna == 2;
+    run_fn run = p->is_int ? (sr_on ? run_int_sr : p->rna ? run_int_rna : run_int_rne)
+                           : (sr_on ? run_float_sr : p->rna ? run_float_rna : run_float_rne);
 #pragma omp parallel num_threads(nthreads)
     {
         int64_t width = span * tile_c < cols ? span * tile_c : cols;
-        float *buf = dtype == DT_F32 ? 0 : malloc(sizeof(float) * tile_r * width);
-        if (dtype != DT_F32 && !buf) {
+        int narrowed = dtype != DT_F32;
+        float *buf = narrowed ? malloc(sizeof(float) * tile_r * width) : 0;
+        float *obuf = narrowed && out ? malloc(sizeof(float) * tile_r * width) : 0;
+        float *ub = sr_on && out ? malloc(sizeof(float) * tile_c) : 0;
+        int ok = !((narrowed && (!buf || (out && !obuf))) || (sr_on && out && !ub));
+        if (!ok) {
 #pragma omp atomic write
             failed = 1;
         }
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < rowsets * splits; t++) {
+            if (!ok) continue; /* this thread's share is lost: the call fails */
             int64_t rs = t / splits, j0 = (t % splits) * span;
             int64_t nt = j0 + span < ntc ? span : ntc - j0, c0 = j0 * tile_c;
             int64_t b = rs / ntr, r0 = (rs % ntr) * tile_r;
             int64_t nr = rows - r0 < tile_r ? rows - r0 : tile_r;
             int64_t off = b * rows * cols + r0 * cols + c0, w = cols - c0 < width ? cols - c0 : width;
             const float *src = (const float *)x + off;
-            if (dtype != DT_F32) {
-                if (!buf) continue;
+            float *dst = out ? (float *)out + off : 0;
+            if (narrowed) {
                 for (int64_t r = 0; r < nr; r++) widen(x, off + r * cols, dtype, buf + r * w, w);
                 src = buf;
+                dst = obuf;
             }
-            run(src, dtype == DT_F32 ? cols : w, out ? out + off : 0, sat ? sat + off : 0, cols,
-                exps ? exps + rs * ntc + j0 : 0, cols - c0, nr, tile_c, nt, p, &ts);
+            run(src, narrowed ? w : cols, dst, narrowed ? w : cols, sat ? sat + off : 0, cols,
+                exps ? exps + rs * ntc + j0 : 0, cols - c0, nr, tile_c, nt, p, &ts, &sr,
+                b * rows + r0, c0, ub);
+            if (narrowed && out)
+                for (int64_t r = 0; r < nr; r++) narrow(obuf + r * w, out, off + r * cols, dtype, w);
         }
         free(buf);
+        free(obuf);
+        free(ub);
     }
     return failed ? -1 : 0;
 }
