@@ -22,7 +22,7 @@ from qtransform.formats.elements import (
 )
 from qtransform.formats.mx import NAN_CODE
 from qtransform.formats.options import QuantConfig, resolve
-from qtransform.formats.quantize import check_input, quantize_blocks, stream_seed
+from qtransform.formats.quantize import canonical_nan_, check_input, quantize_blocks, stream_seed
 from qtransform.formats.registry import FormatSpec
 
 
@@ -98,4 +98,4 @@ def decode(enc: Encoded) -> torch.Tensor:
         scale = enc.scales / enc.tensor_scale
     out = q * scale[:, None]
     out = torch.where(torch.isnan(out), CANONICAL_NAN, out)
-    return from_blocks(out, enc.layout).reshape(enc.shape).to(enc.dtype)
+    return canonical_nan_(from_blocks(out, enc.layout).reshape(enc.shape).to(enc.dtype))

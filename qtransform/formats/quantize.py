@@ -44,6 +44,14 @@ CHUNK_ELEMENTS = 1 << 18  # reference path: elements per chunk (bounds its tempo
 _NAN_BITS = {torch.bfloat16: 0x7FC0, torch.float16: 0x7E00}
 
 
+def canonical_nan_(t: torch.Tensor) -> torch.Tensor:
+    """Set every NaN of a bf16/fp16 tensor to its dtype's canonical +qNaN, in place."""
+    bits = _NAN_BITS.get(t.dtype)
+    if bits is not None:
+        t.masked_fill_(torch.isnan(t), torch.tensor(bits, dtype=torch.int16).view(t.dtype))
+    return t
+
+
 def layout_for(x: torch.Tensor, cfg: QuantConfig) -> BlockLayout:
     """The block layout of x under cfg (0-dim tensors are treated as shape (1,))."""
     shape = tuple(x.shape) if x.ndim else (1,)
@@ -127,16 +135,13 @@ def _reference(
     sat = torch.empty(layout.shape, dtype=torch.bool, device=x.device) if want_sat else None
     exps = (torch.empty(layout.grid_shape, dtype=torch.int32, device=x.device)
             if want_exps else None)
-    nan_bits = _NAN_BITS.get(x.dtype)
     for s in range(0, n, step):
         k = min(step, n - s)
         pos = (philox.positions(layout.shape, dim, s, k, x.device)
                if cfg.rounding == "stochastic" else None)
         res, lay = quantize_blocks(xs.narrow(dim, s, k), cfg, seed, pos=pos, amax_t=amax_t)
         oc = out.narrow(dim, s, k)
-        oc.copy_(from_blocks(res.out, lay))
-        if nan_bits is not None:
-            oc.masked_fill_(torch.isnan(oc), torch.tensor(nan_bits, dtype=torch.int16).view(x.dtype))
+        canonical_nan_(oc.copy_(from_blocks(res.out, lay)))
         if sat is not None:
             sat.narrow(dim, s, k).copy_(from_blocks(res.sat, lay))
         if exps is not None:
