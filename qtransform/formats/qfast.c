@@ -49,11 +49,12 @@ static inline int ceil_log2f(float a) {
  * no result depends on its payload). */
 enum { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2 };
 
-static inline uint32_t h2f_bits(uint16_t h) {
+static inline uint32_t h2f_bits(uint16_t h) { /* branch-free selects: vectorizes */
     uint32_t s = (uint32_t)(h & 0x8000u) << 16, a = h & 0x7fffu;
-    if (a >= 0x7c00u) return s | 0x7f800000u | ((a & 0x3ffu) << 13); /* Inf, NaN */
-    if (a < 0x400u) return s | f2u((float)a * 0x1p-24f);             /* zero, subnormal */
-    return s | ((a << 13) + (112u << 23));
+    uint32_t special = 0x7f800000u | ((a & 0x3ffu) << 13);  /* Inf, NaN */
+    uint32_t tiny = f2u((float)(int32_t)a * 0x1p-24f);      /* zero, subnormal */
+    uint32_t normal = (a << 13) + (112u << 23);
+    return s | (a >= 0x7c00u ? special : a < 0x400u ? tiny : normal);
 }
 
 static inline __attribute__((always_inline)) uint32_t load_bits(const void *p, int64_t i,
@@ -66,8 +67,8 @@ static inline __attribute__((always_inline)) uint32_t load_bits(const void *p, i
 /* Output narrowing, round to nearest even as torch's `.to()`, except that every NaN becomes
  * the canonical quiet NaN of the dtype (bf16 0x7fc0, fp16 0x7e00), as the reference path writes. */
 static inline uint16_t f2bf_bits(uint32_t u) {
-    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0u;
-    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+    uint32_t r = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    return (uint16_t)((u & 0x7fffffffu) > 0x7f800000u ? 0x7fc0u : r);
 }
 
 static inline uint16_t f2h_bits(uint32_t u) {
@@ -111,7 +112,8 @@ typedef struct {
     int64_t post, cols;
 } sr_t;
 
-#define UGROUP 8 /* counters per batch: independent lanes the compiler can vectorize */
+#define UGROUP 8 /* counters per batch, in 64-bit vector lanes (32x32->64-bit products) */
+typedef uint64_t v8q __attribute__((vector_size(8 * UGROUP)));
 static void fill_uniform(const sr_t *sr, int64_t row, int64_t col, int64_t n, float *u) {
     uint32_t k0 = (uint32_t)sr->seed, k1 = (uint32_t)(sr->seed >> 32);
     int64_t post = sr->post;
@@ -125,27 +127,25 @@ static void fill_uniform(const sr_t *sr, int64_t row, int64_t col, int64_t n, fl
         }
         return;
     }
+    const v8q lanes = {0, 1, 2, 3, 4, 5, 6, 7}, m32 = lanes * 0 + 0xffffffffu;
     uint64_t first = base >> 2, last = (base + (uint64_t)n - 1) >> 2;
-    int64_t skip = (int64_t)(base & 3), i = -skip;
+    int64_t i = -(int64_t)(base & 3);
     for (uint64_t c0 = first; c0 <= last; c0 += UGROUP) {
-        uint32_t w[4][UGROUP];
-        for (int j = 0; j < UGROUP; j++) {
-            uint64_t ctr = c0 + (uint64_t)j;
-            w[0][j] = (uint32_t)ctr, w[1][j] = (uint32_t)(ctr >> 32), w[2][j] = 0, w[3][j] = 0;
-        }
-        uint32_t a0 = k0, a1 = k1;
+        v8q ctr = lanes + c0, w0 = ctr & m32, w1 = ctr >> 32, w2 = lanes * 0, w3 = w2;
+        uint64_t a0 = k0, a1 = k1;
         for (int r = 0; r < 10; r++) {
-            if (r) a0 += 0x9E3779B9u, a1 += 0xBB67AE85u;
-            for (int j = 0; j < UGROUP; j++) {
-                uint64_t p0 = (uint64_t)0xD2511F53u * w[0][j], p1 = (uint64_t)0xCD9E8D57u * w[2][j];
-                uint32_t n0 = (uint32_t)(p1 >> 32) ^ w[1][j] ^ a0;
-                uint32_t n2 = (uint32_t)(p0 >> 32) ^ w[3][j] ^ a1;
-                w[0][j] = n0, w[1][j] = (uint32_t)p1, w[2][j] = n2, w[3][j] = (uint32_t)p0;
-            }
+            if (r) a0 = (a0 + 0x9E3779B9u) & 0xffffffffu, a1 = (a1 + 0xBB67AE85u) & 0xffffffffu;
+            v8q p0 = w0 * 0xD2511F53u, p1 = w2 * 0xCD9E8D57u;
+            w0 = (p1 >> 32) ^ w1 ^ a0, w1 = p1 & m32, w2 = (p0 >> 32) ^ w3 ^ a1, w3 = p0 & m32;
         }
-        for (int j = 0; j < UGROUP; j++)
-            for (int k = 0; k < 4; k++, i++)
-                if (i >= 0 && i < n) u[i] = (float)(w[k][j] >> 8) * 0x1p-24f;
+        float f[4 * UGROUP];
+        for (int j = 0; j < UGROUP; j++) {
+            f[4 * j] = (float)(w0[j] >> 8) * 0x1p-24f, f[4 * j + 1] = (float)(w1[j] >> 8) * 0x1p-24f;
+            f[4 * j + 2] = (float)(w2[j] >> 8) * 0x1p-24f, f[4 * j + 3] = (float)(w3[j] >> 8) * 0x1p-24f;
+        }
+        int64_t lo = i < 0 ? -i : 0, hi = n - i < 4 * UGROUP ? n - i : 4 * UGROUP;
+        memcpy(u + i + lo, f + lo, sizeof(float) * (size_t)(hi - lo));
+        i += 4 * UGROUP;
     }
 }
 
@@ -427,17 +427,17 @@ int qf_quantize(const void *x, int dtype, void *out, uint8_t *sat, int32_t *exps
 #pragma omp parallel for num_threads(nthreads) reduction(max : m) schedule(static)
         for (int64_t c = 0; c < (total + 65535) / 65536; c++) {
             int64_t lo = c * 65536, hi = lo + 65536 < total ? lo + 65536 : total;
-            float buf[512];
             uint32_t v = 0;
-            for (int64_t i = lo; i < hi; i += 512) {
-                int64_t n = hi - i < 512 ? hi - i : 512;
-                const float *src = (const float *)x + i;
-                if (dtype != DT_F32) {
-                    widen(x, i, dtype, buf, n);
-                    src = buf;
+            if (dtype == DT_F32) {
+                v = amax_bits_of((const float *)x + lo, hi - lo);
+            } else { /* |h| orders like its bit pattern (NaN above Inf): widen only the max */
+                const uint16_t *h = (const uint16_t *)x;
+                uint16_t w = 0;
+                for (int64_t i = lo; i < hi; i++) {
+                    uint16_t a = h[i] & 0x7fffu;
+                    w = a > w ? a : w;
                 }
-                uint32_t w = amax_bits_of(src, n);
-                v = w > v ? w : v;
+                v = load_bits(&w, 0, dtype);
             }
             m = v > m ? v : m;
         }
