@@ -358,13 +358,14 @@ static inline int32_t block_exponent(uint32_t amax_bits, const qf_params *p) {
  * iterations, so the per-block divisions overlap), then the elements (the chunk is still in
  * cache). `o` NULL: exponents only; `e` (MX): E of tile k at e[k]. Stochastic rounding (RNA 2):
  * the task's first row and column in the blocked matrix (row0, col0) place each element in the
- * original tensor for its draw, made into `ub` (tile_c floats) just before the block is rounded. */
+ * original tensor for its draw; a chunk's draws are made row by row into `ub` (nr rows of
+ * `ubw` = min(CHUNK * tile_c, ncols) floats) before its blocks are rounded. */
 #define CHUNK 32
 #define DEFINE_RUN(NAME, IS_INT, RNA)                                                          \
     static void NAME(const float *x, int64_t ldx, float *o, int64_t ldo, uint8_t *sat,        \
                      int64_t lds, int32_t *e, int64_t ncols, int64_t nr, int64_t tile_c,       \
                      int64_t nt, const qf_params *p, const tensor_scale *ts, const sr_t *sr,   \
-                     int64_t row0, int64_t col0, float *ub) {                                  \
+                     int64_t row0, int64_t col0, float *ub, int64_t ubw) {                     \
         grid_t g = grid_of(p);                                                                 \
         g.is_int = IS_INT;                                                                     \
         g.rna = RNA;                                                                           \
@@ -385,12 +386,16 @@ static inline int32_t block_exponent(uint32_t amax_bits, const qf_params *p) {
                 for (int64_t k = 0; k < nj; k++) e[jc + k] = block_exponent(am[k], p);         \
             if (!o) continue;                                                                  \
             for (int64_t k = 0; k < nj; k++) pl[k] = plan_block(am[k], p, ts);                 \
+            int64_t cj = jc * tile_c, wj = ncols - cj < nj * tile_c ? ncols - cj : nj * tile_c; \
+            if (RNA == 2)                                                                      \
+                for (int64_t r = 0; r < nr; r++)                                               \
+                    fill_uniform(sr, row0 + r, col0 + cj, wj, ub + r * ubw);                   \
             for (int64_t k = 0; k < nj; k++) {                                                 \
                 int64_t c0 = (jc + k) * tile_c, n = ncols - c0 < tile_c ? ncols - c0 : tile_c; \
                 for (int64_t r = 0; r < nr; r++) {                                             \
                     uint8_t *s = sat ? sat + r * lds + c0 : 0;                                 \
-                    if (RNA == 2) fill_uniform(sr, row0 + r, col0 + c0, n, ub);                \
-                    apply_plan(x + r * ldx + c0, o + r * ldo + c0, s, ub, n, pl[k], g);        \
+                    const float *u = RNA == 2 ? ub + r * ubw + (c0 - cj) : 0;                  \
+                    apply_plan(x + r * ldx + c0, o + r * ldo + c0, s, u, n, pl[k], g);         \
                 }                                                                              \
             }                                                                                  \
         }                                                                                      \
@@ -404,7 +409,7 @@ DEFINE_RUN(run_int_sr, 1, 2)
 
 typedef void (*run_fn)(const float *, int64_t, float *, int64_t, uint8_t *, int64_t, int32_t *,
                        int64_t, int64_t, int64_t, int64_t, const qf_params *,
-                       const tensor_scale *, const sr_t *, int64_t, int64_t, float *);
+                       const tensor_scale *, const sr_t *, int64_t, int64_t, float *, int64_t);
 
 /* x and out (dtype: fp32, bf16 or fp16, both the same) and sat (optional): `batch` contiguous
  * row-major matrices of rows x cols; blocks are tiles of tile_r x tile_c (1D blocks: tile_r = 1),
@@ -458,7 +463,8 @@ int qf_quantize(const void *x, int dtype, void *out, uint8_t *sat, int32_t *exps
         int narrowed = dtype != DT_F32;
         float *buf = narrowed ? malloc(sizeof(float) * tile_r * width) : 0;
         float *obuf = narrowed && out ? malloc(sizeof(float) * tile_r * width) : 0;
-        float *ub = sr_on && out ? malloc(sizeof(float) * tile_c) : 0;
+        int64_t ubw = CHUNK * tile_c < cols ? CHUNK * tile_c : cols;
+        float *ub = sr_on && out ? malloc(sizeof(float) * tile_r * ubw) : 0;
         int ok = !((narrowed && (!buf || (out && !obuf))) || (sr_on && out && !ub));
         if (!ok) {
 #pragma omp atomic write
@@ -481,7 +487,7 @@ int qf_quantize(const void *x, int dtype, void *out, uint8_t *sat, int32_t *exps
             }
             run(src, narrowed ? w : cols, dst, narrowed ? w : cols, sat ? sat + off : 0, cols,
                 exps ? exps + rs * ntc + j0 : 0, cols - c0, nr, tile_c, nt, p, &ts, &sr,
-                b * rows + r0, c0, ub);
+                b * rows + r0, c0, ub, ubw);
             if (narrowed && out)
                 for (int64_t r = 0; r < nr; r++) narrow(obuf + r * w, out, off + r * cols, dtype, w);
         }
