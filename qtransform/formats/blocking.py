@@ -38,15 +38,21 @@ class BlockLayout:
 def make_layout(
     shape: tuple[int, ...], axis: int, block: int, tile: tuple[int, int] | None
 ) -> BlockLayout:
-    """Validate the axis / tile against the tensor's rank and build its layout."""
+    """Validate the axis / tile against the tensor's rank and build its layout.
+
+    A block (or tile side) longer than the dim it runs along is cut to that dim's length: the
+    zero padding it would add changes no amax and is dropped again, so the results are the same,
+    and a huge block size costs no memory (a group of 10^9 padded every row to 10^9 elements).
+    """
     ndim = len(shape)
     if tile is not None:
         if ndim < 2:
             raise ValueError(f"block_shape={tile} needs a tensor with >= 2 dims, got shape {shape}")
-        return BlockLayout(tuple(shape), ndim - 1, 0, tuple(tile))
+        return BlockLayout(tuple(shape), ndim - 1, 0,
+                           (min(tile[0], max(shape[-2], 1)), min(tile[1], max(shape[-1], 1))))
     if not -ndim <= axis < ndim:
         raise ValueError(f"axis {axis} is out of range for a tensor of shape {tuple(shape)}")
-    return BlockLayout(tuple(shape), axis % ndim, block, None)
+    return BlockLayout(tuple(shape), axis % ndim, min(block, max(shape[axis], 1)), None)
 
 
 def to_blocks(x: torch.Tensor, layout: BlockLayout) -> torch.Tensor:

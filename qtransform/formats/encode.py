@@ -22,7 +22,7 @@ from qtransform.formats.elements import (
 )
 from qtransform.formats.mx import NAN_CODE
 from qtransform.formats.options import QuantConfig, resolve
-from qtransform.formats.quantize import check_input, quantize_blocks
+from qtransform.formats.quantize import canonical_nan_, check_input, quantize_blocks, stream_seed
 from qtransform.formats.registry import FormatSpec
 
 
@@ -65,12 +65,13 @@ def encode(
     fmt: str | FormatSpec,
     *,
     generator: torch.Generator | None = None,
+    seed: int | None = None,
     **options: Any,
 ) -> Encoded:
-    """Encode x with the same options as `fake_quantize`."""
+    """Encode x with the same options as `fake_quantize` (the same stochastic stream too)."""
     cfg = resolve(fmt, **options)
     check_input(x, cfg)
-    res, layout = quantize_blocks(x, cfg, generator)
+    res, layout = quantize_blocks(x, cfg, stream_seed(cfg, generator, seed, x.device))
     return Encoded(
         config=cfg,
         codes=encode_elements(res.q, cfg.spec.element),
@@ -97,4 +98,4 @@ def decode(enc: Encoded) -> torch.Tensor:
         scale = enc.scales / enc.tensor_scale
     out = q * scale[:, None]
     out = torch.where(torch.isnan(out), CANONICAL_NAN, out)
-    return from_blocks(out, enc.layout).reshape(enc.shape).to(enc.dtype)
+    return canonical_nan_(from_blocks(out, enc.layout).reshape(enc.shape).to(enc.dtype))

@@ -1,13 +1,16 @@
-"""Compiled CPU fast path for deterministic fake quantization (bit-identical to the reference)
-and for the error statistics of `qtransform.metrics.ErrorStats` (equal up to summation order).
+"""Compiled CPU fast path for fake quantization (bit-identical to the reference, stochastic
+rounding included) and for the error statistics of `qtransform.core.metrics.ErrorStats` (equal up to
+summation order).
 
 Eager torch spends one memory pass per elementwise op (a dozen per format, two dozen for the
 metrics) and microseconds of dispatch per op; `qfast.c` does one pass per block and one pass for
 all the metrics. It is compiled on first use with the system C compiler into a per-user cache
 (`$QTRANSFORM_CACHE_DIR`, else `$XDG_CACHE_HOME/qtransform`, else `~/.cache/qtransform`), keyed by
-the source, compiler, flags and CPU, written atomically and loaded with ctypes (which releases the
-GIL). No compiler, a failed build, a non-CPU tensor, stochastic rounding or
-`QTRANSFORM_FASTPATH=0` all fall back silently to the torch reference path.
+the source, compiler, flags and CPU, written atomically with a manifest (size and SHA-256) that
+is checked before every load, so a truncated or corrupted library is rebuilt instead of crashing
+the process, and loaded with ctypes (which releases the GIL). No compiler, a failed build, a
+non-CPU tensor or `QTRANSFORM_FASTPATH=0` all fall back silently to the torch reference path;
+`unavailable_reason()` says why.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import logging
+import math
 import os
 import platform
 import shutil
@@ -39,6 +43,7 @@ MIN_PARALLEL = 1 << 16  # elements; below this one thread beats the OpenMP fork/
 _FAMILY = {"mx": 0, "nvfp4": 1, "int": 2}
 _VARIANT = {"default": 0, "compressed-tensors": 1, "one_level": 2}
 _RULE = {"floor": 0, "rceil": 1, "ceil": 2, "even": 3}
+_ROUNDING = {"rne": 0, "rna": 1, "stochastic": 2}
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # read natively by qfast.c
 
 
@@ -51,6 +56,7 @@ class _Params(ctypes.Structure):
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _failed = False
+_reason = ""
 
 
 def enabled() -> bool:
@@ -88,11 +94,31 @@ def _compiler() -> tuple[str, str] | None:
     return path, version.stdout.splitlines()[0] if version.stdout else ""
 
 
+def _digest(data: bytes) -> str:
+    return f"{len(data)} {hashlib.sha256(data).hexdigest()}"
+
+
+def manifest(lib: Path) -> Path:
+    """The file holding the size and SHA-256 of a cached library, written before the library."""
+    return lib.with_name(lib.name + ".sha256")
+
+
+def verified(lib: Path) -> bool:
+    """True when `lib` exists and matches its manifest (a truncated copy would SIGBUS on load)."""
+    try:
+        return manifest(lib).read_text().strip() == _digest(lib.read_bytes())
+    except OSError:
+        return False
+
+
 def build() -> Path | None:
-    """Compile qfast.c into the cache unless a build for this source/compiler/CPU is there."""
+    """Compile qfast.c into the cache unless a verified build for this source/compiler/CPU is
+    there; a cached library that fails verification is rebuilt."""
+    global _reason
     found = _compiler()
     if found is None:
         log.debug("fast path: no C compiler found")
+        _reason = f"no C compiler ({os.environ.get('CC', 'cc')} not found on PATH)"
         return None
     cc, version = found
     src = SOURCE.read_bytes()
@@ -101,8 +127,10 @@ def build() -> Path | None:
                     _cpu_id().encode(), platform.machine().encode()])
     ).hexdigest()[:20]
     target = cache_dir() / key / "libqfast.so"
-    if target.exists():
+    if verified(target):
         return target
+    if target.exists():
+        log.warning("fast path: cached %s failed its size/checksum check; rebuilding", target)
     target.parent.mkdir(parents=True, exist_ok=True)
     for extra in FLAG_SETS:
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
@@ -114,17 +142,24 @@ def build() -> Path | None:
             res = None
             log.debug("fast path: %s failed: %s", " ".join(cmd), err)
         if res is not None and res.returncode == 0:
-            os.replace(tmp, target)  # atomic: concurrent builders all write complete files
+            # manifest first, then the library, each renamed atomically: a reader sees either
+            # a matching pair or a mismatch (and rebuilds), never an unchecked library
+            fd, tmp_manifest = tempfile.mkstemp(suffix=".sha256", dir=target.parent)
+            with os.fdopen(fd, "w") as f:
+                f.write(_digest(Path(tmp).read_bytes()) + "\n")
+            os.replace(tmp_manifest, manifest(target))
+            os.replace(tmp, target)
             return target
         if res is not None:
             log.debug("fast path: %s failed:\n%s", " ".join(cmd), res.stderr)
+            _reason = f"the C build failed ({' '.join(cmd)}): {res.stderr.strip()[-300:]}"
         Path(tmp).unlink(missing_ok=True)
     return None
 
 
 def library() -> ctypes.CDLL | None:
     """The loaded kernel library, building it on first use; None when unavailable."""
-    global _lib, _failed
+    global _lib, _failed, _reason
     if _lib is not None or _failed:
         return _lib
     with _lock:
@@ -135,7 +170,8 @@ def library() -> ctypes.CDLL | None:
                     lib = ctypes.CDLL(str(path))
                     lib.qf_quantize.restype = ctypes.c_int
                     lib.qf_quantize.argtypes = [ctypes.c_void_p, ctypes.c_int] + [ctypes.c_void_p] * 3 + [
-                        ctypes.c_int64] * 5 + [ctypes.POINTER(_Params), ctypes.c_int]
+                        ctypes.c_int64] * 5 + [ctypes.POINTER(_Params), ctypes.c_uint64,
+                                               ctypes.c_int64, ctypes.c_int]
                     lib.qf_bincount.restype = None
                     lib.qf_bincount.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32,
                                                 ctypes.c_int32, ctypes.c_void_p]
@@ -145,15 +181,25 @@ def library() -> ctypes.CDLL | None:
                     _lib = lib
             except OSError as err:
                 log.debug("fast path: could not build or load the kernel: %s", err)
+                _reason = f"could not build or load the kernel: {err}"
             _failed = _lib is None
     return _lib
+
+
+def unavailable_reason() -> str | None:
+    """Why the fast path is not used in this process, or None when it is available."""
+    if not enabled():
+        return "disabled by QTRANSFORM_FASTPATH=0"
+    if library() is not None:
+        return None
+    return _reason or "the kernel could not be built"
 
 
 def _params(cfg: QuantConfig) -> _Params:
     e = cfg.spec.element
     return _Params(
         family=_FAMILY[cfg.family], variant=_VARIANT[cfg.nvfp4_variant],
-        scale_rule=_RULE[cfg.scale_rule], rna=int(cfg.rounding == "rna"),
+        scale_rule=_RULE[cfg.scale_rule], rna=_ROUNDING[cfg.rounding],
         is_int=int(e.kind == "int"), mbits=e.mbits, emin=e.emin, emax=e.emax,
         max_normal=e.max_normal, step=e.step, inv_step=1.0 / e.step, qmax=float(e.qmax),
     )
@@ -161,14 +207,15 @@ def _params(cfg: QuantConfig) -> _Params:
 
 def quantize(
     x: torch.Tensor, cfg: QuantConfig, layout: BlockLayout, want_sat: bool, *,
-    exponents: bool = False, values: bool = True,
+    exponents: bool = False, values: bool = True, seed: int | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None] | None:
-    """(fake-quantized fp32 shaped `layout.shape` unless not `values`, saturation mask if
-    `want_sat`, MX block exponents int32 shaped `layout.grid_shape` if `exponents`) from one
-    pass, or None when the fast path does not apply (the caller then runs the reference path)."""
+    """(fake-quantized values shaped `layout.shape` in x's dtype (fp32 for float64) unless not
+    `values`, saturation mask if `want_sat`, MX block exponents int32 shaped `layout.grid_shape`
+    if `exponents`) from one pass, or None when the fast path does not apply (the caller then
+    runs the reference path). Stochastic rounding draws from the Philox stream of `seed`."""
     if (
         x.device.type != "cpu"
-        or not cfg.deterministic
+        or (cfg.rounding == "stochastic" and seed is None)
         or x.numel() == 0
         or not enabled()
         or library() is None
@@ -178,6 +225,7 @@ def quantize(
     if code is None:  # float64: narrowed here, as the reference path does
         x, code = x.to(torch.float32), _DTYPES[torch.float32]
     xs = x.detach().reshape(layout.shape)
+    post = 1  # elements of a blocked row are `post` apart in x (see qfast.c sr_t)
     if layout.tile:
         xm = xs.contiguous()
         rows, cols = xm.shape[-2:]
@@ -187,9 +235,10 @@ def quantize(
     else:
         xm = xs.movedim(layout.axis, -1).contiguous()
         cols = xm.shape[-1]
+        post = math.prod(layout.shape[layout.axis + 1:])
         batch, rows, tile_r, tile_c = 1, xm.numel() // cols, 1, layout.block
         grid = (*xm.shape[:-1], -(-cols // tile_c))
-    out = torch.empty(xm.shape, dtype=torch.float32) if values else None
+    out = torch.empty(xm.shape, dtype=xm.dtype) if values else None  # written natively
     sat = torch.empty(xm.shape, dtype=torch.bool) if want_sat and values else None
     exps = torch.empty(grid, dtype=torch.int32) if exponents else None
     threads = torch.get_num_threads() if xm.numel() >= MIN_PARALLEL else 1
@@ -197,7 +246,8 @@ def quantize(
     assert _lib is not None
     if _lib.qf_quantize(
         xm.data_ptr(), code, _ptr(out), _ptr(sat), _ptr(exps),
-        batch, rows, cols, tile_r, tile_c, ctypes.byref(params), threads,
+        batch, rows, cols, tile_r, tile_c, ctypes.byref(params), (seed or 0) % (1 << 64), post,
+        threads,
     ):
         raise MemoryError("qf_quantize: out of memory")
     if not layout.tile:
@@ -209,7 +259,7 @@ def _ptr(t: torch.Tensor | None) -> int:
     return 0 if t is None else t.data_ptr()
 
 
-STATS_SLOTS = 21  # qtransform.metrics._FIELDS: 15 sums and counts, 5 counts, max |e|
+STATS_SLOTS = 21  # qtransform.core.metrics._FIELDS: 15 sums and counts, 5 counts, max |e|
 
 
 def error_stats(

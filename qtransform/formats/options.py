@@ -15,7 +15,7 @@ from qtransform.formats.registry import FormatSpec
 
 COMMON_OPTIONS = ("zero_saturated_grad",)  # format options every format accepts (bool)
 ALL_FORMAT_OPTIONS = ("nvfp4_variant", *COMMON_OPTIONS)
-KEYWORDS = ("block_size", "axis", "block_shape", "scale_rule", "rounding", "generator")
+KEYWORDS = ("block_size", "axis", "block_shape", "scale_rule", "rounding", "generator", "seed")
 
 
 @dataclass(frozen=True)
@@ -34,10 +34,6 @@ class QuantConfig:
     @property
     def family(self) -> str:
         return self.spec.family
-
-    @property
-    def deterministic(self) -> bool:
-        return self.rounding != "stochastic"
 
 
 def _choice(spec: FormatSpec, option: str, value: Any) -> str:

@@ -18,7 +18,7 @@ enum { NV_DEFAULT = 0, NV_CT = 1, NV_ONE_LEVEL = 2 };
 enum { RULE_FLOOR = 0, RULE_RCEIL = 1, RULE_CEIL = 2, RULE_EVEN = 3 };
 
 typedef struct {
-    int32_t family, variant, scale_rule, rna; /* rna: 0 = ties to even, 1 = ties away */
+    int32_t family, variant, scale_rule, rna; /* rna: 0 = ties to even, 1 = ties away, 2 = SR */
     int32_t is_int, mbits, emin, emax;        /* element: integer grid?, float fields */
     float max_normal, step, inv_step, qmax;   /* int grids: step and 1/step (powers of two) */
 } qf_params;
@@ -49,11 +49,12 @@ static inline int ceil_log2f(float a) {
  * no result depends on its payload). */
 enum { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2 };
 
-static inline uint32_t h2f_bits(uint16_t h) {
+static inline uint32_t h2f_bits(uint16_t h) { /* branch-free selects: vectorizes */
     uint32_t s = (uint32_t)(h & 0x8000u) << 16, a = h & 0x7fffu;
-    if (a >= 0x7c00u) return s | 0x7f800000u | ((a & 0x3ffu) << 13); /* Inf, NaN */
-    if (a < 0x400u) return s | f2u((float)a * 0x1p-24f);             /* zero, subnormal */
-    return s | ((a << 13) + (112u << 23));
+    uint32_t special = 0x7f800000u | ((a & 0x3ffu) << 13);  /* Inf, NaN */
+    uint32_t tiny = f2u((float)(int32_t)a * 0x1p-24f);      /* zero, subnormal */
+    uint32_t normal = (a << 13) + (112u << 23);
+    return s | (a >= 0x7c00u ? special : a < 0x400u ? tiny : normal);
 }
 
 static inline __attribute__((always_inline)) uint32_t load_bits(const void *p, int64_t i,
@@ -61,6 +62,91 @@ static inline __attribute__((always_inline)) uint32_t load_bits(const void *p, i
     if (dtype == DT_F32) return ((const uint32_t *)p)[i];
     if (dtype == DT_BF16) return (uint32_t)((const uint16_t *)p)[i] << 16;
     return h2f_bits(((const uint16_t *)p)[i]);
+}
+
+/* Output narrowing, round to nearest even as torch's `.to()`, except that every NaN becomes
+ * the canonical quiet NaN of the dtype (bf16 0x7fc0, fp16 0x7e00), as the reference path writes. */
+static inline uint16_t f2bf_bits(uint32_t u) {
+    uint32_t r = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    return (uint16_t)((u & 0x7fffffffu) > 0x7f800000u ? 0x7fc0u : r);
+}
+
+static inline uint16_t f2h_bits(uint32_t u) {
+    uint32_t s = (u >> 16) & 0x8000u, a = u & 0x7fffffffu;
+    if (a > 0x7f800000u) return 0x7e00u;
+    if (a >= 0x477ff000u) return (uint16_t)(s | 0x7c00u); /* >= 65520 rounds to Inf */
+    if (a >= 0x38800000u) {                               /* normal: >= 2^-14 */
+        uint32_t r = a - (112u << 23);
+        return (uint16_t)(s | ((r + 0xfffu + ((r >> 13) & 1u)) >> 13));
+    }
+    /* subnormal steps of 2^-24: a * 2^24 is exact and < 2^10; adding 2^23 rounds half-even */
+    float t = u2f(a) * 0x1p24f;
+    return (uint16_t)(s | (uint32_t)((t + 8388608.0f) - 8388608.0f));
+}
+
+static void narrow(const float *src, void *dst, int64_t i0, int dtype, int64_t n) {
+    uint16_t *d = (uint16_t *)dst + i0;
+    if (dtype == DT_BF16)
+        for (int64_t i = 0; i < n; i++) d[i] = f2bf_bits(f2u(src[i]));
+    else
+        for (int64_t i = 0; i < n; i++) d[i] = f2h_bits(f2u(src[i]));
+}
+
+/* ---- The stochastic-rounding stream (qtransform/formats/philox.py documents it) ----
+ * Element i (row-major position in the original tensor) takes word i % 4 of Philox4x32-10 with
+ * counter (i / 4 low, i / 4 high, 0, 0) and key (seed low, seed high); u = (word >> 8) * 2^-24. */
+static inline void philox4x32_10(uint32_t c[4], uint32_t k0, uint32_t k1) {
+    for (int r = 0; r < 10; r++) {
+        if (r) k0 += 0x9E3779B9u, k1 += 0xBB67AE85u;
+        uint64_t p0 = (uint64_t)0xD2511F53u * c[0], p1 = (uint64_t)0xCD9E8D57u * c[2];
+        uint32_t n0 = (uint32_t)(p1 >> 32) ^ c[1] ^ k0, n2 = (uint32_t)(p0 >> 32) ^ c[3] ^ k1;
+        c[0] = n0, c[1] = (uint32_t)p1, c[2] = n2, c[3] = (uint32_t)p0;
+    }
+}
+
+/* Where the elements of a row of the blocked matrix sit in the original tensor: the matrix row R
+ * starts at (R / post) * cols * post + R % post and its elements are `post` apart (the blocked
+ * axis was moved last; post = product of the dims after it, 1 for the last axis and tiles). */
+typedef struct {
+    uint64_t seed;
+    int64_t post, cols;
+} sr_t;
+
+#define UGROUP 8 /* counters per batch, in 64-bit vector lanes (32x32->64-bit products) */
+typedef uint64_t v8q __attribute__((vector_size(8 * UGROUP)));
+static void fill_uniform(const sr_t *sr, int64_t row, int64_t col, int64_t n, float *u) {
+    uint32_t k0 = (uint32_t)sr->seed, k1 = (uint32_t)(sr->seed >> 32);
+    int64_t post = sr->post;
+    uint64_t base = (uint64_t)((row / post) * sr->cols * post + row % post) + (uint64_t)(col * post);
+    if (post != 1) {
+        for (int64_t i = 0; i < n; i++) {
+            uint64_t idx = base + (uint64_t)(i * post);
+            uint32_t c[4] = {(uint32_t)(idx >> 2), (uint32_t)(idx >> 34), 0, 0};
+            philox4x32_10(c, k0, k1);
+            u[i] = (float)(c[idx & 3] >> 8) * 0x1p-24f;
+        }
+        return;
+    }
+    const v8q lanes = {0, 1, 2, 3, 4, 5, 6, 7}, m32 = lanes * 0 + 0xffffffffu;
+    uint64_t first = base >> 2, last = (base + (uint64_t)n - 1) >> 2;
+    int64_t i = -(int64_t)(base & 3);
+    for (uint64_t c0 = first; c0 <= last; c0 += UGROUP) {
+        v8q ctr = lanes + c0, w0 = ctr & m32, w1 = ctr >> 32, w2 = lanes * 0, w3 = w2;
+        uint64_t a0 = k0, a1 = k1;
+        for (int r = 0; r < 10; r++) {
+            if (r) a0 = (a0 + 0x9E3779B9u) & 0xffffffffu, a1 = (a1 + 0xBB67AE85u) & 0xffffffffu;
+            v8q p0 = w0 * 0xD2511F53u, p1 = w2 * 0xCD9E8D57u;
+            w0 = (p1 >> 32) ^ w1 ^ a0, w1 = p1 & m32, w2 = (p0 >> 32) ^ w3 ^ a1, w3 = p0 & m32;
+        }
+        float f[4 * UGROUP];
+        for (int j = 0; j < UGROUP; j++) {
+            f[4 * j] = (float)(w0[j] >> 8) * 0x1p-24f, f[4 * j + 1] = (float)(w1[j] >> 8) * 0x1p-24f;
+            f[4 * j + 2] = (float)(w2[j] >> 8) * 0x1p-24f, f[4 * j + 3] = (float)(w3[j] >> 8) * 0x1p-24f;
+        }
+        int64_t lo = i < 0 ? -i : 0, hi = n - i < 4 * UGROUP ? n - i : 4 * UGROUP;
+        memcpy(u + i + lo, f + lo, sizeof(float) * (size_t)(hi - lo));
+        i += 4 * UGROUP;
+    }
 }
 
 static void widen(const void *src, int64_t i0, int dtype, float *dst, int64_t n) {
@@ -84,7 +170,7 @@ static inline grid_t grid_of(const qf_params *p) {
 /* Round a magnitude onto the element grid with saturation. Saturating first gives the same
  * result as the reference's round-then-saturate (the max normal is on the grid and rounding is
  * monotone) and keeps t small enough for the exact tricks below. a must not be NaN. */
-static inline float round_mag(float a, grid_t g) {
+static inline float round_mag(float a, grid_t g, float u) {
     a = a < g.max_normal ? a : g.max_normal;
     float t, step;
     if (g.is_int) {
@@ -97,8 +183,10 @@ static inline float round_mag(float a, grid_t g) {
         step = u2f((uint32_t)(127 - g.mbits + e) << 23);
     }
     /* t < 2^22: adding 2^23 rounds to an integer half-to-even; t + 0.5 is exact or rounds up
-     * only onto the next integer, so truncation gives ties-away */
-    float r = g.rna ? (float)(int32_t)(t + 0.5f) : (t + 8388608.0f) - 8388608.0f;
+     * only onto the next integer, so truncation gives ties-away; stochastic: floor(t + u) */
+    float r = g.rna == 2   ? (float)(int32_t)(t + u)
+              : g.rna == 1 ? (float)(int32_t)(t + 0.5f)
+                           : (t + 8388608.0f) - 8388608.0f;
     return r * step;
 }
 
@@ -115,10 +203,10 @@ static inline void fill_nan(float *o, uint8_t *sat, int64_t n) {
 
 /* y = x * mul (exact for MX), out = copysign(round(|y|), y) * post */
 static inline void apply_mul(const float *restrict x, float *restrict o, uint8_t *restrict sat,
-                             int64_t n, float mul, float post, grid_t g) {
+                             const float *restrict u, int64_t n, float mul, float post, grid_t g) {
     for (int64_t i = 0; i < n; i++) {
         float y = x[i] * mul;
-        o[i] = copysign_bits(round_mag(fabs_bits(y), g), y) * post;
+        o[i] = copysign_bits(round_mag(fabs_bits(y), g, g.rna == 2 ? u[i] : 0.0f), y) * post;
     }
     if (sat)
         for (int64_t i = 0; i < n; i++) sat[i] = fabs_bits(x[i] * mul) > g.max_normal;
@@ -126,10 +214,10 @@ static inline void apply_mul(const float *restrict x, float *restrict o, uint8_t
 
 /* y = x / div (non power-of-two scales divide, as the reference does) */
 static inline void apply_div(const float *restrict x, float *restrict o, uint8_t *restrict sat,
-                             int64_t n, float div, float post, grid_t g) {
+                             const float *restrict u, int64_t n, float div, float post, grid_t g) {
     for (int64_t i = 0; i < n; i++) {
         float y = x[i] / div;
-        o[i] = copysign_bits(round_mag(fabs_bits(y), g), y) * post;
+        o[i] = copysign_bits(round_mag(fabs_bits(y), g, g.rna == 2 ? u[i] : 0.0f), y) * post;
     }
     if (sat)
         for (int64_t i = 0; i < n; i++) sat[i] = fabs_bits(x[i] / div) > g.max_normal;
@@ -138,10 +226,10 @@ static inline void apply_div(const float *restrict x, float *restrict o, uint8_t
 /* compressed-tensors order: y = x / scale, clamp to +-6, an exact zero loses its sign, and any
  * NaN that the fp32 formula produces (0/0, 0*inf) comes out as the canonical NaN */
 static inline void apply_ct(const float *restrict x, float *restrict o, uint8_t *restrict sat,
-                            int64_t n, float scale, grid_t g) {
+                            const float *restrict u, int64_t n, float scale, grid_t g) {
     for (int64_t i = 0; i < n; i++) {
         float y = x[i] / scale;
-        float q = y != y ? 0.0f : round_mag(fabs_bits(y), g);
+        float q = y != y ? 0.0f : round_mag(fabs_bits(y), g, g.rna == 2 ? u[i] : 0.0f);
         float v = (y < 0.0f ? -q : q) * scale;
         o[i] = (y != y || v != v) ? u2f(QNAN) : v;
     }
@@ -151,7 +239,7 @@ static inline void apply_ct(const float *restrict x, float *restrict o, uint8_t 
 
 static inline float e4m3_rne(float v) {
     const grid_t e4m3 = {0, 0, 3, -6, 448.0f, 1.0f, 1.0f};
-    return round_mag(v, e4m3);
+    return round_mag(v, e4m3, 0.0f);
 }
 
 static int mx_exponent(float amax, const qf_params *p) {
@@ -246,13 +334,13 @@ static inline uint32_t amax_bits_of(const float *x, int64_t n) {
     return m;
 }
 
-static inline void apply_plan(const float *x, float *o, uint8_t *sat, int64_t n, plan_t pl,
-                              grid_t g) {
-    if (pl.kind == PLAN_MUL && n == 32) apply_mul(x, o, sat, 32, pl.a, pl.post, g);
-    else if (pl.kind == PLAN_MUL && n == 16) apply_mul(x, o, sat, 16, pl.a, pl.post, g);
-    else if (pl.kind == PLAN_MUL) apply_mul(x, o, sat, n, pl.a, pl.post, g);
-    else if (pl.kind == PLAN_DIV) apply_div(x, o, sat, n, pl.a, pl.post, g);
-    else if (pl.kind == PLAN_CT) apply_ct(x, o, sat, n, pl.a, g);
+static inline void apply_plan(const float *x, float *o, uint8_t *sat, const float *u, int64_t n,
+                              plan_t pl, grid_t g) {
+    if (pl.kind == PLAN_MUL && n == 32) apply_mul(x, o, sat, u, 32, pl.a, pl.post, g);
+    else if (pl.kind == PLAN_MUL && n == 16) apply_mul(x, o, sat, u, 16, pl.a, pl.post, g);
+    else if (pl.kind == PLAN_MUL) apply_mul(x, o, sat, u, n, pl.a, pl.post, g);
+    else if (pl.kind == PLAN_DIV) apply_div(x, o, sat, u, n, pl.a, pl.post, g);
+    else if (pl.kind == PLAN_CT) apply_ct(x, o, sat, u, n, pl.a, g);
     else fill_nan(o, sat, n);
 }
 
@@ -264,16 +352,20 @@ static inline int32_t block_exponent(uint32_t amax_bits, const qf_params *p) {
 }
 
 /* The nt tiles of one task: nr rows of one tile row, from the task's first column on (x with
- * row stride ldx; o and sat with ld; ncols columns left to the row's end, for the ragged last
- * tile). IS_INT and RNA are compile-time constants in each instantiation so the element loops
- * carry no branches. Blocks go in chunks: all amaxes, then all plans (independent iterations,
- * so the per-block divisions overlap), then the elements (the chunk is still in cache).
- * `o` NULL: exponents only; `e` (MX): E of tile k at e[k]. */
+ * row stride ldx, o with ldo, sat with lds; ncols columns left to the row's end, for the ragged
+ * last tile). IS_INT and RNA are compile-time constants in each instantiation so the element
+ * loops carry no branches. Blocks go in chunks: all amaxes, then all plans (independent
+ * iterations, so the per-block divisions overlap), then the elements (the chunk is still in
+ * cache). `o` NULL: exponents only; `e` (MX): E of tile k at e[k]. Stochastic rounding (RNA 2):
+ * the task's first row and column in the blocked matrix (row0, col0) place each element in the
+ * original tensor for its draw; a chunk's draws are made row by row into `ub` (nr rows of
+ * `ubw` = min(CHUNK * tile_c, ncols) floats) before its blocks are rounded. */
 #define CHUNK 32
 #define DEFINE_RUN(NAME, IS_INT, RNA)                                                          \
-    static void NAME(const float *x, int64_t ldx, float *o, uint8_t *sat, int64_t ld,         \
-                     int32_t *e, int64_t ncols, int64_t nr, int64_t tile_c, int64_t nt,        \
-                     const qf_params *p, const tensor_scale *ts) {                             \
+    static void NAME(const float *x, int64_t ldx, float *o, int64_t ldo, uint8_t *sat,        \
+                     int64_t lds, int32_t *e, int64_t ncols, int64_t nr, int64_t tile_c,       \
+                     int64_t nt, const qf_params *p, const tensor_scale *ts, const sr_t *sr,   \
+                     int64_t row0, int64_t col0, float *ub, int64_t ubw) {                     \
         grid_t g = grid_of(p);                                                                 \
         g.is_int = IS_INT;                                                                     \
         g.rna = RNA;                                                                           \
@@ -294,49 +386,63 @@ static inline int32_t block_exponent(uint32_t amax_bits, const qf_params *p) {
                 for (int64_t k = 0; k < nj; k++) e[jc + k] = block_exponent(am[k], p);         \
             if (!o) continue;                                                                  \
             for (int64_t k = 0; k < nj; k++) pl[k] = plan_block(am[k], p, ts);                 \
+            int64_t cj = jc * tile_c, wj = ncols - cj < nj * tile_c ? ncols - cj : nj * tile_c; \
+            if (RNA == 2)                                                                      \
+                for (int64_t r = 0; r < nr; r++)                                               \
+                    fill_uniform(sr, row0 + r, col0 + cj, wj, ub + r * ubw);                   \
             for (int64_t k = 0; k < nj; k++) {                                                 \
                 int64_t c0 = (jc + k) * tile_c, n = ncols - c0 < tile_c ? ncols - c0 : tile_c; \
                 for (int64_t r = 0; r < nr; r++) {                                             \
-                    uint8_t *s = sat ? sat + r * ld + c0 : 0;                                  \
-                    apply_plan(x + r * ldx + c0, o + r * ld + c0, s, n, pl[k], g);             \
+                    uint8_t *s = sat ? sat + r * lds + c0 : 0;                                 \
+                    const float *u = RNA == 2 ? ub + r * ubw + (c0 - cj) : 0;                  \
+                    apply_plan(x + r * ldx + c0, o + r * ldo + c0, s, u, n, pl[k], g);         \
                 }                                                                              \
             }                                                                                  \
         }                                                                                      \
     }
 DEFINE_RUN(run_float_rne, 0, 0)
 DEFINE_RUN(run_float_rna, 0, 1)
+DEFINE_RUN(run_float_sr, 0, 2)
 DEFINE_RUN(run_int_rne, 1, 0)
 DEFINE_RUN(run_int_rna, 1, 1)
+DEFINE_RUN(run_int_sr, 1, 2)
 
-/* x (dtype: fp32, bf16 or fp16), out (fp32) and sat (optional): `batch` contiguous row-major
- * matrices of rows x cols; blocks are tiles of tile_r x tile_c (1D blocks: tile_r = 1),
+typedef void (*run_fn)(const float *, int64_t, float *, int64_t, uint8_t *, int64_t, int32_t *,
+                       int64_t, int64_t, int64_t, int64_t, const qf_params *,
+                       const tensor_scale *, const sr_t *, int64_t, int64_t, float *, int64_t);
+
+/* x and out (dtype: fp32, bf16 or fp16, both the same) and sat (optional): `batch` contiguous
+ * row-major matrices of rows x cols; blocks are tiles of tile_r x tile_c (1D blocks: tile_r = 1),
  * zero-padded at the ragged edges. exps (MX, optional): E of every tile, row-major over
  * [batch, tile rows, tile cols]; out NULL computes only those. bf16/fp16 are widened tile row by
- * tile row into a per-thread buffer (no separate conversion pass). Returns -1 without memory. */
-int qf_quantize(const void *x, int dtype, float *out, uint8_t *sat, int32_t *exps, int64_t batch,
+ * tile row into a per-thread buffer and the results narrowed from another (no separate
+ * conversion pass); the arithmetic is fp32 throughout. Stochastic rounding (p->rna == 2) draws
+ * from the stream of `seed`, with `post` as in sr_t. Returns -1 without memory. */
+int qf_quantize(const void *x, int dtype, void *out, uint8_t *sat, int32_t *exps, int64_t batch,
                 int64_t rows, int64_t cols, int64_t tile_r, int64_t tile_c, const qf_params *p,
-                int nthreads) {
+                uint64_t seed, int64_t post, int nthreads) {
     int64_t ntr = (rows + tile_r - 1) / tile_r, ntc = (cols + tile_c - 1) / tile_c;
     int64_t total = batch * rows * cols;
     if (total == 0) return 0;
     int failed = 0;
+    sr_t sr = {seed, post, cols};
     tensor_scale ts = {1.0f, 1.0f, 0.0f, 0};
     if (p->family == FAM_NVFP4 && p->variant != NV_ONE_LEVEL) {
         uint32_t m = 0;
 #pragma omp parallel for num_threads(nthreads) reduction(max : m) schedule(static)
         for (int64_t c = 0; c < (total + 65535) / 65536; c++) {
             int64_t lo = c * 65536, hi = lo + 65536 < total ? lo + 65536 : total;
-            float buf[512];
             uint32_t v = 0;
-            for (int64_t i = lo; i < hi; i += 512) {
-                int64_t n = hi - i < 512 ? hi - i : 512;
-                const float *src = (const float *)x + i;
-                if (dtype != DT_F32) {
-                    widen(x, i, dtype, buf, n);
-                    src = buf;
+            if (dtype == DT_F32) {
+                v = amax_bits_of((const float *)x + lo, hi - lo);
+            } else { /* |h| orders like its bit pattern (NaN above Inf): widen only the max */
+                const uint16_t *h = (const uint16_t *)x;
+                uint16_t w = 0;
+                for (int64_t i = lo; i < hi; i++) {
+                    uint16_t a = h[i] & 0x7fffu;
+                    w = a > w ? a : w;
                 }
-                uint32_t w = amax_bits_of(src, n);
-                v = w > v ? w : v;
+                v = load_bits(&w, 0, dtype);
             }
             m = v > m ? v : m;
         }
@@ -348,34 +454,46 @@ int qf_quantize(const void *x, int dtype, float *out, uint8_t *sat, int32_t *exp
     int64_t splits = rowsets >= want ? 1 : (want + rowsets - 1) / rowsets;
     int64_t span = (ntc + splits - 1) / splits;
     splits = (ntc + span - 1) / span;
-    void (*run)(const float *, int64_t, float *, uint8_t *, int64_t, int32_t *, int64_t, int64_t,
-                int64_t, int64_t, const qf_params *, const tensor_scale *) =
-        p->is_int ? (p->rna ? run_int_rna : run_int_rne) : (p->rna ? run_float_rna : run_float_rne);
+    int sr_on = p->rna == 2;
+    run_fn run = p->is_int ? (sr_on ? run_int_sr : p->rna ? run_int_rna : run_int_rne)
+                           : (sr_on ? run_float_sr : p->rna ? run_float_rna : run_float_rne);
 #pragma omp parallel num_threads(nthreads)
     {
         int64_t width = span * tile_c < cols ? span * tile_c : cols;
-        float *buf = dtype == DT_F32 ? 0 : malloc(sizeof(float) * tile_r * width);
-        if (dtype != DT_F32 && !buf) {
+        int narrowed = dtype != DT_F32;
+        float *buf = narrowed ? malloc(sizeof(float) * tile_r * width) : 0;
+        float *obuf = narrowed && out ? malloc(sizeof(float) * tile_r * width) : 0;
+        int64_t ubw = CHUNK * tile_c < cols ? CHUNK * tile_c : cols;
+        float *ub = sr_on && out ? malloc(sizeof(float) * tile_r * ubw) : 0;
+        int ok = !((narrowed && (!buf || (out && !obuf))) || (sr_on && out && !ub));
+        if (!ok) {
 #pragma omp atomic write
             failed = 1;
         }
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < rowsets * splits; t++) {
+            if (!ok) continue; /* this thread's share is lost: the call fails */
             int64_t rs = t / splits, j0 = (t % splits) * span;
             int64_t nt = j0 + span < ntc ? span : ntc - j0, c0 = j0 * tile_c;
             int64_t b = rs / ntr, r0 = (rs % ntr) * tile_r;
             int64_t nr = rows - r0 < tile_r ? rows - r0 : tile_r;
             int64_t off = b * rows * cols + r0 * cols + c0, w = cols - c0 < width ? cols - c0 : width;
             const float *src = (const float *)x + off;
-            if (dtype != DT_F32) {
-                if (!buf) continue;
+            float *dst = out ? (float *)out + off : 0;
+            if (narrowed) {
                 for (int64_t r = 0; r < nr; r++) widen(x, off + r * cols, dtype, buf + r * w, w);
                 src = buf;
+                dst = obuf;
             }
-            run(src, dtype == DT_F32 ? cols : w, out ? out + off : 0, sat ? sat + off : 0, cols,
-                exps ? exps + rs * ntc + j0 : 0, cols - c0, nr, tile_c, nt, p, &ts);
+            run(src, narrowed ? w : cols, dst, narrowed ? w : cols, sat ? sat + off : 0, cols,
+                exps ? exps + rs * ntc + j0 : 0, cols - c0, nr, tile_c, nt, p, &ts, &sr,
+                b * rows + r0, c0, ub, ubw);
+            if (narrowed && out)
+                for (int64_t r = 0; r < nr; r++) narrow(obuf + r * w, out, off + r * cols, dtype, w);
         }
         free(buf);
+        free(obuf);
+        free(ub);
     }
     return failed ? -1 : 0;
 }

@@ -1,18 +1,21 @@
 """`fake_quantize` and its relatives: blocking, dispatch to a family, the STE autograd wrapper.
 
-The reference path below is plain torch on the input's device; `fastpath` replaces it on CPU for
-deterministic rounding with a compiled kernel that is bit-identical (tested), and is skipped
-silently whenever it does not apply.
+The reference path below is plain torch on the input's device, run over chunks of blocks so its
+temporaries stay a fraction of the tensor; `fastpath` replaces it on CPU with a compiled kernel
+that is bit-identical (tested), and is skipped silently whenever it does not apply. Stochastic
+rounding draws from the counter-based stream of `philox.py` on both paths.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 from typing import Any
 
 import torch
 
-from qtransform.formats import fastpath
+from qtransform.errors import UserError
+from qtransform.formats import fastpath, philox
 from qtransform.formats.blocking import (
     BlockLayout,
     BlockQuant,
@@ -35,47 +38,131 @@ def check_input(x: Any, cfg: QuantConfig) -> None:
         raise ValueError(f"{cfg.spec.name}: expected a floating-point tensor, got {got}")
 
 
+CHUNK_ELEMENTS = 1 << 18  # reference path: elements per chunk (bounds its temporaries)
+# every NaN we output, per dtype: fp32 0x7fc00000 and its bf16 / fp16 counterparts (torch's
+# vectorized fp32 -> bf16 narrowing writes 0xffff, its scalar one 0x7fc0: pinned here)
+_NAN_BITS = {torch.bfloat16: 0x7FC0, torch.float16: 0x7E00}
+
+
+def canonical_nan_(t: torch.Tensor) -> torch.Tensor:
+    """Set every NaN of a bf16/fp16 tensor to its dtype's canonical +qNaN, in place."""
+    bits = _NAN_BITS.get(t.dtype)
+    if bits is not None:
+        t.masked_fill_(torch.isnan(t), torch.tensor(bits, dtype=torch.int16).view(t.dtype))
+    return t
+
+
 def layout_for(x: torch.Tensor, cfg: QuantConfig) -> BlockLayout:
     """The block layout of x under cfg (0-dim tensors are treated as shape (1,))."""
     shape = tuple(x.shape) if x.ndim else (1,)
     return make_layout(shape, cfg.axis, cfg.block, cfg.tile)
 
 
+def stream_seed(
+    cfg: QuantConfig, generator: torch.Generator | None, seed: int | None, device: torch.device
+) -> int | None:
+    """The Philox seed of a stochastic request: `seed` itself, else one draw from `generator`
+    (the global generator when None); None for deterministic rounding."""
+    if cfg.rounding != "stochastic":
+        return None
+    if seed is not None:
+        if generator is not None:
+            raise UserError(f"{cfg.spec.name}: pass either seed= or generator=, not both")
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise UserError(f"{cfg.spec.name}: seed must be an int, got {seed!r}")
+        return seed
+    return philox.seed_from(generator, device)
+
+
 def quantize_blocks(
-    x: torch.Tensor, cfg: QuantConfig, generator: torch.Generator | None = None
+    x: torch.Tensor, cfg: QuantConfig, seed: int | None = None, *,
+    pos: torch.Tensor | None = None, amax_t: torch.Tensor | None = None,
 ) -> tuple[BlockQuant, BlockLayout]:
-    """Reference path: quantize x (any float dtype, any device) block by block in fp32."""
+    """Reference path: quantize x (any float dtype, any device) block by block in fp32.
+
+    Stochastic rounding draws u from the stream of `seed` at the elements' linear positions
+    `pos` (default: x's own) and NVFP4 scales with `amax_t` (default: x's amax): a chunk of a
+    larger tensor passes both, so chunking changes no result.
+    """
     layout = layout_for(x, cfg)
     x32 = x.detach().to(torch.float32).reshape(layout.shape)
     blocks = to_blocks(x32, layout)
     u = None
     if cfg.rounding == "stochastic":
-        u = torch.rand(blocks.shape, generator=generator, device=blocks.device, dtype=torch.float32)
+        if seed is None:
+            raise ValueError("stochastic rounding needs the seed of its stream")
+        if pos is None:
+            pos = philox.positions(layout.shape, device=x.device)
+        u = to_blocks(philox.uniform_at(seed, pos).reshape(layout.shape), layout)
     if cfg.family == "mx":
         res = quantize_mx(blocks, cfg, u)
     elif cfg.family == "nvfp4":
-        res = quantize_nvfp4(blocks, cfg, u, tensor_amax(x32))
+        res = quantize_nvfp4(blocks, cfg, u, tensor_amax(x32) if amax_t is None else amax_t)
     else:
         res = quantize_int(blocks, cfg, u)
     return res, layout
 
 
+def _chunking(layout: BlockLayout) -> tuple[int, int]:
+    """(dim, unit): the reference path cuts along `dim` in multiples of `unit` elements, which
+    never splits a block: any dim but the blocked one, or the blocked dim in whole blocks (tiles:
+    rows in whole tiles). The dim with the most such units wins."""
+    shape = layout.shape
+    if layout.tile:
+        return len(shape) - 2, layout.tile[0]
+    options = [(d, 1) for d in range(len(shape)) if d != layout.axis]
+    options.append((layout.axis, layout.block))
+    return max(options, key=lambda o: -(-shape[o[0]] // o[1]))
+
+
+def _reference(
+    x: torch.Tensor, cfg: QuantConfig, seed: int | None, layout: BlockLayout, want_sat: bool,
+    want_exps: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """The reference path over chunks of about CHUNK_ELEMENTS: results in x's dtype shaped
+    `layout.shape` (its temporaries, about nine chunks of fp32, come on top)."""
+    xs = x.detach().reshape(layout.shape)
+    dim, unit = _chunking(layout)
+    n = layout.shape[dim]
+    per_unit = max(1, xs.numel() // max(n, 1) * unit)
+    step = max(1, CHUNK_ELEMENTS // per_unit) * unit
+    amax_t = None
+    if cfg.family == "nvfp4":
+        parts = [tensor_amax(xs.narrow(dim, s, min(step, n - s)).to(torch.float32))
+                 for s in range(0, n, step)]
+        amax_t = torch.stack(parts).amax() if parts else None  # amax propagates NaN
+    out = torch.empty(layout.shape, dtype=x.dtype, device=x.device)
+    sat = torch.empty(layout.shape, dtype=torch.bool, device=x.device) if want_sat else None
+    exps = (torch.empty(layout.grid_shape, dtype=torch.int32, device=x.device)
+            if want_exps else None)
+    for s in range(0, n, step):
+        k = min(step, n - s)
+        pos = (philox.positions(layout.shape, dim, s, k, x.device)
+               if cfg.rounding == "stochastic" else None)
+        res, lay = quantize_blocks(xs.narrow(dim, s, k), cfg, seed, pos=pos, amax_t=amax_t)
+        oc = out.narrow(dim, s, k)
+        canonical_nan_(oc.copy_(from_blocks(res.out, lay)))
+        if sat is not None:
+            sat.narrow(dim, s, k).copy_(from_blocks(res.sat, lay))
+        if exps is not None:
+            exps.narrow(dim, s // unit, math.ceil(k / unit)).copy_(_exponents(res, lay))
+    return out, sat, exps
+
+
 def _forward(
     x: torch.Tensor, cfg: QuantConfig, generator: torch.Generator | None, want_sat: bool,
-    want_exps: bool = False,
+    want_exps: bool = False, seed: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Fake-quantized x in its own dtype, plus the saturation mask and the MX block exponents
     when asked for, all from one quantization."""
     layout = layout_for(x, cfg)
-    fast = fastpath.quantize(x, cfg, layout, want_sat, exponents=want_exps)
+    seed = stream_seed(cfg, generator, seed, x.device)
+    fast = fastpath.quantize(x, cfg, layout, want_sat, exponents=want_exps, seed=seed)
     if fast is not None:
         out, sat, exps = fast
         assert out is not None
     else:
-        res, _ = quantize_blocks(x, cfg, generator)
-        out = from_blocks(res.out, layout)
-        sat = from_blocks(res.sat, layout) if want_sat else None
-        exps = _exponents(res, layout) if want_exps else None
+        out, sat, exps = _reference(x, cfg, seed, layout, want_sat, want_exps)
     out = out.reshape(x.shape).to(x.dtype)
     if exps is not None and not x.ndim:
         exps = exps.reshape(())
@@ -92,8 +179,8 @@ class _FakeQuant(torch.autograd.Function):
     """Straight-through estimator; optionally no gradient through saturated elements."""
 
     @staticmethod
-    def forward(ctx, x, cfg, generator):  # type: ignore[override]
-        out, sat, _ = _forward(x, cfg, generator, want_sat=cfg.zero_saturated_grad)
+    def forward(ctx, x, cfg, generator, seed):  # type: ignore[override]
+        out, sat, _ = _forward(x, cfg, generator, want_sat=cfg.zero_saturated_grad, seed=seed)
         if sat is not None:
             ctx.save_for_backward(sat)
         ctx.mask = sat is not None
@@ -104,7 +191,7 @@ class _FakeQuant(torch.autograd.Function):
         if ctx.mask:
             (sat,) = ctx.saved_tensors
             grad = grad.masked_fill(sat, 0.0)
-        return grad, None, None
+        return grad, None, None, None
 
 
 def fake_quantize(
@@ -117,27 +204,30 @@ def fake_quantize(
     scale_rule: str = "floor",
     rounding: str = "rne",
     generator: torch.Generator | None = None,
+    seed: int | None = None,
     **format_options: Any,
 ) -> torch.Tensor:
     """Quantize x to `fmt` and back (same dtype, shape and device); gradient straight through.
 
     Options are the numerics contract of docs/numerics.md: blocks along `axis` (or 2D tiles
     `block_shape` over the last two dims), the MX `scale_rule`, the element `rounding`
-    (stochastic draws from `generator`), and format options `nvfp4_variant` and
-    `zero_saturated_grad`. Invalid values raise ValueError listing what is allowed.
+    (stochastic: the Philox stream of `seed`, or of one draw from `generator`), and format
+    options `nvfp4_variant` and `zero_saturated_grad`. Invalid values raise ValueError listing
+    what is allowed.
     """
     cfg = resolve(fmt, block_size=block_size, axis=axis, block_shape=block_shape,
                   scale_rule=scale_rule, rounding=rounding, **format_options)
     check_input(x, cfg)
     if torch.is_grad_enabled() and x.requires_grad:
-        return _FakeQuant.apply(x, cfg, generator)
-    return _forward(x, cfg, generator, want_sat=False)[0]
+        return _FakeQuant.apply(x, cfg, generator, seed)
+    return _forward(x, cfg, generator, want_sat=False, seed=seed)[0]
 
 
 def saturated(x: torch.Tensor, fmt: str | FormatSpec, **options: Any) -> torch.Tensor:
     """Bool mask of the elements clipped at the element max normal (same options as
     `fake_quantize`); NaN blocks count as not saturated. Feeds the saturation ratio metric."""
     options.pop("generator", None)
+    options.pop("seed", None)
     cfg = resolve(fmt, **options)
     check_input(x, cfg)
     sat = _forward(x, replace(cfg, rounding="rne"), None, want_sat=True)[1]  # rounding-free
@@ -149,6 +239,7 @@ def block_exponents(x: torch.Tensor, fmt: str | FormatSpec, **options: Any) -> t
     """MX only: the unbiased shared exponent E of every block (int32, shaped like the block
     grid: the blocked dim replaced by its block count). Zero blocks read -127, NaN blocks 128."""
     options.pop("generator", None)
+    options.pop("seed", None)
     cfg = _mx_only(_checked(x, fmt, options))
     cfg = replace(cfg, rounding="rne")  # E does not depend on it
     layout = layout_for(x, cfg)
@@ -157,7 +248,8 @@ def block_exponents(x: torch.Tensor, fmt: str | FormatSpec, **options: Any) -> t
         e = fast[2]
         assert e is not None
     else:
-        e = _exponents(quantize_blocks(x, cfg)[0], layout)
+        e = _reference(x, cfg, None, layout, False, True)[2]
+        assert e is not None
     return e.reshape(layout.grid_shape if x.ndim else ())
 
 
@@ -179,6 +271,7 @@ def quantize_with_info(
     *,
     exponents: bool = False,
     generator: torch.Generator | None = None,
+    seed: int | None = None,
     **options: Any,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """`(fake_quantize(x), saturated(x), block_exponents(x) if exponents)` with the same options,
@@ -188,6 +281,7 @@ def quantize_with_info(
     if exponents:
         _mx_only(cfg)
     with torch.no_grad():
-        out, sat, exps = _forward(x, cfg, generator, want_sat=True, want_exps=exponents)
+        out, sat, exps = _forward(x, cfg, generator, want_sat=True, want_exps=exponents,
+                                  seed=seed)
     assert sat is not None
     return out, sat, exps
