@@ -59,3 +59,58 @@ def assert_metrics(got: dict, want: dict, rel: float = 1e-9) -> None:
     """Each metric of `want` is in `got`, equal up to float64 summation order."""
     for key, value in want.items():
         assert got[key] == pytest.approx(value, rel=rel, abs=1e-300), key
+
+
+# -- "the user's model is untouched" ----------------------------------------------------------
+
+_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks",
+          "_forward_hooks_with_kwargs", "_forward_pre_hooks_with_kwargs", "_state_dict_hooks",
+          "_load_state_dict_pre_hooks")
+
+
+def _tensor_record(t: torch.Tensor) -> tuple:
+    data = t.detach().to("cpu", copy=True).contiguous()
+    return (id(t), type(t), t.dtype, t.device, t.shape, t.requires_grad, data)
+
+
+def snapshot(model: torch.nn.Module) -> dict:
+    """Everything a transform or scan must leave alone on the caller's model: each module object
+    (by id) under its name, its class, `training` flag, instance attributes and hook dicts, and
+    each parameter and buffer (object, class, dtype, device, shape, requires_grad, a copy of the
+    values)."""
+    return {
+        "modules": {
+            name: (id(m), type(m), m.training, sorted(vars(m)),
+                   {h: list(getattr(m, h, {}).items()) for h in _HOOKS})
+            for name, m in model.named_modules(remove_duplicate=False)
+        },
+        "parameters": {n: _tensor_record(p) for n, p in
+                       model.named_parameters(remove_duplicate=False)},
+        "buffers": {n: _tensor_record(b) for n, b in model.named_buffers(remove_duplicate=False)},
+    }
+
+
+def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit for bit (NaN payloads and signed zeros included)."""
+    return a.shape == b.shape and torch.equal(a.reshape(-1).view(torch.uint8),
+                                              b.reshape(-1).view(torch.uint8))
+
+
+def assert_untouched(before: dict, model: torch.nn.Module) -> None:
+    """The model is structurally and numerically what `snapshot` saw."""
+    after = snapshot(model)
+    assert list(after["modules"]) == list(before["modules"]), "modules added, removed or renamed"
+    for name, (ident, cls, training, attrs, hooks) in before["modules"].items():
+        a_ident, a_cls, a_training, a_attrs, a_hooks = after["modules"][name]
+        where = name or "<root>"
+        assert a_ident == ident, f"{where}: replaced by another module object"
+        assert a_cls is cls, f"{where}: class changed to {a_cls.__name__}"
+        assert a_training == training, f"{where}: training flag changed"
+        assert a_attrs == attrs, f"{where}: attributes {sorted(set(a_attrs) ^ set(attrs))} changed"
+        assert a_hooks == hooks, f"{where}: hooks changed"
+    for kind in ("parameters", "buffers"):
+        assert list(after[kind]) == list(before[kind]), f"{kind} added, removed or renamed"
+        for name, (*meta, data) in before[kind].items():
+            *a_meta, a_data = after[kind][name]
+            assert a_meta == meta, f"{kind[:-1]} {name}: object, dtype, device or flags changed"
+            assert _same_values(a_data, data), f"{kind[:-1]} {name}: values changed"

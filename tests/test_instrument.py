@@ -12,7 +12,7 @@ import qtransform
 from qtransform.passes.instrument import Tap, reset_taps, set_taps_enabled, tapping, taps
 
 from .conftest import ids
-from .helpers import assert_metrics, metrics_f64, mxfp4_f64
+from .helpers import assert_metrics, assert_untouched, metrics_f64, mxfp4_f64, snapshot
 
 SITE = "model.layers.0.mlp.down_proj"
 W4 = {"name": "w4", "targets": ["Linear"], "ignore": ["lm_head"], "format": "mxfp4"}
@@ -41,6 +41,7 @@ def test_no_instrument_section_inserts_no_taps(tiny):
 
 def test_taps_are_identities_enabled_or_disabled(tiny):
     model = tiny("qwen2")
+    untouched = snapshot(model)
     plain = qtransform.transform(model, _policy(W4A4))
     tapped = qtransform.transform(model, _policy(W4A4, instrument={}))
     x = ids()
@@ -55,6 +56,7 @@ def test_taps_are_identities_enabled_or_disabled(tiny):
         tapped(input_ids=x)
         assert all(t.calls == 1 for t in found)
     assert not any(t.enabled for t in taps(tapped))  # the flags are restored
+    assert_untouched(untouched, model)
 
 
 def test_weight_tap_once_per_weight_version(tiny):

@@ -13,6 +13,7 @@ from qtransform.noise import site_seed
 from qtransform.passes.aqn_noise import AQNNoise
 
 from .conftest import ids
+from .helpers import assert_untouched, snapshot
 
 SCHEDULE = {"sigma_start": 0.01, "sigma_end": 0.0001, "num_stages": 10, "total_steps": 100}
 W4 = {"name": "w4", "targets": ["Linear"], "ignore": ["lm_head"], "format": "mxfp4", "tensors": ["weight"]}
@@ -33,7 +34,9 @@ def logits(model, x=None) -> torch.Tensor:
 
 def test_noise_is_a_node_params_never_written_and_buffers_hidden(tiny):
     model = tiny("qwen2")
+    untouched = snapshot(model)
     out = qtransform.transform(model, noise_policy(apply_during="both"))
+    assert_untouched(untouched, model)
     before = params(out)
     assert list(before) == list(model.state_dict())  # z is not in state_dict
     assert not any("aqn" in n for n, _ in out.named_parameters())

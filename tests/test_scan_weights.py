@@ -26,7 +26,7 @@ from qtransform.scan import (
 )
 from qtransform.schemas import load_policy
 
-from .helpers import assert_metrics, metrics_f64, mxfp4_f64
+from .helpers import assert_metrics, assert_untouched, metrics_f64, mxfp4_f64, snapshot
 
 HIDDEN = 64
 
@@ -86,7 +86,9 @@ def qwen_checkpoint(path: Path, layers: int = 3, seed: int = 0) -> Path:
 
 
 def test_module_scan_covers_linear_and_conv1d_with_the_right_axis(tiny):
+    before = snapshot(tiny)
     report = scan_weights(tiny, "mxfp4")
+    assert_untouched(before, tiny)
     by_site = {r.site: r for r in report.rows}
     assert set(by_site) == {f"h.{i}.{s}" for i in range(3) for s in ("attn.c_attn", "mlp.fc1", "mlp.fc2")} | {"lm_head"}
     conv = by_site["h.1.attn.c_attn"]
@@ -192,7 +194,9 @@ def test_policy_selects_sites_formats_and_thresholds(tmp_path):
 
 
 def test_compare_sums_accumulators_and_explains_mean_relative_error(tiny):
+    before = snapshot(tiny)
     result = compare_formats(tiny, ["mxfp8_e4m3", "mxfp6_e2m3"])
+    assert_untouched(before, tiny)
     for fmt, report in result.reports.items():
         total = sum(r.state["sum_x2"] for r in report.rows) / sum(r.state["sum_e2"] for r in report.rows)
         assert result.totals[fmt]["sqnr_db"] == pytest.approx(10 * math.log10(total), rel=1e-12)
