@@ -25,6 +25,7 @@ from qtransform.scan.activations import (
 from qtransform.scan.faults import gain_scan, instability_scan, kurtosis_scan, stochastic_policy
 
 from .conftest import ids
+from .helpers import assert_untouched, snapshot
 
 W4A16 = {"version": 1, "quantize": [{"targets": ["Linear"], "ignore": ["lm_head"], "format": "mxfp4"}]}
 W16A4 = {"version": 1, "quantize": [
@@ -63,7 +64,9 @@ def _sqnr(x: torch.Tensor, xq: torch.Tensor) -> float:
 def test_accumulated_and_input_metrics_equal_direct_float64(tiny, policy):
     model = tiny("qwen2")
     samples = _ragged()
+    before = snapshot(model)
     report = scan_activations(model, policy, samples, batch_size=2, token_stride=1)
+    assert_untouched(before, model)
     batches = calibration_batches(samples, batch_size=2)
     assert len(batches) == 3 and report.meta["calibration"]["batches"] == 3
     accumulated = {e["site"]: e["metrics"] for e in report.meta["accumulated"]}

@@ -61,12 +61,25 @@ def test_invalid_requests_raise_clear_errors(call, message):
         call(torch.randn(4, 64))
 
 
-def test_options_accepted_everywhere():
-    x = torch.randn(4, 64)
-    fake_quantize(x, get("mxfp4"), block_size=16, block_shape=None, axis=0)
-    fake_quantize(x, "MXFP4", block_shape=[32, 32])  # list and case-insensitive name
-    for fmt, opts in ALL:
-        fake_quantize(x, fmt, zero_saturated_grad=True, **opts)
+def test_options_in_every_spelling():
+    """A FormatSpec object, an explicit `block_shape=None`, an upper-case name and a list tile
+    all take effect; the values are worked by hand (MXFP4: E = floor_log2(amax) - 2)."""
+    x = torch.zeros(32, 2)
+    x[0, 0], x[1, 0] = 6.0, 0.7  # rows 0-15 of column 0: amax 6, scale 1: 0.7 -> 0.5
+    x[16, 0], x[17, 0] = 0.75, 0.1  # rows 16-31: amax 0.75, scale 2^-3: 0.1 / 0.125 = 0.8 -> 1
+    want = torch.zeros(32, 2)
+    want[0, 0], want[1, 0], want[16, 0], want[17, 0] = 6.0, 0.5, 0.75, 0.125
+    out = fake_quantize(x, get("mxfp4"), block_size=16, block_shape=None, axis=0)
+    assert torch.equal(out, want)
+    # one block of 32 along axis 0 instead: amax 6, 0.75 is a tie that goes to 1.0, 0.1 -> 0
+    assert fake_quantize(x, "mxfp4", axis=0)[[1, 16, 17], 0].tolist() == [0.5, 1.0, 0.0]
+    t = torch.zeros(64, 64)
+    t[0, 0], t[31, 31] = 6.0, 0.7  # one 32x32 tile: amax 6, 0.7 -> 0.5
+    t[32, 32] = 0.7  # a tile of its own: scale 2^-3, 0.7 / 0.125 = 5.6 -> 6 -> 0.75
+    t[0, 32] = 0.1  # alone: E = -4 - 2, 0.1 / 2^-6 = 6.4 -> 6 -> 0.09375
+    want = torch.zeros(64, 64)
+    want[0, 0], want[31, 31], want[32, 32], want[0, 32] = 6.0, 0.5, 0.75, 0.09375
+    assert torch.equal(fake_quantize(t, "MXFP4", block_shape=[32, 32]), want)
 
 
 @pytest.mark.parametrize(("fmt", "opts"), ALL)

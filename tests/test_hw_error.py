@@ -11,6 +11,7 @@ import qtransform
 from qtransform.errors import UserError
 
 from .conftest import ids
+from .helpers import assert_untouched, snapshot
 
 
 def hw_policy(**hw) -> dict:
@@ -78,11 +79,14 @@ def test_seeded_and_gradients_flow():
 
 def test_selected_linears_in_a_transformer_and_plan(tiny):
     model = tiny("qwen2")
+    before = snapshot(model)
     policy = hw_policy(targets=["*.down_proj"], layers="1", injection_point="input")
     plan = qtransform.plan(model, policy)
+    assert_untouched(before, model)
     assert [(r.site, r.point) for r in plan.rows] == [("model.layers.1.mlp.down_proj", "input")]
     assert plan.rows[0].detail == "relative_gaussian s=0.05 during both"
     out = qtransform.transform(model, policy)
+    assert_untouched(before, model)
     with torch.no_grad():
         assert not torch.equal(out(input_ids=ids()).logits, model(input_ids=ids()).logits)
 
@@ -102,7 +106,9 @@ def test_attention_matmuls_in_graph_mode(tiny):
     model = tiny("qwen2")
     x = ids()
     policy = hw_policy(targets=["lm_head"], include_matmuls=True, ignore=["model.layers.0.*"])
+    before = snapshot(model)
     program = qtransform.transform(model, policy, {"input_ids": x}, mode="graph", return_program=True)
+    assert_untouched(before, model)
     got = [(i.site, i.point) for i in program.insertions(pass_name="hw_error")]
     assert got == [("model.layers.1.self_attn.sdpa_0", "output"), ("lm_head", "output")]
     gm = program.module()

@@ -9,11 +9,10 @@ import pytest
 import torch
 
 import qtransform
-from qtransform import fake_quantize, formats
-from qtransform.core.metrics import ErrorStats
 from qtransform.passes.instrument import Tap, reset_taps, set_taps_enabled, tapping, taps
 
 from .conftest import ids
+from .helpers import assert_metrics, assert_untouched, metrics_f64, mxfp4_f64, snapshot
 
 SITE = "model.layers.0.mlp.down_proj"
 W4 = {"name": "w4", "targets": ["Linear"], "ignore": ["lm_head"], "format": "mxfp4"}
@@ -42,6 +41,7 @@ def test_no_instrument_section_inserts_no_taps(tiny):
 
 def test_taps_are_identities_enabled_or_disabled(tiny):
     model = tiny("qwen2")
+    untouched = snapshot(model)
     plain = qtransform.transform(model, _policy(W4A4))
     tapped = qtransform.transform(model, _policy(W4A4, instrument={}))
     x = ids()
@@ -56,6 +56,7 @@ def test_taps_are_identities_enabled_or_disabled(tiny):
         tapped(input_ids=x)
         assert all(t.calls == 1 for t in found)
     assert not any(t.enabled for t in taps(tapped))  # the flags are restored
+    assert_untouched(untouched, model)
 
 
 def test_weight_tap_once_per_weight_version(tiny):
@@ -63,13 +64,13 @@ def test_weight_tap_once_per_weight_version(tiny):
     site = model.get_submodule(SITE)
     tap = site.weight_tap
     with torch.no_grad():
+        site.weight[:, :16] = 0.0  # exact zeros: the deadzone counts nonzero inputs only
         model(input_ids=ids())
         first = tap.stats
         model(input_ids=ids(seed=1))
     assert tap.stats is first and tap.calls == 2
     w = site.weight.detach()
-    sat = formats.saturated(w, "mxfp4")
-    _close(first.result(), ErrorStats().update(w, fake_quantize(w, "mxfp4"), sat).result())
+    assert_metrics(first.result(), metrics_f64(w, *mxfp4_f64(w)))
     with torch.no_grad():
         site.weight.mul_(2.0)  # an in-place write bumps the version: re-measured, not accumulated
         model(input_ids=ids())
@@ -90,12 +91,8 @@ def test_input_tap_equals_direct_float64_over_all_batches(tiny):
             model(input_ids=ids(2, 5 + seed, seed=seed))
     handle.remove()
     x = torch.cat([s.reshape(-1, s.shape[-1]) for s in seen])
-    xq = fake_quantize(x, "mxfp4")
     got = site.input_tap.result()["quant"]
-    want = ErrorStats().update(x, xq, formats.saturated(x, "mxfp4")).result()
-    _close(got, want)
-    x64, e64 = x.double(), (x - xq).double()
-    assert got["sqnr_db"] == pytest.approx(10 * math.log10(float((x64**2).sum() / (e64**2).sum())), rel=1e-12)
+    assert_metrics(got, metrics_f64(x, *mxfp4_f64(x)))
     assert site.weight_tap.result()["quant"] is None  # weights unquantized: nothing to measure
 
 
@@ -162,7 +159,9 @@ def test_plan_lists_taps_after_fake_quant_and_shadow_only_where_needed(tiny):
                      instrument={"targets": [SITE, "lm_head"], "points": ["output"]})
     rows = qtransform.plan(tiny("qwen2"), policy).rows
     assert [(r.site, r.pass_name, r.detail) for r in rows] == [
-        (SITE, "fake_quant", rows[0].detail), (SITE, "instrument", "tap + shadow"),
+        (SITE, "fake_quant", "mxfp4 block=32, rounding=rne, zero_saturated_grad=False, "
+                             "scale_rule=floor"),
+        (SITE, "instrument", "tap + shadow"),
         ("lm_head", "instrument", "tap + shadow")]
     model = qtransform.transform(tiny("qwen2"), policy)
     head = model.get_submodule("lm_head").output_tap

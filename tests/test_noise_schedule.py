@@ -9,6 +9,7 @@ import pytest
 
 from qtransform.core.schedule import Schedule, sigma_at, stage_values
 from qtransform.errors import UserError
+from qtransform.core.schedule import Schedule, sigma_at, stage_at, stage_values
 from qtransform.schemas import PolicyError, load_policy
 
 
@@ -96,3 +97,46 @@ def test_schedule_from_policy():
     assert (s.kind, s.stages, s.per_epoch, s.warmup_steps) == ("cosine", 5, True, 3)
     assert Schedule.from_spec(load_policy({"version": 1, "noise": {"schedule": {
         "sigma_start": 0.01, "sigma_end": 0.0001, "total_steps": 100}}}).noise.schedule).stages == 10
+
+
+GIVE = "give total_steps, or steps_per_epoch and stages_per_epoch"
+EXP = "exponential needs >= 3 stages and sigma_start, sigma_end > 0"
+
+
+@pytest.mark.parametrize(("fields", "message"), [
+    ({"kind": "exp"}, "unknown kind 'exp'; allowed: exponential, linear, cosine, constant"),
+    ({"steps_per_epoch": 5, "stages_per_epoch": 2}, GIVE),  # both forms at once
+    ({"total_steps": None, "steps_per_epoch": 5}, GIVE),  # per-epoch without its stages
+    ({"stages_per_epoch": 2}, GIVE),  # a per-epoch field beside total_steps
+    ({"num_stages": 1}, "needs >= 2 stages and 0 <= warmup_steps < 10"),
+    ({"warmup_steps": -1}, "needs >= 2 stages and 0 <= warmup_steps < 10"),
+    ({"warmup_steps": 10}, "needs >= 2 stages and 0 <= warmup_steps < 10"),
+    ({"total_steps": None, "steps_per_epoch": 5, "stages_per_epoch": 2, "epochs": 3,
+      "warmup_steps": 15}, "needs >= 2 stages and 0 <= warmup_steps < 15"),
+    ({"total_steps": None, "steps_per_epoch": 5, "stages_per_epoch": 2, "warmup_steps": 5},
+     "needs >= 2 stages and 0 <= warmup_steps < 5"),
+    ({"sigma_end": None}, "sigma_end is required by a linear schedule"),
+    ({"sigma_start": -0.1}, "sigmas must be >= 0"),
+    ({"sigma_end": -0.1}, "sigmas must be >= 0"),
+    ({"kind": "exponential", "num_stages": 2}, EXP),
+    ({"kind": "exponential", "sigma_end": 0.0}, EXP),
+    ({"kind": "exponential", "sigma_start": 0.0}, EXP),
+])
+def test_each_schedule_problem_has_its_message(fields, message):
+    """Direct users of the pure functions get the same checks as policies, one message each."""
+    base = {"kind": "linear", "sigma_start": 0.1, "sigma_end": 0.01, "num_stages": 3,
+            "total_steps": 10}
+    with pytest.raises(UserError) as err:
+        Schedule(**{**base, **fields})
+    assert str(err.value) == f"noise.schedule: {message}"
+
+
+def test_schedules_at_the_edges_of_validity():
+    base = {"sigma_start": 0.1, "sigma_end": 0.01, "num_stages": 3, "total_steps": 10}
+    Schedule("linear", **{**base, "num_stages": 2, "warmup_steps": 9})
+    Schedule("linear", **{**base, "sigma_start": 0.0, "sigma_end": 0.0})
+    Schedule("constant", 0.1, num_stages=2, total_steps=10)
+    s = Schedule("exponential", **base, warmup_steps=4)
+    assert [stage_at(t, s) for t in (3, 4, 5, 6, 9, 50)] == [None, 0, 0, 1, 2, 2]
+    e = Schedule("exponential", 0.1, 0.01, steps_per_epoch=6, stages_per_epoch=3, epochs=2)
+    assert [stage_at(t, e) for t in (0, 1, 2, 5, 6, 11, 12, 99)] == [0, 0, 1, 2, 0, 2, 2, 2]

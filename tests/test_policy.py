@@ -137,7 +137,9 @@ def test_per_epoch_schedule_and_linear_zero_end_are_valid():
     p = load_policy({"noise": {"schedule": {"sigma_start": 0.05, "sigma_end": 0.0005, "steps_per_epoch": 58,
                                             "stages_per_epoch": 5, "epochs": 3}}})
     assert p.noise.schedule.per_epoch and p.noise.schedule.stages == 5
-    load_policy({"noise": {"schedule": {**SCHEDULE, "kind": "linear", "sigma_end": 0.0}}})
+    linear = load_policy({"noise": {"schedule": {**SCHEDULE, "kind": "linear", "sigma_end": 0.0}}})
+    s = linear.noise.schedule
+    assert (s.kind, s.sigma_start, s.sigma_end, s.stages) == ("linear", 0.01, 0.0, 10)
 
 
 def test_noise_multipliers_problems():

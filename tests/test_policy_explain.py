@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -10,6 +11,7 @@ from qtransform.schemas import load_policy
 from qtransform.schemas.explain import explain, summary
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "schemas" / "examples"
+SECTIONS = {"instrument": "Instrumentation: ", "noise": "AQN noise: ", "hw_error": "Hardware error: "}
 
 
 def test_rule_sentence():
@@ -74,4 +76,21 @@ def test_summary_and_empty():
 
 @pytest.mark.parametrize("path", sorted(EXAMPLES.glob("*.json")), ids=lambda p: p.name)
 def test_every_example_explains(path):
-    assert explain(load_policy(path)).strip()
+    """One paragraph per section of the example, in order, naming what its JSON says."""
+    raw = json.loads(path.read_text())
+    rules = raw.get("quantize", [])
+    heads = [f"Rule '{r['name']}' quantizes " for r in rules]
+    heads += ["A later rule overrides"] * (len(rules) > 1)
+    heads += [SECTIONS[k] for k in ("instrument", "noise", "hw_error") if k in raw]
+    paragraphs = [ln for ln in explain(load_policy(path)).splitlines() if not ln.startswith("  ")]
+    assert len(paragraphs) == len(heads)
+    assert all(p.startswith(h) for p, h in zip(paragraphs, heads, strict=True)), paragraphs
+    sections = list(rules) + [raw[k] for k in ("instrument", "noise", "hw_error") if k in raw]
+    for text, section in zip([p for p in paragraphs if not p.startswith("A later")], sections,
+                             strict=True):
+        assert all(f"class {t}" in text for t in section.get("targets", []))
+        assert all(f"except {i}" in text for i in section.get("ignore", []))
+        if "format" in section:
+            assert f"to {section['format'].upper()} (" in text
+        if "seed" in section:
+            assert f"seed {section['seed']}" in text

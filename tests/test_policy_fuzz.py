@@ -184,5 +184,18 @@ def test_mutations_raise_only_policy_errors_with_paths(data):
         assert exc.problems
         for problem in exc.problems:
             assert problem.path and problem.path in str(exc)
-    else:
-        assert isinstance(policy, Policy)
+    else:  # accepted: what the user wrote is kept, nothing silently dropped or changed
+        raw = json.loads(data) if isinstance(data, str) else data
+        assert kept(raw, dump_policy(policy)), (raw, dump_policy(policy))
+        assert load_policy(dump_policy(policy)) == policy
+
+
+def kept(raw: Any, dumped: Any) -> bool:
+    """Every key and value of `raw` is in `dumped` (which also spells out the defaults)."""
+    if isinstance(raw, dict):
+        return isinstance(dumped, dict) and all(k in dumped and kept(v, dumped[k])
+                                                for k, v in raw.items())
+    if isinstance(raw, list):
+        return (isinstance(dumped, list) and len(raw) == len(dumped)
+                and all(kept(a, b) for a, b in zip(raw, dumped, strict=True)))
+    return raw == dumped and type(raw) is not bool or raw is dumped

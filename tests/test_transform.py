@@ -14,6 +14,7 @@ from qtransform import fake_quantize
 from qtransform.errors import UserError
 
 from .conftest import ids
+from .helpers import assert_untouched, snapshot
 
 W4A16 = {"version": 1, "quantize": [
     {"name": "w4", "targets": ["Linear"], "ignore": ["lm_head"], "format": "mxfp4", "tensors": ["weight"]}]}
@@ -37,14 +38,10 @@ def _reference(model, skip=("lm_head",), fmt="mxfp4", **opts):
     return ref
 
 
-def _params(model):
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
-
-
 @pytest.mark.parametrize("arch", ["qwen2", "llama", "mistral", "gpt2", "bert"])
 def test_w4a16_equals_quantized_weights_and_keeps_api(tiny, arch):
     model = tiny(arch)
-    before = _params(model)
+    before = snapshot(model)
     policy = W4A16 if arch != "bert" else ALL_LINEARS  # BERT has no lm_head: ignoring it is an error
     out = qtransform.transform(model, policy)
     assert type(out) is type(model) and out is not model
@@ -56,8 +53,7 @@ def test_w4a16_equals_quantized_weights_and_keeps_api(tiny, arch):
         plain = model(input_ids=x)[0]
     assert torch.equal(got, want)
     assert not torch.equal(got, plain)
-    after = _params(model)
-    assert all(torch.equal(before[k], after[k]) for k in before)  # caller's model untouched
+    assert_untouched(before, model)  # the caller's model: structure, hooks, flags, values
     n_quantized = len([n for n in _linears(model) if n != "lm_head"])
     assert len([i for i in qtransform.insertion_log(out) if i.pass_name == "fake_quant"]) == n_quantized
 
@@ -105,7 +101,7 @@ def test_later_rule_overrides_earlier_for_same_site_and_tensor(tiny):
 
 def test_unmatched_entries_are_errors_with_suggestions_and_leave_model_untouched(tiny):
     model = tiny("qwen2")
-    before = _params(model)
+    before = snapshot(model)
     bad = {"version": 1, "quantize": [{"targets": ["model.layers.*.mlp.down_prj"], "format": "mxfp4"}]}
     with pytest.raises(UserError, match=r"down_prj.*closest site names: model\.layers\.\d\.mlp\.down_proj"):
         qtransform.transform(model, bad)
@@ -115,8 +111,7 @@ def test_unmatched_entries_are_errors_with_suggestions_and_leave_model_untouched
     no_layers = {"version": 1, "quantize": [{"targets": ["Linear"], "layers": "10-17", "format": "mxfp4"}]}
     with pytest.raises(UserError, match=r"layers '10-17' selects no site; the model's layers are 0-1"):
         qtransform.transform(model, no_layers)
-    after = _params(model)
-    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert_untouched(before, model)
 
 
 def test_weight_cache_requantizes_after_optimizer_step_and_gradients_reach_parameter(tiny):

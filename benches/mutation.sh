@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# Mutation testing with mutmut 3 (pip install -e '.[mutation]'), one module group at a time,
+# each against the test files that cover it. Slow (minutes to an hour per group): not in CI.
+#
+#   benches/mutation.sh                 # every group below
+#   benches/mutation.sh noise metrics   # only these groups
+#
+# Each group runs in a throw-away copy of the tracked files (mutmut reads its targets from
+# pyproject.toml's [tool.mutmut] and writes a mutants/ folder), with one test process at a time
+# (the CI machines have 2 cores). The summary lines ("group: killed/total ...") and every
+# surviving mutant's diff are written to $OUT (default: mutation-results/). Mutants in code no
+# selected test reaches are listed as "no tests" and count as not killed.
+set -euo pipefail
+
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+PY=${PY:-$ROOT/.venv/bin/python}
+MUTMUT=${MUTMUT:-$ROOT/.venv/bin/mutmut}  # the console script: `python -m mutmut` breaks its trampolines
+OUT=${OUT:-$ROOT/mutation-results}
+
+# group|files to mutate, as installed (space separated)|test files (space separated)
+GROUPS_ALL=(
+  "noise|qtransform/noise.py|tests/test_noise_schedule.py tests/test_noise.py"
+  "selectors|qtransform/schemas/selectors.py qtransform/selection.py|tests/test_selectors.py tests/test_policy.py"
+  "metrics|qtransform/metrics.py|tests/test_metrics.py"
+  "formats|qtransform/formats/elements.py qtransform/formats/mx.py qtransform/formats/nvfp4.py qtransform/formats/intgroup.py qtransform/formats/blocking.py qtransform/formats/quantize.py qtransform/formats/encode.py qtransform/formats/options.py|tests/test_formats_rules.py tests/test_formats_vectors.py tests/test_formats_nvfp4_order.py tests/test_formats_api.py tests/test_formats_properties.py"
+  "fake_quant|qtransform/passes/fake_quant.py|tests/test_transform.py"
+  "pipeline|qtransform/pipeline.py|tests/test_transform.py tests/test_capture.py"
+)
+
+toml_list() { printf '['; local first=1; for x in "$@"; do [ $first = 1 ] || printf ', '; printf '"%s"' "$x"; first=0; done; printf ']'; }
+
+mkdir -p "$OUT"
+wanted=("$@")
+for entry in "${GROUPS_ALL[@]}"; do
+  IFS='|' read -r name targets tests <<<"$entry"
+  if [ ${#wanted[@]} -gt 0 ] && [[ ! " ${wanted[*]} " =~ " $name " ]]; then continue; fi
+  work=$(mktemp -d)
+  trap 'rm -rf "$work"' EXIT
+  (cd "$ROOT" && git ls-files -z | xargs -0 cp --parents -t "$work")
+  # the installed layout (passes/ and schemas/ are qtransform.passes and qtransform.schemas), so
+  # that mutmut's mutants/qtransform is the whole package and shadows the editable install
+  cp -r "$work/passes" "$work/qtransform/passes" && cp -r "$work/schemas" "$work/qtransform/schemas"
+  # only the reference path is mutated: the C fast path would hide Python mutants in formats/
+  read -ra t_arr <<<"$targets"; read -ra s_arr <<<"$tests"
+  "$PY" - "$work/pyproject.toml" "$(toml_list "${t_arr[@]}")" "$(toml_list "${s_arr[@]}")" <<'EOF'
+import json, pathlib, re, sys
+path, targets, tests = sys.argv[1:]
+root = pathlib.Path(path).parent
+keep = set(json.loads(targets))
+skip = sorted(str(p.relative_to(root)) for p in (root / "qtransform").rglob("*.py")
+              if str(p.relative_to(root)) not in keep)
+text = re.sub(r"\n\[tool\.mutmut\][^\[]*", "\n", open(path).read())
+open(path, "w").write(text + f'\n[tool.mutmut]\npaths_to_mutate = ["qtransform/"]\n'
+                      f"do_not_mutate = {json.dumps(skip)}\ntests_dir = {tests}\n")
+EOF
+  start=$(date +%s)
+  (cd "$work" && QTRANSFORM_FASTPATH=0 OMP_NUM_THREADS=1 "$MUTMUT" run --max-children 1 >/dev/null 2>&1 || true)
+  (cd "$work" && "$MUTMUT" results --all true) >"$OUT/$name.txt" 2>&1 || true
+  : >"$OUT/$name-survivors.diff"
+  for m in $(awk '$NF == "survived" {sub(":$", "", $1); print $1}' "$OUT/$name.txt"); do
+    (cd "$work" && "$MUTMUT" show "$m") >>"$OUT/$name-survivors.diff" 2>&1 || true
+  done
+  total=$(grep -c ': ' "$OUT/$name.txt" || true)
+  killed=$(grep -c ': killed$' "$OUT/$name.txt" || true)
+  survived=$(grep -c ': survived$' "$OUT/$name.txt" || true)
+  notests=$(grep -c ': no tests$' "$OUT/$name.txt" || true)
+  echo "$name: killed $killed/$total, survived $survived, no tests $notests, $(( $(date +%s) - start )) s" \
+    | tee -a "$OUT/summary.txt"
+  rm -rf "$work"
+  trap - EXIT
+done
