@@ -8,9 +8,8 @@ import pytest
 import torch
 
 import qtransform
-from qtransform.core.schedule import Schedule, sigma_at, site_seed
-from qtransform.errors import UserError
 from qtransform.core.schedule import site_seed
+from qtransform.errors import UserError
 from qtransform.passes.aqn_noise import AQNNoise
 
 from .conftest import ids

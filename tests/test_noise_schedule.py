@@ -7,9 +7,8 @@ from fractions import Fraction
 
 import pytest
 
-from qtransform.core.schedule import Schedule, sigma_at, stage_values
-from qtransform.errors import UserError
 from qtransform.core.schedule import Schedule, sigma_at, stage_at, stage_values
+from qtransform.errors import UserError
 from qtransform.schemas import PolicyError, load_policy
 
 

@@ -15,12 +15,11 @@ from safetensors.torch import save_file
 from torch import nn
 
 from qtransform.cli.main import main
-from qtransform.core.metrics import BlockExponentHistogram, ErrorStats
+from qtransform.core.metrics import BlockExponentHistogram
 from qtransform.errors import UserError
 from qtransform.formats import block_exponents
-from qtransform.core.metrics import BlockExponentHistogram
-from qtransform.scan.report import ScanReport
 from qtransform.scan.render import FILES
+from qtransform.scan.report import ScanReport
 from qtransform.scan.weights import (
     checkpoint_weights,
     compare_formats,
