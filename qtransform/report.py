@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from qtransform import io as qio
+from qtransform.errors import UserError
 from qtransform.metrics import ErrorStats
 
 SCHEMA = "qtransform.scan_report"
@@ -213,7 +214,14 @@ class ScanReport:
         p = Path(path)
         if p.is_dir():
             p = p / "report.json"
-        return cls.from_dict(json.loads(p.read_text(encoding="utf-8")))
+        text = qio.read_input_text(p, "scan report (report.json, or the folder `qtransform scan` wrote)")
+        try:
+            report = cls.from_dict(json.loads(text))
+            report.aggregate()  # touches every row's sums: a crafted row fails here, not later
+        except (ValueError, KeyError, TypeError, AttributeError, IndexError) as exc:
+            raise UserError(f"{p}: not a scan report this qtransform version can read "
+                            f"({type(exc).__name__}: {str(exc)[:200]}); re-run `qtransform scan`") from None
+        return report
 
     def to_csv(self) -> str:
         """One line per row; metrics as plain numbers (inf/nan as Python spells them)."""
