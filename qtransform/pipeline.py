@@ -121,9 +121,12 @@ class PassManager:
         return [(p, a) for p in self.order for a in p.select(program, policy)]
 
     def run(self, program: Program, policy: Any) -> Program:
+        """Select every pass's actions first (selection changes nothing, and it is where policy
+        mistakes surface), then insert; so a bad policy fails before the first change."""
+        selected = {p.name: p.select(program, policy) for p in self.order}
         for p in self.order:
             touched = {}
-            for action in p.select(program, policy):
+            for action in selected[p.name]:
                 gsite = program.site_graph(action.site.name)
                 ins = gsite.insert(action.point, p.build(program, action), pass_name=p.name,
                                    tag=p.tag, extra=action.extra)
@@ -166,13 +169,19 @@ def transform(
     """Apply a policy (Policy, dict, JSON text or path) to a model and return the transformed one.
 
     By default the caller's model is left untouched (a deep copy is transformed), also when this
-    raises; `inplace=True` transforms the given model and avoids the copy for large models.
+    raises; `inplace=True` transforms the given model and avoids the copy for large models (when
+    it raises, the model is put back as it was: every spliced-in graph is replaced by the original
+    submodule).
     """
     policy = _load(policy)
     manager = PassManager(list(passes) if passes is not None else default_passes())
     work = model if inplace else copy.deepcopy(model)
     program = capture(work, example_inputs, mode=mode)
-    manager.run(program, policy)
+    try:
+        manager.run(program, policy)
+    except BaseException:
+        program.restore()  # inplace: the caller's model exactly as it was
+        raise
     work.qtransform_log = [i.to_dict() for i in program.log] if mode == "module" else None
     return program if return_program else program.module()
 

@@ -65,6 +65,7 @@ class Program:
     plan_rows: list[Any] = field(default_factory=list)  # pipeline.PlanRow, filled by passes
     _graphs: dict[str, GraphSite] = field(default_factory=dict, repr=False)
     _trace: SiteTracer = field(default_factory=SiteTracer, repr=False)
+    _spliced: list[tuple[nn.Module, str, nn.Module]] = field(default_factory=list, repr=False)
 
     # -- sites -----------------------------------------------------------------------------
     def site(self, name: str) -> Site:
@@ -97,9 +98,20 @@ class Program:
             gm._parameters = {k: gm._parameters[k] for k in order + [k for k in gm._parameters if k not in order]}
             gm.qtransform_site = site.to_dict()  # survives deepcopy; says what this module was
             setattr(parent, attr, gm)
+            self._spliced.append((parent, attr, original))
             gsite = GraphSite(site, gm, name)
         self._graphs[name] = gsite
         return gsite
+
+    def restore(self) -> None:
+        """Put every original submodule back where a module graph was spliced in (newest first),
+        so a failed transform leaves the model as it found it."""
+        for parent, attr, original in reversed(self._spliced):
+            setattr(parent, attr, original)
+        self._spliced.clear()
+        self._graphs.clear()
+        self.log.clear()
+        self.plan_rows.clear()
 
     def record(self, insertion: Insertion) -> None:
         self.log.append(insertion)

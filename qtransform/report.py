@@ -214,7 +214,7 @@ class ScanReport:
         p = Path(path)
         if p.is_dir():
             p = p / "report.json"
-        text = qio.read_input_text(p, "scan report (report.json, or the folder `qtransform scan` wrote)")
+        text = qio.read_input_text(p, "report (give report.json or the folder `qtransform scan` wrote)")
         try:
             report = cls.from_dict(json.loads(text))
             report.aggregate()  # touches every row's sums: a crafted row fails here, not later

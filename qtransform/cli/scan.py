@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from contextlib import ExitStack
 from pathlib import Path
@@ -123,7 +124,10 @@ def _thresholds(items: list[str]) -> dict[str, float]:
         try:
             out[key] = float(value)
         except ValueError:
-            raise UserError(f"threshold {key}: {value!r} is not a number") from None
+            raise UserError(f"threshold {key}: {value[:40]!r} is not a number") from None
+        if not math.isfinite(out[key]):
+            raise UserError(f"threshold {key}: {value!r} is not a finite number; give e.g. "
+                            f"{key}={DEFAULT_THRESHOLDS[key]:g}")
     return out
 
 
