@@ -108,7 +108,7 @@ def _batches(calib: Calibration, tokenizer: Any, batch_size: int, max_length: in
     try:
         return [torch.tensor(group[k:k + batch_size]) for group in by_length.values()
                 for k in range(0, len(group), batch_size)]
-    except (OverflowError, RuntimeError):
+    except (OverflowError, RuntimeError, ValueError):
         raise UserError("a calibration token id does not fit in 64 bits; use ids of this model's "
                         "tokenizer") from None
 

@@ -10,6 +10,7 @@ import importlib.util
 import json
 import math
 import os
+import sys
 from pathlib import Path
 
 import torch
@@ -39,7 +40,7 @@ def tiny_config(arch: str, *, num_layers: int = 2, hidden: int = 64, vocab: int 
                    tie_word_embeddings=False)
     if arch == "gpt2":
         return tf.GPT2Config(vocab_size=vocab, n_layer=num_layers, n_embd=hidden, n_head=heads,
-                             n_positions=256)
+                             n_positions=256, bos_token_id=vocab - 1, eos_token_id=vocab - 1)
     if arch == "bert":
         return tf.BertConfig(**common, intermediate_size=hidden * 2, num_attention_heads=heads,
                              max_position_embeddings=256)
@@ -210,11 +211,19 @@ def load_model(spec: str | os.PathLike, *, dtype: torch.dtype | None = None) -> 
                         f"({_first_line(exc)}); unsupported model_type or a damaged config.json") from None
     cls = model_class(config)
     kwargs = {"dtype": dtype} if dtype is not None else {}
+    from transformers.utils import logging as hf_logging
+
+    bars = hf_logging.is_progress_bar_enabled()
+    if not sys.stderr.isatty():  # bars only on a terminal, as everywhere else in qtransform
+        hf_logging.disable_progress_bar()
     try:
         model = cls.from_pretrained(path, config=config, trust_remote_code=False, **kwargs)
     except (ValueError, KeyError, OSError, RuntimeError, TypeError) as exc:
         raise UserError(f"{path}: cannot load the model with {cls.__name__} "
                         f"({_first_line(exc)}); check the folder's weights and config") from None
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
     return model.eval()
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import signal
 import sys
 
@@ -40,6 +41,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if argv is None:  # the real command, not a call from Python code that owns its signals
         install_signal_handlers()
+        quiet_transformers()
     try:
         return int(args.func(args) or 0)
     except (UserError, OSError) as exc:
@@ -50,6 +52,16 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt as exc:
         print("interrupted", file=sys.stderr)
         return 128 + (exc.signum if isinstance(exc, Interrupted) else signal.SIGINT)
+
+
+def quiet_transformers() -> None:
+    """transformers' advice about configs would bury the one line an error promises."""
+    if "transformers" in sys.modules:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity_error()
+    else:
+        os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 
 def _one_line(exc: BaseException) -> str:
