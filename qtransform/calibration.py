@@ -61,20 +61,18 @@ def calibration_batches(calib: Calibration, *, tokenizer: Any = None, batch_size
     before any forward: token ids inside its vocabulary, and a model a scan can run."""
     if batch_size < 1 or max_length < 1:
         raise UserError("batch_size and max_length must be positive")
+    config = getattr(model, "config", None)
+    if getattr(config, "is_encoder_decoder", False):  # before tokenizing: the model decides
+        raise UserError(f"{type(model).__name__} is an encoder-decoder model: activation scans run "
+                        "decoder-only or encoder-only models; scan its weights instead (no --calib)")
     batches = _batches(calib, tokenizer, batch_size, max_length)
-    if model is not None:
-        check_runnable(model, batches)
+    check_token_ids(getattr(config, "vocab_size", None), batches)
     return batches
 
 
-def check_runnable(model: nn.Module, batches: list[Tensor]) -> None:
-    """A scan's forward passes need a model that runs on input_ids alone and ids it can embed;
-    both are user errors worth one line, not an index error deep inside an embedding."""
-    config = getattr(model, "config", None)
-    if getattr(config, "is_encoder_decoder", False):
-        raise UserError(f"{type(model).__name__} is an encoder-decoder model: activation scans run "
-                        "decoder-only or encoder-only models; scan its weights instead (no --calib)")
-    vocab = getattr(config, "vocab_size", None)
+def check_token_ids(vocab: int | None, batches: list[Tensor]) -> None:
+    """Token ids must index the model's embedding: an out-of-range id is a user error worth one
+    line, not an index error deep inside an embedding."""
     for batch in batches:
         if vocab and not batch.is_floating_point() and batch.numel():
             lo, hi = int(batch.min()), int(batch.max())
