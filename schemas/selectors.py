@@ -28,17 +28,30 @@ Across quantize rules, a later rule overrides an earlier one for the same (site,
 
 from __future__ import annotations
 
+import bisect
 import fnmatch
+import math
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any, Literal, Protocol
 
 from qtransform.core.sites import ADAPTER_KEYS, REGEX_PREFIX
 
+try:  # Python 3.11+ names the regex parser's modules this way; 3.10 has sre_parse/sre_constants
+    from re import _constants as re_constants
+    from re import _parser as re_parser
+except ImportError:  # pragma: no cover - Python 3.10
+    import sre_constants as re_constants  # type: ignore[no-redef]
+    import sre_parse as re_parser  # type: ignore[no-redef]
+
 LINEAR_KINDS = ("linear", "conv1d")
 _LAYERS_ITEM = re.compile(r"\s*(\d+)\s*(?:-\s*(\d+)\s*)?\Z")
+MAX_LAYER_DIGITS = 18  # int64; an interval costs the same at any size
+MAX_LAYERS_SPEC = 10_000
+MAX_REGEX = 1_000
+MAX_REPEATS = 4  # sequential .* multiply backtracking: 4 stay under a millisecond per site name
 
 
 class SiteRef(Protocol):
@@ -55,25 +68,59 @@ def is_class_entry(text: str) -> bool:
     return text.isidentifier() and text[0].isupper()
 
 
-def parse_layers(spec: str) -> frozenset[int]:
-    """'10-17,20' -> {10, ..., 17, 20}; raises ValueError naming the bad item."""
+@dataclass(frozen=True)
+class LayerRanges:
+    """A set of layer indices kept as sorted, merged closed intervals: `0-99999999999` costs two
+    integers, not a hundred billion set entries. Supports `in`, `len` and iteration."""
+
+    ranges: tuple[tuple[int, int], ...]
+
+    def __contains__(self, layer: object) -> bool:
+        if not isinstance(layer, int):
+            return False
+        i = bisect.bisect_right(self.ranges, (layer, math.inf)) - 1
+        return i >= 0 and self.ranges[i][0] <= layer <= self.ranges[i][1]
+
+    def __len__(self) -> int:
+        return sum(hi - lo + 1 for lo, hi in self.ranges)
+
+    def __iter__(self) -> Iterator[int]:
+        for lo, hi in self.ranges:
+            yield from range(lo, hi + 1)
+
+
+def parse_layers(spec: str) -> LayerRanges:
+    """'10-17,20' -> the layers 10..17 and 20; raises ValueError naming the bad item."""
     if not isinstance(spec, str) or not spec.strip():
         raise ValueError("empty layer spec; write e.g. '10-17,20'")
-    layers: set[int] = set()
+    if len(spec) > MAX_LAYERS_SPEC:
+        raise ValueError(f"layer spec of {len(spec)} characters; write ranges such as '10-17,20'")
+    items: list[tuple[int, int]] = []
     for item in spec.split(","):
         match = _LAYERS_ITEM.match(item)
         if not match:
-            raise ValueError(f"cannot read layer range {item.strip()!r}; write e.g. '10-17,20'")
+            raise ValueError(f"cannot read layer range {item.strip()[:40]!r}; write e.g. '10-17,20'")
+        if any(len(g) > MAX_LAYER_DIGITS for g in match.groups() if g):
+            raise ValueError(f"layer index in {item.strip()[:40]!r} is too large; models have at "
+                             f"most {10**MAX_LAYER_DIGITS - 1} layers")
         lo = int(match.group(1))
         hi = int(match.group(2)) if match.group(2) is not None else lo
         if hi < lo:
             raise ValueError(f"layer range {item.strip()!r} runs backwards; write {hi}-{lo}")
-        layers.update(range(lo, hi + 1))
-    return frozenset(layers)
+        items.append((lo, hi))
+    merged: list[tuple[int, int]] = []
+    for lo, hi in sorted(items):
+        if merged and lo <= merged[-1][1] + 1:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], hi))
+        else:
+            merged.append((lo, hi))
+    return LayerRanges(tuple(merged))
 
 
 def format_layers(layers: Iterable[int]) -> str:
     """{10, 11, 12, 20} -> '10-12,20' (the inverse of `parse_layers`)."""
+    if isinstance(layers, LayerRanges):
+        return ",".join(str(lo) if lo == hi else f"{lo}-{hi}" for lo, hi in layers.ranges)
     items = sorted(set(layers))
     runs: list[str] = []
     i = 0
@@ -84,6 +131,51 @@ def format_layers(layers: Iterable[int]) -> str:
         runs.append(str(items[i]) if i == j else f"{items[i]}-{items[j]}")
         i = j + 1
     return ",".join(runs)
+
+
+def check_regex(pattern: str) -> None:
+    """Refuse patterns that can backtrack catastrophically, before they run: a repeat whose body
+    holds another repeat or an alternation (`(a+)+`, `(a|aa)*`), and backreferences. Site names
+    are short, so every other pattern matches in time linear-ish in the name."""
+    if len(pattern) > MAX_REGEX:
+        raise ValueError(f"regular expression of {len(pattern)} characters; keep it under {MAX_REGEX}")
+    try:
+        parsed = re_parser.parse(pattern)
+    except (re.error, OverflowError, RecursionError) as exc:
+        raise ValueError(f"invalid regular expression: {exc}") from None
+    repeats = _check_nodes(parsed, inside_repeat=False)
+    if repeats > MAX_REPEATS:
+        raise ValueError(f"{repeats} repeats (such as .* or +) in one pattern; each multiplies the "
+                         f"matching time: use at most {MAX_REPEATS}")
+
+
+_REPEATS = {re_constants.MAX_REPEAT, re_constants.MIN_REPEAT, re_constants.POSSESSIVE_REPEAT}
+
+
+def _check_nodes(nodes: Any, inside_repeat: bool) -> int:
+    """Raise for a construct that backtracks exponentially; return the number of repeats."""
+    count = 0
+    for op, arg in nodes:
+        if op in (re_constants.GROUPREF, re_constants.GROUPREF_EXISTS):
+            raise ValueError("backreferences are not allowed in selectors; match the name directly")
+        if op in _REPEATS:
+            lo, hi, body = arg
+            if inside_repeat and hi > 1:
+                raise ValueError("nested quantifiers such as (a+)+ can take exponential time; "
+                                 "write the pattern without a repeat inside a repeat")
+            count += (hi > 1) + _check_nodes(body, inside_repeat or hi > 1)
+        elif op == re_constants.BRANCH:
+            if inside_repeat:
+                raise ValueError("an alternation inside a repeat such as (a|aa)* can take "
+                                 "exponential time; use a character class or drop the repeat")
+            count += sum(_check_nodes(branch, inside_repeat) for branch in arg[1])
+        elif op == re_constants.SUBPATTERN:
+            count += _check_nodes(arg[-1], inside_repeat)
+        elif op in (re_constants.ASSERT, re_constants.ASSERT_NOT):
+            count += _check_nodes(arg[1], inside_repeat)
+        elif op == re_constants.ATOMIC_GROUP:
+            count += _check_nodes(arg, inside_repeat)
+    return count
 
 
 @dataclass(frozen=True)
@@ -126,6 +218,7 @@ def compile_entry(text: str) -> Entry:
         pattern = text[len(REGEX_PREFIX) :]
         if not pattern:
             raise ValueError("empty regular expression after 're:'")
+        check_regex(pattern)
         try:
             return Entry(text, "regex", re.compile(pattern))
         except (re.error, OverflowError, RecursionError) as exc:
@@ -143,7 +236,7 @@ class Selector:
 
     targets: tuple[Entry, ...]
     ignore: tuple[Entry, ...] = ()
-    layers: frozenset[int] | None = None
+    layers: LayerRanges | None = None
     layers_spec: str | None = None
     lenient_targets: bool = False
 

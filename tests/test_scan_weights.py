@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
@@ -141,6 +142,9 @@ def test_checkpoint_folder_skips_embeddings_norms_biases_and_reads_every_shard(t
     qwen_checkpoint(tmp_path / "model-00001-of-00002.safetensors", layers=2, seed=0)
     save_file({"model.layers.2.mlp.gate_proj.weight": torch.randn(128, HIDDEN) * 0.02},
               str(tmp_path / "model-00002-of-00002.safetensors"))
+    weight_map = {key: path.name for path in sorted(tmp_path.glob("*.safetensors"))
+                  for key in safe_open(path, "pt").keys()}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
     refs = checkpoint_weights(tmp_path)
     names = [r.site.name for r in refs]
     assert names == [
@@ -223,7 +227,7 @@ def test_cli_scan_writes_reports_and_fails_on_problems(tmp_path, capsys):
     assert proc.returncode == 1, proc.stderr  # MXFP4 weights sit below 20 dB
     data = json.loads(proc.stdout, parse_constant=lambda c: pytest.fail(f"non-strict JSON {c}"))
     assert data["schema_version"] == "1" and data["summary"]["sites"] == 13
-    assert sorted(p.name for p in out.iterdir()) == sorted(FILES)
+    assert sorted(p.name for p in out.iterdir()) == sorted([*FILES, ".qtransform-output.json"])
     assert (out / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert ScanReport.load(out).rows[0].site == "model.layers.0.self_attn.q_proj"
 
@@ -248,6 +252,9 @@ def test_cli_messages_and_exit_codes(tmp_path, capsys):
     assert main(["scan", str(model), "--format", "mxfp4", "--out", out, "--fail-on-problematic", *loose]) == 0
     text = capsys.readouterr().out
     assert "recommendation: No problematic sites" in text and "lm_head" in text, text
+    assert main(["compare", str(model), "--formats", "mxfp4,nvfp4", "--json", "--out", out]) == 2
+    assert "is the output of `qtransform scan`" in capsys.readouterr().err  # not replaced
+    out = str(tmp_path / "c")
     assert main(["compare", str(model), "--formats", "mxfp4,nvfp4", "--json", "--out", out]) == 0
     assert json.loads(capsys.readouterr().out)["formats"] == ["mxfp4", "nvfp4"]
     assert (Path(out) / "comparison.md").exists()

@@ -90,8 +90,8 @@ def test_bad_entries_raise_value_error(bad):
 
 
 def test_parse_and_format_layers():
-    assert parse_layers("10-17,20") == frozenset([*range(10, 18), 20])
-    assert parse_layers(" 3 , 5 - 6 ") == {3, 5, 6}
+    assert set(parse_layers("10-17,20")) == {*range(10, 18), 20}
+    assert set(parse_layers(" 3 , 5 - 6 ")) == {3, 5, 6}
     assert format_layers(parse_layers("0-2,4,6-7")) == "0-2,4,6-7"
     for bad in ("", "a", "3-1", "1,,2", "-1", "1-", "1.5"):
         with pytest.raises(ValueError):

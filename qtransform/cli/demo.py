@@ -97,20 +97,30 @@ class _Steps:
 def run_demo(out: str | Path = DEFAULT_OUT, *, fmt: str = DEFAULT_FORMAT,
              calib: list | None = None, options: dict[str, Any] | None = None,
              thresholds: dict[str, float] | None = None, onnx: bool = True,
-             progress: bool | None = None, quiet: bool = False) -> DemoResult:
+             progress: bool | None = None, quiet: bool = False, force: bool = False) -> DemoResult:
     """Scan, compare and export the demo model; write every file under `out`.
 
     `calib`: calibration samples (default: the built-in sentences). `progress`: tqdm bars (None:
-    only on a terminal); `quiet` drops the step lines as well.
+    only on a terminal); `quiet` drops the step lines as well. The files are written into a
+    staging folder and swapped in together (`qtransform.core.io.output_folder`): an interrupted demo
+    leaves the previous output as it was; `out` must be new, empty or a previous output unless
+    `force`.
     """
+
+    out = Path(out)
+    with qio.output_folder(out, "scan", force=force) as staging:
+        return _run(staging, out, fmt, calib, options, thresholds, onnx, progress, quiet)
+
+
+def _run(out: Path, final: Path, fmt: str, calib: list | None, options: dict[str, Any] | None,
+         thresholds: dict[str, float] | None, onnx: bool, progress: bool | None,
+         quiet: bool) -> DemoResult:
+    """The demo's work, writing into the staging folder `out` that becomes `final`."""
     from qtransform.calibration import builtin_calibration
     from qtransform.models import load_model, load_tokenizer
     from qtransform.scan.activations import resolve_policy, scan_activations
     from qtransform.scan.weights import choice_for, compare_formats, scan_weights
 
-    out = Path(out)
-    if out.exists() and not out.is_dir():
-        raise UserError(f"{out}: exists and is not a folder")
     choice_for(fmt, options)  # a misspelt format or option fails now, not after loading the model
     samples = list(calib) if calib is not None else builtin_calibration()
     steps = _Steps(5 if onnx else 4, quiet)
@@ -143,9 +153,10 @@ def run_demo(out: str | Path = DEFAULT_OUT, *, fmt: str = DEFAULT_FORMAT,
         files.append(steps.run("onnx_export", "exporting the instrumented W4A16 model to ONNX",
                                lambda: export_demo_onnx(model, policy, tokenizer, samples,
                                                         out / "model.onnx")))
-    result = DemoResult(MODEL_NAME, fmt, len(samples), weights, activations, comparison, files,
-                        out, steps.seconds)
-    files.append(qio.write_json(out / "summary.json", result.to_dict()))
+    files.append(out / "summary.json")
+    result = DemoResult(MODEL_NAME, fmt, len(samples), weights, activations, comparison,
+                        [final / p.relative_to(out) for p in files], final, steps.seconds)
+    qio.write_json(out / "summary.json", result.to_dict())
     return result
 
 
@@ -260,6 +271,7 @@ def run_from_args(args: argparse.Namespace) -> int:
         hf_logging.disable_progress_bar()
     result = run_demo(args.out or DEFAULT_OUT, fmt=args.format or DEFAULT_FORMAT, calib=calib,
                       options=format_options(args), thresholds=thresholds(args.threshold),
-                      onnx=not args.no_onnx, progress=progress(args), quiet=args.no_progress)
+                      onnx=not args.no_onnx, progress=progress(args), quiet=args.no_progress,
+                      force=args.force)
     print(json.dumps(result.to_dict(), indent=2) if args.json else summary_text(result))
     return 1 if args.fail_on_problematic and result.problems() else 0

@@ -18,7 +18,13 @@ the noise off). --fake-quant qdq writes QuantizeLinear/DequantizeLinear for depl
 toolchains (opset 24; onnxruntime 1.31 cannot run it). See docs/onnx.md."""
 
 
+MAX_BATCH = 4096  # an example batch only shapes the trace; larger ones just cost memory
+MAX_SEQ_LEN = 65536
+
+
 def _positive(text: str) -> int:
+    if len(text) > 12:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text[:20]!r}...")
     try:
         value = int(text)
     except ValueError:
@@ -58,28 +64,38 @@ def example_input_ids(model, batch: int, seq_len: int):
     vocab = getattr(config, "vocab_size", None)
     if not vocab:
         raise UserError("the model has no config.vocab_size to build example input ids from")
-    limit = getattr(config, "max_position_embeddings", None)
-    if limit and seq_len > limit:
+    if getattr(config, "is_encoder_decoder", False):
+        raise UserError(f"{type(model).__name__} is an encoder-decoder model; export takes "
+                        "decoder-only or encoder-only models (scan and transform work on it)")
+    limit = getattr(config, "max_position_embeddings", None) or MAX_SEQ_LEN
+    if seq_len > limit:
         raise UserError(f"--seq-len {seq_len} exceeds the model's max_position_embeddings ({limit})")
+    if batch > MAX_BATCH:
+        raise UserError(f"--batch {batch}: an example batch of at most {MAX_BATCH} (the exported "
+                        "batch axis is dynamic anyway)")
     return torch.randint(0, vocab, (batch, seq_len), generator=torch.Generator().manual_seed(0))
 
 
 def run_export(args: argparse.Namespace) -> int:
     import onnx
 
+    from qtransform.core import io as qio
     from qtransform.core.program import insertion_log
-    from qtransform.export.onnx import export_onnx
+    from qtransform.export.onnx import check_opset, export_onnx
     from qtransform.models import load_model
     from qtransform.pipeline import transform
     from qtransform.schemas import load_policy
 
-    policy = load_policy(args.policy)
-    model = transform(load_model(args.model), policy, inplace=True)
-    ids = example_input_ids(model, args.batch, args.seq_len)
-    start = time.perf_counter()
-    path = export_onnx(model, args.out, {"input_ids": ids}, dynamic=not args.static,
-                       fake_quant=args.fake_quant, taps=not args.no_taps, noise=args.noise,
-                       opset=args.opset)
+    check_opset(args.fake_quant, args.opset)
+    with qio.output_file(args.out):
+        policy = load_policy(args.policy)
+        model = load_model(args.model)
+        ids = example_input_ids(model, args.batch, args.seq_len)  # checks the options first
+        model = transform(model, policy, inplace=True)
+        start = time.perf_counter()
+        path = export_onnx(model, args.out, {"input_ids": ids}, dynamic=not args.static,
+                           fake_quant=args.fake_quant, taps=not args.no_taps, noise=args.noise,
+                           opset=args.opset)
     seconds = time.perf_counter() - start
     log = [i.to_dict() for i in insertion_log(model)]
     graph = onnx.load(str(path), load_external_data=False).graph

@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
+import signal
 import sys
 
+from qtransform.core.io import Interrupted, install_signal_handlers
 from qtransform.errors import UserError
 
 COMMAND_MODULES = ("model", "policy", "scan", "export")
@@ -28,21 +31,46 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one command. The error boundary: a UserError (or an OS error about the user's files,
+    such as a full disk) is one line on stderr and exit 2; SIGINT/SIGTERM unwind through every
+    cleanup handler (temporary files are removed) and exit 128 + the signal number."""
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
+    if argv is None:  # the real command, not a call from Python code that owns its signals
+        install_signal_handlers()
+        quiet_transformers()
     try:
         return int(args.func(args) or 0)
-    except UserError as exc:
+    except (UserError, OSError) as exc:
         if args.debug:
             raise
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error: {_one_line(exc)}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:
         print("interrupted", file=sys.stderr)
-        return 130
+        return 128 + (exc.signum if isinstance(exc, Interrupted) else signal.SIGINT)
+
+
+def quiet_transformers() -> None:
+    """transformers' advice about configs would bury the one line an error promises."""
+    if "transformers" in sys.modules:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity_error()
+    else:
+        os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+
+def _one_line(exc: BaseException) -> str:
+    """An OS error as `path: reason` (its str() repeats the errno); a UserError as written (a
+    policy error lists one problem per line, by design)."""
+    if isinstance(exc, OSError) and exc.strerror:
+        where = exc.filename if exc.filename is not None else "error"
+        return f"{where}: {exc.strerror}; check the path and its permissions"
+    return str(exc)
 
 
 if __name__ == "__main__":

@@ -28,7 +28,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                        epilog=EPILOG_TRANSFORM, formatter_class=fmt)
     t.add_argument("model", help="local HF model folder, or builtin:<arch>")
     t.add_argument("policy", help="policy JSON file")
-    t.add_argument("--out", required=True, help="output folder (save_pretrained + policy)")
+    t.add_argument("--out", required=True, help="output folder (save_pretrained + policy); a new "
+                   "or empty folder, or a previous `qtransform transform` output")
+    t.add_argument("--force", action="store_true",
+                   help="replace --out even when it is a folder qtransform did not write")
     t.add_argument("--json", action="store_true", help="print a JSON summary")
     t.set_defaults(func=run_transform)
 
@@ -45,19 +48,22 @@ def run_plan(args: argparse.Namespace) -> int:
 
 
 def run_transform(args: argparse.Namespace) -> int:
+    from qtransform.core import io as qio
     from qtransform.core.program import insertion_log
-    from qtransform.models import load_model
+    from qtransform.models import input_paths, load_model
     from qtransform.pipeline import transform
-    from qtransform.pipeline.saving import save_transformed
+    from qtransform.pipeline.saving import write_transformed
     from qtransform.schemas import load_policy
 
-    policy = load_policy(args.policy)
-    model = transform(load_model(args.model), policy, inplace=True)
-    out = save_transformed(model, policy, args.out)
+    with qio.output_folder(args.out, "transform", force=args.force,
+                           protect=input_paths(args.model, args.policy)) as staging:
+        policy = load_policy(args.policy)
+        model = transform(load_model(args.model), policy, inplace=True)
+        write_transformed(model, policy, staging)
     log = [i.to_dict() for i in insertion_log(model)]
     n = len(log)
     if args.json:
-        print(json.dumps({"out": str(out), "insertions": log}, indent=2))
+        print(json.dumps({"out": str(args.out), "insertions": log}, indent=2))
     else:
-        print(f"transformed: {n} insertions; saved to {out} (reload: qtransform.load_transformed)")
+        print(f"transformed: {n} insertions; saved to {args.out} (reload: qtransform.load_transformed)")
     return 0

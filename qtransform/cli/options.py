@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 from typing import Any
 
 from qtransform.errors import UserError
@@ -34,7 +35,10 @@ def thresholds(items: list[str]) -> dict[str, float]:
         try:
             out[key] = float(value)
         except ValueError:
-            raise UserError(f"threshold {key}: {value!r} is not a number") from None
+            raise UserError(f"threshold {key}: {value[:40]!r} is not a number") from None
+        if not math.isfinite(out[key]):
+            raise UserError(f"threshold {key}: {value!r} is not a finite number; give e.g. "
+                            f"{key}={DEFAULT_THRESHOLDS[key]:g}")
     return out
 
 

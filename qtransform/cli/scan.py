@@ -9,11 +9,15 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
 from qtransform.cli.options import add_common, format_options, progress, thresholds
 from qtransform.errors import UserError
+
+MAX_TIER = 100.0  # an AQN sigma multiplier beyond this drowns the weights in noise
+MAX_STEPS = 10**9
 
 EPILOG_SCAN = """examples:
   qtransform scan                     # the demo: all-MiniLM-L6-v2, MXFP4 vs NVFP4, ONNX
@@ -45,6 +49,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "a .json list of strings or token-id lists, or 'builtin'")
     s.add_argument("--out", help="folder for report.json/.csv/.md/.png (required with MODEL; "
                                  "the demo's default: ./qtransform-demo)")
+    s.add_argument("--force", action="store_true",
+                   help="replace --out even when it is a folder qtransform did not write")
     s.add_argument("--threshold", action="append", default=[], metavar="KEY=VALUE",
                    help="override a threshold: sqnr_db, deadzone, saturation, relative_error")
     s.add_argument("--fail-on-problematic", action="store_true",
@@ -60,6 +66,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--formats", required=True, help="comma-separated formats")
     c.add_argument("--policy", help="policy JSON whose quantize rules select the sites")
     c.add_argument("--out", help="folder for comparison.json and comparison.md")
+    c.add_argument("--force", action="store_true",
+                   help="replace --out even when it is a folder qtransform did not write")
     add_common(c)
     c.set_defaults(func=run_compare)
 
@@ -82,11 +90,15 @@ def _source(model: str) -> Any:
 
         return load_model(model)
     if not Path(model).exists():
-        raise UserError(f"{model}: no such file or folder")
+        from qtransform.models import missing_source
+
+        raise missing_source(model, "file or folder")
     return model
 
 
 def run_scan(args: argparse.Namespace) -> int:
+    from qtransform.core import io as qio
+    from qtransform.models import input_paths
     from qtransform.scan.weights import scan_weights
 
     if args.model is None:
@@ -99,17 +111,20 @@ def run_scan(args: argparse.Namespace) -> int:
         raise UserError("give --format (e.g. --format mxfp4) or a --policy with quantize rules")
     if args.policy is not None and not Path(args.policy).exists():
         raise UserError(f"{args.policy}: no such policy file")
-    if args.calib is not None:
-        report = _activation_scan(args)
-    else:
-        report = scan_weights(_source(args.model), args.format, policy=args.policy, options=format_options(args),
-                              thresholds=thresholds(args.threshold), progress=progress(args))
-    files = report.save(args.out)
+    with qio.output_folder(args.out, "scan", force=args.force,
+                           protect=input_paths(args.model, args.policy, args.calib)) as staging:
+        if args.calib is not None:
+            report = _activation_scan(args)
+        else:
+            report = scan_weights(_source(args.model), args.format, policy=args.policy,
+                                  options=format_options(args), thresholds=thresholds(args.threshold),
+                                  progress=progress(args))
+        files = report.save(staging)
     if args.json:
         print(report.to_json())
     else:
         print(scan_table(report))
-        print(f"\nwrote {', '.join(str(p) for p in files.values())}")
+        print(f"\nwrote {', '.join(str(Path(args.out) / p.name) for p in files.values())}")
     return 1 if args.fail_on_problematic and report.problems() else 0
 
 
@@ -165,19 +180,22 @@ def scan_table(report) -> str:
 
 def run_compare(args: argparse.Namespace) -> int:
     from qtransform.core import io as qio
-    from qtransform.scan.weights import compare_formats
+    from qtransform.models import input_paths
+    from qtransform.scan import compare_formats
 
     names = [f.strip() for f in args.formats.split(",") if f.strip()]
     if not names:
         raise UserError("--formats needs at least one format, e.g. --formats mxfp4,nvfp4")
     if args.policy is not None and not Path(args.policy).exists():
         raise UserError(f"{args.policy}: no such policy file")
-    result = compare_formats(_source(args.model), names, policy=args.policy, options=format_options(args),
-                             progress=progress(args))
-    if args.out:
-        out = Path(args.out)
-        qio.write_json(out / "comparison.json", result.to_dict())
-        qio.write_text(out / "comparison.md", result.to_markdown())
+    with ExitStack() as stack:
+        staging = None if args.out is None else stack.enter_context(qio.output_folder(
+            args.out, "compare", force=args.force, protect=input_paths(args.model, args.policy)))
+        result = compare_formats(_source(args.model), names, policy=args.policy,
+                                 options=format_options(args), progress=progress(args))
+        if staging is not None:
+            qio.write_json(staging / "comparison.json", result.to_dict())
+            qio.write_text(staging / "comparison.md", result.to_markdown())
     if args.json:
         print(json.dumps(result.to_dict(), indent=2))
     else:
@@ -185,21 +203,38 @@ def run_compare(args: argparse.Namespace) -> int:
     return 0
 
 
+def _tiers(text: str) -> tuple[float, ...]:
+    """--tiers: sigma multipliers, each finite and in (0, MAX_TIER]."""
+    try:
+        tiers = tuple(float(t) for t in text.split(","))
+    except ValueError:
+        raise UserError(f"--tiers {text!r}: expected comma-separated numbers, e.g. 1.5,1.2,1.0") from None
+    bad = [t for t in tiers if not 0 < t <= MAX_TIER]  # also catches nan
+    if bad:
+        raise UserError(f"--tiers: {bad[0]!r} is not a multiplier in (0, {MAX_TIER:g}]; "
+                        "use values such as 1.5,1.2,1.0")
+    return tiers
+
+
 def run_guide(args: argparse.Namespace) -> int:
     from qtransform.core import io as qio
     from qtransform.scan.recommend import guide, recommend
     from qtransform.scan.report import ScanReport
 
-    path = Path(args.report)
-    if not path.exists():
-        raise UserError(f"{path}: no such report (give report.json or the folder `qtransform scan` wrote)")
-    try:
-        tiers = tuple(float(t) for t in args.tiers.split(","))
-        report = ScanReport.load(path)
-        policy = guide(report, tiers, total_steps=args.total_steps, aqn=args.aqn)
-    except (ValueError, KeyError, OSError) as exc:
-        raise UserError(f"{path}: {exc}") from None
-    qio.write_json(args.out, policy)
-    print(recommend(report, tiers, total_steps=args.total_steps).text, file=sys.stderr)
+    tiers = _tiers(args.tiers)
+    if not 1 <= args.total_steps <= MAX_STEPS:
+        raise UserError(f"--total-steps {args.total_steps}: give a step count from 1 to {MAX_STEPS}")
+    with qio.output_file(args.out) as out:
+        report = ScanReport.load(args.report)
+        try:
+            policy = guide(report, tiers, total_steps=args.total_steps, aqn=args.aqn)
+            advice = recommend(report, tiers, total_steps=args.total_steps).text
+        except (ValueError, KeyError, TypeError) as exc:
+            if isinstance(exc, UserError):
+                raise
+            raise UserError(f"{args.report}: the report does not fit this qtransform version "
+                            f"({type(exc).__name__}: {exc}); re-run `qtransform scan`") from None
+        qio.write_json(out, policy)
+    print(advice, file=sys.stderr)
     print(f"wrote {args.out}", file=sys.stderr)
     return 0

@@ -16,7 +16,7 @@ from torch import fx, nn
 from qtransform.core.graph import GraphSite, Insertion
 from qtransform.core.plan import Plan, PlanRow
 from qtransform.core.sites import Site, closest_names
-from qtransform.core.tracing import SiteTracer, module_graph
+from qtransform.core.tracing import SiteTracer, detach, module_graph
 from qtransform.errors import UserError
 
 WHOLE_LOG_ATTR = "_qtransform_log"  # a whole-model graph module's insertions, in its __dict__
@@ -95,6 +95,16 @@ class Program:
             gsite = GraphSite(site, state, module, name, state.insertions)
         self._graphs[name] = gsite
         return gsite
+
+    def restore(self) -> None:
+        """Undo every change made to the model's site modules (a failed inplace transform):
+        inserted children, the attached graph and the instance forward go, newest first."""
+        for gsite in reversed(self._graphs.values()):
+            if gsite.op_node is None:
+                detach(gsite.owner, [i.module_path.rsplit(".", 1)[-1] for i in gsite.log])
+        self._graphs.clear()
+        self.log.clear()
+        self.plan_rows.clear()
 
     def record(self, insertion: Insertion) -> None:
         self.log.append(insertion)

@@ -112,6 +112,14 @@ def module_graph(module: nn.Module) -> ModuleGraph | None:
     return module.__dict__.get(STATE_ATTR)
 
 
+def detach(module: nn.Module, inserted: list[str]) -> None:
+    """Make a site module plain again: its inserted children, graph and instance forward go."""
+    for name in inserted:
+        module._modules.pop(name, None)
+    for attr in (STATE_ATTR, SELF_ATTR, "forward"):
+        module.__dict__.pop(attr, None)
+
+
 class SiteTracer:
     """Attaches graphs to site modules; every plain nn.Linear reuses one traced graph (their
     graphs are equal and tracing is most of the cost of a transform)."""

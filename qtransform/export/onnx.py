@@ -30,7 +30,7 @@ from torch import nn
 
 import qtransform.core.ops  # noqa: F401 - registers the custom ops the translations refer to
 from qtransform.core.capture import normalize_inputs
-from qtransform.core.io import current_umask
+from qtransform.core.io import check_file_target, current_umask
 from qtransform.core.program import Program, insertion_log
 from qtransform.errors import UserError
 from qtransform.export.functions import DOMAIN, ExportError, FakeQuantConfig, UnsupportedExport
@@ -236,10 +236,25 @@ def _quiet_exporter() -> Iterator[None]:
         logger.setLevel(level)
 
 
+def _no_unit_dims(value: Any) -> Any:
+    """A tensor with every size-1 dim repeated to 2, so a dynamic export keeps that dim dynamic;
+    other values unchanged. A batch of one sample or a one-token example would otherwise give a
+    graph that declares dynamic axes but runs only at that size."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    for dim, size in enumerate(value.shape):
+        if size == 1:
+            value = value.repeat_interleave(2, dim=dim)
+    return value
+
+
 def _torch_export(module: nn.Module, signature_model: nn.Module, example_inputs: Any, *,
                   dynamic: bool, opset: int, log: list[dict]) -> tuple[ModelProto, list[str]]:
     """torch.onnx.export of the wrapped module; returns the raw proto and the noise input names."""
     args, kwargs = normalize_inputs(signature_model, example_inputs)
+    if dynamic:  # torch.export fixes every dim of size 1 to 1 ("0/1 specialization")
+        args = tuple(_no_unit_dims(a) for a in args)
+        kwargs = {k: _no_unit_dims(v) for k, v in kwargs.items()}
     tensor_kw = {k: v for k, v in kwargs.items() if isinstance(v, torch.Tensor)}
     const_kw = {k: v for k, v in kwargs.items() if not isinstance(v, torch.Tensor)}
     noise = _noise_modules(module, log)
@@ -275,9 +290,10 @@ def _torch_export(module: nn.Module, signature_model: nn.Module, example_inputs:
 def save_model(model: ModelProto, path: str | os.PathLike, *, external_data_threshold: int = PROTO_LIMIT) -> Path:
     """Write atomically: into a temporary folder beside `path`, then `os.replace`. A model larger
     than `external_data_threshold` bytes keeps its tensors in `<name>.data` beside it."""
-    dest = Path(path)
-    dest.parent.mkdir(parents=True, exist_ok=True)
+    dest = check_file_target(path)
     data_name = dest.name + ".data"
+    check_file_target(dest.parent / data_name)
+    dest.parent.mkdir(parents=True, exist_ok=True)
     external = model.ByteSize() > external_data_threshold
     tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=f".{dest.name}."))
     try:
@@ -295,6 +311,19 @@ def save_model(model: ModelProto, path: str | os.PathLike, *, external_data_thre
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return dest
+
+
+def check_opset(fake_quant: str, opset: int | None) -> int:
+    """The opset to export with (the mode's default for None); an unusable one is a UserError."""
+    if opset is None:
+        opset = QDQ_OPSET if fake_quant == "qdq" else DEFAULT_OPSET
+    if opset < 19 or (fake_quant == "qdq" and opset < QDQ_OPSET):
+        need = QDQ_OPSET if fake_quant == "qdq" else 19
+        raise UserError(f"opset {opset} is too old for fake_quant={fake_quant!r}: use opset >= {need}")
+    if opset > onnx.defs.onnx_opset_version():
+        raise UserError(f"opset {opset} does not exist yet: this onnx {onnx.__version__} knows opsets "
+                        f"up to {onnx.defs.onnx_opset_version()}; use opset {DEFAULT_OPSET}")
+    return opset
 
 
 # -- the entry point -------------------------------------------------------------------------
@@ -323,11 +352,7 @@ def export_onnx(
         raise UserError(f"fake_quant must be one of {', '.join(FAKE_QUANT_MODES)}, got {fake_quant!r}")
     if noise not in NOISE_MODES:
         raise UserError(f"noise must be one of {', '.join(NOISE_MODES)}, got {noise!r}")
-    if opset is None:
-        opset = QDQ_OPSET if fake_quant == "qdq" else DEFAULT_OPSET
-    if opset < 19 or (fake_quant == "qdq" and opset < QDQ_OPSET):
-        need = QDQ_OPSET if fake_quant == "qdq" else 19
-        raise UserError(f"opset {opset} is too old for fake_quant={fake_quant!r}: use opset >= {need}")
+    opset = check_opset(fake_quant, opset)
     module, signature_model, log = _log_of(model_or_program)
     model, noise_inputs = _torch_export(module, signature_model, example_inputs,
                                         dynamic=dynamic, opset=opset, log=log)

@@ -68,9 +68,12 @@ class PassManager:
         return [(p, a) for p in self.order for a in self._actions(p, program, policy)]
 
     def run(self, program: Program, policy: Policy) -> Program:
+        """Select every pass's actions first (selection changes nothing, and it is where policy
+        mistakes surface), then insert; so a bad policy fails before the first change."""
+        selected = {p.name: self._actions(p, program, policy) for p in self.order}
         for p in self.order:
             touched = {}
-            for action in self._actions(p, program, policy):
+            for action in selected[p.name]:
                 gsite = program.site_graph(action.site.name)
                 module = self._guarded(p, "build", p.build, program, action)
                 ins = gsite.insert(action.point, module, pass_name=p.name, tag=p.tag, extra=action.extra)

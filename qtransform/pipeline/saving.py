@@ -8,14 +8,12 @@ beside it; `load_transformed` rebuilds the transformed model from the two.
 
 from __future__ import annotations
 
-import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 from torch import nn
 
+from qtransform.core import io as qio
 from qtransform.errors import UserError
 from qtransform.models import load_model
 from qtransform.pipeline.transform import PolicyLike, transform
@@ -24,28 +22,24 @@ from qtransform.schemas import dump_policy, load_policy
 POLICY_FILE = "qtransform_policy.json"
 
 
-def save_transformed(model: nn.Module, policy: PolicyLike, out_dir: str | os.PathLike) -> Path:
-    """Write `save_pretrained` output plus the policy to `out_dir`, atomically as a folder."""
-    out = Path(out_dir)
+def save_transformed(model: nn.Module, policy: PolicyLike, out_dir: str | os.PathLike, *,
+                     force: bool = False) -> Path:
+    """Write `save_pretrained` output plus the policy to `out_dir`, atomically as a folder.
+
+    `out_dir` may be absent, empty or a previous `save_transformed` output; any other folder is
+    refused unless `force` (see `qtransform.core.io.output_folder`).
+    """
+    with qio.output_folder(out_dir, "transform", force=force) as staging:
+        write_transformed(model, policy, staging)
+    return Path(out_dir)
+
+
+def write_transformed(model: nn.Module, policy: PolicyLike, folder: Path) -> None:
+    """The files of a saved transformed model, into an existing (staging) folder."""
     if not hasattr(model, "save_pretrained"):
         raise UserError(f"{type(model).__name__} has no save_pretrained; save its state_dict and policy")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}."))
-    try:
-        model.save_pretrained(tmp)
-        (tmp / POLICY_FILE).write_text(json.dumps(dump_policy(load_policy(policy)), indent=2))
-        if out.exists():
-            old = out.with_name(f".{out.name}.old")
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(out, old)
-            os.replace(tmp, out)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out
+    model.save_pretrained(folder)
+    qio.write_json(folder / POLICY_FILE, dump_policy(load_policy(policy)))
 
 
 def load_transformed(folder: str | os.PathLike) -> nn.Module:

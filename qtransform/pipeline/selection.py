@@ -8,6 +8,7 @@ silently matches zero layers is how whole series of experiments ran without thei
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Sequence
 from typing import Any
 
@@ -16,7 +17,7 @@ from qtransform.core.sites import Site, closest_names
 from qtransform.errors import UserError
 from qtransform.pipeline.base import Action
 from qtransform.schemas import QuantRule
-from qtransform.schemas.selectors import Selector, resolve_quant_rules
+from qtransform.schemas.selectors import Selector, is_class_entry, resolve_quant_rules
 
 QUANTIZABLE = ("linear", "conv1d")
 
@@ -37,11 +38,7 @@ def select_sites(program: Program, section: Any, where: str, *, kinds: tuple[str
             + (f"{present[0]}-{present[-1]}" if present else "not numbered")
         )
     for entry in selector.unmatched_entries(candidates):
-        hint = closest_names(entry, names)
-        raise UserError(
-            f"{where}: {entry!r} matches no {'/'.join(kinds)} site"
-            + (f"; closest site names: {', '.join(hint)}" if hint else "")
-        )
+        raise UserError(f"{where}: {entry!r} matches no {'/'.join(kinds)} site" + _hint(entry, candidates))
     chosen = [s for s in candidates if selector.matches(s)]
     if not chosen:
         raise UserError(
@@ -50,6 +47,33 @@ def select_sites(program: Program, section: Any, where: str, *, kinds: tuple[str
             + (f" such as {', '.join(names[:3])}" if names else "")
         )
     return chosen
+
+
+def check_axis(axis: int | None, site: Site, tensor: str, where: str) -> None:
+    """A blocking axis must exist on the tensor: weights are 2-D, and inputs/outputs of a linear
+    are at least 2-D ([..., features]), so only -2..1 is valid everywhere. Caught here, in plan,
+    because an out-of-range axis otherwise surfaces as an ONNX file onnxruntime cannot load."""
+    if axis is None or -2 <= axis <= 1:
+        return
+    shape = f" {list(site.weight_shape)}" if tensor == "weight" and site.weight_shape else ""
+    raise UserError(f"{where}: axis {axis} does not exist on the {tensor}{shape} of {site.name}; "
+                    "use -1 (the last axis, the default for activations) or -2, or drop axis "
+                    "(the reduction axis)")
+
+
+def _hint(entry: str, candidates: list[Site]) -> str:
+    """For a class selector: the closest class names ("did you mean") and the classes this model
+    has (only its norm classes for a norm selector); for a name selector: the closest site names."""
+    if is_class_entry(entry):
+        if entry.endswith("Norm"):
+            candidates = [s for s in candidates if s.kind == "norm"]
+        classes = sorted({s.cls_name for s in candidates}
+                         | ({"Linear"} if any(s.kind in QUANTIZABLE for s in candidates) else set()))
+        close = difflib.get_close_matches(entry, classes, n=3, cutoff=0.6)
+        return ((f" (did you mean {' or '.join(close)}?)" if close else "")
+                + (f"; the model's classes here: {', '.join(classes)}" if classes else ""))
+    hint = closest_names(entry, [s.name for s in candidates])
+    return f"; closest site names: {', '.join(hint)}" if hint else ""
 
 
 def rule_label(section: str, index: int, name: str | None) -> str:
@@ -62,6 +86,8 @@ def resolve_quantize(program: Program, rules: Sequence[QuantRule]) -> list[Actio
         select_sites(program, rule, f"quantize[{i}]", kinds=QUANTIZABLE)  # errors for dead entries
     quantizable = [s for s in program.sites.values() if s.kind in QUANTIZABLE]
     chosen = resolve_quant_rules(rules, quantizable)
+    for (name, tensor), (i, rule) in chosen.items():
+        check_axis(rule.axis, program.sites[name], tensor, f"quantize[{i}]")
     order = {name: k for k, name in enumerate(program.sites)}
     points = {"weight": 0, "input": 1, "output": 2}
     return [

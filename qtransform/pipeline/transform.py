@@ -37,7 +37,8 @@ def transform(
         example_inputs: inputs for a whole-model capture (`torch.export`); needed for
             `mode="graph"` and for attention-matmul sites.
         inplace: transform `model` itself instead of a deep copy (saves memory on large models);
-            by default the caller's model is left untouched, also when this raises.
+            if the transform raises, the model is put back exactly as it was. By default the
+            caller's model is left untouched.
         mode: `"module"` keeps the user's model and class (each site module runs its own graph);
             `"graph"` returns the whole-model graph module.
         passes: the passes to run; default: every registered pass.
@@ -52,7 +53,11 @@ def transform(
     manager = PassManager(list(passes) if passes is not None else registered_passes())
     work = model if inplace else copy.deepcopy(model)
     program = capture(work, example_inputs, mode=mode)
-    manager.run(program, policy)
+    try:
+        manager.run(program, policy)
+    except BaseException:
+        program.restore()  # inplace: the caller's model exactly as it was
+        raise
     return program if return_program else program.module()
 
 

@@ -306,12 +306,15 @@ def auto_stride(tokens: int) -> int:
 
 @contextmanager
 def eval_mode(model: nn.Module) -> Iterator[nn.Module]:
-    """The full-precision model in eval mode (no dropout) while scanning, then as it was."""
-    training = model.training
+    """The full-precision model in eval mode (no dropout) while scanning, then as it was: every
+    submodule gets its own `training` flag back (a model may be in train mode with, say, frozen
+    norms in eval mode, and `model.train(flag)` would flatten that)."""
+    flags = [(m, m.training) for m in model.modules()]
     try:
         yield model.eval()
     finally:
-        model.train(training)
+        for module, training in flags:
+            module.training = training
 
 
 def scan_activations(model: nn.Module, policy_or_format: Any, calib: Calibration, *,
@@ -330,7 +333,7 @@ def scan_activations(model: nn.Module, policy_or_format: Any, calib: Calibration
     program, policy, sites = transform_for_scan(model, policy_or_format)
     quant = program.module()
     batches = calibration_batches(calib, tokenizer=tokenizer, batch_size=batch_size,
-                                  max_length=max_length)
+                                  max_length=max_length, model=model)
     if token_stride is None:
         token_stride = auto_stride(sum(b.numel() // b.shape[-1] if b.is_floating_point()
                                        else b.numel() for b in batches))

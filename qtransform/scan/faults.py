@@ -141,7 +141,7 @@ def gain_scan(model: nn.Module, policy_or_format: Any, calib: Calibration, *, ep
     program, policy, sites = transform_for_scan(model, policy_or_format)
     quant = program.module()
     batches = calibration_batches(calib, tokenizer=tokenizer, batch_size=batch_size,
-                                  max_length=max_length)
+                                  max_length=max_length, model=model)
     with eval_mode(model), GainProbe(model, quant, sites, eps, seed) as probe, \
             tapping(quant, False), torch.no_grad():
         for batch in progress_bar(batches, progress, "gain scan"):
@@ -160,7 +160,7 @@ def kurtosis_scan(model: nn.Module, policy_or_format: Any, calib: Calibration, *
     program, policy, sites = transform_for_scan(model, policy_or_format)
     quant = program.module()
     batches = calibration_batches(calib, tokenizer=tokenizer, batch_size=batch_size,
-                                  max_length=max_length)
+                                  max_length=max_length, model=model)
     with eval_mode(model), SitePairs(model, quant, sites) as pairs, tapping(quant, False), \
             torch.no_grad():
         for batch in progress_bar(batches, progress, "kurtosis scan"):
@@ -199,7 +199,7 @@ def instability_scan(model: nn.Module, policy_or_format: Any, calib: Calibration
     program, policy, sites = transform_for_scan(model, policy)
     quant = program.module()
     batches = calibration_batches(calib, tokenizer=tokenizer, batch_size=batch_size,
-                                  max_length=max_length)
+                                  max_length=max_length, model=model)
     with eval_mode(model), RunVariance(model, quant, sites) as var, tapping(quant, False), \
             torch.no_grad():
         for batch in progress_bar(batches, progress, "instability scan"):

@@ -20,8 +20,10 @@ from typing import Any
 
 import torch
 
+from qtransform.core import io as qio
 from qtransform.core.io import encode_floats
 from qtransform.core.metrics import ErrorStats
+from qtransform.errors import UserError
 from qtransform.scan import render
 
 SCHEMA = "qtransform.scan_report"
@@ -197,7 +199,14 @@ class ScanReport:
         p = Path(path)
         if p.is_dir():
             p = p / "report.json"
-        return cls.from_dict(json.loads(p.read_text(encoding="utf-8")))
+        text = qio.read_input_text(p, "report (give report.json or the folder `qtransform scan` wrote)")
+        try:
+            report = cls.from_dict(json.loads(text))
+            report.aggregate()  # touches every row's sums: a crafted row fails here, not later
+        except (ValueError, KeyError, TypeError, AttributeError, IndexError) as exc:
+            raise UserError(f"{p}: not a scan report this qtransform version can read "
+                            f"({type(exc).__name__}: {str(exc)[:200]}); re-run `qtransform scan`") from None
+        return report
 
 
 

@@ -17,6 +17,7 @@ builds the same `ScanReport` from rows with point "input"/"output".
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import sys
@@ -77,20 +78,54 @@ def is_embedding(name: str) -> bool:
     return "embed" in leaf or leaf in ("wte", "wpe")
 
 
+INDEX_FILE = "model.safetensors.index.json"
+
+
 def checkpoint_files(path: str | os.PathLike[str]) -> list[Path]:
-    """The safetensors files of a checkpoint: the file itself, or every one in a folder."""
+    """The safetensors files of one checkpoint, headers validated: the file itself, a folder's
+    only file, or the shards its `model.safetensors.index.json` lists. Several files without an
+    index are not one model (they may be a model and its adapter, or two models): refused."""
+    from qtransform.models import check_safetensors, missing_source
+
     p = Path(path)
     if not p.exists():
-        raise UserError(f"{p}: no such file or folder (expected a safetensors checkpoint or HF folder)")
-    if p.is_file():
+        if p.is_symlink():
+            raise UserError(f"{p}: a dangling symlink (to {os.readlink(p)!r}); fix the link")
+        raise missing_source(str(p), "file or folder (expected a safetensors checkpoint or HF folder)")
+    if not p.is_dir():
         if p.suffix != ".safetensors":
             raise UserError(f"{p}: not a .safetensors file")
+        check_safetensors(p)
         return [p]
     files = sorted(p.glob("*.safetensors"))
+    index = p / INDEX_FILE
+    if index.exists() or index.is_symlink():
+        files = _shards(index)
+    elif len(files) > 1:
+        raise UserError(f"{p}: {len(files)} safetensors files ({', '.join(f.name for f in files[:3])}"
+                        f"{', ...' if len(files) > 3 else ''}) but no {INDEX_FILE}: not one sharded "
+                        "checkpoint; scan one file, or put each model in its own folder")
     if not files:
         found = ", ".join(sorted(f.name for f in p.iterdir())[:6]) or "nothing"
         raise UserError(f"{p}: no .safetensors files in this folder (found: {found})")
+    for file in files:
+        check_safetensors(file)
     return files
+
+
+def _shards(index: Path) -> list[Path]:
+    """The files a sharded checkpoint's index maps its tensors to (each must exist)."""
+    from qtransform.core import io as qio
+
+    try:
+        weight_map = json.loads(qio.read_input_text(index, "checkpoint index"))["weight_map"]
+        names = sorted(set(weight_map.values()))
+    except (ValueError, KeyError, TypeError, AttributeError):
+        raise UserError(f"{index}: not a safetensors index (no weight_map of file names); "
+                        "re-save the checkpoint") from None
+    if not names or not all(isinstance(n, str) and "/" not in n for n in names):
+        raise UserError(f"{index}: its weight_map must name shard files in the same folder")
+    return [index.parent / n for n in names]
 
 
 def checkpoint_weights(path: str | os.PathLike[str]) -> list[WeightRef]:
