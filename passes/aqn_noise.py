@@ -9,7 +9,6 @@ clean model back bit for bit. The schedule and the controller live in `qtransfor
 from __future__ import annotations
 
 from dataclasses import dataclass
-from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -17,12 +16,12 @@ from torch import Tensor, nn
 
 from qtransform.core import ops
 from qtransform.core.program import Program
-from qtransform.core.schedule import Schedule, active_in, draw_normal, sigma_at, site_seed
+from qtransform.core.schedule import active_in, draw_normal, sigma_at, site_seed
 from qtransform.core.sites import Site
 from qtransform.errors import UserError
 from qtransform.pipeline.base import Action, Pass, register_pass
 from qtransform.pipeline.selection import select_sites
-from qtransform.schemas import NoiseSpec
+from qtransform.schemas import NoiseSpec, Schedule
 from qtransform.schemas.selectors import format_layers
 
 NOISE_KINDS = ("norm", "linear", "conv1d")
@@ -32,7 +31,7 @@ NOISE_KINDS = ("norm", "linear", "conv1d")
 class NoiseConfig:
     """What every AQN module of one transform shares."""
 
-    schedule: Schedule
+    schedule: Schedule  # the policy's noise.schedule
     resample: str  # "step": one draw per step; "forward": a fresh draw every forward
     apply_during: str  # "train" | "eval" | "both", checked against module.training
     seed: int
@@ -103,12 +102,7 @@ class AQNNoise(nn.Module):
         return weight + scale * z.to(weight.dtype)
 
 
-def _selection(section: Any) -> SimpleNamespace:
-    """The selector fields of a policy entry, as `select_sites` reads them."""
-    return SimpleNamespace(targets=list(section.targets), ignore=list(section.ignore), layers=section.layers)
-
-
-def site_multipliers(program: Program, spec: Any, sites: list[Site]) -> dict[str, tuple[float, list[str]]]:
+def site_multipliers(program: Program, spec: NoiseSpec, sites: list[Site]) -> dict[str, tuple[float, list[str]]]:
     """Site -> (m_site, reasons). m_site = layer_multipliers[layer] times the value of every
     matching `multipliers` entry (matches multiply). Entries that reach no noised site are
     errors, as a multiplier that silently does nothing is a wrong experiment."""
@@ -120,26 +114,16 @@ def site_multipliers(program: Program, spec: Any, sites: list[Site]) -> dict[str
                 f"noise.layer_multipliers: layer {layer} has no noised site; noised layers: "
                 f"{format_layers(layers) or 'none'}"
             )
-    hits: list[set[str]] = []
     for i, mult in enumerate(spec.multipliers):
         where = f"noise.multipliers[{i}]"
-        matched = {s.name for s in select_sites(program, _selection(mult), where, kinds=NOISE_KINDS)}
+        matched = {s.name for s in select_sites(program, mult, where, kinds=NOISE_KINDS)}
         if not matched & noised:
             raise UserError(f"{where}: matches only sites the noise section does not select "
                             f"(e.g. {sorted(matched)[0]})")
-        hits.append(matched)
     out: dict[str, tuple[float, list[str]]] = {}
     for site in sites:
-        factor, why = 1.0, []
-        if site.layer in spec.layer_multipliers:
-            value = spec.layer_multipliers[site.layer]
-            factor *= value
-            why.append(f"layer {site.layer} x{value:g}")
-        for i, (mult, matched) in enumerate(zip(spec.multipliers, hits, strict=True)):
-            if site.name in matched:
-                factor *= mult.value
-                why.append(f"multipliers[{i}] x{mult.value:g}")
-        out[site.name] = (factor, why)
+        terms = spec.multiplier_terms(site)
+        out[site.name] = (spec.multiplier_for(site), [f"{where} x{value:g}" for where, value in terms])
     return out
 
 
@@ -155,7 +139,7 @@ class AQNNoisePass(Pass[NoiseSpec]):
     def select(self, program: Program, spec: NoiseSpec) -> list[Action]:
         sites = select_sites(program, spec, "noise", kinds=NOISE_KINDS)
         factors = site_multipliers(program, spec, sites)
-        config = NoiseConfig(Schedule.from_spec(spec.schedule), spec.resample, spec.apply_during, spec.seed)
+        config = NoiseConfig(spec.schedule, spec.resample, spec.apply_during, spec.seed)
         return [
             Action(site, "weight", "noise",
                    {"config": config, "multiplier": factors[site.name][0], "why": factors[site.name][1]})

@@ -2,11 +2,14 @@
 
 from qtransform.core.sites import closest_names
 
-from .aqn import Multiplier, NoiseSpec, Schedule
 from .errors import PolicyError, Problem
 from .legacy import from_legacy_srdd
 from .loading import dump_policy, is_legacy_srdd, load_policy
-from .policy import HWErrorSpec, InstrumentSpec, Policy, QuantRule, Thresholds
+from .policy import Policy
+from .sections.hw_error import HWErrorSpec
+from .sections.instrument import InstrumentSpec, Thresholds
+from .sections.noise import Multiplier, NoiseSpec, Schedule
+from .sections.quantize import QuantRule
 from .selectors import Selector, SiteRef, parse_layers, resolve_quant_rules
 
 __all__ = [

@@ -7,9 +7,17 @@ from fractions import Fraction
 
 import pytest
 
-from qtransform.core.schedule import Schedule, sigma_at, stage_at, stage_values
-from qtransform.errors import UserError
+from qtransform.core.schedule import sigma_at, stage_at, stage_values
 from qtransform.schemas import PolicyError, load_policy
+from qtransform.schemas import Schedule as ScheduleSpec
+
+
+def Schedule(kind: str, sigma_start: float, sigma_end: float | None = None, **fields) -> ScheduleSpec:
+    """The policy's schedule (the one schedule type), built the way a policy file would."""
+    spec = {"kind": kind, "sigma_start": sigma_start, **fields}
+    if sigma_end is not None:
+        spec["sigma_end"] = sigma_end
+    return load_policy({"version": 1, "noise": {"schedule": spec}}).noise.schedule
 
 
 def qerl_sigma(step: int, total: int, k: int, start: float, end: float) -> float:
@@ -76,65 +84,50 @@ def test_per_epoch_restarts_each_epoch_and_holds_after_epochs():
     assert sigma_at(95, forever) == 0.0 and sigma_at(100, forever) == 0.01
 
 
-def test_invalid_schedules_are_user_errors():
-    with pytest.raises(UserError, match="sigma_end"):
-        Schedule("exponential", 0.2, 0.0, num_stages=5, total_steps=100)
-    with pytest.raises(UserError, match="3 stages"):
-        Schedule("exponential", 0.2, 0.01, num_stages=2, total_steps=100)
-    with pytest.raises(UserError, match="total_steps"):
-        Schedule("linear", 0.2, 0.01, num_stages=4)
+def test_invalid_schedules_are_policy_errors():
     with pytest.raises(PolicyError, match="sigma_end"):
-        load_policy({"version": 1, "noise": {"schedule": {"sigma_start": 0.2, "sigma_end": 0.0,
-                                                           "total_steps": 100}}})
+        Schedule("exponential", 0.2, 0.0, num_stages=5, total_steps=100)
+    with pytest.raises(PolicyError, match="3 stages"):
+        Schedule("exponential", 0.2, 0.01, num_stages=2, total_steps=100)
+    with pytest.raises(PolicyError, match="total_steps"):
+        Schedule("linear", 0.2, 0.01, num_stages=4)
 
 
 def test_schedule_from_policy():
-    policy = load_policy({"version": 1, "noise": {"schedule": {
-        "kind": "cosine", "sigma_start": 0.02, "sigma_end": 0.001, "steps_per_epoch": 50,
-        "stages_per_epoch": 5, "warmup_steps": 3}}})
-    s = Schedule.from_spec(policy.noise.schedule)
+    s = Schedule("cosine", 0.02, 0.001, steps_per_epoch=50, stages_per_epoch=5, warmup_steps=3)
     assert (s.kind, s.stages, s.per_epoch, s.warmup_steps) == ("cosine", 5, True, 3)
-    assert Schedule.from_spec(load_policy({"version": 1, "noise": {"schedule": {
-        "sigma_start": 0.01, "sigma_end": 0.0001, "total_steps": 100}}}).noise.schedule).stages == 10
+    assert Schedule("exponential", 0.01, 0.0001, total_steps=100).stages == 10
 
 
-GIVE = "give total_steps, or steps_per_epoch and stages_per_epoch"
-EXP = "exponential needs >= 3 stages and sigma_start, sigma_end > 0"
-
-
-@pytest.mark.parametrize(("fields", "message"), [
-    ({"kind": "exp"}, "unknown kind 'exp'; allowed: exponential, linear, cosine, constant"),
-    ({"steps_per_epoch": 5, "stages_per_epoch": 2}, GIVE),  # both forms at once
-    ({"total_steps": None, "steps_per_epoch": 5}, GIVE),  # per-epoch without its stages
-    ({"stages_per_epoch": 2}, GIVE),  # a per-epoch field beside total_steps
-    ({"num_stages": 1}, "needs >= 2 stages and 0 <= warmup_steps < 10"),
-    ({"warmup_steps": -1}, "needs >= 2 stages and 0 <= warmup_steps < 10"),
-    ({"warmup_steps": 10}, "needs >= 2 stages and 0 <= warmup_steps < 10"),
-    ({"total_steps": None, "steps_per_epoch": 5, "stages_per_epoch": 2, "epochs": 3,
-      "warmup_steps": 15}, "needs >= 2 stages and 0 <= warmup_steps < 15"),
-    ({"total_steps": None, "steps_per_epoch": 5, "stages_per_epoch": 2, "warmup_steps": 5},
-     "needs >= 2 stages and 0 <= warmup_steps < 5"),
-    ({"sigma_end": None}, "sigma_end is required by a linear schedule"),
-    ({"sigma_start": -0.1}, "sigmas must be >= 0"),
-    ({"sigma_end": -0.1}, "sigmas must be >= 0"),
-    ({"kind": "exponential", "num_stages": 2}, EXP),
-    ({"kind": "exponential", "sigma_end": 0.0}, EXP),
-    ({"kind": "exponential", "sigma_start": 0.0}, EXP),
+@pytest.mark.parametrize(("fields", "where", "message"), [
+    ({"kind": "exp"}, "kind", "exponential"),
+    ({"steps_per_epoch": 5, "stages_per_epoch": 2}, "total_steps", "not both"),
+    ({"total_steps": None, "steps_per_epoch": 5}, "stages_per_epoch", "go together"),
+    ({"num_stages": 1}, "num_stages", "at least 2 stages"),
+    ({"warmup_steps": -1}, "warmup_steps", ""),
+    ({"warmup_steps": 10}, "warmup_steps", "leaves no step to train"),
+    ({"total_steps": None, "num_stages": None, "steps_per_epoch": 5, "stages_per_epoch": 2,
+      "epochs": 3, "warmup_steps": 15}, "warmup_steps", "leaves no step to train (15 in all)"),
+    ({"sigma_end": None}, "sigma_end", "required by a linear schedule"),
+    ({"sigma_start": -0.1}, "sigma_start", ""),
+    ({"sigma_end": -0.1}, "sigma_end", ""),
+    ({"kind": "exponential", "num_stages": 2}, "num_stages", "at least 3 stages"),
+    ({"kind": "exponential", "sigma_end": 0.0}, "sigma_end", "silently stops"),
 ])
-def test_each_schedule_problem_has_its_message(fields, message):
-    """Direct users of the pure functions get the same checks as policies, one message each."""
+def test_each_schedule_problem_names_its_field(fields, where, message):
+    """One validation for policies and for direct users of the pure functions."""
     base = {"kind": "linear", "sigma_start": 0.1, "sigma_end": 0.01, "num_stages": 3,
             "total_steps": 10}
-    with pytest.raises(UserError) as err:
-        Schedule(**{**base, **fields})
-    assert str(err.value) == f"noise.schedule: {message}"
+    spec = {k: v for k, v in {**base, **fields}.items() if v is not None}
+    with pytest.raises(PolicyError) as err:
+        load_policy({"version": 1, "noise": {"schedule": spec}})
+    assert f"noise.schedule.{where}" in str(err.value) and message in str(err.value)
 
 
 def test_schedules_at_the_edges_of_validity():
     base = {"sigma_start": 0.1, "sigma_end": 0.01, "num_stages": 3, "total_steps": 10}
-    Schedule("linear", **{**base, "num_stages": 2, "warmup_steps": 9})
-    Schedule("linear", **{**base, "sigma_start": 0.0, "sigma_end": 0.0})
-    Schedule("constant", 0.1, num_stages=2, total_steps=10)
+    assert Schedule("linear", **{**base, "num_stages": 2, "warmup_steps": 8}).stages == 2
+    assert Schedule("constant", 0.1, num_stages=2, total_steps=10).stages == 2
     s = Schedule("exponential", **base, warmup_steps=4)
     assert [stage_at(t, s) for t in (3, 4, 5, 6, 9, 50)] == [None, 0, 0, 1, 2, 2]
     e = Schedule("exponential", 0.1, 0.01, steps_per_epoch=6, stages_per_epoch=3, epochs=2)

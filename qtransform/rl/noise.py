@@ -12,9 +12,9 @@ from typing import Any
 
 from torch import nn
 
-from qtransform.core.schedule import Schedule
 from qtransform.errors import UserError
 from qtransform.passes.aqn_noise import AQNNoise
+from qtransform.schemas import Schedule
 
 
 class NoiseController:

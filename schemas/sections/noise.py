@@ -1,15 +1,19 @@
-"""The AQN (Adaptive Quantization Noise) section: schedule, multipliers, targets.
+"""The `noise` section: QeRL's Adaptive Quantization Noise (schedule, multipliers, targets).
 
-Only validation lives here; the schedule math is `qtransform.noise`'s.
+The schedule is validated here once; its math (`sigma_at`, `stage_values`) is the pure functions of
+`qtransform.core.schedule`, which read these same fields.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from .base import (
+from qtransform.core.schedule import stage_values
+
+from ..base import (
     Entries,
     Int,
     NonNegFloat,
@@ -20,8 +24,10 @@ from .base import (
     Selected,
     StrictModel,
 )
-from .errors import Issue, problems_error
-from .selectors import SiteRef
+from ..errors import Issue, problems_error
+from ..selectors import SiteRef, format_layers
+from ..words import PHASES, SHOWN, describe_selector
+from . import Section, register_section
 
 
 class Schedule(StrictModel):
@@ -186,10 +192,68 @@ class NoiseSpec(Selected):
             raise problems_error(issues)
         return out
 
-    def multiplier_for(self, site: SiteRef) -> float:
-        """layer_multipliers[site.layer] (default 1) times every matching `multipliers` value."""
-        factor = self.layer_multipliers.get(site.layer, 1.0) if site.layer is not None else 1.0
-        for mult in self.multipliers:
+    def multiplier_terms(self, site: SiteRef) -> list[tuple[str, float]]:
+        """The factors that scale sigma at `site`, with where each comes from: its layer's
+        `layer_multipliers` entry and every matching `multipliers` entry (the rule, in one place)."""
+        terms = []
+        if site.layer is not None and site.layer in self.layer_multipliers:
+            terms.append((f"layer {site.layer}", self.layer_multipliers[site.layer]))
+        for i, mult in enumerate(self.multipliers):
             if mult.selector().matches(site):
-                factor *= mult.value
-        return factor
+                terms.append((f"multipliers[{i}]", mult.value))
+        return terms
+
+    def multiplier_for(self, site: SiteRef) -> float:
+        """m_site: the product of `multiplier_terms` (1 when none applies)."""
+        return math.prod(value for _, value in self.multiplier_terms(site))
+
+
+def describe_schedule(s: Schedule) -> str:
+    sigmas = stage_values(s)
+    shown = [f"{v:.3g}" for v in sigmas[:SHOWN]]
+    if len(sigmas) > SHOWN:
+        shown += ["...", f"{sigmas[-1]:.3g}"]
+    if s.per_epoch:
+        length = f"each epoch of {s.steps_per_epoch} steps runs the schedule in {s.stages} stages"
+        if s.epochs is not None:
+            length += f" ({s.epochs} epochs)"
+    else:
+        per = (s.total_steps - s.warmup_steps) // s.stages
+        length = f"{s.total_steps} steps in {s.stages} stages of ~{per} steps"
+    warm = f" after {s.warmup_steps} noise-free warmup steps" if s.warmup_steps else ""
+    span = (
+        f"sigma {s.sigma_start:.3g}"
+        if s.kind == "constant"
+        else (f"sigma {s.sigma_start:.3g} -> {s.sigma_end:.3g}")
+    )
+    return (
+        f"{s.kind} schedule, {span}: {length}{warm}; stage 0 is noise-free, "
+        f"then sigma = {', '.join(shown)}."
+    )
+
+
+def describe_noise(n: NoiseSpec) -> list[str]:
+    lines = [
+        f"AQN noise: Gaussian noise on the weights of {describe_selector(n).rstrip(',')}, resampled every "
+        f"{n.resample}, {PHASES[n.apply_during]}, seed {n.seed}.",
+        "  Schedule: " + describe_schedule(n.schedule),
+    ]
+    by_value: dict[float, list[int]] = {}
+    for layer, value in n.layer_multipliers.items():
+        by_value.setdefault(value, []).append(layer)
+    mults = [
+        f"x{v:g} in layer{'s' if len(ls) > 1 else ''} {format_layers(ls)}"
+        for v, ls in by_value.items()
+    ]
+    mults += [f"x{m.value:g} for {describe_selector(m).rstrip(',')}" for m in n.multipliers]
+    if mults:
+        lines.append("  Sigma multipliers (combined by product): " + "; ".join(mults) + ".")
+    return lines
+
+
+def summary(n: NoiseSpec) -> str:
+    s = n.schedule
+    return f"noise ({s.kind}, sigma_start {s.sigma_start:g}, {s.stages} stages)"
+
+
+register_section(Section("noise", NoiseSpec | None, None, describe_noise, summary, order=2))

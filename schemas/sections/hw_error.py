@@ -1,0 +1,44 @@
+"""The `hw_error` section: simulated hardware (matmul) error on selected sites."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, StrictBool
+
+from ..base import Int, Phase, PosFloat, Selected, Tensor
+from ..words import PHASES, TENSOR_WORDS, describe_selector
+from . import Section, register_section
+
+
+class HWErrorSpec(Selected):
+    """Simulated hardware (matmul) error: relative y*(1+s*z) or absolute y+s*z Gaussian."""
+
+    error_type: Literal["relative_gaussian", "absolute_gaussian"] = "relative_gaussian"
+    error_scale: PosFloat
+    injection_point: Tensor = "output"
+    apply_during: Phase = "both"
+    seed: Int = 0
+    include_matmuls: StrictBool = Field(
+        False, description="also attention matmuls (whole-graph mode)"
+    )
+
+
+def describe(h: HWErrorSpec) -> list[str]:
+    formula = "y*(1 + s*z)" if h.error_type == "relative_gaussian" else "y + s*z"
+    kind = h.error_type.replace("_", " ")
+    matmuls = (
+        "attention matmuls included" if h.include_matmuls else "attention matmuls not included"
+    )
+    return [(
+        f"Hardware error: {kind} {formula} with s = {h.error_scale:g}, z ~ N(0, 1), on the "
+        f"{TENSOR_WORDS[h.injection_point]} of {describe_selector(h).rstrip(',')}, {PHASES[h.apply_during]}, "
+        f"seed {h.seed} ({matmuls})."
+    )]
+
+
+def summary(h: HWErrorSpec) -> str:
+    return f"hw_error ({h.error_type} {h.error_scale:g})"
+
+
+register_section(Section("hw_error", HWErrorSpec | None, None, describe, summary, order=3))

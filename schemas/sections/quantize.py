@@ -1,0 +1,200 @@
+"""The `quantize` section: ordered rules that fake-quantize weights, inputs or outputs.
+
+Format-dependent options are checked against the format registry, so a new format needs no change
+here. A later rule overrides an earlier one for the same (site, tensor).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from pydantic import AfterValidator, Field, StrictBool, StrictStr, field_validator, model_validator
+
+from qtransform.formats import registry
+
+from ..base import Int, PosInt, Selected, Tensor, unique
+from ..errors import Issue, problems_error
+from ..words import describe_format, describe_selector, scheme, tensor_words
+from . import Section, register_section
+
+# Option defaults used for formats that do not list the option in FormatSpec.options.
+OPTION_DEFAULTS = {"scale_rule": "floor", "rounding": "rne"}
+
+
+def _all_option_values(option: str) -> list[str]:
+    """Every value any registered format allows for `option` (for the JSON schema enum)."""
+    values = [OPTION_DEFAULTS[option]] if option in OPTION_DEFAULTS else []
+    for name in registry.names():
+        values += [v for v in registry.get(name).options.get(option, ()) if v not in values]
+    return values
+
+
+class QuantRule(Selected):
+    """Fake-quantize the selected tensors of the selected sites to one block format."""
+
+    name: Annotated[StrictStr, Field(min_length=1)] | None = None
+    format: StrictStr = Field(json_schema_extra={"enum": list(registry.names())})
+    tensors: list[Tensor] = Field(
+        default_factory=lambda: ["weight"],
+        min_length=1,
+        description='["weight"] = W4A16-style, ["input"] = W16A4-style, both = W4A4-style',
+    )
+    block_size: PosInt | None = Field(None, description="elements per block; null = format default")
+    block_shape: tuple[PosInt, PosInt] | None = Field(None, description="2D weight tiles")
+    scale_rule: StrictStr = Field(
+        OPTION_DEFAULTS["scale_rule"], json_schema_extra={"enum": _all_option_values("scale_rule")}
+    )
+    rounding: StrictStr = Field(
+        OPTION_DEFAULTS["rounding"], json_schema_extra={"enum": _all_option_values("rounding")}
+    )
+    nvfp4_variant: StrictStr | None = Field(
+        None, json_schema_extra={"enum": [*_all_option_values("nvfp4_variant"), None]}
+    )
+    zero_saturated_grad: StrictBool = False
+    axis: Int | None = Field(None, description="blocking axis; null = the reduction axis")
+    seed: Int | None = Field(None, description="seed of stochastic rounding")
+
+    @field_validator("format", mode="before")
+    @classmethod
+    def _format_lower(cls, value: Any) -> Any:
+        return value.lower() if isinstance(value, str) else value
+
+    @field_validator("format")
+    @classmethod
+    def _format_known(cls, value: str) -> str:
+        known = registry.names()
+        if value not in known:
+            raise problems_error(
+                [Issue((), "unknown format", value, known, registry.suggest(value, known))]
+            )
+        return value
+
+    @field_validator("tensors")
+    @classmethod
+    def _tensors_unique(cls, values: list[str]) -> list[str]:
+        return unique(values)
+
+    @model_validator(mode="after")
+    def _options_fit_format(self) -> QuantRule:
+        spec = registry.get(self.format)
+        issues = _option_issues(self, spec) + _block_issues(self, spec)
+        if self.seed is not None and self.rounding != "stochastic":
+            issues.append(Issue(("seed",), "only used with rounding 'stochastic'", self.seed))
+        if issues:
+            raise problems_error(issues)
+        return self
+
+    def format_options(self) -> dict[str, Any]:
+        """Keyword arguments for `qtransform.formats.fake_quantize(x, fmt, **opts)`.
+
+        Options the format does not take (scale_rule outside MX, nvfp4_variant outside NVFP4)
+        and unset ones are left out, so the format's own defaults apply.
+        """
+        spec = registry.get(self.format)
+        opts: dict[str, Any] = {
+            "block_size": self.block_size,
+            "block_shape": self.block_shape,
+            "rounding": self.rounding,
+            "zero_saturated_grad": self.zero_saturated_grad,
+        }
+        for option in ("scale_rule", "nvfp4_variant"):
+            if option in spec.options:
+                opts[option] = getattr(self, option)
+        return {k: v for k, v in opts.items() if v is not None}
+
+
+def _option_issues(rule: QuantRule, spec: registry.FormatSpec) -> list[Issue]:
+    """scale_rule / rounding / nvfp4_variant against the values this format allows."""
+    issues = []
+    for option in ("scale_rule", "rounding", "nvfp4_variant"):
+        value = getattr(rule, option)
+        allowed = spec.options.get(option) or (
+            (OPTION_DEFAULTS[option],) if option in OPTION_DEFAULTS else ()
+        )
+        if value is None or value in allowed:
+            continue
+        if not allowed:
+            issues.append(Issue((option,), f"{spec.name} takes no {option}; remove it", value))
+            continue
+        why = (
+            f"not supported by {spec.name}"
+            if value in _all_option_values(option)
+            else "unknown value"
+        )
+        issues.append(Issue((option,), why, value, allowed, registry.suggest(value, allowed)))
+    return issues
+
+
+def _block_issues(rule: QuantRule, spec: registry.FormatSpec) -> list[Issue]:
+    """Block sizes the format allows; 2D tiles only for weights and without block_size/axis."""
+    blocks = [str(b) for b in spec.allowed_blocks] if spec.allowed_blocks else None
+    issues = []
+    if rule.block_size is not None and not _block_ok(spec, rule.block_size):
+        issues.append(
+            Issue(("block_size",), f"not a block size of {spec.name}", rule.block_size, blocks)
+        )
+    if rule.block_shape is None:
+        return issues
+    if list(rule.tensors) != ["weight"]:
+        issues.append(Issue(("block_shape",), _TILES_FOR_WEIGHTS, list(rule.tensors)))
+    if rule.block_size is not None:
+        issues.append(Issue(("block_shape",), "give block_size or block_shape, not both"))
+    if rule.axis is not None:
+        issues.append(Issue(("axis",), "a 2D tile has no blocking axis; remove axis", rule.axis))
+    for k, dim in enumerate(rule.block_shape):
+        if not _block_ok(spec, dim):
+            issues.append(
+                Issue(("block_shape", k), f"not a block size of {spec.name}", dim, blocks)
+            )
+    return issues
+
+
+_TILES_FOR_WEIGHTS = '2D tiles apply to weights only; set tensors to ["weight"] or use block_size'
+
+
+def _block_ok(spec: registry.FormatSpec, block: int) -> bool:
+    try:
+        spec.check_block(block)
+    except ValueError:
+        return False
+    return True
+
+
+def _names_unique(rules: list[QuantRule]) -> list[QuantRule]:
+    """Rule names label plans and reports: two rules with one name would be indistinguishable."""
+    seen: set[str] = set()
+    issues = []
+    for i, rule in enumerate(rules):
+        if rule.name is None:
+            continue
+        if rule.name in seen:
+            issues.append(Issue((i, "name"), "rule names must be unique", rule.name))
+        seen.add(rule.name)
+    if issues:
+        raise problems_error(issues)
+    return rules
+
+
+def describe_rule(index: int, rule: QuantRule) -> str:
+    label = f"Rule {rule.name!r}" if rule.name else f"Rule quantize[{index}]"
+    return (
+        f"{label} quantizes {tensor_words(rule)} of {describe_selector(rule)} "
+        f"to {describe_format(rule)}."
+    )
+
+
+def describe(rules: list[QuantRule]) -> list[str]:
+    lines = [describe_rule(i, r) for i, r in enumerate(rules)]
+    if len(rules) > 1:
+        lines.append("A later rule overrides an earlier one for the same module and tensor.")
+    return lines
+
+
+def summary(rules: list[QuantRule]) -> str:
+    names = ", ".join(f"{r.format} {scheme(r) or '+'.join(r.tensors)}" for r in rules)
+    return f"{len(rules)} quantize rule(s) ({names})"
+
+
+register_section(Section(
+    "quantize", Annotated[list[QuantRule], AfterValidator(_names_unique)], [], describe, summary,
+    order=0, description="later rules override earlier"))

@@ -1,0 +1,94 @@
+"""Shared phrasing for `describe()` of the policy sections: selectors, formats, phases."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from qtransform.formats import registry
+
+from .selectors import Entry, Selector
+
+_SCALES = {
+    "e8m0": "E8M0 scale",
+    "e4m3_fp32": "E4M3 block scale x FP32 tensor scale",
+    "fp32": "FP32 scale",
+}
+_ROUNDING = {
+    "rne": "round-half-even",
+    "rna": "round-half-away",
+    "stochastic": "stochastic rounding",
+}
+TENSOR_WORDS = {"weight": "weights", "input": "input activations", "output": "outputs"}
+PHASES = {"train": "during training", "eval": "during evaluation", "both": "in training and eval"}
+SHOWN = 4  # stage sigmas listed before eliding
+
+
+def join(words: list[str], last: str = "and") -> str:
+    return words[0] if len(words) == 1 else f"{', '.join(words[:-1])} {last} {words[-1]}"
+
+
+def _entry(e: Entry) -> str:
+    if e.kind == "class":
+        return f"class {e.text}"
+    if e.kind == "regex":
+        return f"regex {e.text[3:]!r}"
+    return e.text if not any(c in e.text for c in "*?[") else repr(e.text)
+
+
+def describe_selector(section: object) -> str:
+    """'modules matching class Linear, except lm_head, in layers 10-17,' (a trailing comma closes
+    the clauses so the sentence can go on)."""
+    sel = Selector.from_section(section)
+    text = "modules matching " + join([_entry(e) for e in sel.targets], "or")
+    if sel.ignore:
+        text += ", except " + join([_entry(e) for e in sel.ignore], "or")
+    if sel.layers_spec is not None:
+        text += f", in layers {sel.layers_spec}"
+    return text + ("," if sel.ignore or sel.layers_spec is not None else "")
+
+
+def element_bits(spec: registry.FormatSpec) -> int:
+    """Bits per element: sign + exponent + mantissa, or the integer width."""
+    el = spec.element
+    return 1 + el.ebits + el.mbits if el.kind == "float" else (el.qmax + 1).bit_length()
+
+
+def describe_format(rule: Any) -> str:
+    """'MXFP4 (E2M1 elements, block 32, E8M0 scale, floor scale rule, round-half-even)'."""
+    spec = registry.get(rule.format)
+    parts = [f"{spec.element.name.upper().removesuffix('_MX')} elements"]
+    if rule.block_shape is not None:
+        parts.append(f"{rule.block_shape[0]}x{rule.block_shape[1]} weight tiles")
+    else:
+        parts.append(f"block {rule.block_size or spec.default_block}")
+    parts.append(_SCALES[spec.scale])
+    if "scale_rule" in spec.options:
+        parts.append(f"{rule.scale_rule} scale rule")
+    parts.append(
+        _ROUNDING[rule.rounding] + (f" (seed {rule.seed})" if rule.seed is not None else "")
+    )
+    if "nvfp4_variant" in spec.options:
+        parts.append(f"{rule.nvfp4_variant or 'default'} variant")
+    if rule.axis is not None:
+        parts.append(f"blocks along axis {rule.axis}")
+    if rule.zero_saturated_grad:
+        parts.append("no gradient through saturated elements")
+    return f"{spec.name.upper()} ({', '.join(parts)})"
+
+
+def scheme(rule: Any) -> str | None:
+    """'W4A16', 'W16A4', 'W4A4'; None when outputs are quantized too."""
+    chosen = set(rule.tensors)
+    if not chosen <= {"weight", "input"}:
+        return None
+    bits = element_bits(registry.get(rule.format))
+    return f"W{bits if 'weight' in chosen else 16}A{bits if 'input' in chosen else 16}"
+
+
+def tensor_words(rule: Any) -> str:
+    """'the weights (W4A16)', 'the input activations (W16A4)', ..."""
+    text = "the " + join([TENSOR_WORDS[t] for t in rule.tensors])
+    name = scheme(rule)
+    return f"{text} ({name})" if name else text
+
+
