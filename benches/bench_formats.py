@@ -113,7 +113,7 @@ _MEMORY_CHILD = """
 import resource, sys, torch
 from qtransform.formats import fake_quantize
 fmt, dtype, n = sys.argv[1], getattr(torch, sys.argv[2]), int(sys.argv[3])
-x = torch.randn(n, n, generator=torch.Generator().manual_seed(0)).to(dtype)
+x = torch.randn(n, n, generator=torch.Generator().manual_seed(0), dtype=dtype)
 kw = {"rounding": "stochastic", "seed": 0} if len(sys.argv) > 4 else {}
 fake_quantize(x[:64], fmt, **kw)  # first-call costs
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss

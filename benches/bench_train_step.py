@@ -5,7 +5,8 @@ copy comes from `qtransform.transform(model, policy)` (every Linear weight but l
 quantized, straight-through gradient). The weights change every step, so each quantized weight
 must be quantized exactly once per step: the script counts the quantizations and fails if not.
 Steps of the two models are interleaved round by round (the order alternating), and the table
-shows medians, so load from other processes hits both alike.
+shows medians of wall time and of process CPU time (all threads): on a shared machine the CPU
+time is the steadier of the two, since waiting for a core costs wall time only.
 
     .venv/bin/python benches/bench_train_step.py                 # mxfp4, fp32, 2 threads
     .venv/bin/python benches/bench_train_step.py --format nvfp4 --dtype bf16
@@ -66,9 +67,9 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--hidden", type=int, default=512)
     ap.add_argument("--vocab", type=int, default=2048)
-    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--seq", type=int, default=128)
-    ap.add_argument("--rounds", type=int, default=9)
+    ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -81,19 +82,19 @@ def main() -> int:
     models = {"original": original, "W4A16": quantized}
     opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-4) for k, m in models.items()}
 
-    def step(key: str) -> float:
+    def step(key: str) -> tuple[float, float]:
         model, opt = models[key], opts[key]
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        return time.perf_counter() - start
+        return time.perf_counter() - start, time.process_time() - cpu
 
     for key in models:  # warm up: allocator, optimizer state
         step(key)
         step(key)
-    times: dict[str, list[float]] = {k: [] for k in models}
+    times: dict[str, list[tuple[float, float]]] = {k: [] for k in models}
     per_step: list[int] = []
     for r in range(args.rounds):
         for key in (list(models) if r % 2 == 0 else list(models)[::-1]):
@@ -104,15 +105,17 @@ def main() -> int:
             else:
                 times[key].append(step(key))
     params = sum(p.numel() for p in original.parameters())
-    base = statistics.median(times["original"])
+    wall = {k: statistics.median(t[0] for t in ts) for k, ts in times.items()}
+    cpu = {k: statistics.median(t[1] for t in ts) for k, ts in times.items()}
     print(f"torch {torch.__version__}, {args.threads} threads, Qwen2 shape: {args.layers} layers, "
           f"hidden {args.hidden}, vocab {args.vocab}, {params / 1e6:.1f}M params, {args.dtype}, "
           f"batch {args.batch}x{args.seq} tokens, {args.format} on {n_weights} Linear weights, "
           f"median of {args.rounds} interleaved rounds; load average "
           f"{' '.join(f'{v:.1f}' for v in os.getloadavg())}")
-    print("\n| model | step ms (median) | ratio |\n|---|---:|---:|")
-    for key, ts in times.items():
-        print(f"| {key} | {statistics.median(ts) * 1e3:.1f} | {statistics.median(ts) / base:.3f} |")
+    print("\n| model | wall ms (median) | ratio | CPU ms (median) | ratio |\n|---|---:|---:|---:|---:|")
+    for key in models:
+        print(f"| {key} | {wall[key] * 1e3:.1f} | {wall[key] / wall['original']:.3f} | "
+              f"{cpu[key] * 1e3:.1f} | {cpu[key] / cpu['original']:.3f} |")
     print(f"\nquantizations per step: {sorted(set(per_step))} for {n_weights} quantized weights")
     if set(per_step) != {n_weights}:
         print("FAILED: every quantized weight must be quantized exactly once per step")
