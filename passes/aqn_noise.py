@@ -8,16 +8,18 @@ clean model back bit for bit. The schedule and the controller live in `qtransfor
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+import weakref
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
 
 from qtransform.core import ops
+from qtransform.core.phase import active, in_sync
 from qtransform.core.program import Program
-from qtransform.core.schedule import active_in, draw_normal, sigma_at, site_seed
+from qtransform.core.schedule import sigma_at
 from qtransform.core.sites import Site
+from qtransform.core.streams import DrawStream
 from qtransform.errors import UserError
 from qtransform.pipeline.base import Action, Pass, register_pass
 from qtransform.pipeline.selection import select_sites
@@ -33,16 +35,52 @@ class NoiseConfig:
 
     schedule: Schedule  # the policy's noise.schedule
     resample: str  # "step": one draw per step; "forward": a fresh draw every forward
-    apply_during: str  # "train" | "eval" | "both", checked against module.training
+    apply_during: str  # "rollout" | "train" | "eval" | "both" (see qtransform.core.phase)
     seed: int
+
+
+@dataclass
+class NoiseCounts:
+    """What an AQN module saw: forwards and rollout-weight syncs, and whether noise was in them.
+
+    Kept so that a run that configured AQN and never applied it can say why (`silent_reason`):
+    the step never reached a noisy interval, no call at a noisy step ran in the noise's phase,
+    or the noise was switched off."""
+
+    forwards: int = 0
+    syncs: int = 0
+    noised_forwards: int = 0
+    noised_syncs: int = 0
+    at_noisy_steps: int = 0  # calls while the schedule's sigma was > 0
+    in_phase_at_noisy_steps: int = 0  # ... of those, calls in the noise's phase
+    last_step: int = -1  # the highest step at which a call came
+    sigmas: dict[float, int] = field(default_factory=dict)  # sigma -> noised calls at it
+
+    def record(self, step: int, sigma: float, in_phase: bool, enabled: bool) -> None:
+        sync = in_sync()
+        self.syncs += sync
+        self.forwards += not sync
+        self.last_step = max(self.last_step, step)
+        if sigma > 0:
+            self.at_noisy_steps += 1
+            self.in_phase_at_noisy_steps += in_phase
+            if in_phase and enabled:
+                self.noised_syncs += sync
+                self.noised_forwards += not sync
+                self.sigmas[sigma] = self.sigmas.get(sigma, 0) + 1
+
+
+LIVE_AQN: weakref.WeakSet[AQNNoise] = weakref.WeakSet()  # for the end-of-run check of rl.noise
 
 
 class AQNNoise(nn.Module):
     """Adds sigma * z to the weight it receives; z and sigma are state, never parameters.
 
     z is a non-persistent buffer (it follows `.to(device)` but stays out of `state_dict()`),
-    drawn in fp32 from a generator seeded by (seed, site, step) and cast to the weight's dtype.
-    `noise_override`, when set, is used as z instead (the ONNX exporter feeds a graph input).
+    drawn in fp32 from the site's stream at (seed, site, step) and cast to the weight's dtype;
+    with resample="forward" each forward draws its own z (replayed under gradient
+    checkpointing). `noise_override`, when set, is used as z instead (the ONNX exporter feeds a
+    graph input).
     """
 
     def __init__(self, site: str, multiplier: float, config: NoiseConfig, weight: Tensor):
@@ -53,52 +91,41 @@ class AQNNoise(nn.Module):
         self.config = config
         self.enabled = True
         self.noise_override: Tensor | None = None
+        self.stream = DrawStream(config.seed, site)
+        self.counts = NoiseCounts()
         self.step_index = 0
         self.sigma = 0.0
-        self._generator: torch.Generator | None = None
         self.register_buffer("z", torch.zeros_like(weight), persistent=False)
         self.set_step(0)
+        LIVE_AQN.add(self)
 
     def extra_repr(self) -> str:
-        return f"label={self.label!r}, multiplier={self.multiplier:g}, step={self.step_index}, sigma={self.sigma:.3g}"
-
-    def _generator_on(self, device: torch.device) -> torch.Generator:
-        if self._generator is None or self._generator.device != device:
-            self._generator = torch.Generator(device=device)
-            self._generator.manual_seed(site_seed(self.config.seed, self.site, self.step_index))
-        return self._generator
+        return (f"label={self.label!r}, multiplier={self.multiplier:g}, step={self.step_index}, "
+                f"sigma={self.sigma:.3g}, during={self.config.apply_during}")
 
     @torch.no_grad()
-    def set_step(self, step: int) -> None:
-        """Sigma for `step` from the schedule, generator reseeded, z redrawn for the step."""
+    def set_step(self, step: int, draws: int = 0) -> None:
+        """Sigma for `step` from the schedule, and the step's draw of z."""
         self.step_index = step
         self.sigma = sigma_at(step, self.config.schedule) * self.multiplier
-        generator = self._generator_on(self.z.device)
-        generator.manual_seed(site_seed(self.config.seed, self.site, step))
-        self.z.copy_(torch.randn(self.z.shape, generator=generator, device=self.z.device, dtype=torch.float32))
-
-    def generator_state(self) -> dict[str, Any]:
-        generator = self._generator_on(self.z.device)
-        return {"device": str(generator.device), "state": generator.get_state()}
-
-    def load_generator_state(self, state: dict[str, Any]) -> None:
-        """Restore the position inside a step (matters for resample="forward"); a state saved
-        on another device type cannot be replayed here, so the step's seed stands."""
-        generator = self._generator_on(self.z.device)
-        if state["device"] == str(generator.device):
-            generator.set_state(state["state"])
+        self.stream.set_step(step, draws)
+        gen = self.stream.generator(self.z.device, None)
+        self.z.copy_(torch.randn(self.z.shape, generator=gen, device=self.z.device, dtype=torch.float32))
 
     def forward(self, weight: Tensor) -> Tensor:
-        active = self.enabled and active_in(self.config.apply_during, self.training)
-        scale = self.sigma if active else 0.0
+        in_phase = active(self.config.apply_during, self.training)
+        scale = self.sigma if in_phase and self.enabled else 0.0
         z = self.noise_override
         if ops.is_tracing(weight):
             return torch.ops.qtransform.noise(weight, self.z if z is None else z, scale, "add", self.label)
+        self.counts.record(self.step_index, self.sigma, in_phase, self.enabled)
         if scale == 0.0:
             return weight
         if z is None:
-            forward_draw = self.config.resample == "forward"
-            z = draw_normal(weight.shape, self._generator_on(weight.device), weight) if forward_draw else self.z
+            if self.config.resample == "forward":
+                z = self.stream.normal(weight.shape, weight, self.stream.next_index(self.training))
+            else:
+                z = self.z
         return weight + scale * z.to(weight.dtype)
 
 

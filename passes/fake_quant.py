@@ -7,7 +7,6 @@ optimizer step bumps its version counter), so a forward costs what the original 
 
 from __future__ import annotations
 
-import zlib
 from typing import Any
 
 import torch
@@ -16,6 +15,7 @@ from torch import Tensor, nn
 from qtransform import formats
 from qtransform.core import ops
 from qtransform.core.program import Program
+from qtransform.core.streams import DrawStream
 from qtransform.core.versions import content_key
 from qtransform.pipeline.base import Action, Pass, register_pass
 from qtransform.pipeline.selection import resolve_quantize
@@ -50,9 +50,9 @@ class FakeQuantize(nn.Module):
         self.options = {k: v for k, v in options.items() if v is not None}
         self.axis = axis
         self.label = label
-        self.cache = cache and self.options.get("rounding", "rne") != "stochastic"
-        self.seed = seed
-        self._generator: torch.Generator | None = None
+        stochastic = self.options.get("rounding") == "stochastic"
+        self.cache = cache and not stochastic
+        self.stream = DrawStream(seed or 0, label) if stochastic else None  # one draw per forward
         self._key: tuple | None = None
         self._cached: Tensor | None = None
 
@@ -63,19 +63,20 @@ class FakeQuantize(nn.Module):
     def _opts(self) -> dict[str, Any]:
         return {**self.options, "axis": self.axis}
 
-    def _gen(self, device: torch.device) -> torch.Generator | None:
-        if self.options.get("rounding") != "stochastic":
-            return None
-        if self._generator is None or self._generator.device != device:
-            seed = (self.seed or 0) * 1_000_003 + zlib.crc32(self.label.encode())
-            self._generator = torch.Generator(device=device).manual_seed(seed)
-        return self._generator
+    def set_step(self, step: int, draws: int = 0) -> None:
+        if self.stream is not None:
+            self.stream.set_step(step, draws)
+
+    def quantize(self, x: Tensor) -> Tensor:
+        """Quantize-dequantize `x` now, without the cache (rollout weights, stochastic draws)."""
+        seed = None if self.stream is None else self.stream.seed_at(self.stream.next_index(self.training))
+        return formats.fake_quantize(x, self.fmt, seed=seed, **self._opts())
 
     def forward(self, x: Tensor) -> Tensor:
         if ops.is_tracing(x):
             return torch.ops.qtransform.fake_quant(x, self.fmt, ops.encode_options(self._opts()), self.label)
         if not self.cache:
-            return formats.fake_quantize(x, self.fmt, generator=self._gen(x.device), **self._opts())
+            return self.quantize(x)
         key = content_key(x)
         if key != self._key or self._cached is None:
             with torch.no_grad():

@@ -12,9 +12,10 @@ import torch
 from torch import Tensor, nn
 
 from qtransform.core import ops
+from qtransform.core.phase import active
 from qtransform.core.program import Program
-from qtransform.core.schedule import active_in, draw_normal, site_seed
 from qtransform.core.sites import Site
+from qtransform.core.streams import DrawStream
 from qtransform.errors import UserError
 from qtransform.pipeline.base import Action, Pass, register_pass
 from qtransform.pipeline.selection import QUANTIZABLE, select_sites
@@ -26,9 +27,11 @@ OP_KIND = {"relative_gaussian": "relative", "absolute_gaussian": "add"}
 class HWError(nn.Module):
     """x*(1 + s*z) (relative) or x + s*z (absolute) with a fresh z each forward.
 
-    `noise_override`, when set, is used as z instead of drawing (the ONNX exporter feeds a graph
-    input). Under tracing without an override, z comes from `torch.randn_like` (the global RNG),
-    so an exported graph still draws fresh noise each run.
+    z comes from the site's stream: draw k of step t is a function of (seed, site, t, k) only, so
+    ranks agree and a checkpointed recompute replays the forward's own draw. `noise_override`,
+    when set, is used as z instead of drawing (the ONNX exporter feeds a graph input). Under
+    tracing without an override, z comes from `torch.randn_like`, so an exported graph still
+    draws fresh noise each run.
     """
 
     def __init__(self, error_type: str, scale: float, label: str, *, seed: int, apply_during: str):
@@ -37,29 +40,26 @@ class HWError(nn.Module):
         self.kind = OP_KIND[error_type]
         self.scale = scale
         self.label = label
-        self.seed = seed
         self.apply_during = apply_during
+        self.enabled = True
         self.noise_override: Tensor | None = None
-        self._generator: torch.Generator | None = None
+        self.stream = DrawStream(seed, label)
 
     def extra_repr(self) -> str:
         return f"{self.error_type}, scale={self.scale:g}, label={self.label!r}, apply_during={self.apply_during}"
 
-    def _generator_on(self, device: torch.device) -> torch.Generator:
-        if self._generator is None or self._generator.device != device:
-            self._generator = torch.Generator(device=device)
-            self._generator.manual_seed(site_seed(self.seed, self.label, 0))
-        return self._generator
+    def set_step(self, step: int, draws: int = 0) -> None:
+        self.stream.set_step(step, draws)
 
     def forward(self, x: Tensor) -> Tensor:
-        scale = self.scale if active_in(self.apply_during, self.training) else 0.0
+        scale = self.scale if self.enabled and active(self.apply_during, self.training) else 0.0
         z = self.noise_override
         if ops.is_tracing(x):
             z = torch.randn_like(x, dtype=torch.float32) if z is None else z
             return torch.ops.qtransform.noise(x, z, scale, self.kind, self.label)
         if scale == 0.0:
             return x
-        z = draw_normal(x.shape, self._generator_on(x.device), x) if z is None else z.to(x.dtype)
+        z = self.stream.normal(x.shape, x, self.stream.next_index(self.training)) if z is None else z.to(x.dtype)
         return x * (1 + scale * z) if self.kind == "relative" else x + scale * z
 
 

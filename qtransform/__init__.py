@@ -1,7 +1,7 @@
 """qtransform: fake quantization, instrumentation and noise for LLMs, as passes on torch.fx.
 
 The public API. Transform: `transform`, `plan`, `capture`, `noise_controller`,
-`save_transformed` / `load_transformed`. Numerics: `fake_quantize`, `formats`. Policies:
+`save_transformed` / `load_transformed`. RL: `rollout_weights`, `rollout_filter`, `rollout`. Numerics: `fake_quantize`, `formats`. Policies:
 `Policy`, `load_policy`. Scans: `scan_weights`, `compare_formats`, `scan_activations`,
 `gain_scan`, `kurtosis_scan`, `instability_scan`, `ScanReport`, `guide`. Export: `export_onnx`.
 
@@ -18,7 +18,13 @@ from qtransform.export import export_onnx
 from qtransform.formats import fake_quantize
 from qtransform.pipeline import Pass, PassManager, Plan, plan, transform
 from qtransform.pipeline.saving import load_transformed, save_transformed
-from qtransform.rl import NoiseController, noise_controller
+from qtransform.rl import (
+    NoiseController,
+    noise_controller,
+    rollout,
+    rollout_filter,
+    rollout_weights,
+)
 from qtransform.scan import (
     ScanReport,
     compare_formats,
@@ -59,6 +65,9 @@ __all__ = [
     "noise_controller",
     "passes",
     "plan",
+    "rollout",
+    "rollout_filter",
+    "rollout_weights",
     "save_transformed",
     "scan_activations",
     "scan_weights",

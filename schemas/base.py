@@ -23,7 +23,7 @@ Fraction = Annotated[float, Strict(), AllowInfNan(False), Field(ge=0, le=1)]
 Entries = list[StrictStr]
 
 Tensor = Literal["weight", "input", "output"]
-Phase = Literal["train", "eval", "both"]
+Phase = Literal["train", "eval", "both", "rollout"]
 Metric = Literal[
     "sqnr_db",
     "mse",

@@ -19,7 +19,8 @@ _ROUNDING = {
     "stochastic": "stochastic rounding",
 }
 TENSOR_WORDS = {"weight": "weights", "input": "input activations", "output": "outputs"}
-PHASES = {"train": "during training", "eval": "during evaluation", "both": "in training and eval"}
+PHASES = {"train": "during training", "eval": "during evaluation", "both": "in training and eval",
+          "rollout": "only in rollouts (generate(), qtransform.rollout() and rollout weights; never in the training loss or log-probs)"}
 SHOWN = 4  # stage sigmas listed before eliding
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import qtransform
-from qtransform.core.schedule import site_seed
+from qtransform.core.streams import site_seed
 from qtransform.errors import UserError
 from qtransform.passes.aqn_noise import AQNNoise
 
@@ -53,7 +53,7 @@ def test_noise_is_a_node_params_never_written_and_buffers_hidden(tiny):
 def test_disabled_and_eval_are_bit_identical_to_the_clean_transformed_model(tiny):
     model = tiny("qwen2")
     clean = qtransform.transform(model, {"version": 1, "quantize": [W4]})
-    noisy = qtransform.transform(model, {"version": 1, "quantize": [W4], **noise_policy()})
+    noisy = qtransform.transform(model, {"version": 1, "quantize": [W4], **noise_policy(apply_during="train")})
     controller = qtransform.noise_controller(noisy)
     controller.set_step(50)
     want = logits(clean)

@@ -8,11 +8,8 @@ the noise decays in steps.
 from __future__ import annotations
 
 import functools
-import hashlib
 import math
 from typing import Protocol
-
-import torch
 
 
 class ScheduleLike(Protocol):
@@ -72,21 +69,3 @@ def sigma_at(step: int, s: ScheduleLike) -> float:
     """sigma_t of the schedule at a (0-based) training step; 0 in warm-up and interval 0."""
     stage = stage_at(step, s)
     return 0.0 if not stage else stage_values(s)[stage - 1]
-
-
-def active_in(phase: str, training: bool) -> bool:
-    """Whether noise applies in this phase: "train" (module.training), "eval" or "both"."""
-    return phase == "both" or (phase == "train") == training
-
-
-def site_seed(seed: int, site: str, step: int) -> int:
-    """The generator seed of one site at one step: a stable 63-bit hash, so the draw depends on
-    (seed, site, step) only and sites get independent streams."""
-    digest = hashlib.blake2b(f"{seed}/{site}/{step}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") >> 1
-
-
-def draw_normal(shape: torch.Size, generator: torch.Generator, like: torch.Tensor) -> torch.Tensor:
-    """Standard normal draw in fp32 from `generator`, cast to `like`'s dtype on its device."""
-    z = torch.randn(shape, generator=generator, device=like.device, dtype=torch.float32)
-    return z.to(like.dtype)

@@ -10,6 +10,7 @@ from typing import Any
 from torch import nn
 
 from qtransform.core.capture import capture
+from qtransform.core.phase import mark_rollout_generate
 from qtransform.core.plan import Plan, PlanRow
 from qtransform.core.program import Program
 from qtransform.pipeline.base import Pass, registered_passes
@@ -58,6 +59,8 @@ def transform(
     except BaseException:
         program.restore()  # inplace: the caller's model exactly as it was
         raise
+    if mode == "module":
+        mark_rollout_generate(work)
     return program if return_program else program.module()
 
 

@@ -1,6 +1,9 @@
-"""Running transformed models in training loops: the noise controller (and, next, rollout
-weights and phases). Sits above the passes: it drives the modules they insert."""
+"""Running transformed models in RL loops: the noise controller, rollout weights, the rollout
+phase. Sits above the passes: it drives the modules they insert."""
 
-from qtransform.rl.noise import NoiseController, noise_controller
+from qtransform.core.phase import rollout
+from qtransform.rl.noise import NoiseController, noise_controller, silent_reason
+from qtransform.rl.weights import rollout_filter, rollout_weights
 
-__all__ = ["NoiseController", "noise_controller"]
+__all__ = ["NoiseController", "noise_controller", "rollout", "rollout_filter", "rollout_weights",
+           "silent_reason"]

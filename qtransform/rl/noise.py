@@ -1,51 +1,68 @@
-"""The noise controller: one handle on a transformed model's AQN modules (step, sigma, on/off).
+"""The noise controller: one handle on a transformed model's noise (step, sigma, on/off, counts).
 
 The state lives in the inserted modules, so every controller built on the same model agrees, and
-a checkpoint of the controller restores the exact noise.
+a checkpoint of the controller restores the exact noise. Stepping drives every random stream of
+the model (AQN, hardware error, stochastic rounding), so each draw is a function of
+(seed, step, site) and ranks that step together draw the same noise.
+
+A run that configured AQN and never applied it (the controller never stepped past the noise-free
+first interval; no forward in the noise's phase) ends with a warning that says why.
 """
 
 from __future__ import annotations
 
+import atexit
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
 from torch import nn
 
+from qtransform.core.schedule import sigma_at
 from qtransform.errors import UserError
-from qtransform.passes.aqn_noise import AQNNoise
+from qtransform.passes import AQNNoise, FakeQuantize, HWError
+from qtransform.passes.aqn_noise import LIVE_AQN
 from qtransform.schemas import Schedule
 
 
 class NoiseController:
-    """Drives the AQN modules of one transformed model: the step, the schedule and switches.
+    """Drives the noise of one transformed model: the step, the schedule and switches.
 
     Call `step()` once per optimizer step. The state lives in the modules; this object is a view.
     """
 
-    def __init__(self, modules: dict[str, AQNNoise]):
-        if not modules:
+    def __init__(self, modules: dict[str, AQNNoise], others: list[nn.Module] | None = None):
+        others = others or []
+        if not modules and not any(isinstance(m, HWError) for m in others):
             raise UserError(
-                "the model has no AQN noise modules: transform it with a policy that has a "
-                "'noise' section"
+                "the model has no noise modules: transform it with a policy that has a 'noise' "
+                "or 'hw_error' section"
             )
         self.modules = modules
-        first = next(iter(modules.values()))
-        self.config = first.config
+        self.others = others  # hardware error and stochastic-rounding modules: stepped too
+
+    @property
+    def config(self) -> Any:
+        if not self.modules:
+            raise UserError("the model has no AQN noise (only hardware error): no schedule")
+        return next(iter(self.modules.values())).config
 
     @property
     def current_step(self) -> int:
-        return next(iter(self.modules.values())).step_index
+        if self.modules:
+            return next(iter(self.modules.values())).step_index
+        return self.others[0].stream.step
 
     @property
     def schedule(self) -> Schedule:
         return self.config.schedule
 
     def set_step(self, step: int) -> None:
-        """Jump to a step: sigma follows the schedule and each site's draw is redone."""
+        """Jump to a step: sigma follows the schedule and each site's draws are redone."""
         if step < 0:
             raise ValueError(f"step must be >= 0, got {step}")
-        for module in self.modules.values():
+        for module in [*self.modules.values(), *self.others]:
             module.set_step(step)
 
     def step(self) -> None:
@@ -58,37 +75,103 @@ class NoiseController:
 
     @contextmanager
     def disabled(self) -> Iterator[None]:
-        """Noise off inside the block: outputs are exactly those of the noise-free model."""
-        before = {site: m.enabled for site, m in self.modules.items()}
-        for module in self.modules.values():
+        """AQN and hardware-error noise off inside the block: outputs are exactly those of the
+        noise-free model (fake quantization stays)."""
+        switches = [*self.modules.values(), *(m for m in self.others if isinstance(m, HWError))]
+        before = [m.enabled for m in switches]
+        for module in switches:
             module.enabled = False
         try:
             yield
         finally:
-            for site, module in self.modules.items():
-                module.enabled = before[site]
+            for module, was in zip(switches, before, strict=True):
+                module.enabled = was
 
-    def state_dict(self) -> dict[str, Any]:
-        """Step and per-site generator states: enough to resume the exact noise sequence."""
+    def report(self) -> dict[str, Any]:
+        """How many forwards and rollout-weight syncs saw AQN noise, and at which sigma."""
+        counts = [m.counts for m in self.modules.values()]
+        sigmas: dict[float, int] = {}
+        for c in counts:
+            for sigma, n in c.sigmas.items():
+                sigmas[sigma] = sigmas.get(sigma, 0) + n
         return {
             "step": self.current_step,
-            "seed": self.config.seed,
-            "generators": {site: m.generator_state() for site, m in self.modules.items()},
+            "forwards": max((c.forwards for c in counts), default=0),
+            "noised_forwards": max((c.noised_forwards for c in counts), default=0),
+            "syncs": max((c.syncs for c in counts), default=0),
+            "noised_syncs": max((c.noised_syncs for c in counts), default=0),
+            "sigma_calls": dict(sorted(sigmas.items(), reverse=True)),
+            "silent": silent_reason(list(self.modules.values())),
         }
 
+    def state_dict(self) -> dict[str, Any]:
+        """Step and the draws taken in it per site: enough to resume the exact noise sequence."""
+        streams = {**{site: m.stream.count for site, m in self.modules.items()},
+                   **{m.stream.key: m.stream.count for m in self.others if m.stream is not None}}
+        return {"step": self.current_step, "seed": self._seed(), "draws": streams}
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        missing = sorted(set(self.modules) - set(state["generators"]))
-        extra = sorted(set(state["generators"]) - set(self.modules))
-        if missing or extra or state["seed"] != self.config.seed:
+        draws = state["draws"]
+        mine = {**{site: m for site, m in self.modules.items()},
+                **{m.stream.key: m for m in self.others if m.stream is not None}}
+        missing, extra = sorted(set(mine) - set(draws)), sorted(set(draws) - set(mine))
+        if missing or extra or state["seed"] != self._seed():
             raise UserError(
                 f"noise state does not fit this model (missing sites {missing[:3]}, unknown "
-                f"sites {extra[:3]}, seed {state['seed']} vs {self.config.seed})"
+                f"sites {extra[:3]}, seed {state['seed']} vs {self._seed()})"
             )
-        self.set_step(int(state["step"]))
-        for site, module in self.modules.items():
-            module.load_generator_state(state["generators"][site])
+        for key, module in mine.items():
+            module.set_step(int(state["step"]), int(draws[key]))
+
+    def _seed(self) -> int | None:
+        return self.config.seed if self.modules else None
 
 
 def noise_controller(model: nn.Module) -> NoiseController:
-    """The controller of a transformed model's AQN noise (found by walking its modules)."""
-    return NoiseController({m.site: m for m in model.modules() if isinstance(m, AQNNoise)})
+    """The controller of a transformed model's noise (found by walking its modules)."""
+    aqn = {m.site: m for m in model.modules() if isinstance(m, AQNNoise)}
+    others = [m for m in model.modules()
+              if isinstance(m, HWError) or (isinstance(m, FakeQuantize) and m.stream is not None)]
+    return NoiseController(aqn, others)
+
+
+def _first_noisy_step(schedule: Any) -> int | None:
+    span = schedule.total_steps or schedule.steps_per_epoch * (schedule.epochs or 1)
+    return next((t for t in range(span + 1) if sigma_at(t, schedule) > 0), None)
+
+
+def silent_reason(modules: list[AQNNoise]) -> str | None:
+    """Why AQN that ran never applied noise, in words; None when it did apply (or never ran)."""
+    counts = [m.counts for m in modules]
+    if not counts or any(c.noised_forwards or c.noised_syncs for c in counts):
+        return None
+    calls = max(c.forwards + c.syncs for c in counts)
+    if calls == 0:
+        return None
+    config = modules[0].config
+    if not any(c.at_noisy_steps for c in counts):
+        last = max(c.last_step for c in counts)
+        first = _first_noisy_step(config.schedule)
+        return (f"AQN never applied noise: the noise controller never went past step {last}, and "
+                f"the schedule's first noisy step is {first} (interval 0 is noise-free); call "
+                "qtransform.noise_controller(model).step() once per optimizer step")
+    if not any(c.in_phase_at_noisy_steps for c in counts):
+        where = ("generate(), `with qtransform.rollout():` or rollout_weights"
+                 if config.apply_during == "rollout" else f"{config.apply_during} mode")
+        n = max(c.at_noisy_steps for c in counts)
+        return (f"AQN never applied noise: apply_during={config.apply_during!r}, and none of the "
+                f"{n} forwards/syncs at noisy steps ran in that phase ({where})")
+    return "AQN never applied noise: it was disabled (noise.disabled()) whenever it could apply"
+
+
+def _warn_silent_at_exit() -> None:
+    groups: dict[int, list[AQNNoise]] = {}
+    for module in list(LIVE_AQN):
+        groups.setdefault(id(module.config), []).append(module)
+    for modules in groups.values():
+        reason = silent_reason(modules)
+        if reason:
+            warnings.warn(f"{reason} ({len(modules)} noised sites)", RuntimeWarning, stacklevel=1)
+
+
+atexit.register(_warn_silent_at_exit)

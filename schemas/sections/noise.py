@@ -163,7 +163,7 @@ class NoiseSpec(Selected):
     )
     multipliers: list[Multiplier] = Field(default_factory=list)
     resample: Literal["step", "forward"] = "step"
-    apply_during: Phase = "train"
+    apply_during: Phase = Field("rollout", description="rollout (QeRL: generate() and rollout weights only), train, eval or both")
     seed: Int = 0
 
     @field_validator("layer_multipliers", mode="before")

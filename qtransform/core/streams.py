@@ -1,0 +1,78 @@
+"""Random draws that are a pure function of (seed, site, step, draw index).
+
+Every random value qtransform injects (AQN draws, hardware error, stochastic rounding inside the
+model) comes from here, so a run is reproducible, two ranks of a data-parallel job draw the same
+noise for the same step, and the order in which sites or ranks run changes nothing.
+
+Gradient checkpointing runs a forward a second time inside backward; that recomputation must see
+the draws of the forward it replays, or the gradients are wrong. A stream remembers the draw
+index of each grad-enabled forward of the current step and hands the newest unreplayed one back
+when a forward runs inside backward (checkpointed segments are recomputed newest first).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import deque
+
+import torch
+
+REPLAYABLE = 4096  # forwards of one step a checkpointed backward may still replay
+
+
+def site_seed(seed: int, site: str, step: int, index: int | None = None) -> int:
+    """A stable 63-bit seed for draw `index` of `site` at `step` (sites get independent streams);
+    `index=None` is the step's own draw (AQN's z with resample="step")."""
+    key = f"{seed}/{site}/{step}" + ("" if index is None else f"/{index}")
+    digest = hashlib.blake2b(key.encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+def in_backward() -> bool:
+    """True while the autograd engine runs (where checkpointed forwards are recomputed)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+class DrawStream:
+    """The draws of one site: `seed(…)` / `normal(…)` for the next forward of the current step."""
+
+    def __init__(self, seed: int, key: str):
+        self.seed = seed
+        self.key = key
+        self.step = 0
+        self.count = 0  # draws taken by forwards of this step
+        self._replay: deque[int] = deque(maxlen=REPLAYABLE)  # forwards a recompute may replay
+        self._generators: dict[torch.device, torch.Generator] = {}
+
+    def set_step(self, step: int, count: int = 0) -> None:
+        """Go to `step` (with `count` of its draws already taken, when resuming a checkpoint)."""
+        self.step, self.count = step, count
+        self._replay.clear()
+
+    def next_index(self, training: bool = False) -> int:
+        """The draw index for this forward: a fresh one, or the replayed one under recompute.
+
+        A forward may be replayed if it builds a graph, or if it runs in training mode without
+        one (reentrant checkpointing runs the first forward under no_grad); at most
+        `REPLAYABLE` recent forwards are remembered."""
+        if in_backward() and self._replay:
+            return self._replay.pop()
+        index, self.count = self.count, self.count + 1
+        if torch.is_grad_enabled() or training:
+            self._replay.append(index)
+        return index
+
+    def seed_at(self, index: int | None) -> int:
+        return site_seed(self.seed, self.key, self.step, index)
+
+    def generator(self, device: torch.device, index: int | None) -> torch.Generator:
+        """A generator on `device` positioned at draw `index` of this step (one per device)."""
+        gen = self._generators.get(device)
+        if gen is None:
+            gen = self._generators[device] = torch.Generator(device=device)
+        return gen.manual_seed(self.seed_at(index))
+
+    def normal(self, shape: torch.Size, like: torch.Tensor, index: int | None) -> torch.Tensor:
+        """Standard normal draw in fp32, cast to `like`'s dtype on its device."""
+        gen = self.generator(like.device, index)
+        return torch.randn(shape, generator=gen, device=like.device, dtype=torch.float32).to(like.dtype)

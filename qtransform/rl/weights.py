@@ -1,0 +1,101 @@
+"""Rollout weights: the tensors an inference engine needs to run the model as the rollout sees it.
+
+Engines receive weights as a stream of `(Hugging Face name, tensor)` pairs (vLLM's
+`load_weights`, TRL's and verl's syncs). `rollout_weights(model)` produces that stream from a
+transformed model: every tensor under the base model's own name (PEFT's prefix and `base_layer`
+removed, LoRA merged when asked), each site weight as the rollout computes it (fake-quantized
+linears, AQN-noised norms at the controller's current step). `rollout_filter(model, pairs)`
+applies the same transformation to a stream another system produces (verl's per-tensor
+generator, TRL's gathered parameters, `full_tensor()` of a sharded model), so a sharded trainer
+gathers exactly as it does today and qtransform never gathers on its own.
+
+One tensor at a time: the extra memory is the tensor being transformed. Only weight-side
+transforms travel: fake quantization of inputs or outputs (W4A4) and hardware error act on
+activations, which an engine computes itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+import torch
+from torch import Tensor, nn
+
+from qtransform.core.phase import syncing
+from qtransform.core.sites import ADAPTER_KEYS, hf_name
+from qtransform.core.tracing import module_graph
+from qtransform.passes import FakeQuantize
+
+_WEIGHT_PASSES = ("fake_quant", "aqn_noise")  # what changes a weight; taps only observe
+
+
+def _weight_chains(model: nn.Module) -> dict[str, list[nn.Module]]:
+    """HF weight name -> the inserted modules its site applies to the weight, in order."""
+    chains = {}
+    for name, module in model.named_modules():
+        state = module_graph(module)
+        if state is None:
+            continue
+        chain = [getattr(module, ins.module_path.rsplit(".", 1)[-1]) for ins in state.insertions
+                 if ins.point == "weight" and ins.pass_name in _WEIGHT_PASSES]
+        if chain:
+            chains[hf_name(f"{name}.weight")] = chain
+    return chains
+
+
+def _apply(chain: list[nn.Module], tensor: Tensor) -> Tensor:
+    for module in chain:
+        tensor = module.quantize(tensor) if isinstance(module, FakeQuantize) else module(tensor)
+    return tensor
+
+
+def _is_adapter(name: str) -> bool:
+    return any(f".{key}." in f".{name}" for key in ADAPTER_KEYS) or ".original_module." in name
+
+
+def rollout_filter(model: nn.Module, pairs: Iterable[tuple[str, Tensor]]) -> Iterator[tuple[str, Tensor]]:
+    """Transform a stream of `(name, tensor)` pairs as the rollout of `model` sees them.
+
+    Names may be the base model's or PEFT's (`base_model.model.…base_layer.weight`); they come
+    out as the base model's. Adapter tensors (`lora_A`, `lora_B`, ...) are dropped: a stream that
+    should carry LoRA must carry it merged (TRL and verl's `merge` mode do).
+    """
+    chains = _weight_chains(model)
+    with torch.no_grad(), syncing():
+        for name, tensor in pairs:
+            if _is_adapter(name):
+                continue
+            key = hf_name(name)
+            chain = chains.get(key)
+            yield key, (_apply(chain, tensor) if chain else tensor)
+
+
+def _merged_delta(model: nn.Module, param_name: str) -> Tensor | None:
+    """W's LoRA delta (B A times scaling, summed over active adapters) for a `base_layer` weight."""
+    if not param_name.endswith(".base_layer.weight"):
+        return None
+    layer = model.get_submodule(param_name[: -len(".base_layer.weight")])
+    adapters = [a for a in getattr(layer, "active_adapters", []) if a in getattr(layer, "lora_A", {})]
+    if not adapters or getattr(layer, "merged", False):
+        return None
+    return sum(layer.get_delta_weight(a) for a in adapters)
+
+
+def _own_tensors(model: nn.Module, merge_lora: bool) -> Iterator[tuple[str, Tensor]]:
+    """The model's state, one tensor at a time (a sharded tensor gathered alone)."""
+    for name, tensor in model.state_dict().items():
+        if _is_adapter(name):
+            continue
+        tensor = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+        delta = _merged_delta(model, name) if merge_lora else None
+        yield name, (tensor + delta.to(tensor.dtype) if delta is not None else tensor)
+
+
+def rollout_weights(model: nn.Module, *, merge_lora: bool = True) -> Iterator[tuple[str, Tensor]]:
+    """`(HF name, tensor)` pairs of `model` as its rollout sees them, one tensor at a time.
+
+    Loading them into the plain original architecture (`load_state_dict`, or an engine's
+    `load_weights`) reproduces the transformed model's rollout outputs for weight-side
+    transforms. With `merge_lora=False`, LoRA layers contribute their base weight only.
+    """
+    yield from rollout_filter(model, _own_tensors(model, merge_lora))
