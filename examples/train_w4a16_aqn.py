@@ -33,7 +33,7 @@ def policy(steps: int) -> dict:
         "version": 1,
         "quantize": [{"name": "w4a16", "targets": ["Linear"], "ignore": ["lm_head"],
                       "format": "mxfp4", "tensors": ["weight"]}],
-        "noise": {"targets": ["RMSNorm"],
+        "noise": {"targets": ["RMSNorm"], "apply_during": "train",  # the default is "rollout" (RL)
                   "schedule": {"kind": "exponential", "sigma_start": 1e-2, "sigma_end": 1e-4,
                                "num_stages": 5, "total_steps": steps}},
     }

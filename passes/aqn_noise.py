@@ -183,5 +183,6 @@ class AQNNoisePass(Pass[NoiseSpec]):
         end = "" if s.sigma_end is None else f"->{s.sigma_end:g}"
         why = action.params["why"]
         reason = why[0].rsplit(" x", 1)[0] if len(why) == 1 else ", ".join(why)
+        during = action.params["config"].apply_during
         return (f"{s.kind} {s.sigma_start:g}{end} K={s.stages}, sigma x{action.params['multiplier']:g}"
-                + (f" ({reason})" if why else ""))
+                + (f" ({reason})" if why else "") + f", during {during}")

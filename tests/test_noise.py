@@ -162,8 +162,8 @@ def test_plan_lists_every_noised_site_with_its_multiplier(tiny):
     plan = qtransform.plan(tiny("qwen2"), policy)
     rows = {r.site: r.detail for r in plan.rows}
     assert len(rows) == 5
-    assert rows["model.layers.1.post_attention_layernorm"].endswith("sigma x1.5 (layer 1)")
-    assert rows["model.layers.0.input_layernorm"].endswith("sigma x1.2 (multipliers[0])")
+    assert rows["model.layers.1.post_attention_layernorm"].endswith("sigma x1.5 (layer 1), during rollout")
+    assert rows["model.layers.0.input_layernorm"].endswith("sigma x1.2 (multipliers[0]), during rollout")
     assert "sigma x1.8 (layer 1 x1.5, multipliers[0] x1.2)" in rows["model.layers.1.input_layernorm"]
     assert rows["model.norm"].startswith("exponential 0.01->0.0001 K=10, sigma x1")
 

@@ -233,3 +233,17 @@ def test_a_pickled_transformed_model_loads_with_its_graphs(tmp_path):
     q = again.model.layers[0].self_attn.q_proj
     x = torch.randn(2, 64)
     assert torch.equal(q(x), x @ fake_quantize(q.weight.detach(), "mxfp4", axis=-1).T)
+
+
+def test_save_and_load_transformed_round_trip_a_peft_model(tmp_path):
+    lora = lora_model(["q_proj", "up_proj"])
+    out = qtransform.transform(lora, W4)
+    qtransform.save_transformed(out, W4, tmp_path / "saved")
+    again = qtransform.load_transformed(tmp_path / "saved")
+    ids = torch.randint(0, 128, (2, 6))
+    with torch.no_grad():
+        assert torch.equal(again(input_ids=ids).logits, out(input_ids=ids).logits)
+    assert {i.site for i in qtransform.insertion_log(again)} == {i.site for i in qtransform.insertion_log(out)}
+    base = Qwen2ForCausalLM.from_pretrained(tmp_path / "saved")  # plain transformers reads the base
+    torch.testing.assert_close(base.model.layers[0].self_attn.q_proj.weight,
+                               out.base_model.model.model.layers[0].self_attn.q_proj.base_layer.weight)

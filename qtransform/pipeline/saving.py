@@ -11,15 +11,18 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import torch
 from torch import nn
 
 from qtransform.core import io as qio
+from qtransform.core.sites import ADAPTER_KEYS, hf_name
 from qtransform.errors import UserError
 from qtransform.models import load_model
 from qtransform.pipeline.transform import PolicyLike, transform
 from qtransform.schemas import dump_policy, load_policy
 
 POLICY_FILE = "qtransform_policy.json"
+ADAPTER_DIR = "adapter"  # a PEFT model's adapter, beside the base weights
 
 
 def save_transformed(model: nn.Module, policy: PolicyLike, out_dir: str | os.PathLike, *,
@@ -34,17 +37,45 @@ def save_transformed(model: nn.Module, policy: PolicyLike, out_dir: str | os.Pat
     return Path(out_dir)
 
 
+def is_peft(model: nn.Module) -> bool:
+    """A PEFT model (LoRA and friends): its own `save_pretrained` writes the adapter only."""
+    return hasattr(model, "peft_config") and hasattr(model, "get_base_model")
+
+
+def base_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The base model's own weights under its own names: adapters left out, PEFT's prefix and
+    `base_layer` removed (what the base checkpoint held before `get_peft_model`)."""
+    return {hf_name(name): tensor for name, tensor in model.state_dict().items()
+            if not any(f".{key}." in name for key in ADAPTER_KEYS)}
+
+
 def write_transformed(model: nn.Module, policy: PolicyLike, folder: Path) -> None:
-    """The files of a saved transformed model, into an existing (staging) folder."""
+    """The files of a saved transformed model, into an existing (staging) folder.
+
+    A PEFT model is saved as its base model (clean weights, loadable by any transformers code)
+    with the adapter in `adapter/`, so `load_transformed` rebuilds base, adapter and policy."""
     if not hasattr(model, "save_pretrained"):
         raise UserError(f"{type(model).__name__} has no save_pretrained; save its state_dict and policy")
-    model.save_pretrained(folder)
+    if is_peft(model):
+        model.get_base_model().save_pretrained(folder, state_dict=base_state_dict(model))
+        model.save_pretrained(folder / ADAPTER_DIR)
+    else:
+        model.save_pretrained(folder)
     qio.write_json(folder / POLICY_FILE, dump_policy(load_policy(policy)))
 
 
 def load_transformed(folder: str | os.PathLike) -> nn.Module:
-    """Reload a folder written by `save_transformed`: the weights, transformed by its policy."""
+    """Reload a folder written by `save_transformed`: the weights (and adapter), transformed by
+    its policy."""
     path = Path(folder)
     if not (path / POLICY_FILE).exists():
         raise UserError(f"{path}: no {POLICY_FILE}; was it written by `qtransform transform`?")
-    return transform(load_model(path), path / POLICY_FILE, inplace=True)
+    model = load_model(path)
+    if (path / ADAPTER_DIR).is_dir():
+        try:
+            from peft import PeftModel
+        except ImportError:
+            raise UserError(f"{path} holds a PEFT adapter: install peft (pip install "
+                            "'qtransform[peft]')") from None
+        model = PeftModel.from_pretrained(model, path / ADAPTER_DIR, is_trainable=True)
+    return transform(model, path / POLICY_FILE, inplace=True)
