@@ -87,6 +87,8 @@ def build_whole_graph(model: nn.Module, sites: dict[str, Site], example_inputs: 
             owner = node.target[: -len(".weight")]
             if owner in sites and sites[owner].kind == "norm":
                 nodes.setdefault(owner, node)
+        if node.op == "get_attr" and node.target in sites and sites[node.target].kind == "experts":
+            nodes.setdefault(node.target, node)  # a fused expert parameter: its weight point
         if node.op != "call_function":
             continue
         path = _module_path(node)
