@@ -44,8 +44,8 @@ class FakeQuantize(nn.Module):
 
     With `per_expert` (a fused experts weight [E, ...]) each expert's matrix is quantized on its
     own, exactly as that matrix would be as an nn.Linear weight (`axis` is the axis of each
-    matrix; NVFP4's tensor scale is one per expert); traced, that is one op per expert, all
-    with this label, where the whole tensor at once would differ (a tensor scale, stochastic
+    matrix; NVFP4's tensor scale is one per expert); traced, that is one op per expert labelled
+    `<label>.expert<e>` where the whole tensor at once would differ (a tensor scale, stochastic
     rounding), and one op otherwise.
     """
 
@@ -87,7 +87,7 @@ class FakeQuantize(nn.Module):
         opts = ops.encode_options(self._opts())
         if not self._expertwise():
             return torch.ops.qtransform.fake_quant(x, self.fmt, opts, self.label)
-        return torch.stack([torch.ops.qtransform.fake_quant(x[e], self.fmt, opts, self.label)
+        return torch.stack([torch.ops.qtransform.fake_quant(x[e], self.fmt, opts, ops.expert_label(self.label, e))
                             for e in range(x.shape[0])])
 
     def _gen(self, device: torch.device) -> torch.Generator | None:

@@ -31,12 +31,14 @@ top_k. Biases (`gate_up_proj_bias`, `down_proj_bias`) are added per row.
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
 from torch import Tensor, fx, nn
 
 from qtransform.core import ops
+from qtransform.core.sites import expert_params
 
 _GROUPED_MM = getattr(torch.nn.functional, "grouped_mm", None)  # torch >= 2.10 (CPU and CUDA)
 POINT_META = "qtransform_experts"  # node.meta key: (parameter name, point) of an experts value
@@ -177,3 +179,22 @@ def fake_quantize_experts(w: Tensor, quantize: Callable[[Tensor], Tensor]) -> Te
     would be quantized as an nn.Linear weight: NVFP4's tensor scale is one per expert."""
     return torch.stack([quantize(w[e]) for e in range(w.shape[0])])
 
+
+
+@contextmanager
+def traceable_experts(model: nn.Module) -> Iterator[None]:
+    """Experts modules that run transformers' own forward (not transformed) use its `batched_mm`
+    implementation for the block: a gather and a batched matmul, which torch.export and ONNX
+    translate, where the default grouped matmul op (`transformers::grouped_mm_fallback`) has no
+    ONNX translation. Each config's choice is restored afterwards."""
+    configs = {id(c): c for m in model.modules()
+               if expert_params(m) and (c := getattr(m, "config", None)) is not None
+               and getattr(c, "_experts_implementation", None) not in (None, "eager", "batched_mm")}
+    before = {k: c._experts_implementation for k, c in configs.items()}
+    try:
+        for c in configs.values():
+            c._experts_implementation = "batched_mm"
+        yield
+    finally:
+        for k, c in configs.items():
+            c._experts_implementation = before[k]

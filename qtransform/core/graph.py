@@ -117,6 +117,8 @@ class GraphSite:
             return next(n for n in graph.nodes if n.op == "placeholder")
         out = next(n for n in graph.nodes if n.op == "output")
         value = out.args[0]
+        if self.site.role == "router" and isinstance(value, (tuple, list)) and value:
+            value = value[0]  # a router returns (logits, scores, indices): its output is the logits
         if not isinstance(value, fx.Node):
             raise ValueError(f"{self.site.name}: output is not a single tensor")
         return value
