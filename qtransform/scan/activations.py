@@ -33,7 +33,7 @@ from torch.utils.hooks import RemovableHandle
 from qtransform import formats
 from qtransform.calibration import Calibration, calibration_batches, run_model
 from qtransform.core.metrics import ErrorStats
-from qtransform.core.sites import EXPERT_PARAMS, Site, discover_sites
+from qtransform.core.sites import Site, discover_sites
 from qtransform.errors import UserError
 from qtransform.passes.instrument import (
     Quantizer,
@@ -130,14 +130,15 @@ class SitePairs(ForwardHooks):
     produces the matching output, which is compared at once and dropped.
     """
 
-    def __init__(self, fp: nn.Module, quant: nn.Module, sites: list[str], stride: int = 1):
+    def __init__(self, fp: nn.Module, quant: nn.Module, sites: list[str], stride: int = 1,
+                 modules: dict[str, str] | None = None):
         super().__init__()
         self.stats = {s: ErrorStats() for s in sites}
         self.stride = stride
         self._seen = {(model, s): 0 for model in ("fp", "quant") for s in sites}
         self._pending: dict[str, deque[Tensor]] = {s: deque() for s in sites}
-        for site in sites:  # an experts site: the output of its experts module
-            path = site.rsplit(".", 1)[0] if site.rsplit(".", 1)[-1] in EXPERT_PARAMS else site
+        for site in sites:  # `modules`: an experts site is measured at its experts module
+            path = (modules or {}).get(site, site)
             self.add(fp.get_submodule(path), self._keep(site))
             self.add(quant.get_submodule(path), self._compare(site))
 
@@ -345,7 +346,8 @@ def scan_activations(model: nn.Module, policy_or_format: Any, calib: Calibration
                                        else b.numel() for b in batches))
     end = EndToEnd(is_causal_lm(model), token_stride)
     reset_taps(quant)
-    with eval_mode(model), SitePairs(model, quant, sites, token_stride) as pairs, \
+    with eval_mode(model), SitePairs(model, quant, sites, token_stride,
+                                                  {s: program.sites[s].module_name for s in sites}) as pairs, \
             tapping(quant, True, stride=token_stride) as found, torch.no_grad():
         for batch in progress_bar(batches, progress, "activation scan"):
             fp_out = run_model(model, batch)
