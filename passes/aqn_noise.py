@@ -174,7 +174,8 @@ class AQNNoisePass(Pass[NoiseSpec]):
         ]
 
     def build(self, program: Program, action: Action) -> nn.Module:
-        weight = program.model.get_submodule(action.site.name).weight
+        site = action.site
+        weight = getattr(program.model.get_submodule(site.module_name), site.param or "weight")
         module = AQNNoise(action.site.name, action.params["multiplier"], action.params["config"], weight)
         return module.train(program.model.training)
 

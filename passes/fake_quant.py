@@ -41,11 +41,18 @@ class FakeQuantize(nn.Module):
     content, dtype, device and shape are unchanged (`core.versions.content_key`: writes through
     `.data`, merges and FSDP2's reused storage are all seen). Under torch.export/compile the
     module emits the `qtransform::fake_quant` op, labelled `<site>/<tensor>_fake_quant`.
+
+    With `per_expert` (a fused experts weight [E, ...]) each expert's matrix is quantized on its
+    own, exactly as that matrix would be as an nn.Linear weight (`axis` is the axis of each
+    matrix; NVFP4's tensor scale is one per expert); traced, that is one op per expert labelled
+    `<label>.expert<e>` where the whole tensor at once would differ (a tensor scale, stochastic
+    rounding), and one op otherwise.
     """
 
     def __init__(self, fmt: str, options: dict[str, Any], label: str, *, axis: int = -1,
-                 cache: bool = False, seed: int | None = None):
+                 cache: bool = False, seed: int | None = None, per_expert: bool = False):
         super().__init__()
+        self.per_expert = per_expert
         self.fmt = formats.get(fmt).name
         self.options = {k: v for k, v in options.items() if v is not None}
         self.axis = axis
@@ -67,24 +74,44 @@ class FakeQuantize(nn.Module):
         if self.stream is not None:
             self.stream.set_step(step, draws)
 
+    def _expertwise(self) -> bool:
+        """Whether quantizing the whole [E, ...] tensor at once could differ from expert by
+        expert: a per-tensor scale (NVFP4 two-level) or a stochastic stream."""
+        return self.per_expert and (
+            self.options.get("rounding") == "stochastic"
+            or (formats.get(self.fmt).family == "nvfp4" and self.options.get("nvfp4_variant") != "one_level"))
+
     def quantize(self, x: Tensor) -> Tensor:
-        """Quantize-dequantize `x` now, without the cache (rollout weights, stochastic draws)."""
+        """Quantize-dequantize `x` now, without the cache (rollout weights, stochastic draws);
+        expert by expert where that differs from the whole tensor (each expert draws seed + e)."""
         seed = None if self.stream is None else self.stream.seed_at(self.stream.next_index(self.training))
-        return formats.fake_quantize(x, self.fmt, seed=seed, **self._opts())
+        if not self._expertwise():
+            return formats.fake_quantize(x, self.fmt, seed=seed, **self._opts())
+        return torch.stack([
+            formats.fake_quantize(x[e], self.fmt, seed=None if seed is None else (seed + e) % 2**63,
+                                  **self._opts())
+            for e in range(x.shape[0])])
+
+    def _traced(self, x: Tensor) -> Tensor:
+        opts = ops.encode_options(self._opts())
+        if not self._expertwise():
+            return torch.ops.qtransform.fake_quant(x, self.fmt, opts, self.label)
+        return torch.stack([torch.ops.qtransform.fake_quant(x[e], self.fmt, opts, ops.expert_label(self.label, e))
+                            for e in range(x.shape[0])])
 
     def forward(self, x: Tensor) -> Tensor:
         if ops.is_tracing(x):
-            return torch.ops.qtransform.fake_quant(x, self.fmt, ops.encode_options(self._opts()), self.label)
+            return self._traced(x)
         if not self.cache:
             return self.quantize(x)
         key = content_key(x)
         if key != self._key or self._cached is None:
             with torch.no_grad():
-                self._cached = formats.fake_quantize(x.detach(), self.fmt, **self._opts())
+                self._cached = self.quantize(x.detach())
             self._key = key
         if torch.is_grad_enabled() and x.requires_grad:
             if self.options.get("zero_saturated_grad"):
-                return formats.fake_quantize(x, self.fmt, **self._opts())
+                return self.quantize(x)
             return _CachedSTE.apply(x, self._cached)
         return self._cached
 
@@ -107,7 +134,8 @@ class FakeQuantPass(Pass[list[QuantRule]]):
         axis = rule.axis if rule.axis is not None else (site.reduction_axis if action.point == "weight" else -1)
         label = f"{site.name}/{action.point}_fake_quant"
         return FakeQuantize(rule.format, rule.format_options(), label, axis=axis,
-                            cache=action.point == "weight", seed=rule.seed)
+                            cache=action.point == "weight", seed=rule.seed,
+                            per_expert=site.kind == "experts" and action.point == "weight")
 
     def describe(self, action: Action) -> str:
         rule = action.params["rule"]

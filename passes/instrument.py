@@ -15,6 +15,11 @@ site had before any pass (see `GraphSite`):
   the site's *local* error: its output against the full-precision result of the same site on the
   same input (`F.linear(raw input, raw weight, bias)`; `addmm` with the [in, out] weight for
   GPT-2's Conv1D). Sites no other pass touched are exact and skip the shadow product.
+
+A fused experts site's taps also get the tokens each expert received (its activations are grouped
+by expert, `core/experts.py`): they keep each expert's token count and metrics beside the
+site's (`Tap.experts`), so a report can say which expert loses what, and that an expert which
+never saw a calibration token was not measured.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from torch import Tensor, nn
 
 from qtransform import formats
 from qtransform.core import ops
+from qtransform.core.experts import COUNTS, grouped_linear
 from qtransform.core.graph import POINTS
 from qtransform.core.metrics import BlockExponentHistogram, ErrorStats
 from qtransform.core.program import Program
@@ -64,8 +70,10 @@ class Tap(nn.Module):
     """
 
     def __init__(self, site: str, point: str, *, site_kind: str, quantizer: Quantizer | None,
-                 shadow: bool = False, saturation: bool = True, block_exponents: bool = False):
+                 shadow: bool = False, saturation: bool = True, block_exponents: bool = False,
+                 transposed: bool = False):
         super().__init__()
+        self.transposed = transposed  # experts stored [E, in, out]
         self.site = site
         self.point = point
         self.label = f"{site}:{point}"
@@ -91,6 +99,8 @@ class Tap(nn.Module):
         self.calls = 0
         self.rows_seen = 0
         self._weight_key: tuple | None = None
+        self.expert_stats: list[ErrorStats] | None = None  # experts sites: one per expert
+        self.expert_tokens: list[int] | None = None
 
     def forward(self, head: Tensor, *extras: Tensor) -> Tensor:
         if not self.enabled:
@@ -100,6 +110,10 @@ class Tap(nn.Module):
         with torch.no_grad():
             if self.point == "weight":
                 self._observe_weight(head, extras[0])
+            elif self.site_kind == "experts":
+                *operands, counts = extras
+                self._observe(head, *operands, counts=counts)
+                self._observe_experts(head, operands, counts)
             else:
                 self._observe(head, *extras)
         self.calls += 1
@@ -123,11 +137,13 @@ class Tap(nn.Module):
             return
         self._weight_key = key
         self.stats = ErrorStats().update(raw, head, self._saturated(raw, raw))  # this version only
+        if self.site_kind == "experts":
+            self.expert_stats = [ErrorStats().update(raw[e], head[e]) for e in range(raw.shape[0])]
         if self.exponents is not None:
             fmt, opts = self.quantizer  # type: ignore[misc]
             self.exponents = BlockExponentHistogram().update(formats.block_exponents(raw, fmt, **opts))
 
-    def _observe(self, head: Tensor, raw: Tensor, *operands: Tensor) -> None:
+    def _observe(self, head: Tensor, raw: Tensor, *operands: Tensor, counts: Tensor | None = None) -> None:
         offset = next_offset(self.rows_seen, self.stride)
         self.rows_seen += head.numel() // head.shape[-1]
         rows = sample_rows(head, offset, self.stride)
@@ -136,10 +152,35 @@ class Tap(nn.Module):
             self.stats.update(raw_rows, rows, self._saturated(raw, raw_rows, offset))
         if self.local is not None:
             x, *params = operands
-            self.local.update(self.reference(sample_rows(x, offset, self.stride), *params), rows)
+            if counts is not None:  # grouped rows: the reference needs them all, then samples
+                self.local.update(sample_rows(self.reference(x, *params, counts=counts), offset,
+                                              self.stride), rows)
+            else:
+                self.local.update(self.reference(sample_rows(x, offset, self.stride), *params), rows)
 
-    def reference(self, x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-        """The site's full-precision output on `x`, computed as the original module does."""
+    def _observe_experts(self, head: Tensor, operands: list[Tensor], counts: Tensor) -> None:
+        """Each expert's token count and metrics (every row: slices must stay whole)."""
+        raw, *rest = operands
+        n = counts.shape[0]
+        if self.expert_stats is None or self.expert_tokens is None:
+            self.expert_stats, self.expert_tokens = [ErrorStats() for _ in range(n)], [0] * n
+        want = self.reference(rest[0], *rest[1:], counts=counts) if self.local is not None else raw
+        if want is head:
+            want = None  # nothing changed this value: tokens are counted, nothing to measure
+        start = 0
+        for e, k in enumerate(counts.tolist()):
+            self.expert_tokens[e] += k
+            if k and want is not None:
+                self.expert_stats[e].update(want[start:start + k], head[start:start + k])
+            start += k
+
+    def reference(self, x: Tensor, weight: Tensor, bias: Tensor | None = None, *,
+                  counts: Tensor | None = None) -> Tensor:
+        """The site's full-precision output on `x`, computed as the original module does
+        (experts: each expert's token rows, `counts` per expert, times that expert's matrix)."""
+        if counts is not None:
+            ids = torch.repeat_interleave(torch.arange(counts.shape[0], device=x.device), counts)
+            return grouped_linear(x, weight, ids, counts, self.transposed)
         if self.site_kind != "conv1d":
             return F.linear(x, weight, bias)
         rows = x.view(-1, x.size(-1))
@@ -158,7 +199,17 @@ class Tap(nn.Module):
             out["local"] = self.local.result() if self.local.n else None
         if self.exponents is not None:
             out["block_exponents"] = self.exponents.result()
+        if self.expert_stats is not None:
+            out["experts"] = self.experts()
         return out
+
+    def experts(self) -> list[dict[str, Any]] | None:
+        """Experts sites: per expert, its calibration tokens (activations) and metrics; None as
+        metrics where nothing was measured (an expert that never saw a token, say)."""
+        if self.expert_stats is None:
+            return None
+        return [{"expert": e, **({"tokens": self.expert_tokens[e]} if self.expert_tokens else {}),
+                 "metrics": s.result() if s.n else None} for e, s in enumerate(self.expert_stats)]
 
 
 # -- model-level helpers ----------------------------------------------------------------------
@@ -211,11 +262,14 @@ class InstrumentPass(Pass[InstrumentSpec]):
         actions = []
         points = [p for p in POINTS if p in spec.points]
         for site in select_sites(program, spec, "instrument", kinds=QUANTIZABLE):
-            has_bias = getattr(program.model.get_submodule(site.name), "bias", None) is not None
+            experts = site.kind == "experts"  # biases are added inside; tokens per expert needed
+            has_bias = not experts and getattr(program.model.get_submodule(site.name), "bias", None) is not None
             for point in points:
                 extra: tuple[str, ...] = (f"raw:{point}",)
                 if point == "output" and spec.shadow:
                     extra += ("raw:input", "raw:weight") + (("raw:bias",) if has_bias else ())
+                if experts and point != "weight":
+                    extra += (f"raw:{COUNTS}",)
                 actions.append(Action(site, point, "instrument", {"spec": spec}, extra=extra))
         return actions
 
@@ -227,10 +281,11 @@ class InstrumentPass(Pass[InstrumentSpec]):
                    quantizer=quantizer(program, site.name, action.point),
                    shadow=spec.shadow and bool(others),
                    saturation="saturation" in spec.metrics,
-                   block_exponents="block_exponents" in spec.metrics)
+                   block_exponents="block_exponents" in spec.metrics,
+                   transposed=site.weight_transposed)
 
     def describe(self, action: Action) -> str:
-        return "tap + shadow" if action.point == "output" and len(action.extra) > 1 else "tap"
+        return "tap + shadow" if action.point == "output" and "raw:weight" in action.extra else "tap"
 
 
 def quantizer(program: Program, site: str, point: str) -> Quantizer | None:

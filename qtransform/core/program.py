@@ -16,7 +16,7 @@ from torch import fx, nn
 from qtransform.core.graph import GraphSite, Insertion
 from qtransform.core.plan import Plan, PlanRow
 from qtransform.core.sites import Site, closest_names
-from qtransform.core.tracing import SiteTracer, detach, module_graph
+from qtransform.core.tracing import ModuleGraph, SiteTracer, detach, module_graph
 from qtransform.errors import UserError
 
 WHOLE_LOG_ATTR = "_qtransform_log"  # a whole-model graph module's insertions, in its __dict__
@@ -69,6 +69,7 @@ class Program:
     plan_rows: list[PlanRow] = field(default_factory=list)  # filled by the pass manager
     _graphs: dict[str, GraphSite] = field(default_factory=dict, repr=False)
     _trace: SiteTracer = field(default_factory=SiteTracer, repr=False)
+    _states: dict[str, ModuleGraph] = field(default_factory=dict, repr=False)  # by module path
 
     # -- sites -----------------------------------------------------------------------------
     def site(self, name: str) -> Site:
@@ -90,9 +91,11 @@ class Program:
             gm = self.whole.gm
             gsite = GraphSite(site, gm, gm, "", self.whole.log, op_node=self.whole.nodes[name])
         else:
-            module = self.model.get_submodule(name)
-            state = self._trace(module, name)
-            gsite = GraphSite(site, state, module, name, state.insertions)
+            path = site.module_name  # an experts module holds several sites, all in one graph
+            module = self.model.get_submodule(path)
+            state = self._states.get(path) or self._trace(module, path)
+            self._states[path] = state
+            gsite = GraphSite(site, state, module, path, state.insertions)
         self._graphs[name] = gsite
         return gsite
 
@@ -103,6 +106,7 @@ class Program:
             if gsite.op_node is None:
                 detach(gsite.owner, [i.module_path.rsplit(".", 1)[-1] for i in gsite.log])
         self._graphs.clear()
+        self._states.clear()
         self.log.clear()
         self.plan_rows.clear()
 

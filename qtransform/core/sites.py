@@ -1,7 +1,10 @@
 """Sites: the places a pass can act on, and the site table of a model.
 
-A site is a Linear (or GPT-2's Conv1D, whose weight is stored [in, out]), a norm (any RMSNorm or
-LayerNorm class, whatever library defines it), or, in the whole-model graph, an attention matmul.
+A site is a Linear (or GPT-2's Conv1D, whose weight is stored [in, out]; or a mixture-of-experts
+router, a module holding a 2-D `weight` applied with `F.linear`), a fused expert parameter (one
+3-D `gate_up_proj` / `up_proj` / `down_proj` of a transformers 5 experts module: E matrices, one per
+expert, each multiplied like a Linear weight), a norm (any RMSNorm or LayerNorm class, whatever
+library defines it), or, in the whole-model graph, an attention matmul.
 Selection, plans, reports and ONNX node names all refer to sites by their fully-qualified module
 name, so this module is the one place that decides names, layer indices and roles.
 """
@@ -18,7 +21,9 @@ from torch import nn
 
 REGEX_PREFIX = "re:"  # a selector that is a regular expression, not a glob
 
-SiteKind = Literal["linear", "conv1d", "norm", "matmul"]
+SiteKind = Literal["linear", "conv1d", "experts", "norm", "matmul"]
+LINEAR_KINDS: tuple[str, ...] = ("linear", "conv1d", "experts")  # what the class selector `Linear` means
+EXPERT_PARAMS = {"gate_up_proj": "experts.gate_up", "up_proj": "experts.up", "down_proj": "experts.down"}
 
 _LAYER_RE = re.compile(r"(?:^|\.)(?:layers|layer|h|blocks|block)\.(\d+)(?:\.|$)")
 _ROLE_BY_LEAF = {
@@ -82,6 +87,21 @@ def role_of(name: str, kind: SiteKind) -> str:
     return "other"
 
 
+def expert_params(module: nn.Module) -> list[str]:
+    """The fused 3-D expert parameters a module holds ([E, out, in], or [E, in, out] when the
+    module says `is_transposed`), in EXPERT_PARAMS order; [] for any other module."""
+    return [n for n in EXPERT_PARAMS
+            if isinstance(p := module._parameters.get(n), nn.Parameter) and p.ndim == 3]
+
+
+def is_router(module: nn.Module) -> bool:
+    """A mixture-of-experts router (`MixtralTopKRouter`, `Qwen3MoeTopKRouter`, ...): a module of
+    its own holding a 2-D `weight` that it applies with `F.linear`, so a Linear in all but class."""
+    weight = module._parameters.get("weight")
+    return (type(module).__name__.endswith("Router") and isinstance(weight, nn.Parameter)
+            and weight.ndim == 2)
+
+
 def is_norm_class(cls_name: str) -> bool:
     """Any RMSNorm/LayerNorm class, matched by name so every library's class counts."""
     return cls_name.endswith("RMSNorm") or cls_name.endswith("LayerNorm")
@@ -97,15 +117,33 @@ class Site:
     layer: int | None
     role: str
     weight_shape: tuple[int, ...] | None = None
-    weight_transposed: bool = False  # Conv1D stores [in, out]
+    weight_transposed: bool = False  # Conv1D stores [in, out]; experts [E, in, out] when set
     index: int = 0  # position in module order (execution order once a whole graph exists)
     alias: str | None = None  # the name users write when PEFT renamed the module (see peft_view)
     adapter: bool = False  # a PEFT adapter (lora_A, lora_B, ...): only selected when named
     feeds: list[str] = field(default_factory=list)  # norms: the linears their output reaches
+    param: str | None = None  # experts: the 3-D parameter of module `module_name` this site is
+
+    @property
+    def module_name(self) -> str:
+        """The module that holds this site's weight (experts: the experts module)."""
+        return self.name.rsplit(".", 1)[0] if self.param else self.name
+
+    @property
+    def expert_axis(self) -> int | None:
+        """The axis of the weight that indexes experts (0 for an experts site, else None)."""
+        return 0 if self.kind == "experts" else None
+
+    @property
+    def num_experts(self) -> int | None:
+        return self.weight_shape[0] if self.kind == "experts" and self.weight_shape else None
 
     @property
     def reduction_axis(self) -> int:
-        """Axis of the weight along which blocks run: the input-feature (reduction) axis."""
+        """Axis of the weight along which blocks run: the input-feature (reduction) axis, the
+        same for each expert's matrix as for that matrix in an nn.Linear."""
+        if self.kind == "experts":
+            return -2 if self.weight_transposed else -1
         return 0 if self.weight_transposed else -1
 
     def to_dict(self) -> dict:
@@ -113,7 +151,7 @@ class Site:
             "name": self.name, "class": self.cls_name, "kind": self.kind, "layer": self.layer,
             "role": self.role, "weight_shape": list(self.weight_shape) if self.weight_shape else None,
             "weight_transposed": self.weight_transposed, "feeds": list(self.feeds),
-            "adapter": self.adapter,
+            "adapter": self.adapter, "param": self.param, "num_experts": self.num_experts,
         }
 
 
@@ -126,13 +164,19 @@ def classify(module: nn.Module) -> SiteKind | None:
         return "conv1d"
     if is_norm_class(cls_name) and isinstance(getattr(module, "weight", None), nn.Parameter):
         return "norm"
+    if is_router(module):
+        return "linear"
     return None
 
 
 def discover_sites(model: nn.Module) -> dict[str, Site]:
-    """The site table of a model in module order: every Linear, Conv1D and norm."""
+    """The site table of a model in module order: every Linear, Conv1D, router, fused expert
+    parameter and norm. Plans, transforms and every scan read this one table."""
     sites: dict[str, Site] = {}
     for name, module in model.named_modules():
+        if name:
+            for param in expert_params(module):
+                _add_expert_site(sites, module, name, param)
         kind = classify(module)
         if kind is None or not name:
             continue
@@ -143,7 +187,7 @@ def discover_sites(model: nn.Module) -> dict[str, Site]:
             cls_name=type(module).__name__,
             kind=kind,
             layer=layer_index(name),
-            role=role_of(alias, kind),
+            role="router" if is_router(module) else role_of(alias, kind),
             alias=alias if alias != name else None,
             adapter=adapter,
             weight_shape=tuple(weight.shape),
@@ -151,6 +195,18 @@ def discover_sites(model: nn.Module) -> dict[str, Site]:
             index=len(sites),
         )
     return sites
+
+def _add_expert_site(sites: dict[str, Site], module: nn.Module, name: str, param: str) -> None:
+    alias, adapter = peft_view(name)
+    site_name = f"{name}.{param}"
+    sites[site_name] = Site(
+        name=site_name, cls_name=type(module).__name__, kind="experts", layer=layer_index(name),
+        role=EXPERT_PARAMS[param], alias=f"{alias}.{param}" if alias != name else None,
+        adapter=adapter, weight_shape=tuple(module._parameters[param].shape),
+        weight_transposed=bool(getattr(module, "is_transposed", False)), index=len(sites),
+        param=param,
+    )
+
 
 def closest_names(entry: str, names: Sequence[str], n: int = 3) -> list[str]:
     """Up to n site names that look like `entry` (compared whole and by last dotted part)."""

@@ -11,7 +11,8 @@ slot now (a merged LoRA weight, FSDP2's unsharded tensor) is what the graph comp
 `torch.fx.symbolic_trace` gives the graph of Linear, Conv1D and the usual norms. A module whose
 forward cannot be traced (control flow on tensor attributes, as in T5's LayerNorm, or a user's
 Linear subclass) gets an *opaque* graph: its weight, input and output are graph values around one
-call of the class's own forward.
+call of the class's own forward. A fused experts module gets the decomposed graph of
+`core/experts.py` (one weight, input and output point per expert parameter).
 """
 
 from __future__ import annotations
@@ -24,7 +25,9 @@ from typing import Any
 import torch
 from torch import fx, nn
 
+from qtransform.core.experts import decomposable, experts_graph
 from qtransform.core.graph import Insertion
+from qtransform.core.sites import expert_params
 from qtransform.errors import UserError
 
 STATE_ATTR = "_qtransform"  # the ModuleGraph of a transformed module, in its __dict__
@@ -145,6 +148,8 @@ class SiteTracer:
     def _graph(self, module: nn.Module) -> fx.Graph:
         if type(module) is nn.Linear:
             return self._linear(module)
+        if expert_params(module):
+            return experts_graph(module) if decomposable(module) else _opaque_graph(module)
         try:
             graph = fx.symbolic_trace(module).graph
         except Exception:  # noqa: BLE001 - any trace failure: fall back to an opaque graph

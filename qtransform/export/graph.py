@@ -19,6 +19,7 @@ import onnx
 from onnx import FunctionProto, ModelProto, NodeProto, TensorProto, helper
 
 from qtransform import formats
+from qtransform.core.ops import split_expert_label
 from qtransform.export.functions import (
     DOMAIN,
     Body,
@@ -186,9 +187,21 @@ def finish_fake_quant(model: ModelProto, opset: int) -> list[str]:
 
 
 def audit(labels: list[str], log: list[dict]) -> None:
-    """Every quantized site tensor of the log appears as exactly one fake-quant node."""
+    """Every quantized site tensor of the log appears as exactly one fake-quant node (a fused
+    experts weight quantized expert by expert: one node per expert, `<label>.expert<e>`)."""
     expected = Counter(f"{e['site']}/{e['point']}_fake_quant" for e in log if e["pass_name"] == "fake_quant")
-    found = Counter(labels)
+    found: Counter[str] = Counter()
+    experts: dict[str, set[int]] = {}
+    for label in labels:
+        base, expert = split_expert_label(label)
+        if expert is None:
+            found[base] += 1
+        elif expert in experts.setdefault(base, set()):
+            found[label] += 1  # a duplicate expert node: reported as unexpected
+        else:
+            experts[base].add(expert)
+    for base, seen in experts.items():
+        found[base if seen == set(range(len(seen))) else f"{base} (experts {sorted(seen)})"] += 1
     if found != expected:
         missing = sorted((expected - found).elements())
         extra = sorted((found - expected).elements())

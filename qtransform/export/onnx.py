@@ -30,6 +30,7 @@ from torch import nn
 
 import qtransform.core.ops  # noqa: F401 - registers the custom ops the translations refer to
 from qtransform.core.capture import normalize_inputs
+from qtransform.core.experts import traceable_experts
 from qtransform.core.io import check_file_target, current_umask
 from qtransform.core.program import Program, insertion_log
 from qtransform.errors import UserError
@@ -273,7 +274,7 @@ def _torch_export(module: nn.Module, signature_model: nn.Module, example_inputs:
                        for z, (_, point, _) in zip(zs, noise, strict=True))
         shapes = (specs,)  # one entry: the wrapper's *tensors
     try:
-        with _quiet_exporter():
+        with _quiet_exporter(), traceable_experts(module):
             program = torch.onnx.export(
                 wrapper, inputs, dynamo=True, opset_version=opset, input_names=input_names,
                 dynamic_shapes=shapes, custom_translation_table=translation_table(), verbose=False,

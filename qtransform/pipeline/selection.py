@@ -13,13 +13,13 @@ from collections.abc import Sequence
 from typing import Any
 
 from qtransform.core.program import Program
-from qtransform.core.sites import Site, closest_names
+from qtransform.core.sites import LINEAR_KINDS, Site, closest_names
 from qtransform.errors import UserError
 from qtransform.pipeline.base import Action
 from qtransform.schemas import QuantRule
 from qtransform.schemas.selectors import Selector, is_class_entry, resolve_quant_rules
 
-QUANTIZABLE = ("linear", "conv1d")
+QUANTIZABLE = LINEAR_KINDS  # Linear, Conv1D, routers and fused experts
 
 
 def select_sites(program: Program, section: Any, where: str, *, kinds: tuple[str, ...]) -> list[Site]:
@@ -50,8 +50,9 @@ def select_sites(program: Program, section: Any, where: str, *, kinds: tuple[str
 
 
 def check_axis(axis: int | None, site: Site, tensor: str, where: str) -> None:
-    """A blocking axis must exist on the tensor: weights are 2-D, and inputs/outputs of a linear
-    are at least 2-D ([..., features]), so only -2..1 is valid everywhere. Caught here, in plan,
+    """A blocking axis must exist on the tensor: weights are 2-D (an experts weight is quantized
+    expert by expert, so its axis is that of each expert's 2-D matrix), and inputs/outputs of a
+    linear are at least 2-D ([..., features]), so only -2..1 is valid everywhere. Caught here, in plan,
     because an out-of-range axis otherwise surfaces as an ONNX file onnxruntime cannot load."""
     if axis is None or -2 <= axis <= 1:
         return

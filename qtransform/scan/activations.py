@@ -130,17 +130,21 @@ class SitePairs(ForwardHooks):
     produces the matching output, which is compared at once and dropped.
     """
 
-    def __init__(self, fp: nn.Module, quant: nn.Module, sites: list[str], stride: int = 1):
+    def __init__(self, fp: nn.Module, quant: nn.Module, sites: list[str], stride: int = 1,
+                 modules: dict[str, str] | None = None):
         super().__init__()
         self.stats = {s: ErrorStats() for s in sites}
         self.stride = stride
         self._seen = {(model, s): 0 for model in ("fp", "quant") for s in sites}
         self._pending: dict[str, deque[Tensor]] = {s: deque() for s in sites}
-        for site in sites:
-            self.add(fp.get_submodule(site), self._keep(site))
-            self.add(quant.get_submodule(site), self._compare(site))
+        for site in sites:  # `modules`: an experts site is measured at its experts module
+            path = (modules or {}).get(site, site)
+            self.add(fp.get_submodule(path), self._keep(site))
+            self.add(quant.get_submodule(path), self._compare(site))
 
-    def _rows(self, model: str, site: str, output: Tensor) -> Tensor:
+    def _rows(self, model: str, site: str, output: Tensor | tuple) -> Tensor:
+        if isinstance(output, tuple):  # a router's (logits, scores, indices): its logits
+            output = output[0]
         offset = next_offset(self._seen[model, site], self.stride)
         self._seen[model, site] += output.numel() // output.shape[-1]
         return sample_rows(output.detach(), offset, self.stride)
@@ -237,12 +241,14 @@ class EndToEnd:
 # -- reports -------------------------------------------------------------------------------------
 def _features(site: Site, point: str) -> int:
     """Elements per token of a site's input or output (from its weight shape)."""
-    out_dim, in_dim = site.weight_shape if site.kind == "linear" else site.weight_shape[::-1]
+    matrix = site.weight_shape[-2:]  # an experts weight: each expert's matrix
+    out_dim, in_dim = matrix[::-1] if site.weight_transposed else matrix
     return in_dim if point == "input" else out_dim
 
 
 def site_row(site: Site, point: str, stats: ErrorStats, quantizer: Quantizer | None, *,
-         extra: dict[str, Any] | None = None, block_exponents: dict | None = None) -> SiteRow:
+         extra: dict[str, Any] | None = None, block_exponents: dict | None = None,
+         experts: list[dict[str, Any]] | None = None) -> SiteRow:
     """A report row; activation rows have shape [tokens, features]."""
     fmt, opts = quantizer or ("none", {})
     opts = {k: v for k, v in opts.items() if k != "zero_saturated_grad"}
@@ -256,6 +262,7 @@ def site_row(site: Site, point: str, stats: ErrorStats, quantizer: Quantizer | N
                              options=effective_options(QuantChoice(fmt, opts)) if quantizer else {},
                              block_exponents=block_exponents)
     row.metrics.update(extra or {})
+    row.experts = experts
     return row
 
 
@@ -339,7 +346,8 @@ def scan_activations(model: nn.Module, policy_or_format: Any, calib: Calibration
                                        else b.numel() for b in batches))
     end = EndToEnd(is_causal_lm(model), token_stride)
     reset_taps(quant)
-    with eval_mode(model), SitePairs(model, quant, sites, token_stride) as pairs, \
+    with eval_mode(model), SitePairs(model, quant, sites, token_stride,
+                                                  {s: program.sites[s].module_name for s in sites}) as pairs, \
             tapping(quant, True, stride=token_stride) as found, torch.no_grad():
         for batch in progress_bar(batches, progress, "activation scan"):
             fp_out = run_model(model, batch)
@@ -354,10 +362,12 @@ def scan_activations(model: nn.Module, policy_or_format: Any, calib: Calibration
         site = program.sites[name]
         for point, tap in site_taps.items():
             if tap.local is not None and tap.local.n:  # the site's own error, output quant included
-                rows.append(site_row(site, point, tap.local, site_quantizer(program, name)))
+                rows.append(site_row(site, point, tap.local, site_quantizer(program, name),
+                                     experts=tap.experts()))
             elif tap.stats.n:
                 exps = tap.exponents.result() if tap.exponents is not None else None
-                rows.append(site_row(site, point, tap.stats, tap.quantizer, block_exponents=exps))
+                rows.append(site_row(site, point, tap.stats, tap.quantizer, block_exponents=exps,
+                                     experts=tap.experts()))
     return build_report(
         "activation_scan", program, policy, rows, end_to_end=end.result(),
         accumulated=_pairs_table(program, pairs.stats),

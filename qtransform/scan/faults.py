@@ -161,7 +161,8 @@ def kurtosis_scan(model: nn.Module, policy_or_format: Any, calib: Calibration, *
     quant = program.module()
     batches = calibration_batches(calib, tokenizer=tokenizer, batch_size=batch_size,
                                   max_length=max_length, model=model)
-    with eval_mode(model), SitePairs(model, quant, sites) as pairs, tapping(quant, False), \
+    modules = {s: program.sites[s].module_name for s in sites}
+    with eval_mode(model), SitePairs(model, quant, sites, modules=modules) as pairs, tapping(quant, False), \
             torch.no_grad():
         for batch in progress_bar(batches, progress, "kurtosis scan"):
             run_model(model, batch)

@@ -66,6 +66,9 @@ class SiteRow:
     metrics: dict[str, float]
     state: dict[str, float]
     block_exponents: dict[str, Any] | None = None
+    # fused experts: one entry per expert, {"expert", "tokens" (activation scans), "metrics"};
+    # an expert that saw no calibration token has "tokens": 0 and "metrics": None
+    experts: list[dict[str, Any]] | None = None
 
     @classmethod
     def from_stats(
@@ -87,6 +90,7 @@ class SiteRow:
             "site": self.site, "point": self.point, "layer": self.layer, "role": self.role,
             "kind": self.kind, "shape": self.shape, "format": self.format, "options": self.options,
             "metrics": self.metrics, "state": self.state, "block_exponents": self.block_exponents,
+            **({"experts": self.experts} if self.experts is not None else {}),
         }
 
     @classmethod
@@ -95,6 +99,8 @@ class SiteRow:
             d["site"], d["point"], d["layer"], d["role"], d["kind"], list(d["shape"]), d["format"],
             dict(d["options"]), _decode_numbers(d["metrics"]), _decode_numbers(d["state"]),
             d.get("block_exponents"),
+            [{**e, "metrics": _decode_numbers(e["metrics"]) if e.get("metrics") else None}
+             for e in d["experts"]] if d.get("experts") is not None else None,
         )
 
 

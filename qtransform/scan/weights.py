@@ -5,8 +5,11 @@ compared with itself, tensor by tensor, so a checkpoint far larger than memory c
 (peak memory is set by the largest tensor). `compare_formats` runs several formats over the same
 tensors and adds their errors up across the model.
 
-What is scanned: the weight of every `nn.Linear` and GPT-2 `Conv1D` (the sites of
-`qtransform.sites`, lm_head included and marked by its role); from a safetensors checkpoint,
+What is scanned: the weight of every Linear-like site of `qtransform.core.sites` (`nn.Linear`,
+GPT-2 `Conv1D`, MoE routers, fused expert parameters; lm_head included and marked by its role):
+the very site table that plans and transforms use. A fused experts weight [E, ...] is quantized
+expert by expert, as each matrix would be in an nn.Linear; its row sums all experts and lists
+each expert's metrics (`SiteRow.experts`). From a safetensors checkpoint,
 every floating 2-D `*.weight` tensor except embeddings. Embeddings are looked up, not multiplied,
 so block quantization of their rows is a different question. Blocks run along the reduction axis
 (axis 0 for Conv1D, which stores [in, out]; GPT-2's `c_attn`/`c_fc`/`c_proj` in checkpoints).
@@ -31,13 +34,12 @@ from torch import nn
 
 from qtransform import formats
 from qtransform.core.metrics import BlockExponentHistogram, ErrorStats
-from qtransform.core.sites import Site, discover_sites, layer_index, role_of
+from qtransform.core.sites import LINEAR_KINDS, Site, discover_sites, layer_index, role_of
 from qtransform.errors import UserError
 from qtransform.formats.quantize import quantize_with_info
 from qtransform.scan.compare import Comparison
 from qtransform.scan.report import DEFAULT_THRESHOLDS, ScanReport, SiteRow, build_meta
 
-LINEAR_KINDS = ("linear", "conv1d")
 GPT2_CONV1D_LEAVES = ("c_attn", "c_fc", "c_proj")
 _FLOAT_DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64}
 _ROLE_ORDER = ("q", "k", "v", "qkv", "o", "gate", "up", "gate_up", "down", "fc1", "fc2", "other", "lm_head")
@@ -62,12 +64,12 @@ class QuantChoice:
 
 # -- sources ----------------------------------------------------------------------------------
 def module_weights(model: nn.Module) -> list[WeightRef]:
-    """Every Linear / Conv1D site of a model with a 2-D weight, in module order."""
+    """Every Linear-like site of a model (the site table's), in module order."""
     modules = dict(model.named_modules())
     refs = []
     for site in discover_sites(model).values():
-        weight = getattr(modules[site.name], "weight", None)
-        if site.kind in LINEAR_KINDS and isinstance(weight, torch.Tensor) and weight.ndim == 2:
+        weight = getattr(modules[site.module_name], site.param or "weight", None)
+        if site.kind in LINEAR_KINDS and isinstance(weight, torch.Tensor):
             refs.append(WeightRef(site, weight.detach))
     return refs
 
@@ -264,8 +266,12 @@ def measure(
 ) -> tuple[ErrorStats, BlockExponentHistogram | None]:
     """Fake-quantize one weight and accumulate its error, saturation and MX block exponents.
 
-    One quantization gives all three (`quantize_with_info`); the metrics are one more pass.
+    One quantization gives all three (`quantize_with_info`); the metrics are one more pass. A
+    fused experts weight is measured expert by expert and merged (`measure_experts`).
     """
+    if site.kind == "experts":
+        stats, hist, _ = measure_experts(w, site, choice)
+        return stats, hist
     opts = dict(choice.options)
     if "block_shape" not in opts:
         opts.setdefault("axis", site.reduction_axis)
@@ -277,6 +283,23 @@ def measure(
     stats = ErrorStats().update(w, xq, sat)
     hist = BlockExponentHistogram().update(exps) if exps is not None else None
     return stats, hist
+
+
+def measure_experts(
+    w: torch.Tensor, site: Site, choice: QuantChoice
+) -> tuple[ErrorStats, BlockExponentHistogram | None, list[ErrorStats]]:
+    """Each expert's matrix of a fused [E, ...] weight measured as an nn.Linear weight; (all
+    experts merged, their block exponents, each expert's stats)."""
+    two_d = Site(site.name, site.cls_name, "linear", site.layer, site.role,
+                 weight_shape=tuple(w.shape[1:]), weight_transposed=site.weight_transposed)
+    per_expert = [measure(w[e], two_d, choice) for e in range(w.shape[0])]
+    total = ErrorStats()
+    hist = None
+    for stats, h in per_expert:
+        total.merge(stats)
+        if h is not None:
+            hist = h if hist is None else hist.merge(h)
+    return total, hist, [stats for stats, _ in per_expert]
 
 
 def _progress(refs: Sequence[WeightRef], progress: bool | None, desc: str):
@@ -301,13 +324,26 @@ def _select(refs: list[WeightRef], policy: Any) -> list[tuple[WeightRef, QuantCh
     return pairs
 
 
-def _row(ref: WeightRef, choice: QuantChoice, stats: ErrorStats, hist: BlockExponentHistogram | None) -> SiteRow:
+def _row(ref: WeightRef, choice: QuantChoice, stats: ErrorStats, hist: BlockExponentHistogram | None,
+         experts: list[ErrorStats] | None = None) -> SiteRow:
     site = ref.site
-    return SiteRow.from_stats(
+    row = SiteRow.from_stats(
         site.name, "weight", stats, layer=site.layer, role=site.role, kind=site.kind,
         shape=list(site.weight_shape or ()), fmt=choice.fmt, options=effective_options(choice),
         block_exponents=hist.result() if hist is not None else None,
     )
+    if experts is not None:
+        row.experts = [{"expert": e, "metrics": s.result()} for e, s in enumerate(experts)]
+    return row
+
+
+def _measured_row(ref: WeightRef, w: torch.Tensor, choice: QuantChoice) -> tuple[SiteRow, ErrorStats]:
+    """The row of one weight (with per-expert entries for a fused experts weight) and its stats."""
+    if ref.site.kind == "experts":
+        stats, hist, experts = measure_experts(w, ref.site, choice)
+        return _row(ref, choice, stats, hist, experts), stats
+    stats, hist = measure(w, ref.site, choice)
+    return _row(ref, choice, stats, hist), stats
 
 
 # -- public API -------------------------------------------------------------------------------
@@ -336,7 +372,7 @@ def scan_weights(
             choice = default or by_policy
             assert choice is not None
             w = ref.load()
-            rows.append(_row(ref, choice, *measure(w, ref.site, choice)))
+            rows.append(_measured_row(ref, w, choice)[0])
             bar.update(w.numel())
             del w
     fmts = sorted({row.format for row in rows})
@@ -405,9 +441,9 @@ def compare_formats(
         for ref, _ in pairs:
             w = ref.load()
             for f, choice in choices.items():
-                stats, hist = measure(w, ref.site, choice)
+                row, stats = _measured_row(ref, w, choice)
                 totals[f].merge(stats)
-                rows[f].append(_row(ref, choice, stats, hist))
+                rows[f].append(row)
             bar.update(w.numel())
             del w
     limits = _limits(policy, None)

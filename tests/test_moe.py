@@ -1,0 +1,179 @@
+"""Mixture-of-experts models: fused experts are sites everywhere (issue 15).
+
+Tiny Mixtral, Qwen2-MoE and Qwen3-MoE built from configs (4 experts, 2 per token, seeded
+weights). References are computed independently: a deep copy whose weights are replaced by the
+format functions applied matrix by matrix, and a per-expert loop written here.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+import torch
+import torch.nn.functional as F
+
+import qtransform
+from qtransform.core.sites import discover_sites
+from qtransform.formats import fake_quantize
+from qtransform.models import BUILTIN, MOE, build_tiny
+from qtransform.scan.activations import scan_activations
+from qtransform.scan.weights import scan_weights
+
+IDS = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(3))
+
+
+def _policy(fmt: str, tensors: tuple[str, ...] = ("weight",), **rule) -> dict:
+    return {"version": 1, "quantize": [{"targets": ["Linear"], "format": fmt, "tensors": list(tensors), **rule}]}
+
+
+def _quantized_copy(model: torch.nn.Module, fmt: str) -> torch.nn.Module:
+    """Every Linear-like weight replaced by its fake-quantized value, each expert's matrix alone."""
+    ref = copy.deepcopy(model)
+    with torch.no_grad():
+        for name, module in ref.named_modules():
+            for pname, p in module.named_parameters(recurse=False):
+                if p.ndim == 3:
+                    p.copy_(torch.stack([fake_quantize(p[e], fmt) for e in range(p.shape[0])]))
+                elif pname == "weight" and p.ndim == 2 and "embed" not in name:
+                    p.copy_(fake_quantize(p, fmt))
+    return ref
+
+
+@pytest.mark.parametrize("arch", MOE)
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+def test_linear_rule_quantizes_experts_and_routers_like_linears(arch, fmt):
+    model = build_tiny(arch, hidden=32)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    want = _quantized_copy(model, fmt)(input_ids=IDS).logits
+    out = qtransform.transform(model, _policy(fmt))
+    with torch.no_grad():
+        got = out(input_ids=IDS).logits
+    assert torch.equal(got, want)
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())  # original untouched
+    sites = {i.site for i in qtransform.insertion_log(out)}
+    assert "model.layers.1.mlp.experts.down_proj" in sites and "model.layers.0.mlp.gate" in sites
+
+
+def test_nvfp4_tensor_scale_is_per_expert():
+    model = build_tiny("mixtral", hidden=32)
+    w = model.model.layers[0].mlp.experts.gate_up_proj.detach().clone()
+    w[0] *= 1000  # one expert far larger: a shared tensor scale would crush the others
+    fq = qtransform.transform(model, _policy("nvfp4"))
+    module = fq.model.layers[0].mlp.experts.gate_up_proj__weight_fake_quant
+    got = module(w)
+    for e in range(w.shape[0]):
+        assert torch.equal(got[e], fake_quantize(w[e], "nvfp4"))
+    assert not torch.equal(got[1], fake_quantize(w, "nvfp4")[1])
+
+
+def test_input_points_quantize_each_experts_token_slice():
+    """W4A4 on the experts against a per-expert loop written here in float64."""
+    model = build_tiny("qwen3_moe", hidden=32)
+    experts = model.model.layers[0].mlp.experts
+    params = {n: p.detach().clone() for n, p in experts.named_parameters()}
+    out = qtransform.transform(model, _policy("mxfp4", ("weight", "input"), targets=["Qwen3MoeExperts"]))
+    tx = out.model.layers[0].mlp.experts
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(11, 32, generator=g)
+    index = torch.stack([torch.randperm(4, generator=g)[:2] for _ in range(11)])
+    weights = torch.rand(11, 2, generator=g)
+    got = tx(hidden, index, weights)
+    want = torch.zeros(11, 32, dtype=torch.float64)
+    for t in range(11):
+        for j in range(2):
+            e = int(index[t, j])
+            x = fake_quantize(hidden[t:t + 1], "mxfp4")
+            y = F.linear(x.double(), fake_quantize(params["gate_up_proj"][e], "mxfp4").double())
+            gate, up = y.chunk(2, dim=-1)
+            h = fake_quantize((F.silu(gate) * up).float(), "mxfp4").double()
+            want[t] += weights[t, j].double() * F.linear(h, fake_quantize(params["down_proj"][e], "mxfp4").double())[0]
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)
+
+
+def test_selectors_layers_and_ignore_on_experts():
+    model = build_tiny("mixtral", hidden=32)
+    policy = _policy("mxfp4", layers="1", ignore=["experts.down_proj", "re:.*mlp\\.gate"])
+    plan = qtransform.plan(model, policy)
+    acted = {r.site for r in plan.rows}
+    assert acted >= {"model.layers.1.mlp.experts.gate_up_proj", "model.layers.1.self_attn.q_proj"}
+    assert not any(".layers.0." in s or s.endswith("down_proj") or s.endswith("mlp.gate") for s in acted)
+    by_class = qtransform.plan(model, _policy("mxfp4", targets=["MixtralExperts"]))
+    assert {r.site for r in by_class.rows} == {f"model.layers.{i}.mlp.experts.{p}"
+                                                  for i in range(2) for p in ("gate_up_proj", "down_proj")}
+    site = discover_sites(model)["model.layers.0.mlp.experts.gate_up_proj"]
+    assert (site.kind, site.role, site.expert_axis, site.reduction_axis) == ("experts", "experts.gate_up", 0, -1)
+
+
+@pytest.mark.parametrize("arch", BUILTIN)
+def test_one_truth_plan_transform_and_scans_list_the_same_sites(arch):
+    model = build_tiny(arch, hidden=32, num_layers=1)
+    policy = _policy("mxfp4")
+    planned = list(dict.fromkeys(r.site for r in qtransform.plan(model, policy).rows))
+    transformed = list(dict.fromkeys(i.site for i in qtransform.insertion_log(qtransform.transform(model, policy))))
+    weights = [r.site for r in scan_weights(model, policy=policy).rows]
+    compared = [r.site for r in qtransform.compare_formats(model, ["mxfp4"], policy=policy).reports["mxfp4"].rows]
+    calib = torch.randint(0, 200, (2, 8))
+    acts = list(dict.fromkeys(r.site for r in scan_activations(model, policy, calib).rows if r.point == "weight"))
+    assert planned == transformed == weights == compared == acts
+    if arch in MOE:
+        assert sum(".experts." in s for s in planned) == 2
+
+
+def test_activation_scan_counts_each_experts_tokens():
+    """Only the experts are quantized, so layer 0 routes as the full-precision model does: the
+    token counts must equal the routing a hook on the original router sees."""
+    model = build_tiny("mixtral", hidden=32)
+    calib = torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(1))
+    routed = []
+    hook = model.model.layers[0].mlp.gate.register_forward_hook(lambda m, a, out: routed.append(out[2]))
+    with torch.no_grad():
+        model(input_ids=calib)
+    hook.remove()
+    want = torch.bincount(routed[0].reshape(-1), minlength=4).tolist()
+    report = scan_activations(model, _policy("mxfp4", ("weight", "input"), targets=["re:.*experts.*"]), calib)
+    row = next(r for r in report.rows if r.site == "model.layers.0.mlp.experts.gate_up_proj" and r.point == "input")
+    assert [e["tokens"] for e in row.experts] == want
+
+
+def test_an_expert_without_tokens_is_reported_as_unmeasured():
+    from qtransform.passes.instrument import tapping
+
+    policy = {**_policy("mxfp4", ("weight", "input"), targets=["re:.*experts.*"]),
+              "instrument": {"targets": ["re:.*experts.*"], "points": ["input", "output"], "shadow": True}}
+    out = qtransform.transform(build_tiny("mixtral", hidden=32), policy)
+    experts = out.model.layers[0].mlp.experts
+    index = torch.tensor([[0, 1], [1, 2], [2, 0]])  # expert 3 never chosen
+    with tapping(out) as found, torch.no_grad():
+        experts(torch.randn(3, 32), index, torch.full((3, 2), 0.5))
+    tap = next(t for t in found if t.site.endswith("0.mlp.experts.down_proj") and t.point == "output")
+    per_expert = tap.experts()
+    assert [e["tokens"] for e in per_expert] == [2, 2, 2, 0]
+    assert per_expert[3]["metrics"] is None and all(e["metrics"]["sqnr_db"] > 0 for e in per_expert[:3])
+
+
+@pytest.mark.parametrize("arch", MOE)
+def test_onnx_export_matches_pytorch_with_named_expert_nodes(arch, tmp_path):
+    import onnx
+
+    out = qtransform.transform(build_tiny(arch, hidden=32, num_layers=1), _policy("nvfp4", ("weight", "input")))
+    path = qtransform.export_onnx(out, tmp_path / "m.onnx", {"input_ids": IDS})
+    with torch.no_grad():
+        want = out(input_ids=IDS).logits.numpy()
+    got = ort.InferenceSession(str(path)).run(None, {"input_ids": IDS.numpy()})[0]
+    assert np.abs(got - want).max() < 1e-4
+    names = {n.name for n in onnx.load(str(path)).graph.node}
+    assert "model.layers.0.mlp.experts.down_proj/input_fake_quant" in names
+    assert {f"model.layers.0.mlp.experts.down_proj/weight_fake_quant.expert{e}" for e in range(4)} <= names
+
+
+def test_graph_mode_quantizes_expert_weights():
+    model = build_tiny("mixtral", hidden=32)
+    want = _quantized_copy(model, "mxfp4")(input_ids=IDS).logits
+    gm = qtransform.transform(model, _policy("mxfp4"), example_inputs={"input_ids": IDS}, mode="graph")
+    with torch.no_grad():
+        got = gm(input_ids=IDS, use_cache=False).logits
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert "model.layers.0.mlp.experts.gate_up_proj" in {i.site for i in qtransform.insertion_log(gm)}
