@@ -10,7 +10,7 @@ from pathlib import Path
 from qtransform.schemas import Policy, PolicyError, Problem, from_legacy_srdd, load_policy
 from qtransform.schemas.explain import explain, summary
 from qtransform.schemas.generate import schema_text
-from qtransform.schemas.loading import parse_json, validate_policy
+from qtransform.schemas.loading import MAX_POLICY_BYTES, parse_json, validate_policy
 
 _RAW = argparse.RawDescriptionHelpFormatter
 
@@ -95,7 +95,11 @@ def _read(args: argparse.Namespace) -> Policy:
     if args.total_steps is not None and not args.legacy:
         raise PolicyError([Problem("--total-steps", "only used with --legacy")])
     if args.file == "-":
-        data = parse_json(sys.stdin.read(), "<stdin>")
+        text = sys.stdin.read(MAX_POLICY_BYTES + 1)  # /dev/zero on stdin must not fill memory
+        if len(text) > MAX_POLICY_BYTES:
+            raise PolicyError([Problem("<stdin>", f"more than {MAX_POLICY_BYTES // 2**20} MiB; "
+                                       "a policy is a small JSON document")])
+        data = parse_json(text, "<stdin>")
         return (
             from_legacy_srdd(data, total_steps=args.total_steps)
             if args.legacy

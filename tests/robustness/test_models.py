@@ -136,3 +136,25 @@ def test_scans_restore_each_modules_training_flag():
     scan_activations(model, "mxfp4", ids)
     assert {n: m.training for n, m in model.named_modules()} == flags
     assert not all(flags.values()) and any(flags.values())
+
+
+def test_huge_layer_range_and_regex_selectors_plan_at_once(cli, models, tmp_path):
+    policy = tmp_path / "p.json"
+    policy.write_text(json.dumps({"version": 1, "quantize": [
+        {"targets": ["re:.*mlp\\..*"], "layers": "0-99999999999", "format": "mxfp4"}]}))
+    result = cli("plan", models["qwen2"], policy, "--json", timeout=60)  # a hang is rc -9
+    assert result.rc == 0, result.stderr
+    sites = json.loads(result.stdout)["sites"]
+    chosen = sorted(s["name"] for s in sites if s["actions"])
+    assert chosen == sorted(s["name"] for s in sites if ".mlp." in s["name"] and s["kind"] == "linear")
+    assert len(chosen) == 6  # gate, up, down in each of the 2 layers
+
+
+def test_policy_on_endless_stdin_is_one_line(tmp_path):
+    import subprocess
+    import sys
+
+    with open("/dev/zero", "rb") as zero:
+        proc = subprocess.run([sys.executable, "-m", "qtransform.cli.main", "policy", "validate", "-"],
+                              stdin=zero, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "MiB" in proc.stderr and "Traceback" not in proc.stderr
