@@ -35,7 +35,13 @@ from qtransform.core.sites import Site, discover_sites, layer_index, role_of
 from qtransform.errors import UserError
 from qtransform.formats.quantize import quantize_with_info
 from qtransform.scan.compare import Comparison
-from qtransform.scan.report import DEFAULT_THRESHOLDS, ScanReport, SiteRow, build_meta
+from qtransform.scan.report import (
+    DEFAULT_THRESHOLDS,
+    ScanReport,
+    SiteRow,
+    build_meta,
+    check_flagging,
+)
 
 LINEAR_KINDS = ("linear", "conv1d")
 GPT2_CONV1D_LEAVES = ("c_attn", "c_fc", "c_proj")
@@ -261,10 +267,11 @@ def policy_rules(policy: Any) -> list[dict[str, Any]]:
 # -- measuring one tensor ---------------------------------------------------------------------
 def measure(
     w: torch.Tensor, site: Site, choice: QuantChoice
-) -> tuple[ErrorStats, BlockExponentHistogram | None]:
-    """Fake-quantize one weight and accumulate its error, saturation and MX block exponents.
+) -> tuple[ErrorStats, BlockExponentHistogram | None, dict[str, float] | None]:
+    """Fake-quantize one weight and accumulate its error, saturation, MX block exponents and the
+    channel diagnostics that problem reasons quote (`channel_diagnostics`; 1-D blocks only).
 
-    One quantization gives all three (`quantize_with_info`); the metrics are one more pass.
+    One quantization gives all of them (`quantize_with_info`); the metrics are one more pass.
     """
     opts = dict(choice.options)
     if "block_shape" not in opts:
@@ -276,7 +283,35 @@ def measure(
     xq, sat, exps = quantize_with_info(w, choice.fmt, exponents=is_mx, generator=gen, **opts)
     stats = ErrorStats().update(w, xq, sat)
     hist = BlockExponentHistogram().update(exps) if exps is not None else None
-    return stats, hist
+    diagnostics = None
+    if "block_shape" not in opts and w.ndim == 2:
+        block = int(opts.get("block_size") or formats.get(choice.fmt).default_block)
+        diagnostics = channel_diagnostics(w, xq, opts["axis"], block)
+    return stats, hist, diagnostics
+
+
+OUTLIER_CHANNEL_RATIO = 8.0  # an input channel whose largest |w| is 8x the median channel's
+
+
+def channel_diagnostics(w: torch.Tensor, xq: torch.Tensor, axis: int, block: int | None) -> dict[str, float]:
+    """Why a weight may quantize badly, in numbers a reason can quote: input channels (positions
+    along the reduction axis) whose largest |w| is `OUTLIER_CHANNEL_RATIO` times the median
+    channel's, and the share of the *other* nonzero values in blocks holding such a channel that
+    quantize to zero (the outlier sets the block scale and crushes its neighbours)."""
+    x = w.detach().double().movedim(axis, -1).reshape(-1, w.shape[axis])
+    q = xq.detach().double().movedim(axis, -1).reshape(-1, w.shape[axis])
+    peak = torch.nan_to_num(x.abs(), nan=0.0, posinf=0.0).amax(dim=0)
+    median = float(peak.median())
+    outliers = peak > OUTLIER_CHANNEL_RATIO * median if median > 0 else torch.zeros_like(peak, dtype=torch.bool)
+    out = {"outlier_channels": float(outliers.sum()), "outlier_block_deadzone": math.nan}
+    if not outliers.any() or block is None:
+        return out
+    blocks = torch.arange(x.shape[1]) // block
+    hit = torch.isin(blocks, blocks[outliers]) & ~outliers  # neighbours sharing a block scale
+    nonzero = (x[:, hit] != 0)
+    if nonzero.any():
+        out["outlier_block_deadzone"] = float(((q[:, hit] == 0) & nonzero).sum() / nonzero.sum())
+    return out
 
 
 def _progress(refs: Sequence[WeightRef], progress: bool | None, desc: str):
@@ -301,13 +336,16 @@ def _select(refs: list[WeightRef], policy: Any) -> list[tuple[WeightRef, QuantCh
     return pairs
 
 
-def _row(ref: WeightRef, choice: QuantChoice, stats: ErrorStats, hist: BlockExponentHistogram | None) -> SiteRow:
+def _row(ref: WeightRef, choice: QuantChoice, stats: ErrorStats, hist: BlockExponentHistogram | None,
+         diagnostics: dict[str, float] | None = None) -> SiteRow:
     site = ref.site
-    return SiteRow.from_stats(
+    row = SiteRow.from_stats(
         site.name, "weight", stats, layer=site.layer, role=site.role, kind=site.kind,
         shape=list(site.weight_shape or ()), fmt=choice.fmt, options=effective_options(choice),
         block_exponents=hist.result() if hist is not None else None,
     )
+    row.diagnostics = diagnostics
+    return row
 
 
 # -- public API -------------------------------------------------------------------------------
@@ -318,13 +356,16 @@ def scan_weights(
     policy: Any = None,
     options: dict[str, Any] | None = None,
     thresholds: dict[str, float] | None = None,
+    flagging: str = "expected",
     progress: bool | None = False,
 ) -> ScanReport:
     """Scan every Linear-like weight of `source` under `fmt` (with `fake_quantize` `options`).
 
     With a `policy` (Policy, dict or path): its quantize rules select the sites and, when `fmt` is
     None, give each site its format and options; its `instrument.thresholds` flag problems
-    (`thresholds` overrides both).
+    (`thresholds` overrides both). `flagging`: "expected" flags sites worse than the format does
+    on Gaussian data of their block structure or outliers among the model's sites; "absolute"
+    applies the fixed thresholds (docs/metrics.md).
     """
     if fmt is None and policy is None:
         raise UserError("give a format (e.g. mxfp4) or a policy with quantize rules")
@@ -344,7 +385,8 @@ def scan_weights(
         kind="weight_scan", source=source_label(source), fmt=fmts[0] if len(fmts) == 1 else "mixed",
         options=effective_options(default) if default else {}, quantize=_rules(policy, default),
     )
-    return ScanReport(meta=meta, rows=rows, thresholds=_limits(policy, thresholds))
+    return ScanReport(meta=meta, rows=rows, thresholds=_limits(policy, thresholds),
+                      flagging=check_flagging(flagging))
 
 
 def _limits(policy: Any, thresholds: dict[str, float] | None) -> dict[str, float]:
@@ -405,9 +447,9 @@ def compare_formats(
         for ref, _ in pairs:
             w = ref.load()
             for f, choice in choices.items():
-                stats, hist = measure(w, ref.site, choice)
+                stats, hist, diagnostics = measure(w, ref.site, choice)
                 totals[f].merge(stats)
-                rows[f].append(_row(ref, choice, stats, hist))
+                rows[f].append(_row(ref, choice, stats, hist, diagnostics))
             bar.update(w.numel())
             del w
     limits = _limits(policy, None)
