@@ -55,6 +55,7 @@ class FakeQuantize(nn.Module):
         self._generator: torch.Generator | None = None
         self._key: tuple | None = None
         self._cached: Tensor | None = None
+        self.enabled = True  # eager only: off, the tensor passes unchanged (per-site sensitivity)
 
     def extra_repr(self) -> str:
         opts = ", ".join(f"{k}={v}" for k, v in self.options.items())
@@ -71,7 +72,14 @@ class FakeQuantize(nn.Module):
             self._generator = torch.Generator(device=device).manual_seed(seed)
         return self._generator
 
+    def quantize(self, x: Tensor) -> Tensor:
+        """The quantized copy of `x` without gradient, whether or not the module is enabled."""
+        with torch.no_grad():
+            return formats.fake_quantize(x.detach(), self.fmt, generator=self._gen(x.device), **self._opts())
+
     def forward(self, x: Tensor) -> Tensor:
+        if not self.enabled and not ops.is_tracing(x):
+            return x
         if ops.is_tracing(x):
             return torch.ops.qtransform.fake_quant(x, self.fmt, ops.encode_options(self._opts()), self.label)
         if not self.cache:
