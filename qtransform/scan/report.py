@@ -334,7 +334,7 @@ def _causes(row: SiteRow) -> list[str]:
                 if isinstance(lost, float) and math.isfinite(lost) else "")
         out.append(f"{channels} outlier input channel{'s' if channels > 1 else ''}{tail}")
     kurt = row.metrics.get("kurtosis_orig", math.nan)
-    if row.point == "weight" and kurt > HEAVY_TAIL_KURTOSIS and not channels:
+    if row.point == "weight" and kurt > HEAVY_TAIL_KURTOSIS:
         out.append(f"heavy tails: kurtosis {kurt:.1f} (a Gaussian has 3), so a few large values "
                    "set each block's scale")
     return out

@@ -290,17 +290,17 @@ def measure(
     return stats, hist, diagnostics
 
 
-OUTLIER_CHANNEL_RATIO = 8.0  # an input channel whose largest |w| is 8x the median channel's
+OUTLIER_CHANNEL_RATIO = 8.0  # an input channel whose typical |w| is 8x the typical channel's
 
 
 def channel_diagnostics(w: torch.Tensor, xq: torch.Tensor, axis: int, block: int | None) -> dict[str, float]:
     """Why a weight may quantize badly, in numbers a reason can quote: input channels (positions
-    along the reduction axis) whose largest |w| is `OUTLIER_CHANNEL_RATIO` times the median
-    channel's, and the share of the *other* nonzero values in blocks holding such a channel that
+    along the reduction axis) whose median |w| is `OUTLIER_CHANNEL_RATIO` times the median over
+    channels (medians, so a few heavy-tailed values do not make a channel), and the share of the *other* nonzero values in blocks holding such a channel that
     quantize to zero (the outlier sets the block scale and crushes its neighbours)."""
     x = w.detach().double().movedim(axis, -1).reshape(-1, w.shape[axis])
     q = xq.detach().double().movedim(axis, -1).reshape(-1, w.shape[axis])
-    peak = torch.nan_to_num(x.abs(), nan=0.0, posinf=0.0).amax(dim=0)
+    peak = torch.nan_to_num(x.abs(), nan=0.0, posinf=0.0).median(dim=0).values
     median = float(peak.median())
     outliers = peak > OUTLIER_CHANNEL_RATIO * median if median > 0 else torch.zeros_like(peak, dtype=torch.bool)
     out = {"outlier_channels": float(outliers.sum()), "outlier_block_deadzone": math.nan}
