@@ -185,7 +185,11 @@ def scan_table(report) -> str:
         lines += [f"  {row.label}: {'; '.join(why)}" for row, why in problems[:20]]
         if len(problems) > 20:
             lines.append(f"  ... and {len(problems) - 20} more (report.md lists all)")
-    lines += ["", "recommendation: " + recommend(report).text]
+    from qtransform.scan.render import end_to_end_text
+
+    if end_to_end_text(report):
+        lines += ["", "end to end: " + end_to_end_text(report)]
+    lines += ["", f"flagging: {report.flagging}", "recommendation: " + recommend(report).text]
     return "\n".join(lines)
 
 

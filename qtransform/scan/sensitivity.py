@@ -135,13 +135,16 @@ class SensitivityReport:
         return buf.getvalue()
 
     def table(self, limit: int | None = None) -> list[str]:
-        """Markdown table rows, most sensitive first."""
+        """Markdown table rows, most sensitive first (columns for the measures that were run)."""
         unit = measure_label(self.measure)
-        head = f"| rank | site | layer | {unit} (exact) | {unit} (estimate) | estimate rank |"
-        lines = [head, "|---|---|---|---|---|---|"]
+        cols = [k for k in ("exact", "estimate") if any(not math.isnan(getattr(r, k)) for r in self.rows)]
+        both = len(cols) == 2
+        head = ["rank", "site", "layer", *(f"{unit} ({k})" for k in cols), *(["estimate rank"] if both else [])]
+        lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         for r in self.ranked()[:limit]:
-            lines.append(f"| {r.rank} | {r.site} | {'' if r.layer is None else r.layer} | "
-                         f"{_num(r.exact)} | {_num(r.estimate)} | {r.estimate_rank or ''} |")
+            cells = [r.rank, r.site, "" if r.layer is None else r.layer,
+                     *(_num(getattr(r, k)) for k in cols), *([r.estimate_rank] if both else [])]
+            lines.append("| " + " | ".join(str(c) for c in cells) + " |")
         return lines
 
     def to_markdown(self) -> str:
