@@ -62,6 +62,7 @@ class FakeQuantize(nn.Module):
         self.stream = DrawStream(seed or 0, label) if stochastic else None  # one draw per forward
         self._key: tuple | None = None
         self._cached: Tensor | None = None
+        self.enabled = True  # eager only: off, the tensor passes unchanged (per-site sensitivity)
 
     def extra_repr(self) -> str:
         opts = ", ".join(f"{k}={v}" for k, v in self.options.items())
@@ -99,7 +100,14 @@ class FakeQuantize(nn.Module):
         return torch.stack([torch.ops.qtransform.fake_quant(x[e], self.fmt, opts, ops.expert_label(self.label, e))
                             for e in range(x.shape[0])])
 
+    def quantized_copy(self, x: Tensor) -> Tensor:
+        """The quantized copy of `x` without gradient, whether or not the module is enabled."""
+        with torch.no_grad():
+            return self.quantize(x.detach())
+
     def forward(self, x: Tensor) -> Tensor:
+        if not self.enabled and not ops.is_tracing(x):
+            return x
         if ops.is_tracing(x):
             return self._traced(x)
         if not self.cache:

@@ -175,7 +175,7 @@ def test_policy_selects_sites_formats_and_thresholds(tmp_path):
                      {"targets": ["down_proj"], "layers": "1", "format": "mxfp8_e4m3", "scale_rule": "rceil"}],
         "instrument": {"thresholds": {"sqnr_db": 15.0}},
     }
-    report = scan_weights(path, policy=policy)
+    report = scan_weights(path, policy=policy, flagging="absolute")
     formats = {r.site: r.format for r in report.rows}
     assert len(formats) == 8 and "lm_head" not in formats
     assert formats["model.layers.1.mlp.down_proj"] == "mxfp8_e4m3"
@@ -223,7 +223,7 @@ def test_cli_scan_writes_reports_and_fails_on_problems(tmp_path, capsys):
     model = qwen_checkpoint(tmp_path / "model.safetensors")
     out = tmp_path / "scan"
     proc = run_cli("scan", str(model), "--format", "mxfp4", "--out", str(out), "--json",
-                   "--fail-on-problematic")
+                   "--fail-on-problematic", "--flag-by", "absolute")
     assert proc.returncode == 1, proc.stderr  # MXFP4 weights sit below 20 dB
     data = json.loads(proc.stdout, parse_constant=lambda c: pytest.fail(f"non-strict JSON {c}"))
     assert data["schema_version"] == "1" and data["summary"]["sites"] == 13

@@ -8,7 +8,9 @@ calibration sentences:
 1. a weight scan under the demo format (MXFP4 unless `--format` says otherwise);
 2. an activation scan of the W4A16 model on the calibration sentences (site and end-to-end error);
 3. the format against MXFP4 / NVFP4 on the same weights;
-4. the W4A16 model, instrumented, as ONNX that plain onnxruntime runs.
+4. per-site end-to-end sensitivity (the one-backward-pass estimate: each site's share of the
+   final output's error), the ranking a mixed-precision budget reads;
+5. the W4A16 model, instrumented, as ONNX that plain onnxruntime runs.
 
 BERT has no LM head, so the policy quantizes every Linear and ignores nothing. Everything lands in
 one folder (default ./qtransform-demo), each file written atomically.
@@ -36,6 +38,7 @@ DEFAULT_FORMAT = "mxfp4"
 COMPARED = ("mxfp4", "nvfp4")
 MODEL_NAME = "all-MiniLM-L6-v2"
 EXPORT_SAMPLES = 2  # sentences in the ONNX example batch (shapes stay dynamic)
+SENSITIVITY_ROWS = 8  # most sensitive sites shown
 
 
 def demo_policy(fmt: str = DEFAULT_FORMAT, options: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -55,6 +58,7 @@ class DemoResult:
     weights: Any  # ScanReport
     activations: Any  # ScanReport
     comparison: Any  # Comparison
+    sensitivity: Any  # SensitivityReport
     files: list[Path]
     out: Path
     seconds: dict[str, float] = field(default_factory=dict)
@@ -72,6 +76,8 @@ class DemoResult:
             "activations": {"summary": self.activations.to_dict()["summary"],
                             "end_to_end": self.activations.meta.get("end_to_end", {})},
             "comparison": self.comparison.to_dict(),
+            "sensitivity": {"meta": self.sensitivity.meta,
+                            "top": [dict(r.__dict__) for r in self.sensitivity.ranked()[:SENSITIVITY_ROWS]]},
             "files": [str(p) for p in self.files], "seconds": self.seconds,
         })
 
@@ -123,7 +129,7 @@ def _run(out: Path, final: Path, fmt: str, calib: list | None, options: dict[str
 
     choice_for(fmt, options)  # a misspelt format or option fails now, not after loading the model
     samples = list(calib) if calib is not None else builtin_calibration()
-    steps = _Steps(5 if onnx else 4, quiet)
+    steps = _Steps(6 if onnx else 5, quiet)
     model, tokenizer = steps.run("load", f"loading {MODEL_NAME} (pretrained weights, CPU)",
                                  lambda: (load_model("demo"), load_tokenizer("demo")))
     policy = resolve_policy(model, demo_policy(fmt, options))
@@ -138,12 +144,19 @@ def _run(out: Path, final: Path, fmt: str, calib: list | None, options: dict[str
     comparison = steps.run("compare", f"comparing {', '.join(f.upper() for f in compared)}",
                            lambda: compare_formats(model, compared, options=options,
                                                    progress=progress))
+    from qtransform.scan.sensitivity import site_sensitivity
+
+    sensitivity = steps.run("sensitivity", "per-site sensitivity of the final output (estimate)",
+                            lambda: site_sensitivity(model, policy, samples, tokenizer=tokenizer,
+                                                     method="estimate", draws=2))
+    sensitivity.meta["source"] = MODEL_NAME
     for report in (weights, activations):
         report.meta["source"] = MODEL_NAME
         report.thresholds.update(thresholds or {})
     activations.meta["calibration"]["file"] = "builtin" if calib is None else "given"
 
-    files = [*_save(weights, out / "weights"), *_save(activations, out / "activations")]
+    files = [*_save(weights, out / "weights"), *_save(activations, out / "activations"),
+             *_save(sensitivity, out / "sensitivity")]
     files += [qio.write_json(out / "comparison.json", comparison.to_dict()),
               qio.write_text(out / "comparison.md", comparison.to_markdown())]
     from qtransform.schemas import dump_policy
@@ -154,7 +167,7 @@ def _run(out: Path, final: Path, fmt: str, calib: list | None, options: dict[str
                                lambda: export_demo_onnx(model, policy, tokenizer, samples,
                                                         out / "model.onnx")))
     files.append(out / "summary.json")
-    result = DemoResult(MODEL_NAME, fmt, len(samples), weights, activations, comparison,
+    result = DemoResult(MODEL_NAME, fmt, len(samples), weights, activations, comparison, sensitivity,
                         [final / p.relative_to(out) for p in files], final, steps.seconds)
     qio.write_json(out / "summary.json", result.to_dict())
     return result
@@ -247,14 +260,31 @@ def summary_text(result: DemoResult) -> str:
     if end:
         lines += [f"end to end ({end['output']}): SQNR {fm('sqnr_db', end['sqnr_db'])} dB, "
                   f"mean token cosine {fm('cosine', end['mean_token_cosine'])}"]
-    lines += [f"problematic rows: {problems[0]} weights, {problems[1]} activation scan "
+    base = _expected_text(result.weights)
+    lines += [f"problematic rows: {problems[0]} weights, {problems[1]} activation scan, flagged when "
+              f"worse than {base} or outliers among the model's sites "
               "(listed in weights/report.md, activations/report.md)",
               "recommendation: " + recommend(result.weights).text, "",
+              f"most sensitive sites ({result.sensitivity.meta['method']}: share of the final "
+              "output's error when only that site is quantized; sensitivity/sensitivity.md):",
+              *result.sensitivity.table(SENSITIVITY_ROWS), "",
               f"{' vs '.join(f.upper() for f in result.comparison.formats)}, all Linear weights "
               "together:", result.comparison.to_markdown().rstrip(), "",
               f"wrote {len(result.files)} files to {result.out}/:"]
     lines += [f"  {p.relative_to(result.out)}" for p in result.files]
     return "\n".join(lines)
+
+
+def _expected_text(report: Any) -> str:
+    """What the format does to Gaussian data of the first row's block structure, in words."""
+    from qtransform.scan.report import expected_for
+
+    row = next((r for r in report.rows if expected_for(r) is not None), None)
+    if row is None:
+        return "the format's expected error"
+    e = expected_for(row)
+    return (f"what {row.format} does to Gaussian weights (SQNR {e['sqnr_db']:.1f} dB, deadzone "
+            f"{100 * e['deadzone']:.1f} %, saturation {100 * e['saturation']:.1f} %)")
 
 
 def run_from_args(args: argparse.Namespace) -> int:

@@ -8,7 +8,7 @@ from typing import Any
 
 from qtransform.errors import UserError
 from qtransform.formats import suggest
-from qtransform.scan.report import DEFAULT_THRESHOLDS
+from qtransform.scan.report import ABSOLUTE_THRESHOLDS, DEFAULT_THRESHOLDS, FLAGGING
 
 
 def add_common(p: argparse.ArgumentParser) -> None:
@@ -40,6 +40,23 @@ def thresholds(items: list[str]) -> dict[str, float]:
             raise UserError(f"threshold {key}: {value!r} is not a finite number; give e.g. "
                             f"{key}={DEFAULT_THRESHOLDS[key]:g}")
     return out
+
+
+def add_flagging(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--flag-by", choices=FLAGGING, default=None,
+                   help="expected (default): flag sites worse than the format does on Gaussian data "
+                        "of their block structure, or outliers among the model's sites; absolute: "
+                        "fixed thresholds (implied when --threshold sets sqnr_db, deadzone, "
+                        "saturation or relative_error)")
+
+
+def flagging(args: argparse.Namespace) -> str:
+    """--flag-by, else "absolute" when an absolute threshold was given (it would do nothing in the
+    expected mode), else "expected"."""
+    if args.flag_by is not None:
+        return args.flag_by
+    given = {item.partition("=")[0] for item in args.threshold}
+    return "absolute" if given & set(ABSOLUTE_THRESHOLDS) else "expected"
 
 
 def progress(args: argparse.Namespace) -> bool | None:

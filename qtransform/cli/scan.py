@@ -13,7 +13,14 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-from qtransform.cli.options import add_common, format_options, progress, thresholds
+from qtransform.cli.options import (
+    add_common,
+    add_flagging,
+    flagging,
+    format_options,
+    progress,
+    thresholds,
+)
 from qtransform.errors import UserError
 
 MAX_TIER = 100.0  # an AQN sigma multiplier beyond this drowns the weights in noise
@@ -52,7 +59,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--force", action="store_true",
                    help="replace --out even when it is a folder qtransform did not write")
     s.add_argument("--threshold", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a threshold: sqnr_db, deadzone, saturation, relative_error")
+                   help="override a threshold: sqnr_db, deadzone, saturation, relative_error "
+                        "(absolute); sqnr_margin_db, deadzone_margin, saturation_margin, outlier_z, "
+                        "outlier_min_db (expected)")
+    add_flagging(s)
     s.add_argument("--fail-on-problematic", action="store_true",
                    help="exit 1 when any site is problematic")
     s.add_argument("--no-onnx", action="store_true",
@@ -118,7 +128,7 @@ def run_scan(args: argparse.Namespace) -> int:
         else:
             report = scan_weights(_source(args.model), args.format, policy=args.policy,
                                   options=format_options(args), thresholds=thresholds(args.threshold),
-                                  progress=progress(args))
+                                  flagging=flagging(args), progress=progress(args))
         files = report.save(staging)
     if args.json:
         print(report.to_json())
@@ -144,6 +154,7 @@ def _activation_scan(args: argparse.Namespace):
     report.meta["source"] = args.model
     report.meta["calibration"]["file"] = "builtin" if builtin else args.calib
     report.thresholds.update(thresholds(args.threshold))
+    report.flagging = flagging(args)
     return report
 
 
@@ -174,7 +185,11 @@ def scan_table(report) -> str:
         lines += [f"  {row.label}: {'; '.join(why)}" for row, why in problems[:20]]
         if len(problems) > 20:
             lines.append(f"  ... and {len(problems) - 20} more (report.md lists all)")
-    lines += ["", "recommendation: " + recommend(report).text]
+    from qtransform.scan.render import end_to_end_text
+
+    if end_to_end_text(report):
+        lines += ["", "end to end: " + end_to_end_text(report)]
+    lines += ["", f"flagging: {report.flagging}", "recommendation: " + recommend(report).text]
     return "\n".join(lines)
 
 

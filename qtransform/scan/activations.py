@@ -176,7 +176,7 @@ def is_causal_lm(model: nn.Module) -> bool:
     return type(model).__name__ in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()
 
 
-def _primary(output: Any) -> Tensor:
+def primary_output(output: Any) -> Tensor:
     """Logits, else the last hidden state, else the first output."""
     if isinstance(output, Tensor):
         return output
@@ -207,7 +207,7 @@ class EndToEnd:
         self.vectors_seen = 0
 
     def update(self, batch: Tensor, fp_out: Any, q_out: Any) -> None:
-        fp, q = _primary(fp_out).detach(), _primary(q_out).detach()
+        fp, q = primary_output(fp_out).detach(), primary_output(q_out).detach()
         offset = next_offset(self.vectors_seen, self.stride)
         self.vectors_seen += fp.numel() // fp.shape[-1]
         fp_rows, q_rows = (sample_rows(t, offset, self.stride) for t in (fp, q))

@@ -70,6 +70,9 @@ def to_markdown(report: ScanReport) -> str:
     if total:
         lines.append("- whole model: " + ", ".join(
             f"{k} {format_metric(k, total[k])}" for k in ("sqnr_db", "rel_rmse", "cosine", "deadzone", "saturation")))
+    end = end_to_end_text(report)
+    if end:
+        lines.append(f"- end to end: {end}")
     lines += ["", "## Recommendation", "", rec.text, "", "```json",
               json.dumps(rec.policy, indent=2), "```", "", "## Layers", ""]
     lines += _md_table(
@@ -92,6 +95,21 @@ def to_markdown(report: ScanReport) -> str:
     lines += ["", "*mean relative error is dominated by small values that quantize to zero; "
               "it is reported for comparison with older SRDD scans only (docs/metrics.md)."]
     return "\n".join(lines) + "\n"
+
+def end_to_end_text(report: ScanReport) -> str:
+    """The activation scan's whole-model effect in one line: loss and perplexity of causal LMs
+    (fp -> quantized), the final output's SQNR and mean token cosine ("" for weight scans)."""
+    end = report.meta.get("end_to_end") or {}
+    if not end:
+        return ""
+    parts = []
+    if "loss_fp" in end:
+        parts.append(f"loss {end['loss_fp']:.4f} -> {end['loss_quant']:.4f}, perplexity "
+                     f"{end['perplexity_fp']:.3f} -> {end['perplexity_quant']:.3f}")
+    parts.append(f"{end.get('output', 'output')} SQNR {format_metric('sqnr_db', end['sqnr_db'])} dB, "
+                 f"mean token cosine {format_metric('cosine', end['mean_token_cosine'])}")
+    return "; ".join(parts)
+
 
 def plot_png(report: ScanReport, path: str | os.PathLike[str]) -> Path:
     """Per-site SQNR and deadzone by layer index, layer totals as lines, thresholds dashed."""

@@ -29,7 +29,68 @@ from qtransform.scan import render
 SCHEMA = "qtransform.scan_report"
 SCHEMA_VERSION = "1"
 VERSION = version("qtransform")
-DEFAULT_THRESHOLDS = {"sqnr_db": 20.0, "deadzone": 0.05, "saturation": 0.01, "relative_error": 0.10}
+ABSOLUTE_THRESHOLDS = {"sqnr_db": 20.0, "deadzone": 0.05, "saturation": 0.01, "relative_error": 0.10}
+EXPECTED_MARGINS = {  # flagging="expected": how much worse than the format's Gaussian baseline
+    "sqnr_margin_db": 3.0, "deadzone_margin": 0.05, "saturation_margin": 0.01,
+    "outlier_z": 4.0, "outlier_min_db": 1.0,
+}
+DEFAULT_THRESHOLDS = {**ABSOLUTE_THRESHOLDS, **EXPECTED_MARGINS}
+FLAGGING = ("expected", "absolute")
+HEAVY_TAIL_KURTOSIS = 10.0  # Pearson kurtosis: 3 for a Gaussian; above this, tails dominate blocks
+EXPECTED_POINTS = ("weight", "input")  # points quantized directly (outputs: local error of a product)
+
+
+@dataclass(frozen=True)
+class Check:
+    """One problem check: a metric, which direction is good, its absolute threshold key and (for
+    flagging="expected") the key of its allowed margin beyond the format's Gaussian baseline."""
+
+    metric: str
+    threshold: str
+    higher_is_better: bool
+    margin: str | None
+    label: str
+    percent: bool
+
+    def text(self, value: float) -> str:
+        return f"{100 * value:.2f} %" if self.percent else f"{value:.2f} dB"
+
+    def worse(self, value: float, limit: float) -> bool:
+        """NaN compares false: an undefined metric flags nothing."""
+        return value < limit if self.higher_is_better else value > limit
+
+    def limit(self, expected: float, margin: float) -> float:
+        return expected - margin if self.higher_is_better else expected + margin
+
+
+CHECKS = (
+    Check("sqnr_db", "sqnr_db", True, "sqnr_margin_db", "SQNR", False),
+    Check("deadzone", "deadzone", False, "deadzone_margin", "deadzone", True),
+    Check("saturation", "saturation", False, "saturation_margin", "saturation", True),
+    Check("rel_rmse", "relative_error", False, None, "rel_rmse", True),  # = SQNR for zero-mean data
+)
+
+
+_CHECKED = ("sqnr_db", "deadzone", "saturation", "rel_rmse", "nan_quant", "nan_orig")
+
+
+def check_flagging(flagging: str) -> str:
+    if flagging not in FLAGGING:
+        raise UserError(f"flagging {flagging!r}: use 'expected' (against the format's error on "
+                        "Gaussian data, the default) or 'absolute' (fixed thresholds)")
+    return flagging
+
+
+def expected_for(row: SiteRow) -> dict[str, float] | None:
+    """The format's error on Gaussian data of the row's block structure (None: nothing quantized
+    or a point the baseline does not describe)."""
+    from qtransform.formats import names
+    from qtransform.formats.expected import expected_error
+
+    if row.point not in EXPECTED_POINTS or row.format not in names() or not row.shape:
+        return None
+    length = row.shape[0] if (row.kind == "conv1d" and row.point == "weight") else row.shape[-1]
+    return expected_error(row.format, row.options, length=length)
 
 
 def _decode_numbers(values: dict[str, Any]) -> dict[str, Any]:
@@ -69,6 +130,7 @@ class SiteRow:
     # fused experts: one entry per expert, {"expert", "tokens" (activation scans), "metrics"};
     # an expert that saw no calibration token has "tokens": 0 and "metrics": None
     experts: list[dict[str, Any]] | None = None
+    diagnostics: dict[str, float] | None = None  # weight scans: outlier channels (problem reasons)
 
     @classmethod
     def from_stats(
@@ -91,6 +153,7 @@ class SiteRow:
             "kind": self.kind, "shape": self.shape, "format": self.format, "options": self.options,
             "metrics": self.metrics, "state": self.state, "block_exponents": self.block_exponents,
             **({"experts": self.experts} if self.experts is not None else {}),
+            "diagnostics": self.diagnostics,
         }
 
     @classmethod
@@ -101,6 +164,7 @@ class SiteRow:
             d.get("block_exponents"),
             [{**e, "metrics": _decode_numbers(e["metrics"]) if e.get("metrics") else None}
              for e in d["experts"]] if d.get("experts") is not None else None,
+            _decode_numbers(d["diagnostics"]) if d.get("diagnostics") else None,
         )
 
 
@@ -111,27 +175,32 @@ class ScanReport:
     meta: dict[str, Any]
     rows: list[SiteRow]
     thresholds: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_THRESHOLDS))
+    flagging: str = "expected"  # or "absolute" (docs/metrics.md)
+    _cache: tuple | None = field(default=None, repr=False, compare=False)
 
     # -- problems -----------------------------------------------------------------------------
     def row_problems(self, row: SiteRow) -> list[str]:
         """Why a row is problematic (empty when it is fine). NaN metrics flag nothing."""
-        m, t = row.metrics, {**DEFAULT_THRESHOLDS, **self.thresholds}
-        out = []
-        if m["sqnr_db"] < t["sqnr_db"]:
-            out.append(f"SQNR {m['sqnr_db']:.2f} dB < {t['sqnr_db']:g} dB")
-        if m["deadzone"] > t["deadzone"]:
-            out.append(f"deadzone {100 * m['deadzone']:.2f} % > {100 * t['deadzone']:g} %")
-        if m["saturation"] > t["saturation"]:
-            out.append(f"saturation {100 * m['saturation']:.2f} % > {100 * t['saturation']:g} %")
-        if m["rel_rmse"] > t["relative_error"]:
-            out.append(f"rel_rmse {100 * m['rel_rmse']:.2f} % > {100 * t['relative_error']:g} %")
-        if m["nan_quant"] > m["nan_orig"]:
-            out.append(f"{int(m['nan_quant'] - m['nan_orig'])} NaN values created by quantization")
-        return out
+        return self._problems().get(id(row), [])
+
+    def _problems(self) -> dict[int, list[str]]:
+        """Reasons per row (by id), computed once per state of rows, thresholds and flagging."""
+        key = (self.flagging, tuple(sorted(self.thresholds.items())),
+               tuple((id(r), r.format, *(r.metrics.get(k) for k in _CHECKED)) for r in self.rows))
+        if self._cache is None or self._cache[0] != key:
+            t = {**DEFAULT_THRESHOLDS, **self.thresholds}
+            if self.flagging == "absolute":
+                found = {id(r): _absolute(r, t) for r in self.rows}
+            else:
+                outliers = _robust_outliers(self.rows, t)
+                found = {id(r): _against_expected(r, t, outliers.get(id(r))) for r in self.rows}
+            self._cache = (key, {k: v for k, v in found.items() if v})
+        return self._cache[1]
 
     def problems(self) -> list[tuple[SiteRow, list[str]]]:
         """Every problematic row with its reasons, in row order."""
-        return [(row, why) for row in self.rows if (why := self.row_problems(row))]
+        found = self._problems()
+        return [(row, found[id(row)]) for row in self.rows if id(row) in found]
 
     def layers(self) -> list[int]:
         """Decoder-layer indices that have at least one row."""
@@ -178,7 +247,7 @@ class ScanReport:
         }
         return encode_floats({
             "schema": SCHEMA, "schema_version": SCHEMA_VERSION, "meta": self.meta,
-            "thresholds": self.thresholds, "summary": summary,
+            "flagging": self.flagging, "thresholds": self.thresholds, "summary": summary,
             "layers": self.layer_summary(), "rows": rows,
         })
 
@@ -193,7 +262,8 @@ class ScanReport:
             raise ValueError(f"unsupported scan report version {data.get('schema_version')!r}; "
                              f"this qtransform reads version {SCHEMA_VERSION}")
         return cls(dict(data["meta"]), [SiteRow.from_dict(r) for r in data["rows"]],
-                   _decode_numbers(data["thresholds"]))
+                   _decode_numbers(data["thresholds"]),
+                   check_flagging(data.get("flagging", "absolute")))  # reports before it: absolute
 
     def save(self, out_dir: str | os.PathLike[str]) -> dict[str, Path]:
         """Write report.json, report.csv, report.md and report.png into out_dir (see `render`)."""
@@ -222,3 +292,85 @@ def _pick(metrics: dict[str, float]) -> dict[str, float]:
 
 def _sort_key(value: float) -> float:
     return math.inf if math.isnan(value) else value
+
+
+def _absolute(row: SiteRow, t: dict[str, float]) -> list[str]:
+    """flagging="absolute": the fixed thresholds, the same for every format."""
+    out = []
+    for c in CHECKS:
+        value = row.metrics[c.metric]
+        limit = t[c.threshold]
+        if c.worse(value, limit):
+            sign = "<" if c.higher_is_better else ">"
+            out.append(f"{c.label} {c.text(value)} {sign} {f'{100 * limit:g} %' if c.percent else f'{limit:g} dB'}")
+    return out + _nan_created(row)
+
+
+def _against_expected(row: SiteRow, t: dict[str, float], outlier: str | None) -> list[str]:
+    """flagging="expected": worse than the format does to Gaussian data of the same block
+    structure by the margins, or a robust outlier among the model's sites; with the likely cause."""
+    out = []
+    expected = expected_for(row)
+    if expected is not None:
+        for c in CHECKS:
+            if c.margin is None:
+                continue
+            value, base = row.metrics[c.metric], expected[c.metric]
+            if c.worse(value, c.limit(base, t[c.margin])):
+                gap = (f"{base - value:.1f} dB below" if c.higher_is_better
+                       else f"{100 * (value - base):.1f} points above")
+                out.append(f"{c.label} {c.text(value)}, {gap} the {c.text(base)} {row.format} gives "
+                           "Gaussian data of this block structure")
+    if outlier:
+        out.append(outlier)
+    if out:
+        out += _causes(row)
+    return out + _nan_created(row)
+
+
+def _causes(row: SiteRow) -> list[str]:
+    """The likely cause of a flagged weight, in words (from the scan's channel diagnostics and the
+    weight's kurtosis)."""
+    out = []
+    d = row.diagnostics or {}
+    channels = int(d.get("outlier_channels", 0) or 0)
+    if channels:
+        lost = d.get("outlier_block_deadzone", math.nan)
+        tail = (f": blocks containing them lose {100 * lost:.0f} % of their other values to zero"
+                if isinstance(lost, float) and math.isfinite(lost) else "")
+        out.append(f"{channels} outlier input channel{'s' if channels > 1 else ''}{tail}")
+    kurt = row.metrics.get("kurtosis_orig", math.nan)
+    if row.point == "weight" and kurt > HEAVY_TAIL_KURTOSIS:
+        out.append(f"heavy tails: kurtosis {kurt:.1f} (a Gaussian has 3), so a few large values "
+                   "set each block's scale")
+    return out
+
+
+def _robust_outliers(rows: list[SiteRow], t: dict[str, float]) -> dict[int, str]:
+    """Rows whose SQNR is a robust outlier among the rows of the same point and format: more than
+    `outlier_z` scaled MADs (1.4826·MAD, a Gaussian's std) and `outlier_min_db` below the median."""
+    groups: dict[tuple[str, str], list[SiteRow]] = {}
+    for r in rows:
+        if math.isfinite(r.metrics["sqnr_db"]) and r.format != "none":
+            groups.setdefault((r.point, r.format), []).append(r)
+    out = {}
+    for group in groups.values():
+        if len(group) < 5:  # too few sites to say what is ordinary
+            continue
+        values = torch.tensor([r.metrics["sqnr_db"] for r in group], dtype=torch.float64)
+        median = float(values.median())
+        spread = 1.4826 * float((values - median).abs().median())
+        for r in group:
+            gap = median - r.metrics["sqnr_db"]
+            if gap > t["outlier_min_db"] and (spread == 0 or gap > t["outlier_z"] * spread):
+                z = f"{gap / spread:.1f} robust deviations" if spread else "far"
+                out[id(r)] = (f"SQNR {r.metrics['sqnr_db']:.2f} dB is {z} below the median "
+                              f"{r.point} site of this model ({median:.2f} dB)")
+    return out
+
+
+def _nan_created(row: SiteRow) -> list[str]:
+    m = row.metrics
+    if m["nan_quant"] > m["nan_orig"]:
+        return [f"{int(m['nan_quant'] - m['nan_orig'])} NaN values created by quantization"]
+    return []

@@ -38,7 +38,13 @@ from qtransform.core.sites import LINEAR_KINDS, Site, discover_sites, layer_inde
 from qtransform.errors import UserError
 from qtransform.formats.quantize import quantize_with_info
 from qtransform.scan.compare import Comparison
-from qtransform.scan.report import DEFAULT_THRESHOLDS, ScanReport, SiteRow, build_meta
+from qtransform.scan.report import (
+    DEFAULT_THRESHOLDS,
+    ScanReport,
+    SiteRow,
+    build_meta,
+    check_flagging,
+)
 
 GPT2_CONV1D_LEAVES = ("c_attn", "c_fc", "c_proj")
 _FLOAT_DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64}
@@ -263,8 +269,9 @@ def policy_rules(policy: Any) -> list[dict[str, Any]]:
 # -- measuring one tensor ---------------------------------------------------------------------
 def measure(
     w: torch.Tensor, site: Site, choice: QuantChoice
-) -> tuple[ErrorStats, BlockExponentHistogram | None]:
-    """Fake-quantize one weight and accumulate its error, saturation and MX block exponents.
+) -> tuple[ErrorStats, BlockExponentHistogram | None, dict[str, float] | None]:
+    """Fake-quantize one weight and accumulate its error, saturation, MX block exponents and the
+    channel diagnostics that problem reasons quote (`channel_diagnostics`; 1-D blocks only).
 
     One quantization gives all three (`quantize_with_info`); the metrics are one more pass. A
     fused experts weight is measured expert by expert and merged (`measure_experts`).
@@ -282,7 +289,35 @@ def measure(
     xq, sat, exps = quantize_with_info(w, choice.fmt, exponents=is_mx, generator=gen, **opts)
     stats = ErrorStats().update(w, xq, sat)
     hist = BlockExponentHistogram().update(exps) if exps is not None else None
-    return stats, hist
+    diagnostics = None
+    if "block_shape" not in opts and w.ndim == 2:
+        block = int(opts.get("block_size") or formats.get(choice.fmt).default_block)
+        diagnostics = channel_diagnostics(w, xq, opts["axis"], block)
+    return stats, hist, diagnostics
+
+
+OUTLIER_CHANNEL_RATIO = 8.0  # an input channel whose typical |w| is 8x the typical channel's
+
+
+def channel_diagnostics(w: torch.Tensor, xq: torch.Tensor, axis: int, block: int | None) -> dict[str, float]:
+    """Why a weight may quantize badly, in numbers a reason can quote: input channels (positions
+    along the reduction axis) whose median |w| is `OUTLIER_CHANNEL_RATIO` times the median over
+    channels (medians, so a few heavy-tailed values do not make a channel), and the share of the *other* nonzero values in blocks holding such a channel that
+    quantize to zero (the outlier sets the block scale and crushes its neighbours)."""
+    x = w.detach().double().movedim(axis, -1).reshape(-1, w.shape[axis])
+    q = xq.detach().double().movedim(axis, -1).reshape(-1, w.shape[axis])
+    peak = torch.nan_to_num(x.abs(), nan=0.0, posinf=0.0).median(dim=0).values
+    median = float(peak.median())
+    outliers = peak > OUTLIER_CHANNEL_RATIO * median if median > 0 else torch.zeros_like(peak, dtype=torch.bool)
+    out = {"outlier_channels": float(outliers.sum()), "outlier_block_deadzone": math.nan}
+    if not outliers.any() or block is None:
+        return out
+    blocks = torch.arange(x.shape[1]) // block
+    hit = torch.isin(blocks, blocks[outliers]) & ~outliers  # neighbours sharing a block scale
+    nonzero = (x[:, hit] != 0)
+    if nonzero.any():
+        out["outlier_block_deadzone"] = float(((q[:, hit] == 0) & nonzero).sum() / nonzero.sum())
+    return out
 
 
 def measure_experts(
@@ -295,11 +330,11 @@ def measure_experts(
     per_expert = [measure(w[e], two_d, choice) for e in range(w.shape[0])]
     total = ErrorStats()
     hist = None
-    for stats, h in per_expert:
+    for stats, h, _ in per_expert:
         total.merge(stats)
         if h is not None:
             hist = h if hist is None else hist.merge(h)
-    return total, hist, [stats for stats, _ in per_expert]
+    return total, hist, [stats for stats, _, _ in per_expert]
 
 
 def _progress(refs: Sequence[WeightRef], progress: bool | None, desc: str):
@@ -325,7 +360,7 @@ def _select(refs: list[WeightRef], policy: Any) -> list[tuple[WeightRef, QuantCh
 
 
 def _row(ref: WeightRef, choice: QuantChoice, stats: ErrorStats, hist: BlockExponentHistogram | None,
-         experts: list[ErrorStats] | None = None) -> SiteRow:
+         experts: list[ErrorStats] | None = None, diagnostics: dict[str, float] | None = None) -> SiteRow:
     site = ref.site
     row = SiteRow.from_stats(
         site.name, "weight", stats, layer=site.layer, role=site.role, kind=site.kind,
@@ -334,6 +369,7 @@ def _row(ref: WeightRef, choice: QuantChoice, stats: ErrorStats, hist: BlockExpo
     )
     if experts is not None:
         row.experts = [{"expert": e, "metrics": s.result()} for e, s in enumerate(experts)]
+    row.diagnostics = diagnostics
     return row
 
 
@@ -342,8 +378,8 @@ def _measured_row(ref: WeightRef, w: torch.Tensor, choice: QuantChoice) -> tuple
     if ref.site.kind == "experts":
         stats, hist, experts = measure_experts(w, ref.site, choice)
         return _row(ref, choice, stats, hist, experts), stats
-    stats, hist = measure(w, ref.site, choice)
-    return _row(ref, choice, stats, hist), stats
+    stats, hist, diagnostics = measure(w, ref.site, choice)
+    return _row(ref, choice, stats, hist, diagnostics=diagnostics), stats
 
 
 # -- public API -------------------------------------------------------------------------------
@@ -354,13 +390,16 @@ def scan_weights(
     policy: Any = None,
     options: dict[str, Any] | None = None,
     thresholds: dict[str, float] | None = None,
+    flagging: str = "expected",
     progress: bool | None = False,
 ) -> ScanReport:
     """Scan every Linear-like weight of `source` under `fmt` (with `fake_quantize` `options`).
 
     With a `policy` (Policy, dict or path): its quantize rules select the sites and, when `fmt` is
     None, give each site its format and options; its `instrument.thresholds` flag problems
-    (`thresholds` overrides both).
+    (`thresholds` overrides both). `flagging`: "expected" flags sites worse than the format does
+    on Gaussian data of their block structure or outliers among the model's sites; "absolute"
+    applies the fixed thresholds (docs/metrics.md).
     """
     if fmt is None and policy is None:
         raise UserError("give a format (e.g. mxfp4) or a policy with quantize rules")
@@ -380,7 +419,8 @@ def scan_weights(
         kind="weight_scan", source=source_label(source), fmt=fmts[0] if len(fmts) == 1 else "mixed",
         options=effective_options(default) if default else {}, quantize=_rules(policy, default),
     )
-    return ScanReport(meta=meta, rows=rows, thresholds=_limits(policy, thresholds))
+    return ScanReport(meta=meta, rows=rows, thresholds=_limits(policy, thresholds),
+                      flagging=check_flagging(flagging))
 
 
 def _limits(policy: Any, thresholds: dict[str, float] | None) -> dict[str, float]:

@@ -1,0 +1,70 @@
+"""What a format does to well-behaved data: the baseline that scans flag sites against.
+
+A 4-bit block format loses about 18.8 dB SQNR on Gaussian weights whatever the model, so an
+absolute SQNR limit of 20 dB flags every MXFP4 site and says nothing about which ones are in
+trouble. `expected_error` measures the format on i.i.d. standard-normal data of the site's block
+structure (its reduction length, hence the padding of a partial last block and, for NVFP4, the
+per-tensor scale) by Monte Carlo with a fixed seed, once per (format, options, length): a site
+is worse than its format only when it is worse than this.
+
+Definitions match `qtransform.core.metrics` (float64 sums): SQNR `10·log10(Σx²/Σe²)`, deadzone the
+share of nonzero inputs quantized to zero, saturation the share the format's mask marks.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+from typing import Any
+
+import torch
+
+from qtransform.formats.quantize import quantize_with_info
+from qtransform.formats.registry import get
+
+SEED = 0
+MIN_ELEMENTS = 1 << 16  # Monte Carlo size: the SQNR estimate is good to about 0.02 dB
+MIN_ROWS = 16
+_VALUE_OPTIONS = ("block_size", "block_shape", "scale_rule", "rounding", "nvfp4_variant")
+SCALE_BITS = {"e8m0": 8, "e4m3_fp32": 8, "fp32": 32}  # bits of one block scale
+
+
+def expected_error(fmt: str, options: dict[str, Any] | None = None, *, length: int) -> dict[str, float]:
+    """SQNR (dB), deadzone, saturation and rel_rmse of `fmt` on i.i.d. N(0, 1) rows of `length`
+    elements, quantized along the row (the reduction axis), with the value-changing `options`."""
+    opts = {k: (tuple(v) if isinstance(v, list) else v) for k, v in (options or {}).items()
+            if k in _VALUE_OPTIONS and v is not None}
+    return dict(_expected(get(fmt).name, tuple(sorted(opts.items())), max(1, int(length))))
+
+
+@lru_cache(maxsize=512)
+def _expected(fmt: str, options: tuple[tuple[str, Any], ...], length: int) -> tuple[tuple[str, float], ...]:
+    rows = max(MIN_ROWS, math.ceil(MIN_ELEMENTS / length))
+    gen = torch.Generator().manual_seed(SEED)
+    x = torch.randn(rows, length, generator=gen, dtype=torch.float32)
+    opts = dict(options)
+    xq, sat, _ = quantize_with_info(x, fmt, axis=-1, seed=SEED if opts.get("rounding") == "stochastic" else None,
+                                    **opts)
+    xd, qd = x.double(), xq.double()
+    e2 = float(((xd - qd) ** 2).sum())
+    s2 = float((xd**2).sum())
+    n = x.numel()
+    std = float(xd.std(unbiased=False))
+    return (
+        ("sqnr_db", 10 * math.log10(s2 / e2) if e2 > 0 else math.inf),
+        ("deadzone", float(((xq == 0) & (x != 0)).sum()) / float((x != 0).sum())),
+        ("saturation", float(sat.sum()) / n),
+        ("rel_rmse", math.sqrt(e2 / n) / std),
+    )
+
+
+def effective_bits(fmt: str, options: dict[str, Any] | None = None) -> float:
+    """Storage bits per element: the element code plus its share of the block scale (a per-tensor
+    scale is negligible and left out). MXFP4: 4 + 8/32 = 4.25; NVFP4: 4 + 8/16 = 4.5."""
+    spec = get(fmt)
+    opts = options or {}
+    if opts.get("block_shape"):
+        block = math.prod(opts["block_shape"])
+    else:
+        block = int(opts.get("block_size") or spec.default_block)
+    return spec.element.bits + SCALE_BITS[spec.scale] / block

@@ -1,0 +1,150 @@
+"""Format-aware flags, per-site sensitivity and budgeted mixed precision on a tiny Qwen2 with two
+planted bad sites: outlier input channels (layer 1 o_proj) and heavy tails (layer 2 down_proj).
+References are independent: the float64 MXFP4 of tests/helpers.py, KL written here in float64."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from scipy.stats import spearmanr
+
+from qtransform.formats.expected import expected_error
+from qtransform.models import build_tiny
+from qtransform.scan import scan_weights
+from qtransform.scan.recommend import budget_policy
+from qtransform.scan.sensitivity import SensitivityReport, SensitivityRow, site_sensitivity
+from tests.helpers import mxfp4_f64
+
+OUTLIER = "model.layers.1.self_attn.o_proj"
+HEAVY = "model.layers.2.mlp.down_proj"
+CHANNELS = [3, 17, 40]
+
+
+def planted() -> torch.nn.Module:
+    model = build_tiny("qwen2", num_layers=4, hidden=64, seed=0)
+    mods = dict(model.named_modules())
+    with torch.no_grad():
+        mods[OUTLIER].weight[:, CHANNELS] *= 50.0
+        gen = torch.Generator().manual_seed(1)
+        w = mods[HEAVY].weight
+        heavy = torch.randn(w.shape, generator=gen) / torch.rand(w.shape, generator=gen).pow(0.7)
+        w.copy_(heavy * 0.02)
+    return model
+
+
+def calib() -> torch.Tensor:
+    return torch.randint(0, 256, (8, 24), generator=torch.Generator().manual_seed(2))
+
+
+def test_expected_error_matches_an_independent_mxfp4():
+    x = torch.randn(4096, 64, generator=torch.Generator().manual_seed(5))
+    q, sat = mxfp4_f64(x)
+    e2 = float(((x.double() - q.double()) ** 2).sum())
+    want = 10 * math.log10(float((x.double() ** 2).sum()) / e2)
+    got = expected_error("mxfp4", {"block_size": 32, "scale_rule": "floor"}, length=64)
+    assert got["sqnr_db"] == pytest.approx(want, abs=0.1)  # two Monte Carlo draws of one model
+    assert got["saturation"] == pytest.approx(float(sat.double().mean()), abs=0.004)
+    assert got["deadzone"] == pytest.approx(float(((q == 0) & (x != 0)).double().mean()), abs=0.005)
+
+
+def test_flags_catch_the_planted_sites_and_few_ordinary_ones():
+    model = planted()
+    report = scan_weights(model, "mxfp4")
+    flagged = {row.site: why for row, why in report.problems()}
+    assert OUTLIER in flagged and HEAVY in flagged
+    assert len(flagged) - 2 <= 1, flagged  # 28 sites, ordinary Gaussian weights stay unflagged
+    reasons = " ".join(flagged[OUTLIER])
+    assert f"{len(CHANNELS)} outlier input channels" in reasons
+    # the words quote the deadzone of the outlier blocks' other values: recompute it independently
+    w = dict(model.named_modules())[OUTLIER].weight.detach()
+    q, _ = mxfp4_f64(w)
+    blocks = {c // 32 for c in CHANNELS}
+    others = [c for c in range(w.shape[1]) if c // 32 in blocks and c not in CHANNELS]
+    lost = float(((q[:, others] == 0) & (w[:, others] != 0)).double().mean())
+    assert f"lose {100 * lost:.0f} % of their other values to zero" in reasons
+    assert "heavy tails" in " ".join(flagged[HEAVY])
+    # the old fixed thresholds flag every MXFP4 site: the reason this mode is not the default
+    absolute = scan_weights(model, "mxfp4", flagging="absolute")
+    assert len(absolute.problems()) == len(absolute.rows)
+
+
+def reference_kl(model: torch.nn.Module, site: str, ids: torch.Tensor) -> float:
+    """Mean next-token KL(p_fp || p_q) over every position with only `site` in MXFP4, float64."""
+    quant = copy.deepcopy(model)
+    w = dict(quant.named_modules())[site].weight
+    with torch.no_grad():
+        w.copy_(mxfp4_f64(w)[0])
+        p = torch.log_softmax(model(ids).logits.double(), -1)
+        q = torch.log_softmax(quant(ids).logits.double(), -1)
+    return float((p.exp() * (p - q)).sum() / (p.numel() // p.shape[-1]))
+
+
+def test_sensitivity_ranks_like_an_independent_one_site_kl():
+    model = planted()
+    ids = calib()
+    report = site_sensitivity(model, "mxfp4", ids, method="both", draws=4)
+    assert len(report.rows) == 28 and report.measure == "kl"
+    ref = {r.site: reference_kl(model, r.site, ids) for r in report.rows}
+    for r in report.rows:
+        assert r.exact == pytest.approx(ref[r.site], rel=1e-6, abs=1e-12)
+    exact = spearmanr([r.exact for r in report.rows], [ref[r.site] for r in report.rows])[0]
+    assert exact >= 0.99
+    est = spearmanr([r.estimate for r in report.rows], [ref[r.site] for r in report.rows])[0]
+    assert report.meta["spearman"] == pytest.approx(est, abs=1e-9)
+    assert est >= 0.8  # recorded in docs/metrics.md: 0.97 here, 0.92 on all-MiniLM-L6-v2
+    assert report.ranked()[0].site == OUTLIER  # the planted outlier channels matter most
+
+
+def synthetic(scores: list[float], params: list[int]) -> SensitivityReport:
+    rows = [SensitivityRow(f"model.layers.{i}.mlp.up_proj", i, "up", p, "mxfp4", {"block_size": 32},
+                           ["weight"], exact=s) for i, (s, p) in enumerate(zip(scores, params, strict=True))]
+    meta = {"quantize": [{"name": "w", "targets": ["Linear"], "format": "mxfp4"}]}
+    return SensitivityReport(meta, rows)
+
+
+def test_bits_budget_is_the_best_subset_by_brute_force():
+    scores = [0.9, 0.5, 0.45, 0.3, 0.2, 0.05, 0.01]
+    params = [4096, 1024, 1024, 2048, 512, 4096, 512]
+    report = synthetic(scores, params)
+    total = sum(params)
+    for bits in (4.25, 5.0, 6.5, 9.0, 16.0):
+        got = budget_policy(report, bits=bits)
+        best = max((sum(scores[i] for i in keep), keep)
+                   for n in range(len(scores) + 1) for keep in itertools.combinations(range(len(scores)), n)
+                   if sum(params[i] * 16 + 0 for i in keep) + sum(params[i] * 4.25 for i in range(len(scores))
+                                                                   if i not in keep) <= bits * total + 1e-9)
+        assert got.method == "knapsack"
+        assert sum(scores) - got.predicted == pytest.approx(best[0])
+        assert got.effective_bits <= bits + 1e-12
+        assert set(got.policy["quantize"][0].get("ignore", [])) == set(got.kept_sites)
+    assert budget_policy(report, keep=2).kept_sites == ["model.layers.0.mlp.up_proj", "model.layers.1.mlp.up_proj"]
+    assert budget_policy(report, target=0.3).predicted <= 0.3
+
+
+def test_cli_sensitivity_with_a_budget(tmp_path):
+    ids = tmp_path / "ids.json"
+    ids.write_text(json.dumps(calib().tolist()))
+    out = tmp_path / "sens"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "qtransform.cli.main", "sensitivity", "builtin:qwen2",
+                           "--format", "mxfp4", "--calib", str(ids), "--out", str(out), "--keep", "2"],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    report = SensitivityReport.load(out)
+    top = [r.site for r in report.ranked()[:2]]
+    policy = json.loads((out / "policy.json").read_text())
+    assert policy["quantize"][0]["ignore"][-2:] == top
+    assert "measured" in proc.stdout and "budget keep=2 (top-k)" in proc.stdout
+    assert (out / "sensitivity.png").read_bytes()[:4] == b"\x89PNG"
+    bad = subprocess.run([sys.executable, "-m", "qtransform.cli.main", "sensitivity", "builtin:qwen2",
+                          "--format", "mxfp4", "--calib", str(ids), "--out", str(tmp_path / "x"), "--keep", "ten"],
+                         capture_output=True, text=True, env=env, timeout=120)
+    assert bad.returncode == 2 and "--keep 'ten'" in bad.stderr
