@@ -5,7 +5,8 @@ computes)."""
 from qtransform.passes.aqn_noise import AQNNoise, AQNNoisePass  # noqa: I001 - registration order
 from qtransform.passes.fake_quant import FakeQuantize, FakeQuantPass
 from qtransform.passes.hw_error import HWError, HWErrorPass
+from qtransform.passes.clamp import Clamp, ClampPass
 from qtransform.passes.instrument import InstrumentPass, Tap
 
-__all__ = ["AQNNoise", "AQNNoisePass", "FakeQuantPass", "FakeQuantize", "HWError", "HWErrorPass",
+__all__ = ["AQNNoise", "AQNNoisePass", "Clamp", "ClampPass", "FakeQuantPass", "FakeQuantize", "HWError", "HWErrorPass",
            "InstrumentPass", "Tap"]

@@ -14,11 +14,11 @@ from torch import Tensor, nn
 from qtransform.core import ops
 from qtransform.core.phase import active
 from qtransform.core.program import Program
-from qtransform.core.sites import Site
+from qtransform.core.sites import LINEAR_KINDS, Site
 from qtransform.core.streams import DrawStream
 from qtransform.errors import UserError
 from qtransform.pipeline.base import Action, Pass, register_pass
-from qtransform.pipeline.selection import QUANTIZABLE, select_sites
+from qtransform.pipeline.selection import select_sites
 from qtransform.schemas import HWErrorSpec
 
 OP_KIND = {"relative_gaussian": "relative", "absolute_gaussian": "add"}
@@ -90,7 +90,7 @@ class HWErrorPass(Pass[HWErrorSpec]):
     provides = ("hw_error",)
 
     def select(self, program: Program, spec: HWErrorSpec) -> list[Action]:
-        kinds = QUANTIZABLE + (("matmul",) if spec.include_matmuls else ())
+        kinds = LINEAR_KINDS + (("matmul",) if spec.include_matmuls else ())
         sites = select_sites(program, spec, "hw_error", kinds=kinds)
         actions = [Action(s, spec.injection_point if s.kind != "matmul" else "output", "hw_error", {"spec": spec})
                    for s in sites]

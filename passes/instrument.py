@@ -38,9 +38,10 @@ from qtransform.core.experts import COUNTS, grouped_linear
 from qtransform.core.graph import POINTS
 from qtransform.core.metrics import BlockExponentHistogram, ErrorStats
 from qtransform.core.program import Program
+from qtransform.core.sites import LINEAR_KINDS
 from qtransform.core.versions import content_key
 from qtransform.pipeline.base import Action, Pass, register_pass
-from qtransform.pipeline.selection import QUANTIZABLE, select_sites
+from qtransform.pipeline.selection import select_sites
 from qtransform.schemas import InstrumentSpec
 
 Quantizer = tuple[str, dict[str, Any]]  # (format, fake_quantize keyword options)
@@ -261,7 +262,7 @@ class InstrumentPass(Pass[InstrumentSpec]):
     def select(self, program: Program, spec: InstrumentSpec) -> list[Action]:
         actions = []
         points = [p for p in POINTS if p in spec.points]
-        for site in select_sites(program, spec, "instrument", kinds=QUANTIZABLE):
+        for site in select_sites(program, spec, "instrument", kinds=LINEAR_KINDS):
             experts = site.kind == "experts"  # biases are added inside; tokens per expert needed
             has_bias = not experts and getattr(program.model.get_submodule(site.name), "bias", None) is not None
             for point in points:

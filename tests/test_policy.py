@@ -49,7 +49,7 @@ def test_defaults():
     assert p.instrument.shadow and p.instrument.thresholds.sqnr_db == 20.0
     assert (p.instrument.thresholds.deadzone, p.instrument.thresholds.saturation, p.instrument.thresholds.relative_error) == (0.05, 0.01, 0.10)
     n = p.noise
-    assert n.targets == ["RMSNorm", "LayerNorm"] and (n.resample, n.apply_during, n.seed) == ("step", "train", 0)
+    assert n.targets == ["RMSNorm", "LayerNorm"] and (n.resample, n.apply_during, n.seed) == ("step", "rollout", 0)  # QeRL: AQN only in rollouts
     assert n.schedule.kind == "exponential" and n.schedule.warmup_steps == 0 and n.schedule.stages == 10
     h = p.hw_error
     assert (h.targets, h.error_type, h.injection_point, h.apply_during, h.seed, h.include_matmuls) == (
@@ -73,7 +73,7 @@ def test_unknown_format_and_misspelt_key_suggest():
     (msg,) = problems({"quantise": []})
     assert "(did you mean 'quantize'?)" in msg
     assert problems({"noise": {"schedule": SCHEDULE, "apply_during": "trian"}}) == [
-        "noise.apply_during: unknown value; got 'trian'; allowed: train, eval, both (did you mean 'train'?)"]
+        "noise.apply_during: unknown value; got 'trian'; allowed: train, eval, both, rollout (did you mean 'train'?)"]
 
 
 @pytest.mark.parametrize(

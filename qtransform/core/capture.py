@@ -17,7 +17,7 @@ from torch import fx, nn
 
 from qtransform.core.experts import traceable_experts
 from qtransform.core.program import WHOLE_LOG_ATTR, Program, WholeGraph
-from qtransform.core.sites import Site, discover_sites, layer_index
+from qtransform.core.sites import DENSE_KINDS, Site, discover_sites, layer_index
 from qtransform.errors import UserError
 
 _LINEAR_OPS = (torch.ops.aten.linear.default, torch.ops.aten.addmm.default)
@@ -93,7 +93,7 @@ def build_whole_graph(model: nn.Module, sites: dict[str, Site], example_inputs: 
         if node.op != "call_function":
             continue
         path = _module_path(node)
-        if node.target in _LINEAR_OPS and path in sites and sites[path].kind in ("linear", "conv1d"):
+        if node.target in _LINEAR_OPS and path in sites and sites[path].kind in DENSE_KINDS:
             nodes.setdefault(path, node)
         elif node.target in _MATMUL_OPS and path:
             k = matmul_counts.get(path, 0)

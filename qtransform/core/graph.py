@@ -25,7 +25,7 @@ import torch
 from torch import fx, nn
 
 from qtransform.core.experts import COUNTS, POINT_META
-from qtransform.core.sites import Site
+from qtransform.core.sites import DENSE_KINDS, Site
 
 
 class GraphHost(Protocol):
@@ -147,7 +147,7 @@ class GraphSite:
         node = self.op_node
         if node is None:
             return next((n for n in self.graph.nodes if n.op == "get_attr" and n.target == "bias"), None)
-        if self.site.kind not in ("linear", "conv1d"):
+        if self.site.kind not in DENSE_KINDS:
             return None
         if node.target == torch.ops.aten.addmm.default:
             bias = node.args[0]

@@ -15,7 +15,7 @@ from torch import fx, nn
 
 from qtransform.core.graph import GraphSite, Insertion
 from qtransform.core.plan import Plan, PlanRow
-from qtransform.core.sites import Site, closest_names
+from qtransform.core.sites import DENSE_KINDS, Site, closest_names
 from qtransform.core.tracing import ModuleGraph, SiteTracer, detach, module_graph
 from qtransform.errors import UserError
 
@@ -38,7 +38,7 @@ class WholeGraph:
         linear or norm: the linears a norm's weight (and AQN noise on it) directly affects."""
         module_of = nx.get_node_attributes(self.dag, "module")
         owned = [n for n in self.dag.nodes if module_of.get(n) == norm]
-        stops = {self.nodes[s].name: s for s in self.nodes if sites[s].kind in ("linear", "conv1d")}
+        stops = {self.nodes[s].name: s for s in self.nodes if sites[s].kind in DENSE_KINDS}
         fed, seen = [], set(owned)
         frontier = [succ for n in owned for succ in self.dag.successors(n) if succ not in seen]
         while frontier:

@@ -22,7 +22,8 @@ from torch import nn
 REGEX_PREFIX = "re:"  # a selector that is a regular expression, not a glob
 
 SiteKind = Literal["linear", "conv1d", "experts", "norm", "matmul"]
-LINEAR_KINDS: tuple[str, ...] = ("linear", "conv1d", "experts")  # what the class selector `Linear` means
+DENSE_KINDS: tuple[str, ...] = ("linear", "conv1d")  # one 2-D weight, one linear op in a graph
+LINEAR_KINDS: tuple[str, ...] = (*DENSE_KINDS, "experts")  # what the class selector `Linear` means
 EXPERT_PARAMS = {"gate_up_proj": "experts.gate_up", "up_proj": "experts.up", "down_proj": "experts.down"}
 
 _LAYER_RE = re.compile(r"(?:^|\.)(?:layers|layer|h|blocks|block)\.(\d+)(?:\.|$)")

@@ -13,7 +13,7 @@ The smallest pass, in full (see docs/architecture.md for the files a new pass to
 
         def select(self, program, spec):
             return [Action(s, spec.point, "clamp", {"limit": spec.limit})
-                    for s in select_sites(program, spec, "clamp", kinds=QUANTIZABLE)]
+                    for s in select_sites(program, spec, "clamp", kinds=LINEAR_KINDS)]
 
         def build(self, program, action):
             return OutputClamp(action.params["limit"])

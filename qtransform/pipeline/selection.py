@@ -19,8 +19,6 @@ from qtransform.pipeline.base import Action
 from qtransform.schemas import QuantRule
 from qtransform.schemas.selectors import Selector, is_class_entry, resolve_quant_rules
 
-QUANTIZABLE = LINEAR_KINDS  # Linear, Conv1D, routers and fused experts
-
 
 def select_sites(program: Program, section: Any, where: str, *, kinds: tuple[str, ...]) -> list[Site]:
     """Sites of the given kinds matched by a policy section's targets/ignore/layers.
@@ -69,7 +67,7 @@ def _hint(entry: str, candidates: list[Site]) -> str:
         if entry.endswith("Norm"):
             candidates = [s for s in candidates if s.kind == "norm"]
         classes = sorted({s.cls_name for s in candidates}
-                         | ({"Linear"} if any(s.kind in QUANTIZABLE for s in candidates) else set()))
+                         | ({"Linear"} if any(s.kind in LINEAR_KINDS for s in candidates) else set()))
         close = difflib.get_close_matches(entry, classes, n=3, cutoff=0.6)
         return ((f" (did you mean {' or '.join(close)}?)" if close else "")
                 + (f"; the model's classes here: {', '.join(classes)}" if classes else ""))
@@ -84,8 +82,8 @@ def rule_label(section: str, index: int, name: str | None) -> str:
 def resolve_quantize(program: Program, rules: Sequence[QuantRule]) -> list[Action]:
     """One action per (site, tensor); a later rule overrides an earlier one for the same pair."""
     for i, rule in enumerate(rules):
-        select_sites(program, rule, f"quantize[{i}]", kinds=QUANTIZABLE)  # errors for dead entries
-    quantizable = [s for s in program.sites.values() if s.kind in QUANTIZABLE]
+        select_sites(program, rule, f"quantize[{i}]", kinds=LINEAR_KINDS)  # errors for dead entries
+    quantizable = [s for s in program.sites.values() if s.kind in LINEAR_KINDS]
     chosen = resolve_quant_rules(rules, quantizable)
     for (name, tensor), (i, rule) in chosen.items():
         check_axis(rule.axis, program.sites[name], tensor, f"quantize[{i}]")
