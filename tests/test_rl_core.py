@@ -209,3 +209,22 @@ def test_gradient_checkpointing_replays_the_forwards_noise(reentrant):
     assert grads[0].keys() == grads[1].keys()
     for name in grads[0]:
         assert torch.equal(grads[0][name], grads[1][name]), name
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
+def test_rollout_weights_carry_quantized_experts_under_hf_names(arch):
+    from qtransform.models import build_tiny
+
+    model = qtransform.transform(build_tiny(arch), {"version": 1, "quantize": [{**W4, "format": "mxfp4"}]})
+    pairs = dict(qtransform.rollout_weights(model))
+    plain = build_tiny(arch, seed=5)
+    assert list(pairs) == list(plain.state_dict())
+    experts = [k for k in pairs if k.endswith("experts.gate_up_proj")]
+    assert experts
+    raw = build_tiny(arch).state_dict()[experts[0]]
+    want = torch.stack([fake_quantize(raw[e], "mxfp4", axis=-1) for e in range(raw.shape[0])])
+    assert torch.equal(pairs[experts[0]], want)  # each expert as its own nn.Linear weight would be
+    plain.load_state_dict(pairs)
+    ids = torch.randint(0, 64, (2, 6))
+    with torch.no_grad(), qtransform.rollout():
+        assert torch.equal(plain(ids).logits, model(ids).logits)

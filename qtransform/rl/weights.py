@@ -31,16 +31,24 @@ _WEIGHT_PASSES = ("fake_quant", "aqn_noise")  # what changes a weight; taps only
 
 def _weight_chains(model: nn.Module) -> dict[str, list[nn.Module]]:
     """HF weight name -> the inserted modules its site applies to the weight, in order."""
-    chains = {}
+    chains: dict[str, list[nn.Module]] = {}
     for name, module in model.named_modules():
         state = module_graph(module)
         if state is None:
             continue
-        chain = [getattr(module, ins.module_path.rsplit(".", 1)[-1]) for ins in state.insertions
-                 if ins.point == "weight" and ins.pass_name in _WEIGHT_PASSES]
-        if chain:
-            chains[hf_name(f"{name}.weight")] = chain
+        for ins in state.insertions:
+            if ins.point != "weight" or ins.pass_name not in _WEIGHT_PASSES:
+                continue
+            chain = chains.setdefault(hf_name(f"{name}.{_weight_param(module, ins.site)}"), [])
+            chain.append(getattr(module, ins.module_path.rsplit(".", 1)[-1]))
     return chains
+
+
+def _weight_param(module: nn.Module, site: str) -> str:
+    """The parameter a weight-point insertion acts on: `weight`, or for a fused experts site
+    (`...experts.gate_up_proj`) the 3-D parameter the site is named after."""
+    leaf = site.rsplit(".", 1)[-1]
+    return leaf if isinstance(module._parameters.get(leaf), nn.Parameter) else "weight"
 
 
 def _apply(chain: list[nn.Module], tensor: Tensor) -> Tensor:
