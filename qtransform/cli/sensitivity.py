@@ -9,7 +9,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from qtransform.cli.options import format_options, progress
+from qtransform.cli.options import add_common, format_options, progress
 from qtransform.errors import UserError
 
 EPILOG = """examples:
@@ -39,12 +39,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--max-length", type=int, default=128)
     add_budget(p)
-    p.add_argument("--block-size", type=int, help="elements per block (default: the format's)")
-    p.add_argument("--scale-rule", help="MX scale rule: floor (default), rceil, ceil, even")
-    p.add_argument("--rounding", help="rne (default), rna or stochastic")
-    p.add_argument("--nvfp4-variant", help="NVFP4: default, compressed-tensors, one_level")
-    p.add_argument("--json", action="store_true", help="print JSON on stdout instead of tables")
-    p.add_argument("--no-progress", action="store_true", help="no progress bars on stderr")
+    add_common(p)
     p.set_defaults(func=run_sensitivity)
 
 
