@@ -27,8 +27,7 @@ from qtransform.scan.weights import (
     scan_weights,
 )
 from qtransform.schemas import load_policy
-
-from .helpers import assert_metrics, assert_untouched, metrics_f64, mxfp4_f64, snapshot
+from tests.helpers import assert_metrics, assert_untouched, metrics_f64, mxfp4_f64, snapshot
 
 HIDDEN = 64
 

@@ -9,8 +9,7 @@ import sys
 import torch
 
 import qtransform
-
-from .conftest import REPO, ids
+from tests.conftest import REPO, ids
 
 EXAMPLE = REPO / "schemas" / "examples" / "w4a16_mxfp4.json"
 

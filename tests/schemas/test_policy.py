@@ -20,7 +20,7 @@ from qtransform.schemas import (
 )
 from qtransform.schemas.generate import SCHEMA_PATH, schema_text
 
-EXAMPLES = sorted((Path(__file__).resolve().parents[1] / "schemas" / "examples").glob("*.json"))
+EXAMPLES = sorted((Path(__file__).resolve().parents[2] / "schemas" / "examples").glob("*.json"))
 SCHEDULE = {"sigma_start": 0.01, "sigma_end": 0.0001, "num_stages": 10, "total_steps": 1000}
 
 

@@ -15,7 +15,7 @@ from qtransform.cli.main import main
 from qtransform.schemas import load_policy
 from qtransform.schemas.generate import schema_text
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 QERL = "schemas/examples/qerl_aqn.json"
 
 

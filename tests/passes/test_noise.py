@@ -11,9 +11,8 @@ import qtransform
 from qtransform.core.streams import site_seed
 from qtransform.errors import UserError
 from qtransform.passes.aqn_noise import AQNNoise
-
-from .conftest import ids
-from .helpers import assert_untouched, snapshot
+from tests.conftest import ids
+from tests.helpers import assert_untouched, snapshot
 
 SCHEDULE = {"sigma_start": 0.01, "sigma_end": 0.0001, "num_stages": 10, "total_steps": 100}
 W4 = {"name": "w4", "targets": ["Linear"], "ignore": ["lm_head"], "format": "mxfp4", "tensors": ["weight"]}

@@ -10,9 +10,8 @@ import torch
 
 import qtransform
 from qtransform.passes.instrument import Tap, reset_taps, set_taps_enabled, tapping, taps
-
-from .conftest import ids
-from .helpers import assert_metrics, assert_untouched, metrics_f64, mxfp4_f64, snapshot
+from tests.conftest import ids
+from tests.helpers import assert_metrics, assert_untouched, metrics_f64, mxfp4_f64, snapshot
 
 SITE = "model.layers.0.mlp.down_proj"
 W4 = {"name": "w4", "targets": ["Linear"], "ignore": ["lm_head"], "format": "mxfp4"}

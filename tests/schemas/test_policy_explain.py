@@ -10,7 +10,7 @@ import pytest
 from qtransform.schemas import load_policy
 from qtransform.schemas.explain import explain, summary
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "schemas" / "examples"
+EXAMPLES = Path(__file__).resolve().parents[2] / "schemas" / "examples"
 SECTIONS = {"instrument": "Instrumentation: ", "noise": "AQN noise: ", "hw_error": "Hardware error: "}
 
 

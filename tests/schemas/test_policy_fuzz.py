@@ -15,7 +15,7 @@ from qtransform.schemas import Policy, PolicyError, dump_policy, load_policy
 from qtransform.schemas.base import METRICS, TENSORS
 from qtransform.schemas.selectors import format_layers
 
-EXAMPLES = [json.loads(p.read_text()) for p in sorted((Path(__file__).resolve().parents[1] / "schemas" / "examples").glob("*.json"))]
+EXAMPLES = [json.loads(p.read_text()) for p in sorted((Path(__file__).resolve().parents[2] / "schemas" / "examples").glob("*.json"))]
 FAST = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 ROUND_TRIP = settings(FAST, max_examples=100)
 

@@ -23,9 +23,8 @@ from qtransform.scan.activations import (
     scan_activations,
 )
 from qtransform.scan.faults import gain_scan, instability_scan, kurtosis_scan, stochastic_policy
-
-from .conftest import ids
-from .helpers import assert_untouched, snapshot
+from tests.conftest import ids
+from tests.helpers import assert_untouched, snapshot
 
 W4A16 = {"version": 1, "quantize": [{"targets": ["Linear"], "ignore": ["lm_head"], "format": "mxfp4"}]}
 W16A4 = {"version": 1, "quantize": [

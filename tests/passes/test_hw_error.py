@@ -9,9 +9,8 @@ from torch import nn
 
 import qtransform
 from qtransform.errors import UserError
-
-from .conftest import ids
-from .helpers import assert_untouched, snapshot
+from tests.conftest import ids
+from tests.helpers import assert_untouched, snapshot
 
 
 def hw_policy(**hw) -> dict:

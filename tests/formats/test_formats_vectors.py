@@ -21,8 +21,8 @@ import torch
 
 from qtransform.formats import fake_quantize
 
-VECTORS = Path(__file__).resolve().parent / "data" / "test-vectors.json"
-SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "reference" / "test-vectors.json"
+VECTORS = Path(__file__).resolve().parents[1] / "data" / "test-vectors.json"
+SHARED = Path(__file__).resolve().parents[2].parent / "shared" / "reference" / "test-vectors.json"
 MX = ("mxfp4", "mxfp6_e2m3", "mxfp6_e3m2", "mxfp8_e4m3", "mxfp8_e5m2", "mxint8")
 ALL = range(32)
 LOG2 = "exponent from floor(log2(amax)), off by one just below a power of two"

@@ -21,8 +21,7 @@ from qtransform import fake_quantize
 from qtransform.core.metrics import ErrorStats
 from qtransform.export.graph import config_of, fake_quant_nodes
 from qtransform.models import build_tiny
-
-from .conftest import ids
+from tests.conftest import ids
 
 LOGIT_RTOL = 1e-5  # max |onnx - torch| / max |torch| over the logits (measured <= ~3e-7)
 SHAPES = ((2, 8), (3, 13))

@@ -9,8 +9,7 @@ from torch import nn
 import qtransform
 from qtransform.core.capture import CaptureError
 from qtransform.pipeline import Action, Pass, PassManager
-
-from .conftest import ids
+from tests.conftest import ids
 
 
 def test_site_table_qwen2(tiny):

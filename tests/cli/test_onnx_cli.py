@@ -12,8 +12,7 @@ import onnxruntime as ort
 import pytest
 
 from qtransform.cli.main import main
-
-from .conftest import REPO
+from tests.conftest import REPO
 
 W4A16 = REPO / "schemas" / "examples" / "w4a16_mxfp4.json"
 

@@ -12,9 +12,8 @@ from torch import nn
 import qtransform
 from qtransform import fake_quantize
 from qtransform.errors import UserError
-
-from .conftest import ids
-from .helpers import assert_untouched, snapshot
+from tests.conftest import ids
+from tests.helpers import assert_untouched, snapshot
 
 W4A16 = {"version": 1, "quantize": [
     {"name": "w4", "targets": ["Linear"], "ignore": ["lm_head"], "format": "mxfp4", "tensors": ["weight"]}]}

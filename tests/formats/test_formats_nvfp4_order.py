@@ -20,7 +20,7 @@ import torch
 
 from qtransform.formats import decode, encode, fake_quantize
 
-DATA = Path(__file__).resolve().parent / "data"
+DATA = Path(__file__).resolve().parents[1] / "data"
 VARIANTS = ("default", "compressed-tensors", "one_level")
 
 
