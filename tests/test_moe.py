@@ -255,3 +255,24 @@ def test_fault_scan_hooks_are_removed_when_a_site_is_missing():
     with pytest.raises(AttributeError):
         GainProbe(model, model, ["model.layers.0.self_attn.q_proj", "model.layers.0.no_such"], 1e-3, 0)
     assert not any(m._forward_hooks for m in model.modules())
+
+
+@pytest.mark.parametrize("arch", MOE)
+def test_checkpoint_scan_lists_the_models_sites_and_values(arch, tmp_path):
+    """A checkpoint written by save_pretrained (per-expert 2-D tensors; Mixtral's
+    `block_sparse_moe.experts.<e>.w1`) and a raw state dict (fused 3-D tensors) both scan to the
+    in-memory model's sites, roles and exact accumulator sums, expert by expert."""
+    from safetensors.torch import save_file
+
+    model = build_tiny(arch, hidden=32, num_layers=1)
+    want = {r.site: r for r in scan_weights(model, "nvfp4").rows}
+    model.save_pretrained(tmp_path / "hf")
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, tmp_path / "fused.safetensors")
+    for source in (tmp_path / "hf", tmp_path / "fused.safetensors"):
+        got = {r.site: r for r in scan_weights(source, "nvfp4").rows}
+        assert set(got) == set(want)
+        for name, row in want.items():
+            assert (got[name].role, got[name].kind, got[name].shape) == (row.role, row.kind, row.shape)
+            assert got[name].state == row.state and got[name].experts == row.experts
+    assert sum(r.kind == "experts" for r in want.values()) == 2
+    assert any(r.role == "router" for r in want.values())
