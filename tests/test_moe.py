@@ -276,3 +276,34 @@ def test_checkpoint_scan_lists_the_models_sites_and_values(arch, tmp_path):
             assert got[name].state == row.state and got[name].experts == row.experts
     assert sum(r.kind == "experts" for r in want.values()) == 2
     assert any(r.role == "router" for r in want.values())
+
+
+def test_reports_render_each_expert_and_merge_them_per_layer():
+    """One calibration token reaches 2 of 4 experts per layer: the other two say "no tokens" in
+    CSV and Markdown; the per-layer merge of an expert's weights is checked in float64 here."""
+    import csv
+    import io
+
+    from qtransform.scan import render
+    from qtransform.scan.report import ScanReport
+
+    model = build_tiny("mixtral", hidden=32, num_layers=1)
+    policy = _policy("mxfp4", ("weight", "input"), targets=["re:.*experts.*"])
+    report = ScanReport.from_dict(scan_activations(model, policy, torch.tensor([[7]])).to_dict())
+    summary = report.expert_summary()
+    inputs = [e for e in summary if e["point"] == "input"]
+    assert sorted(e["tokens"] for e in inputs) == [0, 0, 1, 1]
+    assert all((e["metrics"] is None) == (e["tokens"] == 0) for e in inputs)
+    experts = model.model.layers[0].mlp.experts
+    for e in range(4):
+        w = [getattr(experts, p)[e].detach() for p in ("gate_up_proj", "down_proj")]
+        signal = sum(float(x.double().pow(2).sum()) for x in w)
+        error = sum(float((x.double() - fake_quantize(x, "mxfp4").double()).pow(2).sum()) for x in w)
+        got = next(s for s in summary if s["point"] == "weight" and s["expert"] == e)
+        assert got["sites"] == 2 and got["metrics"]["sqnr_db"] == pytest.approx(10 * math.log10(signal / error), rel=1e-12)
+    lines = list(csv.DictReader(io.StringIO(render.to_csv(report))))
+    per_expert = [r for r in lines if r["expert"] != "" and r["point"] == "input"]
+    assert len(per_expert) == 8 and sum(r["problems"] == "no tokens" for r in per_expert) == 4
+    assert all((r["sqnr_db"] == "") == (r["tokens"] == "0") for r in per_expert)
+    md = render.to_markdown(report)
+    assert "## Experts" in md and "### Experts by site" in md and md.count("| no tokens |") >= 4

@@ -37,21 +37,66 @@ def report_json(report: ScanReport, indent: int | None = 2) -> str:
     return json.dumps(data, indent=indent, allow_nan=False)
 
 
+NO_TOKENS = "no tokens"  # an expert that no calibration token was routed to: nothing measured
+
+
 def to_csv(report: ScanReport) -> str:
-    """One line per row; metrics as plain numbers (inf/nan as Python spells them)."""
+    """One line per row; metrics as plain numbers (inf/nan as Python spells them). A fused
+    experts row is followed by one line per expert (`expert`, `tokens`; empty metrics and the
+    reason "no tokens" for an expert that no calibration token reached)."""
     buf = io.StringIO()
     writer = csv.writer(buf, lineterminator="\n")
-    writer.writerow(["site", "point", "layer", "role", "kind", "shape", "format", *_CSV_METRICS,
-                     "block_exp_min", "block_exp_max", "problematic", "problems"])
+    writer.writerow(["site", "point", "expert", "tokens", "layer", "role", "kind", "shape", "format",
+                     *_CSV_METRICS, "block_exp_min", "block_exp_max", "problematic", "problems"])
     for row in report.rows:
         why = report.row_problems(row)
         exps = row.block_exponents or {}
+        ident = ["" if row.layer is None else row.layer, row.role, row.kind]
+        shape = "x".join(map(str, row.shape))
         writer.writerow([
-            row.site, row.point, "" if row.layer is None else row.layer, row.role, row.kind,
-            "x".join(map(str, row.shape)), row.format, *(row.metrics[k] for k in _CSV_METRICS),
+            row.site, row.point, "", "", *ident, shape, row.format,
+            *(row.metrics[k] for k in _CSV_METRICS),
             exps.get("min", ""), exps.get("max", ""), int(bool(why)), "; ".join(why),
         ])
+        for entry in row.experts or ():
+            m = entry.get("metrics")
+            writer.writerow([
+                row.site, row.point, entry["expert"], entry.get("tokens", ""), *ident,
+                "x".join(map(str, row.shape[1:])) if row.point == "weight" else "", row.format,
+                *(m[k] if m else "" for k in _CSV_METRICS), "", "", "", "" if m else NO_TOKENS,
+            ])
     return buf.getvalue()
+
+
+def experts_markdown(report: ScanReport) -> list[str]:
+    """The experts section: per layer and expert, its errors merged over the layer's experts
+    sites and its tokens; then every experts site expert by expert. [] without experts rows."""
+    summary = report.expert_summary()
+    if not summary:
+        return []
+    cols = ("sqnr_db", "rel_rmse", "deadzone", "saturation")
+    head = ["SQNR dB", "rel_rmse", "deadzone", "saturation"]
+
+    def cells(metrics: dict[str, float] | None) -> list[str]:
+        if metrics is None:
+            return [NO_TOKENS] * len(cols)
+        return [format_metric(k, metrics[k]) for k in cols]
+
+    lines = ["", "## Experts", "",
+             "Per layer and expert, merged over the layer's experts sites (gate_up and down); "
+             f"\"{NO_TOKENS}\": no calibration token was routed to the expert.", ""]
+    lines += _md_table(
+        ["layer", "point", "expert", "tokens", "sites", *head],
+        [["" if e["layer"] is None else e["layer"], e["point"], e["expert"],
+          "" if e["tokens"] is None else e["tokens"], e["sites"], *cells(e["metrics"])]
+         for e in summary])
+    lines += ["", "### Experts by site", ""]
+    lines += _md_table(
+        ["site", "expert", "tokens", *head],
+        [[row.label, e["expert"], e.get("tokens", ""), *cells(e.get("metrics"))]
+         for row in report.rows for e in row.experts or ()])
+    return lines
+
 
 def to_markdown(report: ScanReport) -> str:
     """A human-readable report: summary, recommendation, per-layer and per-site tables."""
@@ -92,6 +137,7 @@ def to_markdown(report: ScanReport) -> str:
                                               "deadzone", "saturation", "mean_rel_error")),
           "; ".join(report.row_problems(r))] for r in report.rows],
     )
+    lines += experts_markdown(report)
     lines += ["", "*mean relative error is dominated by small values that quantize to zero; "
               "it is reported for comparison with older SRDD scans only (docs/metrics.md)."]
     return "\n".join(lines) + "\n"

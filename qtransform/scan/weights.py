@@ -447,7 +447,7 @@ def _row(ref: WeightRef, choice: QuantChoice, stats: ErrorStats, hist: BlockExpo
         block_exponents=hist.result() if hist is not None else None,
     )
     if experts is not None:
-        row.experts = [{"expert": e, "metrics": s.result()} for e, s in enumerate(experts)]
+        row.experts = [{"expert": e, "metrics": s.result(), "state": s.state()} for e, s in enumerate(experts)]
     row.diagnostics = diagnostics
     return row
 
