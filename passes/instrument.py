@@ -205,12 +205,14 @@ class Tap(nn.Module):
         return out
 
     def experts(self) -> list[dict[str, Any]] | None:
-        """Experts sites: per expert, its calibration tokens (activations) and metrics; None as
-        metrics where nothing was measured (an expert that never saw a token, say)."""
+        """Experts sites: per expert, its calibration tokens (activations), metrics and raw sums
+        (reports merge them per layer); None as metrics and sums where nothing was measured (an
+        expert that never saw a token, say)."""
         if self.expert_stats is None:
             return None
         return [{"expert": e, **({"tokens": self.expert_tokens[e]} if self.expert_tokens else {}),
-                 "metrics": s.result() if s.n else None} for e, s in enumerate(self.expert_stats)]
+                 "metrics": s.result() if s.n else None, "state": s.state() if s.n else None}
+                for e, s in enumerate(self.expert_stats)]
 
 
 # -- model-level helpers ----------------------------------------------------------------------

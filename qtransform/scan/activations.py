@@ -113,6 +113,16 @@ class ForwardHooks:
     def add(self, module: nn.Module, hook: Callable) -> None:
         self._handles.append(module.register_forward_hook(hook))
 
+    @contextmanager
+    def registering(self) -> Iterator[None]:
+        """Wrap the adding of hooks: if one fails (a module that is not there, say), those already
+        added are removed, since the caller never reaches `with` and so never `__exit__`."""
+        try:
+            yield
+        except BaseException:
+            self.__exit__()
+            raise
+
     def __enter__(self):
         return self
 
@@ -137,10 +147,11 @@ class SitePairs(ForwardHooks):
         self.stride = stride
         self._seen = {(model, s): 0 for model in ("fp", "quant") for s in sites}
         self._pending: dict[str, deque[Tensor]] = {s: deque() for s in sites}
-        for site in sites:  # `modules`: an experts site is measured at its experts module
-            path = (modules or {}).get(site, site)
-            self.add(fp.get_submodule(path), self._keep(site))
-            self.add(quant.get_submodule(path), self._compare(site))
+        with self.registering():
+            for site in sites:  # `modules`: an experts site is measured at its experts module
+                path = (modules or {}).get(site, site)
+                self.add(fp.get_submodule(path), self._keep(site))
+                self.add(quant.get_submodule(path), self._compare(site))
 
     def _rows(self, model: str, site: str, output: Tensor | tuple) -> Tensor:
         if isinstance(output, tuple):  # a router's (logits, scores, indices): its logits

@@ -37,11 +37,28 @@ class Comparison:
         winners = {m: _winner(totals, m, higher) for m, higher in COMPARED_METRICS.items()}
         return cls(list(totals), totals, winners, _disagreements(totals), reports)
 
+    def per_layer(self) -> list[dict[str, Any]]:
+        """Where the formats differ: per decoder layer (then `None` for the sites outside layers,
+        such as lm_head), each format's SQNR of the layer's weights (merged sums) and the winner."""
+        reports = self.reports
+        first = next(iter(reports.values()))
+        layers: list[int | None] = list(first.layers())
+        if any(r.layer is None for r in first.rows):
+            layers.append(None)
+        out = []
+        for layer in layers:
+            sqnr = {f: rep.aggregate([r for r in rep.rows if r.layer == layer])["sqnr_db"]
+                    for f, rep in reports.items()}
+            out.append({"layer": layer, "sites": sum(r.layer == layer for r in first.rows),
+                        "sqnr_db": sqnr, "winner": _winner({f: {"sqnr_db": v} for f, v in sqnr.items()},
+                                                           "sqnr_db", True)})
+        return out
+
     def to_dict(self) -> dict[str, Any]:
         return encode_floats({
             "schema": "qtransform.comparison", "schema_version": "1",
             "formats": self.formats, "totals": self.totals, "winners": self.winners,
-            "notes": self.notes,
+            "layers": self.per_layer(), "notes": self.notes,
             "options": {f: r.meta.get("options", {}) for f, r in self.reports.items()},
             "sites": len(next(iter(self.reports.values())).rows),
         })
@@ -52,6 +69,20 @@ class Comparison:
         for metric in COMPARED_METRICS:
             cells = [format_metric(metric, self.totals[f][metric]) for f in self.formats]
             lines.append(f"| {metric} | " + " | ".join(cells) + f" | {self.winners[metric]} |")
+        lines += ["", "## Per layer (SQNR dB of each layer's weights)", "",
+                  "| layer | sites | " + " | ".join(self.formats) + " | better |",
+                  "|" + "---|" * (len(self.formats) + 3)]
+        layers = self.per_layer()
+        overall = self.winners["sqnr_db"]
+        for e in layers:
+            cells = [format_metric("sqnr_db", e["sqnr_db"][f]) for f in self.formats]
+            mark = " (differs)" if e["winner"] != overall else ""
+            lines.append(f"| {'-' if e['layer'] is None else e['layer']} | {e['sites']} | "
+                         + " | ".join(cells) + f" | {e['winner']}{mark} |")
+        differ = [e for e in layers if e["winner"] != overall]
+        lines += ["", f"{overall} is better in {len(layers) - len(differ)} of these {len(layers)} rows"
+                  + (": elsewhere " + ", ".join(f"{'-' if e['layer'] is None else e['layer']} ({e['winner']})"
+                                                 for e in differ) if differ else ".")]
         return "\n".join(lines + [""] + [f"> {note}" for note in self.notes]) + "\n"
 
 

@@ -35,6 +35,19 @@ from qtransform.scan.report import ScanReport
 from qtransform.schemas import Policy, dump_policy, load_policy
 
 
+def measured_modules(program: Any, sites: list[str]) -> dict[str, str]:
+    """Where each site's output is measured: its own module, except that an experts site is
+    measured at its experts module. Both matmuls of an experts module run inside one forward
+    call, so its output is the combined effect of both its sites (the `gate_up` and `down` rows
+    of one module carry the same numbers); routing stays that of the full-precision model."""
+    return {s: program.sites[s].module_name for s in sites}
+
+
+def _main(output: Tensor | tuple) -> Tensor:
+    """A router's (logits, scores, indices): its logits; any other site's output as it is."""
+    return output[0] if isinstance(output, tuple) else output
+
+
 class GainProbe(ForwardHooks):
     """Local gain: perturb a site's input by a small Gaussian d (`eps` times the input RMS) and
     compare the responses f(x + d) - f(x) of the full-precision and the quantized site, both on
@@ -43,34 +56,39 @@ class GainProbe(ForwardHooks):
     gain = ||response|| / ||d||. A quantizer that swallows small changes (deadzone) gives
     gain_q < gain_fp; one whose rounding steps the perturbation crosses gives gain_q > gain_fp;
     an unquantized site gives exactly the same response, so the ratio is exactly 1.
+
+    Keyed by measured module (`measured_modules`): an experts module gets its hidden states
+    perturbed while its routing arguments (expert ids, weights) stay as the full-precision model
+    chose them, so the gain is that of the experts themselves, not of a routing change.
     """
 
-    def __init__(self, fp: nn.Module, quant: nn.Module, sites: list[str], eps: float, seed: int):
+    def __init__(self, fp: nn.Module, quant: nn.Module, paths: list[str], eps: float, seed: int):
         super().__init__()
         self.eps = eps
-        self.stats = {s: ErrorStats() for s in sites}  # full-precision vs quantized response
-        self.perturbation = dict.fromkeys(sites, 0.0)  # sum of |d|^2
-        for site in sites:
-            seed_site = seed * 1_000_003 + zlib.crc32(site.encode())
-            self.add(fp.get_submodule(site), self._probe(site, quant.get_submodule(site), seed_site))
+        self.stats = {p: ErrorStats() for p in paths}  # full-precision vs quantized response
+        self.perturbation = dict.fromkeys(paths, 0.0)  # sum of |d|^2
+        with self.registering():
+            for path in paths:
+                seed_path = seed * 1_000_003 + zlib.crc32(path.encode())
+                self.add(fp.get_submodule(path), self._probe(path, quant.get_submodule(path), seed_path))
 
-    def _probe(self, site: str, qmod: nn.Module, seed: int) -> Callable:
+    def _probe(self, path: str, qmod: nn.Module, seed: int) -> Callable:
         gen: list[torch.Generator] = []
 
-        def hook(module: nn.Module, args: tuple, output: Tensor) -> None:
-            x = args[0]
+        def hook(module: nn.Module, args: tuple, output: Tensor | tuple) -> None:
+            x, rest = args[0], args[1:]  # rest: an experts module's routing, kept as it is
             if not gen or gen[0].device != x.device:
                 gen[:] = [torch.Generator(device=x.device).manual_seed(seed)]
             z = torch.randn(x.shape, generator=gen[0], device=x.device)
             xp = x + (self.eps * x.float().pow(2).mean().sqrt() * z).to(x.dtype)
             d = xp.double() - x.double()  # the perturbation as the dtype represents it
-            self.perturbation[site] += float(d.pow(2).sum())
-            self.stats[site].update(module.forward(xp).double() - output.double(),
-                                    qmod(xp).double() - qmod(x).double())
+            self.perturbation[path] += float(d.pow(2).sum())
+            self.stats[path].update(_main(module.forward(xp, *rest)).double() - _main(output).double(),
+                                    _main(qmod(xp, *rest)).double() - _main(qmod(x, *rest)).double())
         return hook
 
-    def gains(self, site: str) -> dict[str, float]:
-        state, d2 = self.stats[site].state(), self.perturbation[site]
+    def gains(self, path: str) -> dict[str, float]:
+        state, d2 = self.stats[path].state(), self.perturbation[path]
         gain_fp = math.sqrt(state["sum_x2"] / d2) if d2 else math.nan
         gain_q = math.sqrt(state["sum_q2"] / d2) if d2 else math.nan
         return {"gain_fp": gain_fp, "gain_q": gain_q,
@@ -79,31 +97,33 @@ class GainProbe(ForwardHooks):
 
 class RunVariance(ForwardHooks):
     """Repeated runs of each batch: per-site error against the full-precision output (every run)
-    and the per-element variance across runs (Welford in float64). Only sums outlive a batch."""
+    and the per-element variance across runs (Welford in float64). Only sums outlive a batch.
+    Keyed by measured module (`measured_modules`)."""
 
-    def __init__(self, fp: nn.Module, quant: nn.Module, sites: list[str]):
+    def __init__(self, fp: nn.Module, quant: nn.Module, paths: list[str]):
         super().__init__()
-        self.stats = {s: ErrorStats() for s in sites}
-        self.sums = {s: [0.0, 0.0, 0] for s in sites}  # sum of variances, of mean^2, elements
-        self._fp: dict[str, list[Tensor]] = {s: [] for s in sites}
-        self._welford: dict[str, list[list[Tensor]]] = {s: [] for s in sites}
-        self._calls = dict.fromkeys(sites, 0)
+        self.stats = {p: ErrorStats() for p in paths}
+        self.sums = {p: [0.0, 0.0, 0] for p in paths}  # sum of variances, of mean^2, elements
+        self._fp: dict[str, list[Tensor]] = {p: [] for p in paths}
+        self._welford: dict[str, list[list[Tensor]]] = {p: [] for p in paths}
+        self._calls = dict.fromkeys(paths, 0)
         self.runs = 0
-        for site in sites:
-            self.add(fp.get_submodule(site), self._keep(site))
-            self.add(quant.get_submodule(site), self._observe(site))
+        with self.registering():
+            for path in paths:
+                self.add(fp.get_submodule(path), self._keep(path))
+                self.add(quant.get_submodule(path), self._observe(path))
 
     def _keep(self, site: str) -> Callable:
-        def hook(module: nn.Module, args: tuple, output: Tensor) -> None:
-            self._fp[site].append(output.detach())
+        def hook(module: nn.Module, args: tuple, output: Tensor | tuple) -> None:
+            self._fp[site].append(_main(output).detach())
         return hook
 
     def _observe(self, site: str) -> Callable:
-        def hook(module: nn.Module, args: tuple, output: Tensor) -> None:
+        def hook(module: nn.Module, args: tuple, output: Tensor | tuple) -> None:
             k = self._calls[site]
             self._calls[site] += 1
-            self.stats[site].update(self._fp[site][k], output)
-            y, states = output.detach().double(), self._welford[site]
+            self.stats[site].update(self._fp[site][k], _main(output))
+            y, states = _main(output).detach().double(), self._welford[site]
             if k == len(states):
                 states.append([y.clone(), torch.zeros_like(y)])
                 return
@@ -142,12 +162,13 @@ def gain_scan(model: nn.Module, policy_or_format: Any, calib: Calibration, *, ep
     quant = program.module()
     batches = calibration_batches(calib, tokenizer=tokenizer, batch_size=batch_size,
                                   max_length=max_length, model=model)
-    with eval_mode(model), GainProbe(model, quant, sites, eps, seed) as probe, \
+    at = measured_modules(program, sites)
+    with eval_mode(model), GainProbe(model, quant, list(dict.fromkeys(at.values())), eps, seed) as probe, \
             tapping(quant, False), torch.no_grad():
         for batch in progress_bar(batches, progress, "gain scan"):
             run_model(model, batch)
-    rows = [site_row(program.sites[s], "output", probe.stats[s], site_quantizer(program, s),
-                 extra=probe.gains(s)) for s in sites]
+    rows = [site_row(program.sites[s], "output", probe.stats[at[s]], site_quantizer(program, s),
+                     extra=probe.gains(at[s])) for s in sites]
     return build_report("gain_scan", program, policy, rows, eps=eps, seed=seed)
 
 
@@ -161,8 +182,7 @@ def kurtosis_scan(model: nn.Module, policy_or_format: Any, calib: Calibration, *
     quant = program.module()
     batches = calibration_batches(calib, tokenizer=tokenizer, batch_size=batch_size,
                                   max_length=max_length, model=model)
-    modules = {s: program.sites[s].module_name for s in sites}
-    with eval_mode(model), SitePairs(model, quant, sites, modules=modules) as pairs, tapping(quant, False), \
+    with eval_mode(model), SitePairs(model, quant, sites, modules=measured_modules(program, sites)) as pairs, tapping(quant, False), \
             torch.no_grad():
         for batch in progress_bar(batches, progress, "kurtosis scan"):
             run_model(model, batch)
@@ -201,14 +221,15 @@ def instability_scan(model: nn.Module, policy_or_format: Any, calib: Calibration
     quant = program.module()
     batches = calibration_batches(calib, tokenizer=tokenizer, batch_size=batch_size,
                                   max_length=max_length, model=model)
-    with eval_mode(model), RunVariance(model, quant, sites) as var, tapping(quant, False), \
-            torch.no_grad():
+    at = measured_modules(program, sites)
+    with eval_mode(model), RunVariance(model, quant, list(dict.fromkeys(at.values()))) as var, \
+            tapping(quant, False), torch.no_grad():
         for batch in progress_bar(batches, progress, "instability scan"):
             run_model(model, batch)
             for _ in range(runs):
                 run_model(quant, batch)
                 var.end_run()
             var.end_batch()
-    rows = [site_row(program.sites[s], "output", var.stats[s], site_quantizer(program, s),
-                 extra={**var.variance(s), "runs": runs}) for s in sites]
+    rows = [site_row(program.sites[s], "output", var.stats[at[s]], site_quantizer(program, s),
+                     extra={**var.variance(at[s]), "runs": runs}) for s in sites]
     return build_report("instability_scan", program, policy, rows, runs=runs, seed=seed)

@@ -37,21 +37,66 @@ def report_json(report: ScanReport, indent: int | None = 2) -> str:
     return json.dumps(data, indent=indent, allow_nan=False)
 
 
+NO_TOKENS = "no tokens"  # an expert that no calibration token was routed to: nothing measured
+
+
 def to_csv(report: ScanReport) -> str:
-    """One line per row; metrics as plain numbers (inf/nan as Python spells them)."""
+    """One line per row; metrics as plain numbers (inf/nan as Python spells them). A fused
+    experts row is followed by one line per expert (`expert`, `tokens`; empty metrics and the
+    reason "no tokens" for an expert that no calibration token reached)."""
     buf = io.StringIO()
     writer = csv.writer(buf, lineterminator="\n")
-    writer.writerow(["site", "point", "layer", "role", "kind", "shape", "format", *_CSV_METRICS,
-                     "block_exp_min", "block_exp_max", "problematic", "problems"])
+    writer.writerow(["site", "point", "expert", "tokens", "layer", "role", "kind", "shape", "format",
+                     *_CSV_METRICS, "block_exp_min", "block_exp_max", "problematic", "problems"])
     for row in report.rows:
         why = report.row_problems(row)
         exps = row.block_exponents or {}
+        ident = ["" if row.layer is None else row.layer, row.role, row.kind]
+        shape = "x".join(map(str, row.shape))
         writer.writerow([
-            row.site, row.point, "" if row.layer is None else row.layer, row.role, row.kind,
-            "x".join(map(str, row.shape)), row.format, *(row.metrics[k] for k in _CSV_METRICS),
+            row.site, row.point, "", "", *ident, shape, row.format,
+            *(row.metrics[k] for k in _CSV_METRICS),
             exps.get("min", ""), exps.get("max", ""), int(bool(why)), "; ".join(why),
         ])
+        for entry in row.experts or ():
+            m = entry.get("metrics")
+            writer.writerow([
+                row.site, row.point, entry["expert"], entry.get("tokens", ""), *ident,
+                "x".join(map(str, row.shape[1:])) if row.point == "weight" else "", row.format,
+                *(m[k] if m else "" for k in _CSV_METRICS), "", "", "", "" if m else NO_TOKENS,
+            ])
     return buf.getvalue()
+
+
+def experts_markdown(report: ScanReport) -> list[str]:
+    """The experts section: per layer and expert, its errors merged over the layer's experts
+    sites and its tokens; then every experts site expert by expert. [] without experts rows."""
+    summary = report.expert_summary()
+    if not summary:
+        return []
+    cols = ("sqnr_db", "rel_rmse", "deadzone", "saturation")
+    head = ["SQNR dB", "rel_rmse", "deadzone", "saturation"]
+
+    def cells(metrics: dict[str, float] | None) -> list[str]:
+        if metrics is None:
+            return [NO_TOKENS] * len(cols)
+        return [format_metric(k, metrics[k]) for k in cols]
+
+    lines = ["", "## Experts", "",
+             "Per layer and expert, merged over the layer's experts sites (gate_up and down); "
+             f"\"{NO_TOKENS}\": no calibration token was routed to the expert.", ""]
+    lines += _md_table(
+        ["layer", "point", "expert", "tokens", "sites", *head],
+        [["" if e["layer"] is None else e["layer"], e["point"], e["expert"],
+          "" if e["tokens"] is None else e["tokens"], e["sites"], *cells(e["metrics"])]
+         for e in summary])
+    lines += ["", "### Experts by site", ""]
+    lines += _md_table(
+        ["site", "expert", "tokens", *head],
+        [[row.label, e["expert"], e.get("tokens", ""), *cells(e.get("metrics"))]
+         for row in report.rows for e in row.experts or ()])
+    return lines
+
 
 def to_markdown(report: ScanReport) -> str:
     """A human-readable report: summary, recommendation, per-layer and per-site tables."""
@@ -92,6 +137,7 @@ def to_markdown(report: ScanReport) -> str:
                                               "deadzone", "saturation", "mean_rel_error")),
           "; ".join(report.row_problems(r))] for r in report.rows],
     )
+    lines += experts_markdown(report)
     lines += ["", "*mean relative error is dominated by small values that quantize to zero; "
               "it is reported for comparison with older SRDD scans only (docs/metrics.md)."]
     return "\n".join(lines) + "\n"
@@ -111,8 +157,28 @@ def end_to_end_text(report: ScanReport) -> str:
     return "; ".join(parts)
 
 
-def plot_png(report: ScanReport, path: str | os.PathLike[str]) -> Path:
-    """Per-site SQNR and deadzone by layer index, layer totals as lines, thresholds dashed."""
+POINT_STYLE = {  # how each measured point is drawn: marker, color, legend label
+    "weight": ("o", "tab:blue", "weight"),
+    "input": ("^", "tab:green", "input (activation)"),
+    "output": ("s", "tab:purple", "output (local error)"),
+}
+_OTHER_STYLE = ("D", "tab:gray", "{point}")
+
+
+def plot_title(report: ScanReport) -> str:
+    """What the plot shows, in its title: the scan's kind decides it (a weight scan and an
+    activation scan of the same model must not look alike)."""
+    kind = str(report.meta.get("kind", "weight_scan"))
+    what = {"weight_scan": "weight scan", "activation_scan": "activation scan: weights, inputs, "
+            "local output error"}.get(kind, kind.replace("_", " "))
+    return f"{report.meta.get('format')} {what} of {Path(str(report.meta.get('source'))).name}"
+
+
+def report_figure(report: ScanReport) -> Any:
+    """The report's plot as a matplotlib Figure (Agg, pyplot untouched): per-site SQNR and
+    deadzone by layer index, one marker and color per measured point (weight, input, output),
+    problematic sites crossed in red, layer totals per point as lines, thresholds dashed; every
+    mark has its legend entry."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     from matplotlib.ticker import MaxNLocator
@@ -122,27 +188,44 @@ def plot_png(report: ScanReport, path: str | os.PathLike[str]) -> Path:
     top, bottom = fig.subplots(2, 1, sharex=True)
     layered = [r for r in report.rows if r.layer is not None]
     rows = layered or report.rows
-    xs = [r.layer if layered else i for i, r in enumerate(rows)]
-    summary = report.layer_summary() if layered else []
-    colors = ["tab:red" if report.row_problems(r) else "tab:blue" for r in rows]
+    x_of = {id(r): (r.layer if layered else i) for i, r in enumerate(rows)}
+    points = list(dict.fromkeys(r.point for r in rows))
+    several = len(points) > 1
+    bad = [r for r in rows if report.row_problems(r)]
     for ax, key, scale, unit, thr in (
         (top, "sqnr_db", 1.0, "SQNR (dB)", report.thresholds["sqnr_db"]),
         (bottom, "deadzone", 100.0, "deadzone (%)", 100.0 * report.thresholds["deadzone"]),
     ):
-        ys = [_finite(r.metrics[key]) * scale for r in rows]
-        ax.scatter(xs, ys, s=12, alpha=0.6, c=colors, label="site (red: problematic)")
-        if summary:
-            ax.plot([e["layer"] for e in summary], [_finite(e[key]) * scale for e in summary],
-                    color="black", linewidth=1.2, label="layer total")
-        ax.axhline(thr, color="red", linestyle="--", linewidth=1, label=f"threshold {thr:g}")
+        for point in points:
+            marker, color, label = POINT_STYLE.get(point, _OTHER_STYLE)
+            mine = [r for r in rows if r.point == point]
+            ax.scatter([x_of[id(r)] for r in mine], [_finite(r.metrics[key]) * scale for r in mine],
+                       s=14, alpha=0.6, marker=marker, color=color,
+                       label=label.format(point=point) if several else "site")
+            if layered:
+                totals = [(layer, report.aggregate([r for r in mine if r.layer == layer])[key])
+                          for layer in sorted({r.layer for r in mine})]
+                ax.plot([t[0] for t in totals], [_finite(t[1]) * scale for t in totals], color=color
+                        if several else "black", linewidth=1.2,
+                        label=f"{point} layer total" if several else "layer total")
+        if bad:
+            ax.scatter([x_of[id(r)] for r in bad], [_finite(r.metrics[key]) * scale for r in bad],
+                       s=40, marker="x", color="tab:red", label="problematic")
+        ax.axhline(thr, color="red", linestyle="--", linewidth=1, label=f"threshold {thr:g}"
+                   if report.flagging == "absolute" else f"absolute threshold {thr:g} (flagging: expected)")
         ax.set_ylabel(unit)
         ax.grid(alpha=0.3)
         ax.legend(loc="best", fontsize=8)
     bottom.set_xlabel("layer index" if layered else "site")
     bottom.xaxis.set_major_locator(MaxNLocator(integer=True))
     skipped = len(report.rows) - len(rows)
-    top.set_title(f"{report.meta.get('format')} scan of {Path(str(report.meta.get('source'))).name}"
-                  + (f" ({skipped} site(s) outside layers not shown)" if skipped else ""))
+    top.set_title(plot_title(report) + (f" ({skipped} site(s) outside layers not shown)" if skipped else ""))
+    return fig
+
+
+def plot_png(report: ScanReport, path: str | os.PathLike[str]) -> Path:
+    """report.png: `report_figure`, written atomically."""
+    fig = report_figure(report)
     with qio.atomic_path(path) as tmp:
         fig.savefig(tmp, dpi=110)
     return Path(path)

@@ -37,6 +37,7 @@ EXPECTED_MARGINS = {  # flagging="expected": how much worse than the format's Ga
 DEFAULT_THRESHOLDS = {**ABSOLUTE_THRESHOLDS, **EXPECTED_MARGINS}
 FLAGGING = ("expected", "absolute")
 HEAVY_TAIL_KURTOSIS = 10.0  # Pearson kurtosis: 3 for a Gaussian; above this, tails dominate blocks
+_POINT_ORDER = {"weight": 0, "input": 1, "output": 2}
 EXPECTED_POINTS = ("weight", "input")  # points quantized directly (outputs: local error of a product)
 
 
@@ -127,8 +128,9 @@ class SiteRow:
     metrics: dict[str, float]
     state: dict[str, float]
     block_exponents: dict[str, Any] | None = None
-    # fused experts: one entry per expert, {"expert", "tokens" (activation scans), "metrics"};
-    # an expert that saw no calibration token has "tokens": 0 and "metrics": None
+    # fused experts: one entry per expert, {"expert", "tokens" (activation scans), "metrics",
+    # "state" (raw sums)}; an expert that saw no calibration token has "tokens": 0 and
+    # "metrics" and "state" None
     experts: list[dict[str, Any]] | None = None
     diagnostics: dict[str, float] | None = None  # weight scans: outlier channels (problem reasons)
 
@@ -162,7 +164,8 @@ class SiteRow:
             d["site"], d["point"], d["layer"], d["role"], d["kind"], list(d["shape"]), d["format"],
             dict(d["options"]), _decode_numbers(d["metrics"]), _decode_numbers(d["state"]),
             d.get("block_exponents"),
-            [{**e, "metrics": _decode_numbers(e["metrics"]) if e.get("metrics") else None}
+            [{**e, "metrics": _decode_numbers(e["metrics"]) if e.get("metrics") else None,
+              "state": _decode_numbers(e["state"]) if e.get("state") else None}
              for e in d["experts"]] if d.get("experts") is not None else None,
             _decode_numbers(d["diagnostics"]) if d.get("diagnostics") else None,
         )
@@ -231,6 +234,27 @@ class ScanReport:
                 "problem_sites": sum(id(r) in bad for r in rows),
             })
         return out
+
+    def expert_summary(self) -> list[dict[str, Any]]:
+        """Per (layer, point, expert) of the fused experts rows: the expert's errors merged over
+        the layer's experts sites (its gate_up and down matrices), its calibration tokens (the
+        most any of those sites saw; None in weight scans) and `metrics` None for an expert that
+        no calibration token reached. Expert e of one layer is not expert e of another, so
+        experts are never merged across layers."""
+        groups: dict[tuple[Any, str, int], dict[str, Any]] = {}
+        for row in self.rows:
+            for entry in row.experts or ():
+                key = (row.layer, row.point, int(entry["expert"]))
+                group = groups.setdefault(key, {"stats": ErrorStats(), "sites": 0, "tokens": None})
+                group["sites"] += 1
+                if entry.get("tokens") is not None:
+                    group["tokens"] = max(group["tokens"] or 0, int(entry["tokens"]))
+                if entry.get("state"):
+                    group["stats"].merge(ErrorStats.from_state(entry["state"]))
+        return [{"layer": layer, "point": point, "expert": expert, "sites": g["sites"],
+                 "tokens": g["tokens"], "metrics": g["stats"].result() if g["stats"].n else None}
+                for (layer, point, expert), g in sorted(groups.items(), key=lambda kv: (
+                    kv[0][0] is None, kv[0][0] or 0, _POINT_ORDER.get(kv[0][1], 3), kv[0][1], kv[0][2]))]
 
     def layer_sqnr(self) -> dict[int, float]:
         return {e["layer"]: e["sqnr_db"] for e in self.layer_summary()}

@@ -10,7 +10,8 @@ GPT-2 `Conv1D`, MoE routers, fused expert parameters; lm_head included and marke
 the very site table that plans and transforms use. A fused experts weight [E, ...] is quantized
 expert by expert, as each matrix would be in an nn.Linear; its row sums all experts and lists
 each expert's metrics (`SiteRow.experts`). From a safetensors checkpoint,
-every floating 2-D `*.weight` tensor except embeddings. Embeddings are looked up, not multiplied,
+every floating 2-D `*.weight` tensor except embeddings, and the experts sites the loaded model
+would have (fused 3-D tensors, or per-expert matrices merged as transformers merges them). Embeddings are looked up, not multiplied,
 so block quantization of their rows is a different question. Blocks run along the reduction axis
 (axis 0 for Conv1D, which stores [in, out]; GPT-2's `c_attn`/`c_fc`/`c_proj` in checkpoints).
 
@@ -23,6 +24,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -34,7 +36,14 @@ from torch import nn
 
 from qtransform import formats
 from qtransform.core.metrics import BlockExponentHistogram, ErrorStats
-from qtransform.core.sites import LINEAR_KINDS, Site, discover_sites, layer_index, role_of
+from qtransform.core.sites import (
+    EXPERT_PARAMS,
+    LINEAR_KINDS,
+    Site,
+    discover_sites,
+    layer_index,
+    role_of,
+)
 from qtransform.errors import UserError
 from qtransform.formats.quantize import quantize_with_info
 from qtransform.scan.compare import Comparison
@@ -48,7 +57,8 @@ from qtransform.scan.report import (
 
 GPT2_CONV1D_LEAVES = ("c_attn", "c_fc", "c_proj")
 _FLOAT_DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64}
-_ROLE_ORDER = ("q", "k", "v", "qkv", "o", "gate", "up", "gate_up", "down", "fc1", "fc2", "other", "lm_head")
+_ROLE_ORDER = ("q", "k", "v", "qkv", "o", "gate", "up", "gate_up", "down", "fc1", "fc2", "router",
+               "experts.gate_up", "experts.up", "experts.down", "other", "lm_head")
 
 
 @dataclass(frozen=True)
@@ -136,29 +146,98 @@ def _shards(index: Path) -> list[Path]:
     return [index.parent / n for n in names]
 
 
+_PER_EXPERT_KEY = re.compile(r"^(?P<module>.+\.experts)\.(?P<expert>\d+)\."
+                             r"(?P<leaf>gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
+_PER_EXPERT_PART = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up",
+                    "down_proj": "down", "w2": "down"}
+
+
+def moe_module_name(name: str) -> str:
+    """A checkpoint's MoE module path as transformers 5 names the module (Mixtral checkpoints
+    call the MoE block `block_sparse_moe`; the model's module is `mlp`)."""
+    return name.replace(".block_sparse_moe.", ".mlp.")
+
+
 def checkpoint_weights(path: str | os.PathLike[str]) -> list[WeightRef]:
-    """Linear-like 2-D weights of a safetensors checkpoint, read lazily one tensor at a time."""
+    """Linear-like weights of a safetensors checkpoint, read lazily one tensor at a time.
+
+    Mixture-of-experts checkpoints give the sites the loaded model has: fused 3-D expert tensors
+    (`...experts.gate_up_proj`, as a transformers 5 state dict holds them, [E, out, in]) are
+    experts sites as they are; per-expert 2-D tensors (`...experts.<e>.gate_proj.weight`, Mixtral's
+    `w1`/`w3`/`w2`, the layout `save_pretrained` and hub checkpoints use) are merged as
+    transformers merges them on loading: `gate_up_proj` [E, 2I, H] (each expert's gate rows, then
+    its up rows) and `down_proj` [E, H, I]. A `gate` beside an `experts` module is its router."""
     from safetensors import safe_open
 
-    refs = []
+    plain: list[tuple[Path, str, tuple[int, ...]]] = []
+    fused: list[tuple[Path, str, tuple[int, ...]]] = []
+    per_expert: dict[str, dict[int, dict[str, tuple[Path, str, tuple[int, ...]]]]] = {}
     for file in checkpoint_files(path):
         with safe_open(file, framework="pt") as fh:
             for key in fh.keys():
                 info = fh.get_slice(key)
                 shape = tuple(info.get_shape())
-                if not key.endswith(".weight") or len(shape) != 2 or info.get_dtype() not in _FLOAT_DTYPES:
+                if info.get_dtype() not in _FLOAT_DTYPES:
                     continue
-                name = key[: -len(".weight")]
-                if is_embedding(name):
-                    continue
-                kind = "conv1d" if name.rsplit(".", 1)[-1] in GPT2_CONV1D_LEAVES else "linear"
-                site = Site(
-                    name=name, cls_name="Conv1D" if kind == "conv1d" else "Linear", kind=kind,
-                    layer=layer_index(name), role=role_of(name, kind), weight_shape=shape,
-                    weight_transposed=kind == "conv1d",
-                )
-                refs.append(WeightRef(site, _loader(file, key)))
+                found = _PER_EXPERT_KEY.match(key)
+                if found and len(shape) == 2:
+                    module = moe_module_name(found["module"])
+                    parts = per_expert.setdefault(module, {}).setdefault(int(found["expert"]), {})
+                    parts[_PER_EXPERT_PART[found["leaf"]]] = (file, key, shape)
+                elif len(shape) == 3 and key.rsplit(".", 1)[-1] in EXPERT_PARAMS:
+                    fused.append((file, key, shape))
+                elif key.endswith(".weight") and len(shape) == 2 and not is_embedding(key[: -len(".weight")]):
+                    plain.append((file, key, shape))
+    refs = [_merged_experts(module, experts, plain) for module, experts in per_expert.items()]
+    refs = [ref for group in refs for ref in group]
+    experts_modules = {moe_module_name(key).rsplit(".", 1)[0] for _, key, _ in fused} | set(per_expert)
+    for file, key, shape in fused:
+        name = moe_module_name(key)
+        refs.append(WeightRef(Site(name=name, cls_name="Experts", kind="experts", layer=layer_index(name),
+                                   role=EXPERT_PARAMS[name.rsplit(".", 1)[-1]], weight_shape=shape,
+                                   param=name.rsplit(".", 1)[-1]), _loader(file, key)))
+    for file, key, shape in plain:
+        name = moe_module_name(key[: -len(".weight")])
+        kind = "conv1d" if name.rsplit(".", 1)[-1] in GPT2_CONV1D_LEAVES else "linear"
+        router = name.endswith(".gate") and name[: -len("gate")] + "experts" in experts_modules
+        site = Site(
+            name=name, cls_name="Router" if router else "Conv1D" if kind == "conv1d" else "Linear",
+            kind=kind, layer=layer_index(name), role="router" if router else role_of(name, kind),
+            weight_shape=shape, weight_transposed=kind == "conv1d",
+        )
+        refs.append(WeightRef(site, _loader(file, key)))
     return sorted(refs, key=_site_order)
+
+
+def _merged_experts(module: str, experts: dict[int, dict[str, tuple[Path, str, tuple[int, ...]]]],
+                    plain: list[tuple[Path, str, tuple[int, ...]]]) -> list[WeightRef]:
+    """The fused experts sites of one module's per-expert tensors; when the set is not complete
+    (an expert or a matrix missing) the tensors stay separate 2-D sites (appended to `plain`)."""
+    count = len(experts)
+    layout = set(experts.get(0, {}))
+    if (sorted(experts) != list(range(count)) or any(set(p) != layout for p in experts.values())
+            or not {"up", "down"} <= layout):
+        plain.extend(entry for parts in experts.values() for entry in parts.values())
+        return []
+    refs = []
+    up = ["gate", "up"] if "gate" in layout else ["up"]
+    for param, pieces in (("gate_up_proj" if len(up) == 2 else "up_proj", up), ("down_proj", ["down"])):
+        entries = [[experts[e][p] for p in pieces] for e in range(count)]
+        rows = sum(entry[2][0] for entry in entries[0])
+        shape = (count, rows, entries[0][0][2][1])
+        name = f"{module}.{param}"
+        refs.append(WeightRef(Site(name=name, cls_name="Experts", kind="experts", layer=layer_index(name),
+                                   role=EXPERT_PARAMS[param], weight_shape=shape, param=param),
+                              _stacked_loader(entries)))
+    return refs
+
+
+def _stacked_loader(entries: list[list[tuple[Path, str, tuple[int, ...]]]]) -> Callable[[], torch.Tensor]:
+    """Each expert's matrices concatenated along the output rows, experts stacked on axis 0."""
+    def load() -> torch.Tensor:
+        return torch.stack([torch.cat([_loader(file, key)() for file, key, _ in parts]) for parts in entries])
+
+    return load
 
 
 def _loader(file: Path, key: str) -> Callable[[], torch.Tensor]:
@@ -368,7 +447,7 @@ def _row(ref: WeightRef, choice: QuantChoice, stats: ErrorStats, hist: BlockExpo
         block_exponents=hist.result() if hist is not None else None,
     )
     if experts is not None:
-        row.experts = [{"expert": e, "metrics": s.result()} for e, s in enumerate(experts)]
+        row.experts = [{"expert": e, "metrics": s.result(), "state": s.state()} for e, s in enumerate(experts)]
     row.diagnostics = diagnostics
     return row
 

@@ -8,6 +8,7 @@ format functions applied matrix by matrix, and a per-expert loop written here.
 from __future__ import annotations
 
 import copy
+import math
 
 import numpy as np
 import onnxruntime as ort
@@ -177,3 +178,132 @@ def test_graph_mode_quantizes_expert_weights():
         got = gm(input_ids=IDS, use_cache=False).logits
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert "model.layers.0.mlp.experts.gate_up_proj" in {i.site for i in qtransform.insertion_log(gm)}
+
+
+# -- fault scans (gain, kurtosis, instability) on experts sites -------------------------------
+def _module_io(model: torch.nn.Module, path: str, ids: torch.Tensor) -> tuple[tuple, torch.Tensor]:
+    """The positional arguments and the output of one module call in a forward of `model`."""
+    seen: list = []
+    hook = model.get_submodule(path).register_forward_hook(lambda m, a, out: seen.append((a, out)))
+    with torch.no_grad():
+        model(input_ids=ids)
+    hook.remove()
+    (args, out), = seen
+    return args, out
+
+
+def _pearson_kurtosis(y: torch.Tensor) -> float:
+    c = y.double() - y.double().mean()
+    return float(c.pow(4).mean() / c.pow(2).mean() ** 2)
+
+
+@pytest.mark.parametrize("arch", MOE)
+def test_fault_scans_measure_experts_at_their_module(arch):
+    """Gain and kurtosis of an experts site against a float64 computation written here: the
+    experts module on the full-precision model's routing, its weights fake-quantized per expert."""
+    import zlib
+
+    from qtransform.passes.instrument import tapping
+    from qtransform.scan.activations import resolve_policy
+    from qtransform.scan.faults import gain_scan, instability_scan, kurtosis_scan, stochastic_policy
+
+    model = build_tiny(arch, hidden=32, num_layers=1)
+    ids = IDS[:1]
+    path = "model.layers.0.mlp.experts"
+    sites = [f"{path}.gate_up_proj", f"{path}.down_proj"]
+    (x, index, weights), fp_out = _module_io(model, path, ids)
+    fp_experts = model.get_submodule(path)
+    q_experts = copy.deepcopy(fp_experts)
+    with torch.no_grad():
+        for p in q_experts.parameters():
+            p.copy_(torch.stack([fake_quantize(p[e], "mxfp4") for e in range(p.shape[0])]))
+    gen = torch.Generator().manual_seed(zlib.crc32(path.encode()))  # the scan's seed 0 for this module
+    xp = x + 1e-3 * x.pow(2).mean().sqrt() * torch.randn(x.shape, generator=gen)
+    d = xp.double() - x.double()  # the perturbation as float32 represents it
+    with torch.no_grad():
+        resp = {name: e(xp, index, weights).double() - e(x, index, weights).double()
+                for name, e in (("fp", fp_experts), ("q", q_experts))}
+    gain = {k: float(v.norm() / d.norm()) for k, v in resp.items()}
+
+    rows = {r.site: r.metrics for r in gain_scan(model, "mxfp4", ids).rows}
+    for site in sites:
+        assert rows[site]["gain_fp"] == pytest.approx(gain["fp"], rel=1e-9)
+        assert rows[site]["gain_q"] == pytest.approx(gain["q"], rel=1e-9)
+    assert rows[sites[0]]["gain_ratio"] != 1.0
+
+    kurt = {r.site: r.metrics for r in kurtosis_scan(model, "mxfp4", ids).rows}
+    _, q_out = _module_io(qtransform.transform(model, resolve_policy(model, "mxfp4")), path, ids)
+    for site in sites:
+        assert kurt[site]["kurtosis_fp"] == pytest.approx(_pearson_kurtosis(fp_out), rel=1e-9)
+        assert kurt[site]["kurtosis_q"] == pytest.approx(_pearson_kurtosis(q_out), rel=1e-9)
+
+    unstable = {r.site: r.metrics for r in instability_scan(model, "mxfp4", ids, runs=3, seed=5).rows}
+    # the same stochastic policy transformed again draws the same numbers: recompute directly
+    again = qtransform.transform(model, stochastic_policy(resolve_policy(model, "mxfp4"), 5))
+    with tapping(again, False):
+        runs = torch.stack([_module_io(again, path, ids)[1].double() for _ in range(3)])
+    for site in sites:
+        assert unstable[site]["variance"] == pytest.approx(float(runs.var(dim=0).mean()), rel=1e-9)
+    router = next(s for s in unstable if s.endswith("mlp.gate"))  # tuple output: its logits
+    assert unstable[router]["variance"] > 0 and math.isfinite(rows[router]["gain_ratio"])
+
+
+def test_fault_scan_hooks_are_removed_when_a_site_is_missing():
+    from qtransform.scan.faults import GainProbe
+
+    model = build_tiny("mixtral", hidden=32, num_layers=1)
+    with pytest.raises(AttributeError):
+        GainProbe(model, model, ["model.layers.0.self_attn.q_proj", "model.layers.0.no_such"], 1e-3, 0)
+    assert not any(m._forward_hooks for m in model.modules())
+
+
+@pytest.mark.parametrize("arch", MOE)
+def test_checkpoint_scan_lists_the_models_sites_and_values(arch, tmp_path):
+    """A checkpoint written by save_pretrained (per-expert 2-D tensors; Mixtral's
+    `block_sparse_moe.experts.<e>.w1`) and a raw state dict (fused 3-D tensors) both scan to the
+    in-memory model's sites, roles and exact accumulator sums, expert by expert."""
+    from safetensors.torch import save_file
+
+    model = build_tiny(arch, hidden=32, num_layers=1)
+    want = {r.site: r for r in scan_weights(model, "nvfp4").rows}
+    model.save_pretrained(tmp_path / "hf")
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, tmp_path / "fused.safetensors")
+    for source in (tmp_path / "hf", tmp_path / "fused.safetensors"):
+        got = {r.site: r for r in scan_weights(source, "nvfp4").rows}
+        assert set(got) == set(want)
+        for name, row in want.items():
+            assert (got[name].role, got[name].kind, got[name].shape) == (row.role, row.kind, row.shape)
+            assert got[name].state == row.state and got[name].experts == row.experts
+    assert sum(r.kind == "experts" for r in want.values()) == 2
+    assert any(r.role == "router" for r in want.values())
+
+
+def test_reports_render_each_expert_and_merge_them_per_layer():
+    """One calibration token reaches 2 of 4 experts per layer: the other two say "no tokens" in
+    CSV and Markdown; the per-layer merge of an expert's weights is checked in float64 here."""
+    import csv
+    import io
+
+    from qtransform.scan import render
+    from qtransform.scan.report import ScanReport
+
+    model = build_tiny("mixtral", hidden=32, num_layers=1)
+    policy = _policy("mxfp4", ("weight", "input"), targets=["re:.*experts.*"])
+    report = ScanReport.from_dict(scan_activations(model, policy, torch.tensor([[7]])).to_dict())
+    summary = report.expert_summary()
+    inputs = [e for e in summary if e["point"] == "input"]
+    assert sorted(e["tokens"] for e in inputs) == [0, 0, 1, 1]
+    assert all((e["metrics"] is None) == (e["tokens"] == 0) for e in inputs)
+    experts = model.model.layers[0].mlp.experts
+    for e in range(4):
+        w = [getattr(experts, p)[e].detach() for p in ("gate_up_proj", "down_proj")]
+        signal = sum(float(x.double().pow(2).sum()) for x in w)
+        error = sum(float((x.double() - fake_quantize(x, "mxfp4").double()).pow(2).sum()) for x in w)
+        got = next(s for s in summary if s["point"] == "weight" and s["expert"] == e)
+        assert got["sites"] == 2 and got["metrics"]["sqnr_db"] == pytest.approx(10 * math.log10(signal / error), rel=1e-12)
+    lines = list(csv.DictReader(io.StringIO(render.to_csv(report))))
+    per_expert = [r for r in lines if r["expert"] != "" and r["point"] == "input"]
+    assert len(per_expert) == 8 and sum(r["problems"] == "no tokens" for r in per_expert) == 4
+    assert all((r["sqnr_db"] == "") == (r["tokens"] == "0") for r in per_expert)
+    md = render.to_markdown(report)
+    assert "## Experts" in md and "### Experts by site" in md and md.count("| no tokens |") >= 4

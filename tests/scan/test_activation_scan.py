@@ -255,3 +255,35 @@ def test_cli_scan_with_calibration_file(tmp_path):
     assert data["meta"]["kind"] == "activation_scan" and data["thresholds"]["sqnr_db"] == 10
     assert data["meta"]["calibration"]["file"] == str(calib)
     assert {"weight", "output"} == {r["point"] for r in data["rows"]}
+
+
+def test_activation_plot_separates_points_and_titles_differ(tiny, tmp_path):
+    """Weight, input and output points get their own marker, color and legend entry; every mark
+    has one; the title says which scan it is."""
+    from qtransform.scan import render
+    from qtransform.scan.weights import scan_weights
+
+    model = tiny("qwen2")
+    w4a4 = {"version": 1, "quantize": [{"targets": ["Linear"], "ignore": ["lm_head"], "format": "mxfp4",
+                                        "tensors": ["weight", "input"]}]}
+    report = scan_activations(model, w4a4, ids(2, 6))
+    fig = render.report_figure(report)
+    top, bottom = fig.axes
+    assert "activation scan" in top.get_title() and "weight scan" not in top.get_title()
+    for ax in (top, bottom):
+        marks = [c for c in ax.collections] + [ln for ln in ax.lines]
+        labels = [m.get_label() for m in marks]
+        assert all(not lab.startswith("_") for lab in labels)  # no mark without a legend entry
+        assert sorted(t.get_text() for t in ax.get_legend().get_texts()) == sorted(labels)
+        styles = {c.get_label(): (tuple(c.get_facecolor()[0]), c.get_paths()[0].vertices.tobytes())
+                  for c in ax.collections}
+        wanted = ("weight", "input (activation)", "output (local error)")
+        assert set(wanted) <= set(styles)
+        assert len({styles[k][0] for k in wanted}) == 3 and len({styles[k][1] for k in wanted}) == 3
+        assert {"weight layer total", "input layer total", "output layer total"} <= set(labels)
+        counts = {c.get_label(): len(c.get_offsets()) for c in ax.collections}
+        assert counts["weight"] == sum(r.point == "weight" for r in report.rows if r.layer is not None)
+    weights = render.report_figure(scan_weights(model, "mxfp4"))
+    assert "weight scan" in weights.axes[0].get_title()
+    assert weights.axes[0].get_title() != top.get_title()
+    assert render.plot_png(report, tmp_path / "a.png").read_bytes()[:4] == b"\x89PNG"

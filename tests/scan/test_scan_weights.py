@@ -259,3 +259,38 @@ def test_cli_messages_and_exit_codes(tmp_path, capsys):
     assert (Path(out) / "comparison.md").exists()
     assert main(["guide", str(tmp_path / "none.json"), "--out", str(tmp_path / "p.json")]) == 2
     assert "no such report" in capsys.readouterr().err
+
+
+def test_compare_shows_per_layer_sqnr_and_where_the_winner_differs():
+    """Layer 0 Gaussian, layer 1 heavy-tailed (cubed Gaussian): MXFP6 E2M3 wins the first by
+    SQNR, MXFP8 E4M3 (more exponent range) the second. Layer SQNRs against float64 here."""
+    from qtransform.formats import fake_quantize
+    from qtransform.models import build_tiny
+    from qtransform.scan import compare_formats
+
+    model = build_tiny("qwen2", hidden=32)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in model.model.layers[1].parameters():
+            if p.ndim == 2:
+                p.copy_(0.02 * torch.randn(p.shape, generator=g) ** 3)
+    fmts = ["mxfp6_e2m3", "mxfp8_e4m3"]
+    result = compare_formats(model, fmts)
+    layers = {e["layer"]: e for e in result.per_layer()}
+    for layer in (0, 1):
+        weights = [p.detach() for n, p in model.model.layers[layer].named_parameters() if p.ndim == 2]
+        for fmt in fmts:
+            signal = sum(float(w.double().pow(2).sum()) for w in weights)
+            error = sum(float((w.double() - fake_quantize(w, fmt).double()).pow(2).sum()) for w in weights)
+            assert layers[layer]["sqnr_db"][fmt] == pytest.approx(10 * math.log10(signal / error), rel=1e-12)
+    assert (layers[0]["winner"], layers[1]["winner"]) == ("mxfp6_e2m3", "mxfp8_e4m3")
+    assert layers[None]["sites"] == 1  # lm_head, outside layers
+    md = result.to_markdown()
+    overall = result.winners["sqnr_db"]
+    table = {line.split(" | ")[0].strip("| "): line for line in md.split("## Per layer")[1].splitlines()
+             if line.startswith("| ") and not line.startswith("| layer")}
+    for layer in (0, 1):
+        row = table[str(layer)]
+        assert row.endswith(f"| {layers[layer]['winner']}"
+                            + (" (differs) |" if layers[layer]["winner"] != overall else " |"))
+    assert json.loads(json.dumps(result.to_dict()))["layers"][1]["winner"] == "mxfp8_e4m3"
