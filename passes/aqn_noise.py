@@ -18,7 +18,7 @@ from qtransform.core import ops
 from qtransform.core.phase import active, in_sync
 from qtransform.core.program import Program
 from qtransform.core.schedule import sigma_at
-from qtransform.core.sites import DENSE_KINDS, Site
+from qtransform.core.sites import LINEAR_KINDS, Site
 from qtransform.core.streams import DrawStream
 from qtransform.errors import UserError
 from qtransform.pipeline.base import Action, Pass, register_pass
@@ -26,7 +26,7 @@ from qtransform.pipeline.selection import select_sites
 from qtransform.schemas import NoiseSpec, Schedule
 from qtransform.schemas.selectors import format_layers
 
-NOISE_KINDS = ("norm", *DENSE_KINDS)
+NOISE_KINDS = ("norm", *LINEAR_KINDS)  # norms, linears, routers and fused experts
 
 
 @dataclass(frozen=True)

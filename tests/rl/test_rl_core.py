@@ -228,3 +228,22 @@ def test_rollout_weights_carry_quantized_experts_under_hf_names(arch):
     ids = torch.randint(0, 64, (2, 6))
     with torch.no_grad(), qtransform.rollout():
         assert torch.equal(plain(ids).logits, model(ids).logits)
+
+
+def test_aqn_on_fused_experts_reaches_the_rollout_weights():
+    from qtransform.models import build_tiny
+
+    noise = {"targets": ["re:.*experts.down_proj"], "seed": 3, "schedule": SCHEDULE}
+    model = qtransform.transform(build_tiny("qwen2_moe"), {"version": 1, "noise": noise})
+    qtransform.noise_controller(model).set_step(25)
+    pairs = dict(qtransform.rollout_weights(model))
+    clean = build_tiny("qwen2_moe").state_dict()
+    name = "model.layers.1.mlp.experts.down_proj"
+    want = clean[name] + sigma(25) * documented_z(3, name, 25, clean[name].shape)
+    torch.testing.assert_close(pairs[name], want, rtol=0, atol=1e-7)
+    assert torch.equal(pairs["model.layers.1.mlp.experts.gate_up_proj"], clean["model.layers.1.mlp.experts.gate_up_proj"])
+    ids = torch.randint(0, 64, (1, 6))
+    plain = build_tiny("qwen2_moe")
+    plain.load_state_dict(pairs)
+    with torch.no_grad(), qtransform.rollout():
+        assert torch.equal(plain(ids).logits, model(ids).logits)
