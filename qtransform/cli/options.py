@@ -8,6 +8,7 @@ from typing import Any
 
 from qtransform.errors import UserError
 from qtransform.formats import suggest
+from qtransform.formats.options import CHOICE_OPTIONS
 from qtransform.scan.report import ABSOLUTE_THRESHOLDS, DEFAULT_THRESHOLDS, FLAGGING
 
 
@@ -21,7 +22,7 @@ def add_common(p: argparse.ArgumentParser) -> None:
 
 
 def format_options(args: argparse.Namespace) -> dict[str, Any]:
-    keys = ("block_size", "scale_rule", "rounding", "nvfp4_variant")
+    keys = ("block_size", *CHOICE_OPTIONS)  # the CLI has no 2D tiles
     return {k: getattr(args, k) for k in keys if getattr(args, k) is not None}
 
 

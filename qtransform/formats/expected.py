@@ -19,13 +19,13 @@ from typing import Any
 
 import torch
 
+from qtransform.formats.options import NUMERICS_OPTIONS
 from qtransform.formats.quantize import quantize_with_info
 from qtransform.formats.registry import get
 
 SEED = 0
 MIN_ELEMENTS = 1 << 16  # Monte Carlo size: the SQNR estimate is good to about 0.02 dB
 MIN_ROWS = 16
-_VALUE_OPTIONS = ("block_size", "block_shape", "scale_rule", "rounding", "nvfp4_variant")
 SCALE_BITS = {"e8m0": 8, "e4m3_fp32": 8, "fp32": 32}  # bits of one block scale
 
 
@@ -33,7 +33,7 @@ def expected_error(fmt: str, options: dict[str, Any] | None = None, *, length: i
     """SQNR (dB), deadzone, saturation and rel_rmse of `fmt` on i.i.d. N(0, 1) rows of `length`
     elements, quantized along the row (the reduction axis), with the value-changing `options`."""
     opts = {k: (tuple(v) if isinstance(v, list) else v) for k, v in (options or {}).items()
-            if k in _VALUE_OPTIONS and v is not None}
+            if k in NUMERICS_OPTIONS and v is not None}
     return dict(_expected(get(fmt).name, tuple(sorted(opts.items())), max(1, int(length))))
 
 

@@ -13,6 +13,8 @@ from typing import Any
 from qtransform.formats import registry
 from qtransform.formats.registry import FormatSpec
 
+CHOICE_OPTIONS = ("scale_rule", "rounding", "nvfp4_variant")  # strings a format lists values of
+NUMERICS_OPTIONS = ("block_size", "block_shape", *CHOICE_OPTIONS)  # what changes the numbers
 COMMON_OPTIONS = ("zero_saturated_grad",)  # format options every format accepts (bool)
 ALL_FORMAT_OPTIONS = ("nvfp4_variant", *COMMON_OPTIONS)
 KEYWORDS = ("block_size", "axis", "block_shape", "scale_rule", "rounding", "generator", "seed")

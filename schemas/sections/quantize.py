@@ -11,6 +11,7 @@ from typing import Annotated, Any
 from pydantic import AfterValidator, Field, StrictBool, StrictStr, field_validator, model_validator
 
 from qtransform.formats import registry
+from qtransform.formats.options import CHOICE_OPTIONS
 
 from ..base import Int, PosInt, Selected, Tensor, unique
 from ..errors import Issue, problems_error
@@ -97,7 +98,7 @@ class QuantRule(Selected):
             "rounding": self.rounding,
             "zero_saturated_grad": self.zero_saturated_grad,
         }
-        for option in ("scale_rule", "nvfp4_variant"):
+        for option in ("scale_rule", "nvfp4_variant"):  # the choices not every format takes
             if option in spec.options:
                 opts[option] = getattr(self, option)
         return {k: v for k, v in opts.items() if v is not None}
@@ -106,7 +107,7 @@ class QuantRule(Selected):
 def _option_issues(rule: QuantRule, spec: registry.FormatSpec) -> list[Issue]:
     """scale_rule / rounding / nvfp4_variant against the values this format allows."""
     issues = []
-    for option in ("scale_rule", "rounding", "nvfp4_variant"):
+    for option in CHOICE_OPTIONS:
         value = getattr(rule, option)
         allowed = spec.options.get(option) or (
             (OPTION_DEFAULTS[option],) if option in OPTION_DEFAULTS else ()
