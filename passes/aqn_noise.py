@@ -141,6 +141,8 @@ class AQNNoise(nn.Module):
             return torch.ops.qtransform.noise(weight, self._held_z(weight) if z is None else z, scale, "add",
                                               self.label)
         self.counts.record(self.step_index, self.sigma, in_phase, self.enabled)
+        if sharded(self):
+            self._release_z()  # the model was sharded after the transform: keep no full-size z
         if scale == 0.0:
             return weight
         if z is None:
