@@ -46,8 +46,3 @@ def check_unwrapped(model: nn.Module) -> None:
                         "transform the unsharded model first, then call fully_shard on the "
                         "transformed model (see docs/scale.md)")
 
-
-def rank() -> int:
-    """This process's rank in the default process group, 0 without one."""
-    dist = torch.distributed
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
