@@ -18,6 +18,7 @@ from qtransform.core import ops
 from qtransform.core.phase import active, in_sync
 from qtransform.core.program import Program
 from qtransform.core.schedule import sigma_at
+from qtransform.core.sharding import sharded
 from qtransform.core.sites import LINEAR_KINDS, Site
 from qtransform.core.streams import DrawStream
 from qtransform.errors import UserError
@@ -79,8 +80,10 @@ class AQNNoise(nn.Module):
     z is a non-persistent buffer (it follows `.to(device)` but stays out of `state_dict()`),
     drawn in fp32 from the site's stream at (seed, site, step) and cast to the weight's dtype;
     with resample="forward" each forward draws its own z (replayed under gradient
-    checkpointing). `noise_override`, when set, is used as z instead (the ONNX exporter feeds a
-    graph input).
+    checkpointing). Under FSDP (`core.sharding.sharded`) the buffer is emptied and each forward
+    draws the step's z again, so the module keeps no tensor the size of the unsharded weight
+    (the same values: one generator seed per (seed, site, step)). `noise_override`, when set, is
+    used as z instead (the ONNX exporter feeds a graph input).
     """
 
     def __init__(self, site: str, multiplier: float, config: NoiseConfig, weight: Tensor):
@@ -109,23 +112,44 @@ class AQNNoise(nn.Module):
         self.step_index = step
         self.sigma = sigma_at(step, self.config.schedule) * self.multiplier
         self.stream.set_step(step, draws)
-        gen = self.stream.generator(self.z.device, None)
-        self.z.copy_(torch.randn(self.z.shape, generator=gen, device=self.z.device, dtype=torch.float32))
+        if sharded(self):
+            self._release_z()
+        elif self.z.numel():
+            self.z.copy_(self._step_z(self.z.shape, self.z.device))
+
+    def _step_z(self, shape: torch.Size, device: torch.device) -> Tensor:
+        """The step's draw: fp32 normals from the (seed, site, step) generator, in z's dtype."""
+        gen = self.stream.generator(device, None)
+        return torch.randn(shape, generator=gen, device=device, dtype=torch.float32).to(self.z.dtype)
+
+    def _held_z(self, weight: Tensor) -> Tensor:
+        """The step's z for `weight`: the buffer, or (sharded: no buffer is kept) a fresh draw."""
+        if sharded(self) or self.z.shape != weight.shape:
+            self._release_z()
+            return self._step_z(weight.shape, weight.device)
+        return self.z
+
+    def _release_z(self) -> None:
+        if self.z.numel():
+            self.z = self.z.new_empty(0)  # stays a buffer: dtype and device follow .to()
 
     def forward(self, weight: Tensor) -> Tensor:
         in_phase = active(self.config.apply_during, self.training)
         scale = self.sigma if in_phase and self.enabled else 0.0
         z = self.noise_override
         if ops.is_tracing(weight):
-            return torch.ops.qtransform.noise(weight, self.z if z is None else z, scale, "add", self.label)
+            return torch.ops.qtransform.noise(weight, self._held_z(weight) if z is None else z, scale, "add",
+                                              self.label)
         self.counts.record(self.step_index, self.sigma, in_phase, self.enabled)
+        if sharded(self):
+            self._release_z()  # the model was sharded after the transform: keep no full-size z
         if scale == 0.0:
             return weight
         if z is None:
             if self.config.resample == "forward":
                 z = self.stream.normal(weight.shape, weight, self.stream.next_index(self.training))
             else:
-                z = self.z
+                z = self._held_z(weight)
         return weight + scale * z.to(weight.dtype)
 
 

@@ -1,8 +1,9 @@
 """Fake-quant pass: quantize-dequantize the weights, inputs or outputs of selected sites.
 
 Driven by the policy's ordered `quantize` rules; a later rule overrides an earlier one for the
-same (site, tensor). Weights are quantized once and cached until the parameter changes (an
-optimizer step bumps its version counter), so a forward costs what the original model costs.
+same (site, tensor). Weights are quantized once and cached until the parameter's content
+changes, so a forward costs what the original model costs; under FSDP the weight is quantized
+in every forward and nothing is kept (a cached copy would be the unsharded weight on every rank).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from torch import Tensor, nn
 from qtransform import formats
 from qtransform.core import ops
 from qtransform.core.program import Program
+from qtransform.core.sharding import sharded
 from qtransform.core.streams import DrawStream
 from qtransform.core.versions import content_key
 from qtransform.pipeline.base import Action, Pass, register_pass
@@ -39,7 +41,9 @@ class FakeQuantize(nn.Module):
 
     On a weight (`cache=True`) the quantized copy is kept and reused while the parameter's
     content, dtype, device and shape are unchanged (`core.versions.content_key`: writes through
-    `.data`, merges and FSDP2's reused storage are all seen). Under torch.export/compile the
+    `.data`, merges and reused storage are all seen). Under FSDP (`core.sharding.sharded`) there
+    is no cache: the weight arrives all-gathered for this forward only, and a copy kept past the
+    forward would be a full-size tensor on every rank. Under torch.export/compile the
     module emits the `qtransform::fake_quant` op, labelled `<site>/<tensor>_fake_quant`.
 
     With `per_expert` (a fused experts weight [E, ...]) each expert's matrix is quantized on its
@@ -110,7 +114,8 @@ class FakeQuantize(nn.Module):
             return x
         if ops.is_tracing(x):
             return self._traced(x)
-        if not self.cache:
+        if not self.cache or sharded(self):
+            self._key = self._cached = None  # a copy cached before the model was sharded goes
             return self.quantize(x)
         key = content_key(x)
         if key != self._key or self._cached is None:

@@ -5,10 +5,15 @@ and a storage pointer says nothing once FSDP2 all-gathers into reused storage. T
 includes the content: a CRC-32 of the bytes on CPU (one read, about a quarter of the cost of
 quantizing the tensor), a position-weighted integer checksum on other devices (two reductions;
 any single changed or swapped element changes it).
+
+The CPU bytes are read through a ctypes view of the tensor's memory, not `Tensor.numpy()`: a
+numpy view marks the storage as not resizable for the rest of its life, and FSDP2 frees and
+re-allocates the storage of its unsharded parameters by resizing it.
 """
 
 from __future__ import annotations
 
+import ctypes
 import zlib
 from collections.abc import Hashable
 
@@ -22,7 +27,8 @@ def _checksum(x: torch.Tensor) -> int:
     if flat.numel() == 0:
         return 0
     if flat.device.type == "cpu":
-        return zlib.crc32(flat.view(torch.uint8).numpy())
+        raw = (ctypes.c_char * (flat.numel() * flat.element_size())).from_address(flat.data_ptr())
+        return zlib.crc32(raw)  # `flat` stays referenced, so its memory lives through the read
     ints = flat.view(_INT_VIEW[flat.element_size()]).to(torch.int64)
     rows = ints.reshape(-1, flat.shape[-1]) if x.dim() else ints.reshape(1, -1)
     weights_r = torch.arange(1, rows.shape[0] + 1, device=rows.device, dtype=torch.int64)

@@ -13,6 +13,7 @@ from qtransform.core.capture import capture
 from qtransform.core.phase import mark_rollout_generate
 from qtransform.core.plan import Plan, PlanRow
 from qtransform.core.program import Program
+from qtransform.core.sharding import check_unwrapped
 from qtransform.pipeline.base import Pass, registered_passes
 from qtransform.pipeline.manager import PassManager
 from qtransform.schemas import Policy, load_policy
@@ -50,6 +51,7 @@ def transform(
         model = qtransform.transform(model, {"version": 1, "quantize": [
             {"targets": ["Linear"], "ignore": ["lm_head"], "format": "mxfp4"}]})
     """
+    check_unwrapped(model)
     policy = load_policy(policy)
     manager = PassManager(list(passes) if passes is not None else registered_passes())
     work = model if inplace else copy.deepcopy(model)

@@ -57,6 +57,11 @@ def _apply(chain: list[nn.Module], tensor: Tensor) -> Tensor:
     return tensor
 
 
+def _unwrapped(model: nn.Module) -> nn.Module:
+    """The model inside a DistributedDataParallel wrapper (whose names start with `module.`)."""
+    return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+
+
 def _is_adapter(name: str) -> bool:
     return any(f".{key}." in f".{name}" for key in ADAPTER_KEYS) or ".original_module." in name
 
@@ -68,7 +73,7 @@ def rollout_filter(model: nn.Module, pairs: Iterable[tuple[str, Tensor]]) -> Ite
     out as the base model's. Adapter tensors (`lora_A`, `lora_B`, ...) are dropped: a stream that
     should carry LoRA must carry it merged (TRL and verl's `merge` mode do).
     """
-    chains = _weight_chains(model)
+    chains = _weight_chains(_unwrapped(model))
     with torch.no_grad(), syncing():
         for name, tensor in pairs:
             if _is_adapter(name):
@@ -105,5 +110,10 @@ def rollout_weights(model: nn.Module, *, merge_lora: bool = True) -> Iterator[tu
     Loading them into the plain original architecture (`load_state_dict`, or an engine's
     `load_weights`) reproduces the transformed model's rollout outputs for weight-side
     transforms. With `merge_lora=False`, LoRA layers contribute their base weight only.
+
+    On a model sharded with FSDP2 every rank must iterate the pairs in step: each DTensor is
+    gathered (`full_tensor()`, a collective) when its pair is produced, and only it, so the
+    extra memory is one full tensor and its transformed copy. A DDP wrapper is looked through.
     """
+    model = _unwrapped(model)
     yield from rollout_filter(model, _own_tensors(model, merge_lora))

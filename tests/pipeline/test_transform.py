@@ -256,3 +256,17 @@ def test_untraceable_site_modules_get_opaque_graphs_with_the_same_keys():
     with torch.no_grad():
         assert torch.equal(q(v), F.linear(fake_quantize(v, "nvfp4"), fake_quantize(mlp[0].weight, "nvfp4"), mlp[0].bias))
     assert list(q.state_dict()) == ["0.weight", "0.bias"]
+
+
+def test_content_key_reads_cpu_bytes_without_freezing_the_storage():
+    """FSDP2 frees and re-allocates unsharded parameters by resizing their storage; the weight
+    cache's key must read the bytes without making that storage non-resizable (numpy does)."""
+    import zlib
+
+    from qtransform.core.versions import content_key
+
+    t = torch.randn(6, 5)
+    key = content_key(t)
+    assert key == (torch.float32, t.device, (6, 5), zlib.crc32(t.clone().numpy().tobytes()))
+    t.untyped_storage().resize_(0)  # raises if the key had frozen the storage
+    assert t.untyped_storage().size() == 0
