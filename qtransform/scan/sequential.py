@@ -41,6 +41,7 @@ from torch import Tensor, nn
 
 from qtransform.calibration import Calibration, calibration_batches, run_model
 from qtransform.errors import UserError
+from qtransform.passes.fake_quant import FakeQuantize
 from qtransform.passes.instrument import reset_taps, tapping
 from qtransform.scan.activations import (
     EndToEnd,
@@ -145,8 +146,11 @@ def assign(module: nn.Module, prefix: str, tensors: dict[str, Tensor]) -> None:
 
 
 def release(module: nn.Module) -> None:
-    """Put every parameter of `module` back on meta, freeing its memory."""
+    """Put every parameter of `module` back on meta and drop cached quantized weights, freeing
+    their memory."""
     for sub in module.modules():
+        if isinstance(sub, FakeQuantize):
+            sub.clear_cache()
         for name, p in list(sub._parameters.items()):
             if p is not None and p.device.type != "meta":
                 sub._parameters[name] = nn.Parameter(p.to("meta"), requires_grad=p.requires_grad)
@@ -182,7 +186,8 @@ def layer_inputs(model: nn.Module, layers: nn.ModuleList, norm: nn.Module,
     for layer in layers:
         layer.forward = recorder  # an instance attribute, deleted below
     try:
-        run_model(model, batch)
+        with torch.no_grad():  # a graph would keep the embedding alive through its hidden states
+            run_model(model, batch)
     except _Stop:
         pass
     finally:
