@@ -104,6 +104,10 @@ class FakeQuantize(nn.Module):
         return torch.stack([torch.ops.qtransform.fake_quant(x[e], self.fmt, opts, ops.expert_label(self.label, e))
                             for e in range(x.shape[0])])
 
+    def clear_cache(self) -> None:
+        """Drop the cached quantized weight (a sequential scan frees each layer after use)."""
+        self._key, self._cached = None, None
+
     def quantized_copy(self, x: Tensor) -> Tensor:
         """The quantized copy of `x` without gradient, whether or not the module is enabled."""
         with torch.no_grad():

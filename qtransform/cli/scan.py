@@ -54,6 +54,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--calib", metavar="FILE",
                    help="activation scan on calibration data: a text file (one sample per line), "
                         "a .json list of strings or token-id lists, or 'builtin'")
+    s.add_argument("--sequential", action="store_true",
+                   help="with --calib: run a checkpoint folder one decoder layer at a time (models "
+                        "larger than memory; Llama/Qwen2-style causal LMs, same report)")
     s.add_argument("--out", help="folder for report.json/.csv/.md/.png (required with MODEL; "
                                  "the demo's default: ./qtransform-demo)")
     s.add_argument("--force", action="store_true",
@@ -123,6 +126,8 @@ def run_scan(args: argparse.Namespace) -> int:
         raise UserError(f"{args.policy}: no such policy file")
     with qio.output_folder(args.out, "scan", force=args.force,
                            protect=input_paths(args.model, args.policy, args.calib)) as staging:
+        if args.sequential and args.calib is None:
+            raise UserError("--sequential is a mode of the activation scan: give --calib too")
         if args.calib is not None:
             report = _activation_scan(args)
         else:
@@ -147,10 +152,21 @@ def _activation_scan(args: argparse.Namespace):
 
     builtin = args.calib == "builtin" and not Path(args.calib).exists()
     calib = builtin_calibration() if builtin else read_calibration(args.calib)
-    model = load_model(args.model)
-    policy = cli_policy(model, args.format, args.policy, format_options(args))
-    report = scan_activations(model, policy, calib, tokenizer=load_tokenizer(args.model),
-                              progress=progress(args))
+    if args.sequential:
+        from qtransform.scan.sequential import scan_sequential, skeleton
+
+        if not Path(args.model).is_dir():
+            raise UserError(f"{args.model}: --sequential reads a checkpoint folder (config.json "
+                            "and safetensors)")
+        policy = cli_policy(skeleton(Path(args.model)), args.format, args.policy,
+                            format_options(args))
+        report = scan_sequential(args.model, policy, calib, tokenizer=load_tokenizer(args.model),
+                                 progress=progress(args))
+    else:
+        model = load_model(args.model)
+        policy = cli_policy(model, args.format, args.policy, format_options(args))
+        report = scan_activations(model, policy, calib, tokenizer=load_tokenizer(args.model),
+                                  progress=progress(args))
     report.meta["source"] = args.model
     report.meta["calibration"]["file"] = "builtin" if builtin else args.calib
     report.thresholds.update(thresholds(args.threshold))

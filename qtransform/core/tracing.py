@@ -30,6 +30,7 @@ from qtransform.core.graph import Insertion
 from qtransform.core.sites import expert_params
 from qtransform.errors import UserError
 
+ACCELERATE_HOOK = "_hf_hook"  # accelerate's hook; its wrapper calls `module._old_forward`
 STATE_ATTR = "_qtransform"  # the ModuleGraph of a transformed module, in its __dict__
 SELF_ATTR = "_qtransform_self"  # how an opaque graph names the module it belongs to
 
@@ -85,8 +86,13 @@ class ModuleGraph:
         return scope["forward"]
 
     def recompile(self) -> None:
-        """Make the site module run the graph as it is now."""
-        self.module.forward = GraphForward(self)
+        """Make the site module run the graph as it is now. Under an accelerate hook (offloaded
+        or dispatched modules), the hook's wrapper stays the forward and calls the graph, after
+        it has put the weights in place."""
+        if ACCELERATE_HOOK in self.module.__dict__:
+            self.module._old_forward = GraphForward(self)
+        else:
+            self.module.forward = GraphForward(self)
 
 
 class GraphForward:
@@ -119,8 +125,12 @@ def detach(module: nn.Module, inserted: list[str]) -> None:
     """Make a site module plain again: its inserted children, graph and instance forward go."""
     for name in inserted:
         module._modules.pop(name, None)
-    for attr in (STATE_ATTR, SELF_ATTR, "forward"):
+    for attr in (STATE_ATTR, SELF_ATTR):
         module.__dict__.pop(attr, None)
+    if isinstance(module.__dict__.get("forward"), GraphForward):
+        del module.__dict__["forward"]
+    if isinstance(module.__dict__.get("_old_forward"), GraphForward):  # under an accelerate hook
+        module._old_forward = type(module).forward.__get__(module)
 
 
 class SiteTracer:

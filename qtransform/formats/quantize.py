@@ -2,7 +2,7 @@
 
 The reference path below is plain torch on the input's device, run over chunks of blocks so its
 temporaries stay a fraction of the tensor; `fastpath` replaces it on CPU with a compiled kernel
-that is bit-identical (tested), and is skipped silently whenever it does not apply. Stochastic
+and `triton_kernels` on CUDA with Triton kernels, both bit-identical (tested), and is skipped silently whenever it does not apply. Stochastic
 rounding draws from the counter-based stream of `philox.py` on both paths.
 """
 
@@ -157,7 +157,9 @@ def _forward(
     when asked for, all from one quantization."""
     layout = layout_for(x, cfg)
     seed = stream_seed(cfg, generator, seed, x.device)
-    fast = fastpath.quantize(x, cfg, layout, want_sat, exponents=want_exps, seed=seed)
+    gpu = _gpu_path(x, cfg, layout, want_sat, want_exps)
+    fast = gpu if gpu is not None else fastpath.quantize(x, cfg, layout, want_sat,
+                                                         exponents=want_exps, seed=seed)
     if fast is not None:
         out, sat, exps = fast
         assert out is not None
@@ -167,6 +169,21 @@ def _forward(
     if exps is not None and not x.ndim:
         exps = exps.reshape(())
     return out, None if sat is None else sat.reshape(x.shape), exps
+
+
+def _gpu_path(
+    x: torch.Tensor, cfg: QuantConfig, layout: BlockLayout, want_sat: bool, want_exps: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None, None] | None:
+    """The Triton kernels' result for a CUDA tensor they cover (`triton_kernels.py`), else None:
+    triton is imported only here, only for CUDA tensors, and its absence is no error."""
+    if x.device.type != "cuda" or not fastpath.enabled():
+        return None
+    try:
+        from qtransform.formats import triton_kernels
+    except ImportError:
+        return None
+    res = triton_kernels.quantize(x, cfg, layout, want_sat, want_exps)
+    return None if res is None else (*res, None)
 
 
 def _exponents(res: BlockQuant, layout: BlockLayout) -> torch.Tensor:

@@ -365,6 +365,14 @@ def scan_activations(model: nn.Module, policy_or_format: Any, calib: Calibration
             q_out = run_model(quant, batch)
             pairs.end_batch()
             end.update(batch, fp_out, q_out)
+    return activation_report(program, policy, found, pairs, end, batches, batch_size=batch_size,
+                             max_length=max_length, token_stride=token_stride)
+
+
+def activation_report(program: Any, policy: Policy, found: list[Tap], pairs: SitePairs,
+                      end: EndToEnd, batches: list[Tensor], *, batch_size: int, max_length: int,
+                      token_stride: int) -> ScanReport:
+    """The report of a finished scan (in memory or layer by layer: `scan/sequential.py`)."""
     by_site: dict[str, dict[str, Tap]] = {}
     for tap in found:
         by_site.setdefault(tap.site, {})[tap.point] = tap
