@@ -21,6 +21,7 @@ from qtransform.cli.options import (
     progress,
     thresholds,
 )
+from qtransform.cli.sensitivity import add_budget, apply_budget, budget_args, budget_text
 from qtransform.errors import UserError
 
 MAX_TIER = 100.0  # an AQN sigma multiplier beyond this drowns the weights in noise
@@ -38,6 +39,16 @@ EPILOG_COMPARE = """example:
 EPILOG_GUIDE = """examples:
   qtransform guide scans/mxfp4/report.json --out policy.json
   qtransform guide scans/mxfp4 --out aqn.json --aqn --tiers 1.5,1.2,1.0 --total-steps 174
+  qtransform guide scans/mxfp4 --out p.json --bits 5 --sensitivity sens/mxfp4     # ranking read
+  qtransform guide scans/mxfp4 --out p.json --keep 10% --model ./Qwen2.5-0.5B --calib calib.txt
+                                                                    # ranking computed (exact KL)
+
+With a budget (--bits, --keep or --kl-target, as in `qtransform sensitivity`) guide keeps the sites
+whose one-at-a-time end-to-end sensitivity is largest within the budget, and prints the predicted
+(sum of the quantized sites' sensitivities) and the measured (the whole policy run once) KL per
+token, or output nsr for encoders. The ranking is read from --sensitivity (sensitivity.json, as
+`qtransform sensitivity` writes it) or, without it, computed here: the exact measure, one run of the
+calibration set per site of the report's quantize rules, on --model with --calib.
 """
 
 
@@ -93,6 +104,19 @@ def register(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--total-steps", type=int, default=1000, help="training steps of the AQN schedule")
     g.add_argument("--aqn", action="store_true",
                    help="always add SRDD-guided AQN and keep the scanned format")
+    b = g.add_argument_group("budgeted mixed precision (one budget, as in `qtransform sensitivity`)")
+    add_budget(b)
+    b.add_argument("--sensitivity", metavar="FILE",
+                   help="sensitivity.json (or its folder) written by `qtransform sensitivity`: the "
+                        "site ranking the budget reads; without it the exact ranking is computed "
+                        "from the report's quantize rules on --model with --calib")
+    b.add_argument("--model", help="the scanned model (HF folder, builtin:<arch>, demo): computes the "
+                                   "ranking and measures the chosen policy (default: the model "
+                                   "the --sensitivity file names)")
+    b.add_argument("--calib", metavar="FILE",
+                   help="calibration data for both: text file, .json strings or id lists, or "
+                        "'builtin' (default: the --sensitivity file's)")
+    b.add_argument("--no-progress", action="store_true", help="no progress bars on stderr")
     g.set_defaults(func=run_guide)
 
 
@@ -252,6 +276,15 @@ def run_guide(args: argparse.Namespace) -> int:
     from qtransform.scan.recommend import guide, recommend
     from qtransform.scan.report import ScanReport
 
+    budget = budget_args(args)
+    if budget is not None:
+        if args.aqn:
+            raise UserError("--aqn and a budget (--bits/--keep/--kl-target) are two different "
+                            "policies: give one of them")
+        return _budget_guide(args, budget)
+    if args.sensitivity or args.model or args.calib:
+        raise UserError("--sensitivity, --model and --calib go with a budget: add --bits B, "
+                        "--keep N|P% or --kl-target T")
     tiers = _tiers(args.tiers)
     if not 1 <= args.total_steps <= MAX_STEPS:
         raise UserError(f"--total-steps {args.total_steps}: give a step count from 1 to {MAX_STEPS}")
@@ -267,5 +300,49 @@ def run_guide(args: argparse.Namespace) -> int:
                             f"({type(exc).__name__}: {exc}); re-run `qtransform scan`") from None
         qio.write_json(out, policy)
     print(advice, file=sys.stderr)
+    print(f"wrote {args.out}", file=sys.stderr)
+    return 0
+
+
+def _budget_guide(args: argparse.Namespace, budget: dict[str, Any]) -> int:
+    """guide with a budget: the policy keeping the most sensitive sites within it (see EPILOG_GUIDE),
+    with its predicted and measured end-to-end effect."""
+    from qtransform.calibration import builtin_calibration, read_calibration
+    from qtransform.core import io as qio
+    from qtransform.models import load_model, load_tokenizer
+    from qtransform.scan.report import ScanReport
+    from qtransform.scan.sensitivity import SensitivityReport, measure_policy, site_sensitivity
+
+    with qio.output_file(args.out) as out:
+        report = ScanReport.load(args.report)
+        sens = SensitivityReport.load(args.sensitivity) if args.sensitivity else None
+        meta = sens.meta if sens is not None else {}
+        calibration = meta.get("calibration") or {}
+        model_spec = args.model or meta.get("source")
+        calib_spec = args.calib or calibration.get("file")
+        if model_spec is None or calib_spec is None:
+            raise UserError("a budget needs the model and calibration data to measure the policy "
+                            "on: give --model and --calib (or a --sensitivity file that names them)")
+        rules = report.meta.get("quantize")
+        if not rules:
+            raise UserError(f"{args.report}: the report names no quantize rules; re-run `qtransform scan`")
+        formats = (meta.get("format"), report.meta.get("format"))
+        if sens is not None and "mixed" not in formats and formats[0] != formats[1]:
+            raise UserError(f"{args.sensitivity} ranks {meta.get('format')} sites but {args.report} "
+                            f"scanned {report.meta.get('format')}: give files of the same format")
+        builtin = calib_spec == "builtin" and not Path(calib_spec).exists()
+        calib = builtin_calibration() if builtin else read_calibration(calib_spec)
+        model = load_model(model_spec)
+        kw = {"tokenizer": load_tokenizer(model_spec),
+              "batch_size": int(calibration.get("batch_size", 8)),
+              "max_length": int(calibration.get("max_length", 128))}
+        if sens is None:
+            sens = site_sensitivity(model, {"version": 1, "quantize": rules}, calib,
+                                    progress=progress(args), **kw)
+        result = apply_budget(sens, budget, lambda pol: measure_policy(model, pol, calib, **kw))
+        qio.write_json(out, result.policy)
+    print(("ranking read from " + args.sensitivity) if args.sensitivity else
+          f"ranking computed: exact {sens.measure} of {len(sens.rows)} sites on {model_spec}", file=sys.stderr)
+    print(budget_text(result, sens.measure), file=sys.stderr)
     print(f"wrote {args.out}", file=sys.stderr)
     return 0

@@ -330,6 +330,21 @@ def _absolute(row: SiteRow, t: dict[str, float]) -> list[str]:
     return out + _nan_created(row)
 
 
+NOISE_Z = 3.0  # a metric counts as worse only beyond this many standard errors of its estimate
+
+
+def sampling_noise(metric: str, expected: float, n: float) -> float:
+    """NOISE_Z standard errors of a metric estimated from n elements, so that tiny tensors (a
+    router's [4, 64] weight, a [1, 64] shared-expert gate) are not flagged for a few unlucky values:
+    a share p has standard error sqrt(p(1-p)/n); an SQNR, 10/ln 10 · sqrt(2/n) dB (a chi-square-like
+    error energy). Negligible at the sizes of real layers (0.3 dB, 0.7 points at 4096 elements)."""
+    if not n or n <= 0 or not math.isfinite(expected):
+        return 0.0
+    if metric == "sqnr_db":
+        return NOISE_Z * 10 / math.log(10) * math.sqrt(2 / n)
+    return NOISE_Z * math.sqrt(max(expected * (1 - expected), 0.0) / n)
+
+
 def _against_expected(row: SiteRow, t: dict[str, float], outlier: str | None) -> list[str]:
     """flagging="expected": worse than the format does to Gaussian data of the same block
     structure by the margins, or a robust outlier among the model's sites; with the likely cause."""
@@ -340,7 +355,8 @@ def _against_expected(row: SiteRow, t: dict[str, float], outlier: str | None) ->
             if c.margin is None:
                 continue
             value, base = row.metrics[c.metric], expected[c.metric]
-            if c.worse(value, c.limit(base, t[c.margin])):
+            margin = max(t[c.margin], sampling_noise(c.metric, base, row.metrics.get("n", 0)))
+            if c.worse(value, c.limit(base, margin)):
                 gap = (f"{base - value:.1f} dB below" if c.higher_is_better
                        else f"{100 * (value - base):.1f} points above")
                 out.append(f"{c.label} {c.text(value)}, {gap} the {c.text(base)} {row.format} gives "
@@ -386,7 +402,8 @@ def _robust_outliers(rows: list[SiteRow], t: dict[str, float]) -> dict[int, str]
         spread = 1.4826 * float((values - median).abs().median())
         for r in group:
             gap = median - r.metrics["sqnr_db"]
-            if gap > t["outlier_min_db"] and (spread == 0 or gap > t["outlier_z"] * spread):
+            least = max(t["outlier_min_db"], sampling_noise("sqnr_db", median, r.metrics.get("n", 0)))
+            if gap > least and (spread == 0 or gap > t["outlier_z"] * spread):
                 z = f"{gap / spread:.1f} robust deviations" if spread else "far"
                 out[id(r)] = (f"SQNR {r.metrics['sqnr_db']:.2f} dB is {z} below the median "
                               f"{r.point} site of this model ({median:.2f} dB)")

@@ -148,3 +148,83 @@ def test_cli_sensitivity_with_a_budget(tmp_path):
                           "--format", "mxfp4", "--calib", str(ids), "--out", str(tmp_path / "x"), "--keep", "ten"],
                          capture_output=True, text=True, env=env, timeout=120)
     assert bad.returncode == 2 and "--keep 'ten'" in bad.stderr
+
+
+def _whole_policy_kl(model: torch.nn.Module, kept: set[str], ids: torch.Tensor) -> float:
+    """Mean next-token KL with every Linear weight but `kept` in MXFP4 (float64 reference)."""
+    quant = copy.deepcopy(model)
+    with torch.no_grad():
+        for name, module in quant.named_modules():
+            if isinstance(module, torch.nn.Linear) and name not in kept:
+                module.weight.copy_(mxfp4_f64(module.weight)[0])
+        p = torch.log_softmax(model(ids).logits.double(), -1)
+        q = torch.log_softmax(quant(ids).logits.double(), -1)
+    return float((p.exp() * (p - q)).sum() / (p.numel() // p.shape[-1]))
+
+
+def test_cli_guide_with_a_budget(tmp_path, capsys):
+    """`qtransform guide REPORT --keep 2` computes the ranking from the weight scan's rules (every
+    Linear, lm_head included) on the model and keeps the two sites whose one-site KL, written here
+    in float64, is largest; predicted and measured KL against the same references."""
+    import re
+
+    from qtransform.cli.main import main
+
+    ids = tmp_path / "ids.json"
+    ids.write_text(json.dumps(calib().tolist()))
+    model = build_tiny("qwen2")  # what builtin:qwen2 is
+    scan_weights(model, "mxfp4").save(tmp_path / "scan")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "qtransform.cli.main", "guide", str(tmp_path / "scan"),
+                           "--out", str(tmp_path / "p.json"), "--keep", "2", "--model", "builtin:qwen2",
+                           "--calib", str(ids), "--no-progress"],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    ref = {name: reference_kl(model, name, calib()) for name, m in model.named_modules()
+           if isinstance(m, torch.nn.Linear)}
+    top = sorted(ref, key=ref.get, reverse=True)[:2]
+    kept = json.loads((tmp_path / "p.json").read_text())["quantize"][0]["ignore"]
+    assert sorted(kept) == sorted(top)
+    predicted, measured = (float(v) for v in re.search(r"predicted .* per token (\S+), measured (\S+)",
+                                                       proc.stderr).groups())
+    assert predicted == pytest.approx(sum(v for k, v in ref.items() if k not in top), rel=1e-3)
+    assert measured == pytest.approx(_whole_policy_kl(model, set(top), calib()), rel=1e-3)
+
+    # the ranking read from a sensitivity file (in-process: the same entry point)
+    sens = site_sensitivity(model, "mxfp4", calib())
+    sens.save(tmp_path / "sens")
+    args = ["guide", str(tmp_path / "scan"), "--out", str(tmp_path / "q.json"), "--bits", "4.6",
+            "--sensitivity", str(tmp_path / "sens"), "--model", "builtin:qwen2", "--calib", str(ids)]
+    assert main(args) == 0
+    want = budget_policy(sens, bits=4.6).policy
+    assert json.loads((tmp_path / "q.json").read_text()) == want
+    assert main([*args[:4], "--aqn", "--keep", "1"]) == 2 and "two different" in capsys.readouterr().err
+    assert main([*args[:4], "--sensitivity", str(tmp_path / "sens")]) == 2
+    assert "go with a budget" in capsys.readouterr().err
+    scan_weights(model, "nvfp4").save(tmp_path / "nv")
+    assert main(["guide", str(tmp_path / "nv"), *args[2:]]) == 2
+    assert "same format" in capsys.readouterr().err
+
+
+def test_flags_on_every_builtin_architecture():
+    """Seeded tiny models of every builtin architecture: no ordinary weight is flagged under
+    MXFP4 or NVFP4 (counts in docs/metrics.md), tiny tensors included (routers, shared-expert
+    gates: sampling noise is allowed for); a router with outlier channels still is."""
+    from qtransform.models import BUILTIN
+
+    counts = {}
+    for arch in BUILTIN:
+        for seed in (0, 1):
+            model = build_tiny(arch, seed=seed)
+            for fmt in ("mxfp4", "nvfp4"):
+                report = scan_weights(model, fmt)
+                counts[arch, seed, fmt] = (len(report.problems()), len(report.rows))
+    flagged = sum(bad for bad, _ in counts.values())
+    assert flagged <= 0.01 * sum(n for _, n in counts.values()), counts
+    assert all(bad <= 0.05 * n for bad, n in counts.values()), counts
+    model = build_tiny("qwen2_moe", seed=0)
+    router = model.model.layers[0].mlp.gate
+    with torch.no_grad():
+        router.weight[:, [3, 17]] *= 50.0
+    bad = {row.site for row, _ in scan_weights(model, "mxfp4").problems()}
+    assert bad == {"model.layers.0.mlp.gate"}
