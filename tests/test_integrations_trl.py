@@ -17,7 +17,10 @@ trl = pytest.importorskip("trl")
 peft = pytest.importorskip("peft")
 datasets = pytest.importorskip("datasets")
 
+from qtransform.formats import fake_quantize  # noqa: E402
 from qtransform.integrations.trl import QTransformCallback, attach  # noqa: E402
+
+VLLMGeneration = pytest.importorskip("trl.generation.vllm_generation").VLLMGeneration
 
 SCHEDULE = {"kind": "exponential", "sigma_start": 0.05, "sigma_end": 0.005, "num_stages": 4,
             "total_steps": 4}  # one step per interval: step 0 clean, then 0.05, 0.0158, 0.005
@@ -93,3 +96,36 @@ def test_a_policy_without_noise_logs_nothing_and_a_resumed_run_continues_the_sch
     callback = QTransformCallback(qtransform.transform(tiny_qwen2(), POLICY))
     callback.on_train_begin(None, state, None)
     assert callback.metrics()["qtransform/sigma"] == pytest.approx(scheduled(2))
+
+
+class StreamOnly(VLLMGeneration):
+    """TRL's own VLLMGeneration without its engine (vLLM is not in this environment): the
+    parameter stream `_iter_named_params` that both vLLM modes sync from is TRL's code."""
+
+    def _init_vllm(self) -> None:
+        pass
+
+
+def test_trls_vllm_sync_stream_carries_the_rollout_weights(tmp_path):
+    model, trainer = grpo(tmp_path, max_steps=1)
+    for name, p in trainer.model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.05)  # a trained adapter
+    trainer.use_vllm = True
+    trainer.vllm_generation = StreamOnly(model=trainer.model, accelerator=trainer.accelerator,
+                                         processing_class=trainer.processing_class)
+    attach(trainer)
+    qtransform.noise_controller(model).set_step(2)
+    synced = dict(trainer.vllm_generation._iter_named_params())
+    assert list(synced) == [n for n, _ in tiny_qwen2().named_parameters()]
+
+    layer = trainer.model.base_model.model.model.layers[1].self_attn.q_proj
+    a, b = layer.lora_A["default"].weight, layer.lora_B["default"].weight
+    merged = layer.base_layer.weight + (b @ a) * layer.scaling["default"]
+    torch.testing.assert_close(synced["model.layers.1.self_attn.q_proj.weight"],
+                               fake_quantize(merged.detach(), "nvfp4", axis=-1), rtol=0, atol=1e-6)
+    w = model.model.norm.weight.detach()
+    torch.testing.assert_close(synced["model.norm.weight"],
+                               w + scheduled(2) * documented_z(5, "model.norm", 2, w.shape),
+                               rtol=0, atol=1e-6)
+    assert torch.equal(synced["lm_head.weight"], model.lm_head.weight)  # not in the policy
