@@ -24,6 +24,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("pipeline", ("qtransform.pipeline",)),
     ("passes", ("qtransform.passes",)),
     ("outputs", ("qtransform.scan", "qtransform.export", "qtransform.rl")),
+    ("integrations", ("qtransform.integrations",)),
     ("cli", ("qtransform.cli",)),
 ]
 # Sibling packages of one layer that must not know each other.

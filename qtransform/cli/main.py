@@ -15,7 +15,7 @@ import sys
 from qtransform.core.io import Interrupted, install_signal_handlers
 from qtransform.errors import UserError
 
-COMMAND_MODULES = ("model", "policy", "scan", "sensitivity", "export")
+COMMAND_MODULES = ("model", "policy", "scan", "sensitivity", "export", "parity")
 
 
 def build_parser() -> argparse.ArgumentParser:

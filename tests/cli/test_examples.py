@@ -6,6 +6,7 @@ import importlib.util
 from types import ModuleType
 
 import onnx
+import pytest
 
 from tests.conftest import REPO
 
@@ -21,7 +22,7 @@ def example(name: str) -> ModuleType:
 
 
 def test_every_example_is_tested():
-    tested = {"train_w4a16_aqn", "scan_model", "export_onnx"}
+    tested = {"train_w4a16_aqn", "scan_model", "export_onnx", "rl_rollout_loop", "verl_rollout_sync"}
     assert {p.stem for p in EXAMPLES.glob("*.py")} == tested
 
 
@@ -49,3 +50,19 @@ def test_export_onnx(tmp_path):
     assert len(result["taps"]) == 2 * 3 * 2  # 2 layers x (gate, up, down) x (input, output)
     outputs = {o.name for o in onnx.load(str(result["path"])).graph.output}
     assert set(result["taps"]) <= outputs
+
+
+def test_rl_rollout_loop(capsys):
+    result = example("rl_rollout_loop").main(["--tiny", "--steps", "4", "--group", "2"])
+    # QeRL's schedule over 4 steps, K=4: interval 0 clean, then 1e-2, 1e-3, 1e-4
+    assert result["sigmas"] == pytest.approx([0.0, 1e-2, 1e-3, 1e-4])
+    noise = result["noise"]
+    assert noise["step"] == 4 and noise["silent"] is None
+    assert noise["noised_syncs"] == 1 and noise["noised_forwards"] > 0
+    assert result["parity"].tokens == 8 and result["parity"].max_abs_delta > 0  # clean trainer vs noised rollout
+    assert "sigma 0.01" in capsys.readouterr().out
+
+
+def test_verl_rollout_sync_filters_the_stream_merged_and_not():
+    result = example("verl_rollout_sync").main(["--tiny"])
+    assert result == {"max_abs_diff_merged": 0.0, "max_abs_diff_unmerged": 0.0}

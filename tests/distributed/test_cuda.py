@@ -2,7 +2,7 @@
 weights of every pass, weight-scan rows, rollout weights), the Triton fast path equals the
 reference path on the GPU, and scans and ONNX export run on a model that lives on CUDA.
 
-Skipped without a GPU (the kernels themselves are checked on CPU by tests/test_triton_kernels.py
+Skipped without a GPU (the kernels themselves are checked on CPU by tests/formats/test_triton_kernels.py
 under Triton's interpreter). Matmuls differ between CPU and GPU libraries, so activations and
 logits are compared with tolerances; everything a format computes is compared bit for bit.
 """

