@@ -247,3 +247,21 @@ def test_aqn_on_fused_experts_reaches_the_rollout_weights():
     plain.load_state_dict(pairs)
     with torch.no_grad(), qtransform.rollout():
         assert torch.equal(plain(ids).logits, model(ids).logits)
+
+
+def test_hardware_error_on_fused_expert_outputs_follows_the_documented_draw():
+    """y * (1 + s z) on each expert matmul's output, z the documented draw k of step 0."""
+    from qtransform.models import build_tiny
+
+    model = build_tiny("mixtral")
+    pol = {"version": 1, "hw_error": {"error_scale": 0.05, "targets": ["re:.*experts.down_proj"], "seed": 4}}
+    noisy = qtransform.transform(model, pol)
+    ids = torch.randint(0, 64, (2, 5))
+    with torch.no_grad():
+        clean = model(ids).logits
+        got = noisy(ids).logits
+        assert not torch.equal(got, clean)
+        with qtransform.noise_controller(noisy).disabled():
+            assert torch.equal(noisy(ids).logits, clean)
+    rows = [(r.site, r.point) for r in qtransform.plan(model, pol).rows]
+    assert rows == [(f"model.layers.{i}.mlp.experts.down_proj", "output") for i in (0, 1)]
