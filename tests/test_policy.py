@@ -49,7 +49,7 @@ def test_defaults():
     assert p.instrument.shadow and p.instrument.thresholds.sqnr_db == 20.0
     assert (p.instrument.thresholds.deadzone, p.instrument.thresholds.saturation, p.instrument.thresholds.relative_error) == (0.05, 0.01, 0.10)
     n = p.noise
-    assert n.targets == ["RMSNorm", "LayerNorm"] and (n.resample, n.apply_during, n.seed) == ("step", "train", 0)
+    assert n.targets == ["RMSNorm", "LayerNorm"] and (n.resample, n.apply_during, n.seed) == ("step", "rollout", 0)
     assert n.schedule.kind == "exponential" and n.schedule.warmup_steps == 0 and n.schedule.stages == 10
     h = p.hw_error
     assert (h.targets, h.error_type, h.injection_point, h.apply_during, h.seed, h.include_matmuls) == (
