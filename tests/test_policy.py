@@ -73,7 +73,7 @@ def test_unknown_format_and_misspelt_key_suggest():
     (msg,) = problems({"quantise": []})
     assert "(did you mean 'quantize'?)" in msg
     assert problems({"noise": {"schedule": SCHEDULE, "apply_during": "trian"}}) == [
-        "noise.apply_during: unknown value; got 'trian'; allowed: train, eval, both (did you mean 'train'?)"]
+        "noise.apply_during: unknown value; got 'trian'; allowed: train, eval, both, rollout (did you mean 'train'?)"]
 
 
 @pytest.mark.parametrize(
