@@ -109,3 +109,19 @@ def test_parity_report_on_vllm(llm, model, tmp_path):
     assert gap.max_abs_delta > 1e-3 and gap.mean_k3 > 0
     paths = gap.write(tmp_path)
     assert "max abs Δ log-prob" in paths["markdown"].read_text()
+
+
+def test_parity_cli_with_the_vllm_engine(model_dir, tmp_path, capsys):
+    import json
+
+    from qtransform.cli.main import main
+
+    policy = tmp_path / "policy.json"
+    policy.write_text(json.dumps(POLICY))
+    out = tmp_path / "parity"
+    assert main(["parity", str(model_dir), "--policy", str(policy), "--engine", "vllm",
+                 "--step", "12", "--phase", "rollout", "--num-prompts", "2",
+                 "--max-new-tokens", "6", "--out", str(out)]) == 0
+    report = json.loads((out / "parity.json").read_text())
+    assert report["max_abs_delta"] < 1e-5 and report["greedy_agreement"] == 1.0
+    assert (out / "parity.png").exists() and "greedy agreement 1.0" in capsys.readouterr().out

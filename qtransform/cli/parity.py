@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 import torch
 
@@ -32,6 +33,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--policy", required=True, help="policy JSON the trainer's model is transformed with")
     p.add_argument("--engine", choices=("rollout-weights", "clean", "vllm"), default="rollout-weights")
     p.add_argument("--out", required=True, help="folder for parity.json/.md/.png")
+    p.add_argument("--force", action="store_true", help="replace --out even when qtransform did not write it")
     p.add_argument("--step", type=int, default=0, help="noise controller step (default 0)")
     p.add_argument("--phase", choices=("train", "rollout"), default="train",
                    help="trainer log-probs from the policy update's forward (train) or the "
@@ -83,11 +85,14 @@ def _engine(args: argparse.Namespace, model: torch.nn.Module):
 
 
 def run_parity(args: argparse.Namespace) -> int:
-    from qtransform.models import load_model
+    from qtransform.core.io import check_folder_target, output_folder
+    from qtransform.models import input_paths, load_model
     from qtransform.pipeline import transform
     from qtransform.rl import noise_controller, parity
     from qtransform.schemas import load_policy
 
+    protect = input_paths(args.model, args.policy, args.prompts)
+    check_folder_target(args.out, "parity", force=args.force, protect=protect)  # before any work
     model = transform(load_model(args.model), load_policy(args.policy)).eval()
     if args.step:
         noise_controller(model).set_step(args.step)
@@ -95,12 +100,13 @@ def run_parity(args: argparse.Namespace) -> int:
     report = parity(model, engine, _prompts(args, model.config.vocab_size),
                                   max_new_tokens=args.max_new_tokens, phase=args.phase,
                                   seed=args.seed)
-    paths = report.write(args.out)
+    with output_folder(args.out, "parity", force=args.force, protect=protect) as staging:
+        names = [path.name for path in report.write(staging).values()]
     if args.json:
-        print(paths["json"].read_text(), end="")
+        print((Path(args.out) / "parity.json").read_text(), end="")
     else:
         print(f"mean |Δ log-prob| {report.mean_abs_delta:.3e}  max {report.max_abs_delta:.3e}  "
               f"k1 {report.mean_k1:.3e}  k3 {report.mean_k3:.3e}  greedy agreement "
               f"{report.greedy_agreement}")
-        print(f"wrote {paths['json']}, {paths['markdown']}, {paths['png']}")
+        print(f"wrote {', '.join(str(Path(args.out) / n) for n in names)}")
     return 0

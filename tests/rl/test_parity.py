@@ -83,3 +83,8 @@ def test_parity_cli(tmp_path, capsys):
     gap = json.loads((tmp_path / "gap" / "parity.json").read_text())
     assert gap["max_abs_delta"] > 1e-3 and (tmp_path / "gap" / "parity.png").exists()
     assert "greedy agreement" in capsys.readouterr().out
+    foreign = tmp_path / "notes"
+    foreign.mkdir()
+    (foreign / "mine.txt").write_text("x")
+    assert main([*args, "--out", str(foreign)]) == 2  # a folder qtransform did not write
+    assert (foreign / "mine.txt").read_text() == "x"
