@@ -19,12 +19,12 @@ OUT=${OUT:-$ROOT/mutation-results}
 
 # group|files to mutate, as installed (space separated)|test files (space separated)
 GROUPS_ALL=(
-  "noise|qtransform/noise.py|tests/test_noise_schedule.py tests/test_noise.py"
-  "selectors|qtransform/schemas/selectors.py qtransform/selection.py|tests/test_selectors.py tests/test_policy.py"
-  "metrics|qtransform/metrics.py|tests/test_metrics.py"
-  "formats|qtransform/formats/elements.py qtransform/formats/mx.py qtransform/formats/nvfp4.py qtransform/formats/intgroup.py qtransform/formats/blocking.py qtransform/formats/quantize.py qtransform/formats/encode.py qtransform/formats/options.py|tests/test_formats_rules.py tests/test_formats_vectors.py tests/test_formats_nvfp4_order.py tests/test_formats_api.py tests/test_formats_properties.py"
-  "fake_quant|qtransform/passes/fake_quant.py|tests/test_transform.py"
-  "pipeline|qtransform/pipeline.py|tests/test_transform.py tests/test_capture.py"
+  "schedule|qtransform/core/schedule.py qtransform/core/streams.py|tests/test_noise_schedule.py tests/test_noise.py tests/test_rl_core.py"
+  "selectors|qtransform/schemas/selectors.py|tests/test_selectors.py tests/test_policy.py"
+  "metrics|qtransform/core/metrics.py|tests/test_metrics.py"
+  "fake_quant|qtransform/passes/fake_quant.py|tests/test_transform.py tests/test_formats_api.py"
+  "pipeline|qtransform/pipeline/base.py qtransform/pipeline/manager.py qtransform/pipeline/selection.py qtransform/pipeline/transform.py|tests/test_transform.py tests/test_site_identity.py tests/test_capture.py"
+  "formats|qtransform/formats/elements.py qtransform/formats/mx.py qtransform/formats/nvfp4.py qtransform/formats/intgroup.py qtransform/formats/blocking.py qtransform/formats/options.py|tests/test_formats_rules.py tests/test_formats_vectors.py tests/test_formats_nvfp4_order.py tests/test_formats_api.py tests/test_formats_properties.py"
 )
 
 toml_list() { printf '['; local first=1; for x in "$@"; do [ $first = 1 ] || printf ', '; printf '"%s"' "$x"; first=0; done; printf ']'; }
@@ -34,8 +34,12 @@ wanted=("$@")
 for entry in "${GROUPS_ALL[@]}"; do
   IFS='|' read -r name targets tests <<<"$entry"
   if [ ${#wanted[@]} -gt 0 ] && [[ ! " ${wanted[*]} " =~ " $name " ]]; then continue; fi
-  work=$(mktemp -d)
-  trap 'rm -rf "$work"' EXIT
+  work="$OUT/$name-work"
+  if [ -d "$work/mutants" ]; then
+    # resume: mutants with a result keep it; the tests are refreshed (new tests -> new stats)
+    rm -rf "$work/tests" "$work/mutants/tests" && cp -r "$ROOT/tests" "$work/tests" && cp -r "$ROOT/tests" "$work/mutants/tests"
+  else
+  rm -rf "$work" && mkdir -p "$work"
   (cd "$ROOT" && git ls-files -z | xargs -0 cp --parents -t "$work")
   # the installed layout (passes/ and schemas/ are qtransform.passes and qtransform.schemas), so
   # that mutmut's mutants/qtransform is the whole package and shadows the editable install
@@ -53,8 +57,9 @@ text = re.sub(r"\n\[tool\.mutmut\][^\[]*", "\n", open(path).read())
 open(path, "w").write(text + f'\n[tool.mutmut]\npaths_to_mutate = ["qtransform/"]\n'
                       f"do_not_mutate = {json.dumps(skip)}\ntests_dir = {tests}\n")
 EOF
+  fi
   start=$(date +%s)
-  (cd "$work" && QTRANSFORM_FASTPATH=0 OMP_NUM_THREADS=1 "$MUTMUT" run --max-children 1 >/dev/null 2>&1 || true)
+  (cd "$work" && QTRANSFORM_FASTPATH=0 OMP_NUM_THREADS=1 "$MUTMUT" run --max-children 1 ${ONLY:-} >"$OUT/$name.log" 2>&1 || true)
   (cd "$work" && "$MUTMUT" results --all true) >"$OUT/$name.txt" 2>&1 || true
   : >"$OUT/$name-survivors.diff"
   for m in $(awk '$NF == "survived" {sub(":$", "", $1); print $1}' "$OUT/$name.txt"); do
@@ -66,6 +71,5 @@ EOF
   notests=$(grep -c ': no tests$' "$OUT/$name.txt" || true)
   echo "$name: killed $killed/$total, survived $survived, no tests $notests, $(( $(date +%s) - start )) s" \
     | tee -a "$OUT/summary.txt"
-  rm -rf "$work"
-  trap - EXIT
+  [ -n "${KEEP:-}" ] || rm -rf "$work"
 done

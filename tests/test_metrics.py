@@ -217,7 +217,9 @@ def _pairs() -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 def _both_paths(x, q, sat, monkeypatch) -> tuple[dict, dict]:
-    fast = ErrorStats().update(x, q, sat).state()
+    with monkeypatch.context() as m:  # explicit: the mutation runs set QTRANSFORM_FASTPATH=0
+        m.setenv("QTRANSFORM_FASTPATH", "1")
+        fast = ErrorStats().update(x, q, sat).state()
     with monkeypatch.context() as m:
         m.setenv("QTRANSFORM_FASTPATH", "0")
         ref = ErrorStats().update(x, q, sat).state()
@@ -243,6 +245,7 @@ def _assert_same_state(fast: dict, ref: dict, x: torch.Tensor, q: torch.Tensor) 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_fused_kernel_equals_the_torch_path(dtype, threads, monkeypatch):
+    monkeypatch.setenv("QTRANSFORM_FASTPATH", "1")
     prev = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -260,6 +263,7 @@ def test_fused_kernel_equals_the_torch_path(dtype, threads, monkeypatch):
 def test_fused_kernel_result_does_not_depend_on_threads_or_layout(monkeypatch):
     x = torch.randn(300, 257, generator=torch.Generator().manual_seed(8))
     q = quantize_like(x)
+    monkeypatch.setenv("QTRANSFORM_FASTPATH", "1")
     prev = torch.get_num_threads()
     states = []
     try:
@@ -290,7 +294,9 @@ def test_unsupported_inputs_take_the_torch_path_with_the_same_result(monkeypatch
 
 def test_block_exponent_histogram_paths_agree(monkeypatch):
     e = torch.tensor([-200, -128, -127, -3, 0, 127, 128, 1000, 5, 5], dtype=torch.int32)
-    fast = BlockExponentHistogram().update(e).result()
+    with monkeypatch.context() as m:
+        m.setenv("QTRANSFORM_FASTPATH", "1")
+        fast = BlockExponentHistogram().update(e).result()
     with monkeypatch.context() as m:
         m.setenv("QTRANSFORM_FASTPATH", "0")
         ref = BlockExponentHistogram().update(e).result()
