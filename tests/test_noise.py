@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import qtransform
-from qtransform.core.streams import DrawStream, in_backward, site_seed
+from qtransform.core.streams import REPLAYABLE, DrawStream, in_backward, site_seed
 from qtransform.errors import UserError
 from qtransform.passes.aqn_noise import AQNNoise
 
@@ -280,6 +280,21 @@ def test_draw_indices_are_fresh_forward_and_replayed_newest_first_in_backward():
     assert seen == [True, 3, 2, 1, 4] and stream.count == 5
     stream.set_step(9, count=2)
     assert (stream.step, stream.next_index()) == (9, 2)
+
+
+def test_replay_memory_is_bounded_and_one_generator_per_device():
+    stream = DrawStream(0, "site")
+    for _ in range(REPLAYABLE + 2):
+        stream.next_index()
+    seen: list[int] = []
+    x = torch.ones(1, requires_grad=True)
+    y = x * 1
+    y.register_hook(lambda g: seen.extend(stream.next_index() for _ in range(REPLAYABLE + 1)) or g)
+    y.sum().backward()
+    # the newest REPLAYABLE forwards are replayed (REPLAYABLE + 1 down to 2), then a fresh index
+    assert seen == [*range(REPLAYABLE + 1, 1, -1), REPLAYABLE + 2]
+    cpu = torch.device("cpu")
+    assert stream.generator(cpu, 0) is stream.generator(cpu, 1)  # re-seeded, not re-allocated
 
 
 def test_stream_normal_is_a_float32_draw_cast_to_the_dtype_of_like():
