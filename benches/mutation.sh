@@ -22,7 +22,7 @@ GROUPS_ALL=(
   "schedule|qtransform/core/schedule.py qtransform/core/streams.py|tests/test_noise_schedule.py tests/test_noise.py tests/test_rl_core.py"
   "selectors|qtransform/schemas/selectors.py|tests/test_selectors.py tests/test_policy.py"
   "metrics|qtransform/core/metrics.py|tests/test_metrics.py"
-  "fake_quant|qtransform/passes/fake_quant.py|tests/test_transform.py tests/test_formats_api.py"
+  "fake_quant|qtransform/passes/fake_quant.py|tests/test_transform.py tests/test_formats_api.py tests/test_moe.py"
   "pipeline|qtransform/pipeline/base.py qtransform/pipeline/manager.py qtransform/pipeline/selection.py qtransform/pipeline/transform.py|tests/test_transform.py tests/test_site_identity.py tests/test_capture.py"
   "formats|qtransform/formats/elements.py qtransform/formats/mx.py qtransform/formats/nvfp4.py qtransform/formats/intgroup.py qtransform/formats/blocking.py qtransform/formats/options.py|tests/test_formats_rules.py tests/test_formats_vectors.py tests/test_formats_nvfp4_order.py tests/test_formats_api.py tests/test_formats_properties.py"
 )
@@ -54,12 +54,35 @@ keep = set(json.loads(targets))
 skip = sorted(str(p.relative_to(root)) for p in (root / "qtransform").rglob("*.py")
               if str(p.relative_to(root)) not in keep)
 text = re.sub(r"\n\[tool\.mutmut\][^\[]*", "\n", open(path).read())
+# tests read files next to the package (schemas/examples, docs, README): copy them into mutants/
+also = sorted(p.name for p in root.iterdir() if p.name not in {"qtransform", "tests", "mutants"})
 open(path, "w").write(text + f'\n[tool.mutmut]\npaths_to_mutate = ["qtransform/"]\n'
-                      f"do_not_mutate = {json.dumps(skip)}\ntests_dir = {tests}\n")
+                      f"do_not_mutate = {json.dumps(skip)}\ntests_dir = {tests}\n"
+                      f"also_copy = {json.dumps(also)}\n")
 EOF
+  fi
+  # mutmut 3.3.1 regenerates every mutant file on each run and forgets earlier results: keep
+  # them, and after the run take each mutant's newest result (ONLY=... re-runs just those)
+  rm -rf "$work/meta-prev" && mkdir -p "$work/meta-prev"
+  if [ -d "$work/mutants" ]; then
+    (cd "$work/mutants" && find . -name '*.meta' -exec cp --parents -t "$work/meta-prev" {} +)
   fi
   start=$(date +%s)
   (cd "$work" && QTRANSFORM_FASTPATH=0 OMP_NUM_THREADS=1 "$MUTMUT" run --max-children 1 ${ONLY:-} >"$OUT/$name.log" 2>&1 || true)
+  "$PY" - "$work" <<'EOF'
+import json, pathlib, sys
+work = pathlib.Path(sys.argv[1])
+for prev in (work / "meta-prev").rglob("*.meta"):
+    now = work / "mutants" / prev.relative_to(work / "meta-prev")
+    if not now.exists():
+        continue
+    old, new = json.loads(prev.read_text()), json.loads(now.read_text())
+    codes = new["exit_code_by_key"]
+    for key, code in old["exit_code_by_key"].items():
+        if key in codes and codes[key] is None:
+            codes[key] = code
+    now.write_text(json.dumps(new))
+EOF
   (cd "$work" && "$MUTMUT" results --all true) >"$OUT/$name.txt" 2>&1 || true
   : >"$OUT/$name-survivors.diff"
   for m in $(awk '$NF == "survived" {sub(":$", "", $1); print $1}' "$OUT/$name.txt"); do
@@ -69,7 +92,10 @@ EOF
   killed=$(grep -c ': killed$' "$OUT/$name.txt" || true)
   survived=$(grep -c ': survived$' "$OUT/$name.txt" || true)
   notests=$(grep -c ': no tests$' "$OUT/$name.txt" || true)
-  echo "$name: killed $killed/$total, survived $survived, no tests $notests, $(( $(date +%s) - start )) s" \
+  timeout=$(grep -c ': timeout$' "$OUT/$name.txt" || true)
+  unchecked=$(grep -c ': not checked$' "$OUT/$name.txt" || true)
+  echo "$name: killed $killed/$total, timeout $timeout, survived $survived, no tests $notests," \
+    "not checked $unchecked, $(( $(date +%s) - start )) s" \
     | tee -a "$OUT/summary.txt"
   [ -n "${KEEP:-}" ] || rm -rf "$work"
 done
