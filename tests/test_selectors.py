@@ -182,6 +182,7 @@ def test_real_site_class_fits_the_protocol():
     [
         ("(a+)+", "nested quantifiers"),
         ("(a+?)*", "nested quantifiers"),  # lazy repeats count too
+        ("(a{2})+", "nested quantifiers"),  # any inner repeat of more than one
         ("(?:x(a*)y){2,}", "nested quantifiers"),  # through a group inside the outer repeat
         ("(a|aa)*", "an alternation inside a repeat"),
         ("((?=a.*)b)+", "nested quantifiers"),  # through a lookahead
@@ -226,6 +227,7 @@ def test_regex_guard_accepts_bounded_patterns(pattern):
         pytest.param("1" * 19, f"layer index in '{'1' * 19}' is too large; models have at most {10**18 - 1} layers", id="big"),
         pytest.param("0-" + "1" * 19, f"layer index in '0-{'1' * 19}' is too large; models have at most {10**18 - 1} layers", id="big-hi"),
         ("5-3", "layer range '5-3' runs backwards; write 3-5"),
+        ("1,9-" + "x" * 50, f"cannot read layer range '9-{'x' * 38}'; write e.g. '10-17,20'"),  # cut at 40
     ],
 )
 def test_layer_spec_errors_name_the_item(spec, message):
@@ -268,3 +270,20 @@ def test_is_class_entry_and_entry_kinds_keep_their_text():
         entry = compile_entry(text)
         assert (entry.text, entry.kind) == (text, kind)
     assert compile_entry("re:a.b").regex.fullmatch("axb")
+
+
+def test_regex_guard_messages_say_what_to_write_instead():
+    messages = {}
+    for pattern in ("(a+)+", "(ab|c)*", "(a)\\1", ".*.*.*.*.*"):
+        with pytest.raises(ValueError) as err:
+            compile_entry("re:" + pattern)
+        messages[pattern] = str(err.value)
+    assert messages == {
+        "(a+)+": "nested quantifiers such as (a+)+ can take exponential time; write the pattern "
+                 "without a repeat inside a repeat",
+        "(ab|c)*": "an alternation inside a repeat such as (a|aa)* can take exponential time; use a "
+                  "character class or drop the repeat",
+        "(a)\\1": "backreferences are not allowed in selectors; match the name directly",
+        ".*.*.*.*.*": "5 repeats (such as .* or +) in one pattern; each multiplies the matching time: "
+                      "use at most 4",
+    }
