@@ -183,6 +183,9 @@ def test_real_site_class_fits_the_protocol():
         ("(a+)+", "nested quantifiers"),
         ("(a+?)*", "nested quantifiers"),  # lazy repeats count too
         ("(a{2})+", "nested quantifiers"),  # any inner repeat of more than one
+        ("(?:a*){2}", "nested quantifiers"),  # any outer repeat of more than one
+        ("x{2}y{2}z{2}w{2}v{2}", "5 repeats"),
+        ("(?:.*a.*b.*c)?.*d.*e", "5 repeats"),  # repeats inside an optional group count
         ("(?:x(a*)y){2,}", "nested quantifiers"),  # through a group inside the outer repeat
         ("(a|aa)*", "an alternation inside a repeat"),
         ("((?=a.*)b)+", "nested quantifiers"),  # through a lookahead
@@ -210,7 +213,7 @@ def test_regex_guard_refuses_backtracking_patterns_before_they_run(pattern, mess
 @pytest.mark.parametrize(
     "pattern",
     [".*a.*b.*c.*d", "(a+)?", "(a?)+", "(?:ab)+", "[ab]+", "(a{1}b)+", "(?=.*a)x.*",
-     "(?:.*a|b)c", "(?>a)+", pytest.param("a" * 1000, id="longest")],
+     "(?:.*a|b)c", "(?>a)+", "a?b?c?d?e?.*", pytest.param("a" * 1000, id="longest")],
 )
 def test_regex_guard_accepts_bounded_patterns(pattern):
     """At most 4 repeats; a repeat of at most one (`?`, `{1}`) is no repeat; no repeat inside."""
@@ -256,6 +259,7 @@ def test_layer_ranges_merge_and_format():
         ("lm_head ", "selector entry has leading or trailing spaces"),
         ("re:", "empty regular expression after 're:'"),
         ("re:[abc", "invalid regular expression"),
+        ("re:(?<=a|bc)d", "invalid regular expression: look-behind requires fixed-width pattern"),
     ],
 )
 def test_bad_entry_messages(entry, message):
