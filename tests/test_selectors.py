@@ -230,6 +230,8 @@ def test_regex_guard_accepts_bounded_patterns(pattern):
         pytest.param("1" * 19, f"layer index in '{'1' * 19}' is too large; models have at most {10**18 - 1} layers", id="big"),
         pytest.param("0-" + "1" * 19, f"layer index in '0-{'1' * 19}' is too large; models have at most {10**18 - 1} layers", id="big-hi"),
         ("5-3", "layer range '5-3' runs backwards; write 3-5"),
+        pytest.param("1" * 45, f"layer index in '{'1' * 40}' is too large; models have at most {10**18 - 1} "
+                     "layers", id="big-cut"),  # the item is cut at 40 characters
         ("1,9-" + "x" * 50, f"cannot read layer range '9-{'x' * 38}'; write e.g. '10-17,20'"),  # cut at 40
     ],
 )
