@@ -1,15 +1,23 @@
 #!/usr/bin/env bash
-# Mutation testing with mutmut 3 (pip install -e '.[mutation]'), one module group at a time,
+# Mutation testing with mutmut 3.3.1 (pip install -e '.[mutation]'), one module group at a time,
 # each against the test files that cover it. Slow (minutes to an hour per group): not in CI.
 #
-#   benches/mutation.sh                 # every group below
-#   benches/mutation.sh noise metrics   # only these groups
+#   benches/mutation.sh                        # every group below
+#   benches/mutation.sh schedule selectors     # only these groups
+#   KEEP=1 benches/mutation.sh metrics         # keep the work copy ($OUT/metrics-work) to resume
+#   KEEP=1 ONLY="qtransform.core.metrics.x__ratio*" benches/mutation.sh metrics
+#                                              # (re-)run only these mutants (fnmatch patterns);
+#                                              # the other mutants keep their earlier results
 #
-# Each group runs in a throw-away copy of the tracked files (mutmut reads its targets from
-# pyproject.toml's [tool.mutmut] and writes a mutants/ folder), with one test process at a time
-# (the CI machines have 2 cores). The summary lines ("group: killed/total ...") and every
-# surviving mutant's diff are written to $OUT (default: mutation-results/). Mutants in code no
-# selected test reaches are listed as "no tests" and count as not killed.
+# Each group runs in a copy of the tracked files (mutmut reads its targets from pyproject.toml's
+# [tool.mutmut] and writes a mutants/ folder that shadows the editable install), with one test
+# process at a time (the CI machines have 2 cores) and QTRANSFORM_FASTPATH=0, so the Python
+# reference path is what runs (the C kernel, formats/qfast.c, is outside mutmut's reach; tests
+# that compare the two paths ask for the fast path themselves). The summary lines ("group:
+# killed/total ...") and every surviving mutant's diff are written to $OUT (default:
+# mutation-results/). Mutants in code no selected test reaches are listed as "no tests" and
+# count as not killed; "timeout" means the mutant made the tests run 15x longer than usual
+# (an endless loop, mostly): detected, and counted apart from "killed".
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
