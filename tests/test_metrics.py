@@ -312,6 +312,8 @@ def test_count_properties_read_the_accumulator():
     s = ErrorStats().update(x, q, torch.tensor([True, False, True, False, False]))
     # pairs 0 and 4 are finite; x has one NaN, q one NaN; the Inf pair is non-finite too
     assert (s.n, s.saturation_checked, s.nan_orig, s.nan_quant, s.nonfinite) == (2, 2, 1, 1, 3)
+    r = s.result()  # the mask counts only on measured pairs: pair 2 (NaN in q) is left out
+    assert (r["saturated_count"], r["saturation"], r["nonzero"], r["deadzone_count"]) == (1, 0.5, 2, 0)
 
 
 def test_block_exponent_histogram_accumulates_merges_and_keeps_exact_counts():
