@@ -217,7 +217,9 @@ def _pairs() -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 def _both_paths(x, q, sat, monkeypatch) -> tuple[dict, dict]:
-    fast = ErrorStats().update(x, q, sat).state()
+    with monkeypatch.context() as m:  # explicit: the mutation runs set QTRANSFORM_FASTPATH=0
+        m.setenv("QTRANSFORM_FASTPATH", "1")
+        fast = ErrorStats().update(x, q, sat).state()
     with monkeypatch.context() as m:
         m.setenv("QTRANSFORM_FASTPATH", "0")
         ref = ErrorStats().update(x, q, sat).state()
@@ -243,6 +245,7 @@ def _assert_same_state(fast: dict, ref: dict, x: torch.Tensor, q: torch.Tensor) 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_fused_kernel_equals_the_torch_path(dtype, threads, monkeypatch):
+    monkeypatch.setenv("QTRANSFORM_FASTPATH", "1")
     prev = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -260,6 +263,7 @@ def test_fused_kernel_equals_the_torch_path(dtype, threads, monkeypatch):
 def test_fused_kernel_result_does_not_depend_on_threads_or_layout(monkeypatch):
     x = torch.randn(300, 257, generator=torch.Generator().manual_seed(8))
     q = quantize_like(x)
+    monkeypatch.setenv("QTRANSFORM_FASTPATH", "1")
     prev = torch.get_num_threads()
     states = []
     try:
@@ -290,9 +294,36 @@ def test_unsupported_inputs_take_the_torch_path_with_the_same_result(monkeypatch
 
 def test_block_exponent_histogram_paths_agree(monkeypatch):
     e = torch.tensor([-200, -128, -127, -3, 0, 127, 128, 1000, 5, 5], dtype=torch.int32)
-    fast = BlockExponentHistogram().update(e).result()
+    with monkeypatch.context() as m:
+        m.setenv("QTRANSFORM_FASTPATH", "1")
+        fast = BlockExponentHistogram().update(e).result()
     with monkeypatch.context() as m:
         m.setenv("QTRANSFORM_FASTPATH", "0")
         ref = BlockExponentHistogram().update(e).result()
     assert fast == ref == BlockExponentHistogram().update(e.to(torch.int64)).result()
     assert (ref["out_of_range"], ref["counts"]["5"], ref["min"], ref["max"]) == (4, 2, -127, 127)
+
+
+def test_count_properties_read_the_accumulator():
+    empty = ErrorStats()
+    assert (empty.n, empty.saturation_checked, empty.nan_orig, empty.nan_quant, empty.nonfinite) == (0, 0, 0, 0, 0)
+    x = torch.tensor([1.0, float("nan"), 3.0, float("inf"), 0.5])
+    q = torch.tensor([1.0, 2.0, float("nan"), 4.0, 0.5])
+    s = ErrorStats().update(x, q, torch.tensor([True, False, True, False, False]))
+    # pairs 0 and 4 are finite; x has one NaN, q one NaN; the Inf pair is non-finite too
+    assert (s.n, s.saturation_checked, s.nan_orig, s.nan_quant, s.nonfinite) == (2, 2, 1, 1, 3)
+    r = s.result()  # the mask counts only on measured pairs: pair 2 (NaN in q) is left out
+    assert (r["saturated_count"], r["saturation"], r["nonzero"], r["deadzone_count"]) == (1, 0.5, 2, 0)
+
+
+def test_block_exponent_histogram_accumulates_merges_and_keeps_exact_counts():
+    # int8 exponents (an E8M0 field read as signed) must not wrap when shifted into bins
+    a = BlockExponentHistogram().update(torch.tensor([-127, 0, 127, 127, -128], dtype=torch.int8))
+    a.update(torch.tensor([0, 5, 300], dtype=torch.int32))
+    assert a.result() == {"blocks": 8, "min": -127, "max": 127, "out_of_range": 2,
+                          "counts": {"-127": 1, "0": 2, "5": 1, "127": 2}}
+    b = BlockExponentHistogram().update(torch.tensor([5, -1000]))
+    merged = a.merge(b).result()
+    assert (merged["counts"]["5"], merged["out_of_range"], merged["blocks"]) == (2, 3, 10)
+    big = BlockExponentHistogram.from_result({"counts": {"3": 2**40 + 1}, "out_of_range": 0})
+    assert big.result()["counts"] == {"3": 2**40 + 1} and big.result()["blocks"] == 2**40 + 1

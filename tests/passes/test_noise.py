@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import hashlib
 import io
 
 import pytest
 import torch
 
 import qtransform
-from qtransform.core.streams import site_seed
+from qtransform.core.streams import REPLAYABLE, DrawStream, in_backward, site_seed
 from qtransform.errors import UserError
 from qtransform.passes.aqn_noise import AQNNoise
 from tests.conftest import ids
@@ -244,3 +245,68 @@ def test_training_smoke_w4a16_mxfp4_with_aqn(tiny):
     assert losses[-1] < 0.8 * losses[0]
     assert controller.current_step == 36
     assert list(controller.sigma().values()) == pytest.approx([0.0001] * 5, rel=1e-12)
+
+
+def test_site_seed_is_the_documented_blake2b_hash():
+    # docs/noise.md: first 8 bytes of blake2b("{seed}/{site}/{step}[/{index}]"), little-endian, >> 1
+    for seed, site, step, index in ((7, "model.layers.1.input_layernorm", 33, None), (0, "lm_head", 0, 5)):
+        key = f"{seed}/{site}/{step}" + ("" if index is None else f"/{index}")
+        want = int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little") // 2
+        assert site_seed(seed, site, step, index) == want < 2**63
+    assert site_seed(7, "a", 1) == 0x2E290C97378B8549  # pinned: a change re-seeds every saved run
+
+
+def test_draw_indices_are_fresh_forward_and_replayed_newest_first_in_backward():
+    stream = DrawStream(3, "site")
+    seen: list[int] = []
+    assert not in_backward()
+    with torch.no_grad():
+        assert stream.next_index() == 0  # eval forward without a graph: not replayable
+    assert [stream.next_index(), stream.next_index()] == [1, 2]  # grad-enabled: remembered
+    with torch.no_grad():
+        assert stream.next_index(training=True) == 3  # reentrant checkpoint's first forward
+    assert stream.count == 4
+
+    def recompute(grad):
+        seen.append(in_backward())
+        seen.extend(stream.next_index() for _ in range(4))  # 3 replays, then a fresh index
+        return grad
+
+    x = torch.ones(2, requires_grad=True)
+    y = x * 2
+    y.register_hook(recompute)
+    y.sum().backward()
+    assert seen == [True, 3, 2, 1, 4] and stream.count == 5
+    stream.set_step(9, count=2)
+    assert (stream.step, stream.next_index()) == (9, 2)
+
+
+def test_replay_memory_is_bounded_and_one_generator_per_device():
+    stream = DrawStream(0, "site")
+    for _ in range(REPLAYABLE + 2):
+        stream.next_index()
+    seen: list[int] = []
+    x = torch.ones(1, requires_grad=True)
+    y = x * 1
+    y.register_hook(lambda g: seen.extend(stream.next_index() for _ in range(REPLAYABLE + 1)) or g)
+    y.sum().backward()
+    # the newest REPLAYABLE forwards are replayed (REPLAYABLE + 1 down to 2), then a fresh index
+    assert seen == [*range(REPLAYABLE + 1, 1, -1), REPLAYABLE + 2]
+    cpu = torch.device("cpu")
+    assert stream.generator(cpu, 0) is stream.generator(cpu, 1)  # re-seeded, not re-allocated
+
+
+def test_stream_normal_is_a_float32_draw_cast_to_the_dtype_of_like():
+    stream = DrawStream(5, "w")
+    stream.set_step(4)
+    like = torch.zeros(3, dtype=torch.bfloat16)
+    got = stream.normal(torch.Size([3, 8]), like, index=1)
+    want = torch.randn(3, 8, generator=torch.Generator().manual_seed(site_seed(5, "w", 4, 1)))
+    assert got.dtype == torch.bfloat16 and torch.equal(got, want.to(torch.bfloat16))
+    assert torch.equal(stream.normal(torch.Size([3, 8]), like, index=1), got)  # reseeded per draw
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)  # models built under another default draw the same z
+    try:
+        assert torch.equal(stream.normal(torch.Size([3, 8]), like, index=1), got)
+    finally:
+        torch.set_default_dtype(default)

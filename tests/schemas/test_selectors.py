@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import pytest
 
 from qtransform.core.sites import Site
 from qtransform.schemas import Policy, Selector, closest_names, parse_layers, resolve_quant_rules
-from qtransform.schemas.selectors import compile_entry, format_layers
+from qtransform.schemas.selectors import compile_entry, format_layers, is_class_entry
 
 
 @dataclass(frozen=True)
@@ -174,3 +175,121 @@ def test_real_site_class_fits_the_protocol():
     site = Site("model.layers.5.mlp.up_proj", "Linear", "linear", 5, "up")
     assert Selector.compile(["up_proj"], layers="5").matches(site)
     assert not Selector.from_section(Policy.model_validate({"quantize": [{"format": "int4", "layers": "4"}]}).quantize[0]).matches(site)
+
+
+@pytest.mark.parametrize(
+    ("pattern", "message"),
+    [
+        ("(a+)+", "nested quantifiers"),
+        ("(a+?)*", "nested quantifiers"),  # lazy repeats count too
+        ("(a{2})+", "nested quantifiers"),  # any inner repeat of more than one
+        ("(?:a*){2}", "nested quantifiers"),  # any outer repeat of more than one
+        ("x{2}y{2}z{2}w{2}v{2}", "5 repeats"),
+        ("(?:.*a.*b.*c)?.*d.*e", "5 repeats"),  # repeats inside an optional group count
+        ("(?:x(a*)y){2,}", "nested quantifiers"),  # through a group inside the outer repeat
+        ("(a|aa)*", "an alternation inside a repeat"),
+        ("((?=a.*)b)+", "nested quantifiers"),  # through a lookahead
+        ("(?>a+)+", "nested quantifiers"),  # through an atomic group
+        ("(a)\\1", "backreferences"),
+        ("(a)?(?(1)b|c)", "backreferences"),
+        (".*a.*b.*c.*d.*e", "5 repeats"),
+        ("(?=.*a)(?=.*b)(?=.*c)(?=.*d).*", "5 repeats"),  # repeats inside lookaheads count
+        ("(?:.*a|.*b|.*c)(?:.*d|.*e)", "5 repeats"),  # every branch counts
+        ("(?>.*a)(?>.*b)(?>.*c)(?>.*d)(?>.*e)", "5 repeats"),
+        ("(x.*a)(x.*b)(x.*c)(x.*d)(x.*e)", "5 repeats"),
+        pytest.param("a" * 1001, "regular expression of 1001 characters", id="too-long"),
+        ("a{2", None),  # accepted by the parser as a literal: no error
+        ("(", "invalid regular expression"),
+    ],
+)
+def test_regex_guard_refuses_backtracking_patterns_before_they_run(pattern, message):
+    if message is None:
+        assert compile_entry("re:" + pattern).regex is not None
+        return
+    with pytest.raises(ValueError, match="^" + re.escape(message)):
+        compile_entry("re:" + pattern)
+
+
+@pytest.mark.parametrize(
+    "pattern",
+    [".*a.*b.*c.*d", "(a+)?", "(a?)+", "(?:ab)+", "[ab]+", "(a{1}b)+", "(?=.*a)x.*",
+     "(?:.*a|b)c", "(?>a)+", "a?b?c?d?e?.*", pytest.param("a" * 1000, id="longest")],
+)
+def test_regex_guard_accepts_bounded_patterns(pattern):
+    """At most 4 repeats; a repeat of at most one (`?`, `{1}`) is no repeat; no repeat inside."""
+    assert compile_entry("re:" + pattern).regex.pattern == pattern
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ("", "empty layer spec; write e.g. '10-17,20'"),
+        ("   ", "empty layer spec; write e.g. '10-17,20'"),
+        pytest.param("1," * 5000 + "1", "layer spec of 10001 characters; write ranges such as '10-17,20'", id="long"),
+        ("1,x9", "cannot read layer range 'x9'; write e.g. '10-17,20'"),
+        pytest.param("1" * 19, f"layer index in '{'1' * 19}' is too large; models have at most {10**18 - 1} layers", id="big"),
+        pytest.param("0-" + "1" * 19, f"layer index in '0-{'1' * 19}' is too large; models have at most {10**18 - 1} layers", id="big-hi"),
+        ("5-3", "layer range '5-3' runs backwards; write 3-5"),
+        pytest.param("1" * 45, f"layer index in '{'1' * 40}' is too large; models have at most {10**18 - 1} "
+                     "layers", id="big-cut"),  # the item is cut at 40 characters
+        ("1,9-" + "x" * 50, f"cannot read layer range '9-{'x' * 38}'; write e.g. '10-17,20'"),  # cut at 40
+    ],
+)
+def test_layer_spec_errors_name_the_item(spec, message):
+    with pytest.raises(ValueError) as err:
+        parse_layers(spec)
+    assert str(err.value) == message
+    assert set(parse_layers("1," * 4999 + "10")) == {1, 10}  # 10000 characters: still read
+
+
+def test_layer_ranges_merge_and_format():
+    layers = parse_layers("7,1-3,4,9-9,8,20-21," + "9" * 18)
+    assert layers.ranges == ((1, 4), (7, 9), (20, 21), (10**18 - 1, 10**18 - 1))
+    assert len(layers) == 4 + 3 + 2 + 1
+    assert format_layers(layers) == "1-4,7-9,20-21," + "9" * 18
+    assert parse_layers("2-6,3-4").ranges == ((2, 6),)  # contained ranges do not shrink the union
+    assert format_layers([5, 1, 2, 3, 3, 9, 10]) == "1-3,5,9-10"  # any iterable, duplicates
+    assert format_layers([]) == "" and format_layers(iter([4])) == "4"
+    assert 0 not in layers and 1 in layers and 5 not in layers and "1" not in layers
+
+
+@pytest.mark.parametrize(
+    ("entry", "message"),
+    [
+        ("", "empty selector entry"),
+        ("  ", "empty selector entry"),
+        ("lm_head ", "selector entry has leading or trailing spaces"),
+        ("re:", "empty regular expression after 're:'"),
+        ("re:[abc", "invalid regular expression"),
+        ("re:(?<=a|bc)d", "invalid regular expression: look-behind requires fixed-width pattern"),
+    ],
+)
+def test_bad_entry_messages(entry, message):
+    with pytest.raises(ValueError, match="^" + re.escape(message)):
+        compile_entry(entry)
+
+
+def test_is_class_entry_and_entry_kinds_keep_their_text():
+    assert [is_class_entry(t) for t in ("Linear", "linear", "Lin.ear", "L*", "_X", "X1")] == [
+        True, False, False, False, False, True]
+    for text, kind in (("re:a.b", "regex"), ("RMSNorm", "class"), ("mlp.*", "glob")):
+        entry = compile_entry(text)
+        assert (entry.text, entry.kind) == (text, kind)
+    assert compile_entry("re:a.b").regex.fullmatch("axb")
+
+
+def test_regex_guard_messages_say_what_to_write_instead():
+    messages = {}
+    for pattern in ("(a+)+", "(ab|c)*", "(a)\\1", ".*.*.*.*.*"):
+        with pytest.raises(ValueError) as err:
+            compile_entry("re:" + pattern)
+        messages[pattern] = str(err.value)
+    assert messages == {
+        "(a+)+": "nested quantifiers such as (a+)+ can take exponential time; write the pattern "
+                 "without a repeat inside a repeat",
+        "(ab|c)*": "an alternation inside a repeat such as (a|aa)* can take exponential time; use a "
+                  "character class or drop the repeat",
+        "(a)\\1": "backreferences are not allowed in selectors; match the name directly",
+        ".*.*.*.*.*": "5 repeats (such as .* or +) in one pattern; each multiplies the matching time: "
+                      "use at most 4",
+    }
