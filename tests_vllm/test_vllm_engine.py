@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tests.rl.test_rl_core import documented_z, sigma
 
 import qtransform
 from qtransform.integrations.vllm import VLLMEngine, push_weights
+from tests.rl.test_rl_core import documented_z, sigma
 from tests.tiny_rl import tiny_qwen2
 
 POLICY = {"version": 1,
