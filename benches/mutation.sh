@@ -27,12 +27,12 @@ OUT=${OUT:-$ROOT/mutation-results}
 
 # group|files to mutate, as installed (space separated)|test files (space separated)
 GROUPS_ALL=(
-  "schedule|qtransform/core/schedule.py qtransform/core/streams.py|tests/test_noise_schedule.py tests/test_noise.py tests/test_rl_core.py"
-  "selectors|qtransform/schemas/selectors.py|tests/test_selectors.py tests/test_policy.py"
-  "metrics|qtransform/core/metrics.py|tests/test_metrics.py"
-  "fake_quant|qtransform/passes/fake_quant.py|tests/test_transform.py tests/test_formats_api.py tests/test_moe.py"
-  "pipeline|qtransform/pipeline/base.py qtransform/pipeline/manager.py qtransform/pipeline/selection.py qtransform/pipeline/transform.py|tests/test_transform.py tests/test_site_identity.py tests/test_capture.py"
-  "formats|qtransform/formats/elements.py qtransform/formats/mx.py qtransform/formats/nvfp4.py qtransform/formats/intgroup.py qtransform/formats/blocking.py qtransform/formats/options.py|tests/test_formats_rules.py tests/test_formats_vectors.py tests/test_formats_nvfp4_order.py tests/test_formats_api.py tests/test_formats_properties.py"
+  "schedule|qtransform/core/schedule.py qtransform/core/streams.py|tests/core/test_noise_schedule.py tests/passes/test_noise.py tests/rl/test_rl_core.py"
+  "selectors|qtransform/schemas/selectors.py|tests/schemas/test_selectors.py tests/schemas/test_policy.py"
+  "metrics|qtransform/core/metrics.py|tests/core/test_metrics.py"
+  "fake_quant|qtransform/passes/fake_quant.py|tests/pipeline/test_transform.py tests/formats/test_formats_api.py tests/core/test_moe.py"
+  "pipeline|qtransform/pipeline/base.py qtransform/pipeline/manager.py qtransform/pipeline/selection.py qtransform/pipeline/transform.py|tests/pipeline/test_transform.py tests/core/test_site_identity.py tests/core/test_capture.py"
+  "formats|qtransform/formats/elements.py qtransform/formats/mx.py qtransform/formats/nvfp4.py qtransform/formats/intgroup.py qtransform/formats/blocking.py qtransform/formats/options.py|tests/formats/test_formats_rules.py tests/formats/test_formats_vectors.py tests/formats/test_formats_nvfp4_order.py tests/formats/test_formats_api.py tests/formats/test_formats_properties.py"
 )
 
 toml_list() { printf '['; local first=1; for x in "$@"; do [ $first = 1 ] || printf ', '; printf '"%s"' "$x"; first=0; done; printf ']'; }

@@ -270,3 +270,35 @@ def test_content_key_reads_cpu_bytes_without_freezing_the_storage():
     assert key == (torch.float32, t.device, (6, 5), zlib.crc32(t.clone().numpy().tobytes()))
     t.untyped_storage().resize_(0)  # raises if the key had frozen the storage
     assert t.untyped_storage().size() == 0
+
+
+def test_fake_quantize_module_repr_copy_cache_and_step():
+    """FakeQuantize's small API against formats.fake_quantize and core.streams.site_seed."""
+    from qtransform.core.streams import site_seed
+    from qtransform.passes.fake_quant import FakeQuantize
+
+    x = torch.randn(4, 64, generator=torch.Generator().manual_seed(3))
+    fq = FakeQuantize("mxfp4", {"block_size": 32, "nvfp4_variant": None}, "lin/weight_fake_quant", cache=True)
+    assert fq.extra_repr() == "mxfp4, axis=-1, block_size=32, label='lin/weight_fake_quant'"
+    assert FakeQuantize("nvfp4", {}, "a/input_fake_quant", axis=0).extra_repr() == \
+        "nvfp4, axis=0, label='a/input_fake_quant'"
+    two = FakeQuantize("mxfp4", {"block_size": 32, "rounding": "rne"}, "b", axis=1)
+    assert two.extra_repr() == "mxfp4, axis=1, block_size=32, rounding=rne, label='b'"
+    want = fake_quantize(x, "mxfp4", block_size=32)
+    fq.enabled = False  # the copy is quantized whether or not the module is enabled
+    copy_ = fq.quantized_copy(x.clone().requires_grad_(True))
+    assert torch.equal(copy_, want) and not copy_.requires_grad and copy_.grad_fn is None
+    fq.enabled = True
+    assert torch.equal(fq(x), want) and fq._key is not None and torch.equal(fq._cached, want)
+    fq.clear_cache()
+    assert fq._key is None and fq._cached is None
+    fq.set_step(4)  # no stream: nothing to move, nothing raised
+    sr = FakeQuantize("mxfp4", {"rounding": "stochastic"}, "s/weight_fake_quant", seed=9)
+    sr.set_step(5, 2)  # step 5, two draws already taken: this forward is draw 2
+    got = sr.quantize(x)
+    assert (sr.stream.step, sr.stream.count) == (5, 3)
+    assert torch.equal(got, fake_quantize(x, "mxfp4", rounding="stochastic",
+                                          seed=site_seed(9, "s/weight_fake_quant", 5, 2)))
+    sr.set_step(6)  # a new step starts at draw 0
+    assert torch.equal(sr.quantize(x), fake_quantize(x, "mxfp4", rounding="stochastic",
+                                                     seed=site_seed(9, "s/weight_fake_quant", 6, 0)))
