@@ -52,7 +52,10 @@ for entry in "${GROUPS_ALL[@]}"; do
   # the installed layout (passes/ and schemas/ are qtransform.passes and qtransform.schemas), so
   # that mutmut's mutants/qtransform is the whole package and shadows the editable install
   cp -r "$work/passes" "$work/qtransform/passes" && cp -r "$work/schemas" "$work/qtransform/schemas"
-  # only the reference path is mutated: the C fast path would hide Python mutants in formats/
+  fi
+  # mutmut's settings, written on resume too: a test file added to the group since the work copy
+  # was made is then run (mutmut collects the stats of new tests only).
+  # Only the reference path is mutated: the C fast path would hide Python mutants in formats/
   read -ra t_arr <<<"$targets"; read -ra s_arr <<<"$tests"
   "$PY" - "$work/pyproject.toml" "$(toml_list "${t_arr[@]}")" "$(toml_list "${s_arr[@]}")" <<'EOF'
 import json, pathlib, re, sys
@@ -61,14 +64,15 @@ root = pathlib.Path(path).parent
 keep = set(json.loads(targets))
 skip = sorted(str(p.relative_to(root)) for p in (root / "qtransform").rglob("*.py")
               if str(p.relative_to(root)) not in keep)
-text = re.sub(r"\n\[tool\.mutmut\][^\[]*", "\n", open(path).read())
+# (a resumed work copy has the section already: drop it, up to the next table or the end)
+text = re.sub(r"\n\[tool\.mutmut\]\n(?:(?!\[).*(?:\n|$))*", "\n", open(path).read())
 # tests read files next to the package (schemas/examples, docs, README): copy them into mutants/
-also = sorted(p.name for p in root.iterdir() if p.name not in {"qtransform", "tests", "mutants"})
+also = sorted(p.name for p in root.iterdir()
+              if p.name not in {"qtransform", "tests", "mutants", "meta-prev"})
 open(path, "w").write(text + f'\n[tool.mutmut]\npaths_to_mutate = ["qtransform/"]\n'
                       f"do_not_mutate = {json.dumps(skip)}\ntests_dir = {tests}\n"
                       f"also_copy = {json.dumps(also)}\n")
 EOF
-  fi
   # mutmut 3.3.1 regenerates every mutant file on each run and forgets earlier results: keep
   # them, and after the run take each mutant's newest result (ONLY=... re-runs just those)
   rm -rf "$work/meta-prev" && mkdir -p "$work/meta-prev"
