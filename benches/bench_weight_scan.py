@@ -84,12 +84,12 @@ def child(folder: str, fmt: str, threads: int) -> None:
     from qtransform import formats
     from qtransform.core.metrics import BlockExponentHistogram, ErrorStats
     from qtransform.formats.quantize import quantize_with_info
-    from qtransform.scan import checkpoint_weights, choice_for, measure, scan_weights
+    from qtransform.scan.weights import checkpoint_weights, config_for, measure, scan_weights
 
     import_peak = vm_hwm()
     refs = checkpoint_weights(folder)
     largest = max(refs, key=lambda r: math.prod(r.site.weight_shape or ()))
-    measure(largest.load()[:64], refs[0].site, choice_for(fmt, {}))  # one-time costs: kernel build
+    measure(largest.load()[:64], refs[0].site, config_for(fmt, {}))  # one-time costs: kernel build
     reset = reset_peak_rss()
     start = time.perf_counter()
     report = scan_weights(folder, fmt)
@@ -106,7 +106,7 @@ def child(folder: str, fmt: str, threads: int) -> None:
         ("quantize_with_info", lambda: quantize_with_info(w, fmt, exponents=mx)),
         ("block_exponent_histogram", lambda: BlockExponentHistogram().update(exps) if mx else None),
         ("metrics", lambda: ErrorStats().update(w, wq, sat)),
-        ("measure", lambda: measure(w, largest.site, choice_for(fmt, {}))),
+        ("measure", lambda: measure(w, largest.site, config_for(fmt, {}))),
         ("fake_quantize", lambda: formats.fake_quantize(w, fmt)),
         ("saturated", lambda: formats.saturated(w, fmt)),
         ("block_exponents", lambda: formats.block_exponents(w, fmt) if mx else None),

@@ -8,8 +8,6 @@ in every forward and nothing is kept (a cached copy would be the unsharded weigh
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from torch import Tensor, nn
 
@@ -19,9 +17,30 @@ from qtransform.core.program import Program
 from qtransform.core.sharding import sharded
 from qtransform.core.streams import DrawStream
 from qtransform.core.versions import content_key
+from qtransform.formats import QuantConfig
 from qtransform.pipeline.base import Action, Pass, register_pass
 from qtransform.pipeline.selection import resolve_quantize
 from qtransform.schemas import QuantRule
+
+
+def weight_label(site: str) -> str:
+    """The label of a site's weight fake-quant (its stream key and its node name in exports)."""
+    return f"{site}/weight_fake_quant"
+
+
+def expert_seed(seed: int, expert: int) -> int:
+    """Expert `expert`'s stream seed when a fused experts weight is quantized expert by expert."""
+    return (seed + expert) % 2**63
+
+
+def first_weight_seed(config: QuantConfig, site: str, expert: int | None = None) -> int | None:
+    """The stochastic-rounding seed the transformed model's first forward uses for this site's
+    weight (expert): what a weight scan draws, so that it measures that very tensor. None for
+    deterministic rounding."""
+    if not config.stochastic:
+        return None
+    seed = DrawStream(config.seed or 0, weight_label(site)).seed_at(0)
+    return seed if expert is None else expert_seed(seed, expert)
 
 
 class _CachedSTE(torch.autograd.Function):
@@ -53,27 +72,22 @@ class FakeQuantize(nn.Module):
     rounding), and one op otherwise.
     """
 
-    def __init__(self, fmt: str, options: dict[str, Any], label: str, *, axis: int = -1,
-                 cache: bool = False, seed: int | None = None, per_expert: bool = False):
+    def __init__(self, config: QuantConfig, label: str, *, cache: bool = False,
+                 per_expert: bool = False):
         super().__init__()
         self.per_expert = per_expert
-        self.fmt = formats.get(fmt).name
-        self.options = {k: v for k, v in options.items() if v is not None}
-        self.axis = axis
+        self.config = config.bind(-1)  # an unbound axis means the last dim, as in fake_quantize
         self.label = label
-        stochastic = self.options.get("rounding") == "stochastic"
-        self.cache = cache and not stochastic
-        self.stream = DrawStream(seed or 0, label) if stochastic else None  # one draw per forward
+        self.cache = cache and not config.stochastic
+        # stochastic rounding: one draw per forward from the stream of the config's seed
+        self.stream = DrawStream(config.seed or 0, label) if config.stochastic else None
         self._key: tuple | None = None
         self._cached: Tensor | None = None
         self.enabled = True  # eager only: off, the tensor passes unchanged (per-site sensitivity)
 
     def extra_repr(self) -> str:
-        opts = ", ".join(f"{k}={v}" for k, v in self.options.items())
-        return f"{self.fmt}, axis={self.axis}{', ' + opts if opts else ''}, label={self.label!r}"
-
-    def _opts(self) -> dict[str, Any]:
-        return {**self.options, "axis": self.axis}
+        opts = ", ".join(f"{k}={v}" for k, v in self.config.options().items())
+        return f"{self.config.name}, {opts}, label={self.label!r}"
 
     def set_step(self, step: int, draws: int = 0) -> None:
         if self.stream is not None:
@@ -82,26 +96,24 @@ class FakeQuantize(nn.Module):
     def _expertwise(self) -> bool:
         """Whether quantizing the whole [E, ...] tensor at once could differ from expert by
         expert: a per-tensor scale (NVFP4 two-level) or a stochastic stream."""
-        return self.per_expert and (
-            self.options.get("rounding") == "stochastic"
-            or (formats.get(self.fmt).family == "nvfp4" and self.options.get("nvfp4_variant") != "one_level"))
+        cfg = self.config
+        return self.per_expert and (cfg.stochastic or cfg.family.per_tensor(cfg))
 
     def quantize(self, x: Tensor) -> Tensor:
         """Quantize-dequantize `x` now, without the cache (rollout weights, stochastic draws);
         expert by expert where that differs from the whole tensor (each expert draws seed + e)."""
         seed = None if self.stream is None else self.stream.seed_at(self.stream.next_index(self.training))
         if not self._expertwise():
-            return formats.fake_quantize(x, self.fmt, seed=seed, **self._opts())
+            return formats.fake_quantize(x, self.config, seed=seed)
         return torch.stack([
-            formats.fake_quantize(x[e], self.fmt, seed=None if seed is None else (seed + e) % 2**63,
-                                  **self._opts())
+            formats.fake_quantize(x[e], self.config, seed=None if seed is None else expert_seed(seed, e))
             for e in range(x.shape[0])])
 
     def _traced(self, x: Tensor) -> Tensor:
-        opts = ops.encode_options(self._opts())
+        fmt, opts = self.config.name, self.config.to_json()
         if not self._expertwise():
-            return torch.ops.qtransform.fake_quant(x, self.fmt, opts, self.label)
-        return torch.stack([torch.ops.qtransform.fake_quant(x[e], self.fmt, opts, ops.expert_label(self.label, e))
+            return torch.ops.qtransform.fake_quant(x, fmt, opts, self.label)
+        return torch.stack([torch.ops.qtransform.fake_quant(x[e], fmt, opts, ops.expert_label(self.label, e))
                             for e in range(x.shape[0])])
 
     def clear_cache(self) -> None:
@@ -127,7 +139,7 @@ class FakeQuantize(nn.Module):
                 self._cached = self.quantize(x.detach())
             self._key = key
         if torch.is_grad_enabled() and x.requires_grad:
-            if self.options.get("zero_saturated_grad"):
+            if self.config.zero_saturated_grad:
                 return self.quantize(x)
             return _CachedSTE.apply(x, self._cached)
         return self._cached
@@ -146,17 +158,12 @@ class FakeQuantPass(Pass[list[QuantRule]]):
         return resolve_quantize(program, spec)
 
     def build(self, program: Program, action: Action) -> nn.Module:
-        rule = action.params["rule"]
-        site = action.site
-        axis = rule.axis if rule.axis is not None else (site.reduction_axis if action.point == "weight" else -1)
-        label = f"{site.name}/{action.point}_fake_quant"
-        return FakeQuantize(rule.format, rule.format_options(), label, axis=axis,
-                            cache=action.point == "weight", seed=rule.seed,
-                            per_expert=site.kind == "experts" and action.point == "weight")
+        rule, site = action.params["rule"], action.site
+        weight = action.point == "weight"
+        config = rule.config().bind(site.reduction_axis if weight else -1)
+        label = weight_label(site.name) if weight else f"{site.name}/{action.point}_fake_quant"
+        return FakeQuantize(config, label, cache=weight,
+                            per_expert=site.kind == "experts" and weight)
 
     def describe(self, action: Action) -> str:
-        rule = action.params["rule"]
-        opts = rule.format_options()
-        extras = ", ".join(f"{k}={v}" for k, v in opts.items() if k != "block_size")
-        block = opts.get("block_size") or formats.get(rule.format).default_block
-        return f"{rule.format} block={block}{', ' + extras if extras else ''}"
+        return action.params["rule"].config().describe()

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -40,11 +41,10 @@ from qtransform.core.metrics import BlockExponentHistogram, ErrorStats
 from qtransform.core.program import Program
 from qtransform.core.sites import LINEAR_KINDS
 from qtransform.core.versions import content_key
+from qtransform.formats import QuantConfig
 from qtransform.pipeline.base import Action, Pass, register_pass
 from qtransform.pipeline.selection import select_sites
 from qtransform.schemas import InstrumentSpec
-
-Quantizer = tuple[str, dict[str, Any]]  # (format, fake_quantize keyword options)
 
 
 def sample_rows(t: Tensor, offset: int, stride: int) -> Tensor:
@@ -70,7 +70,7 @@ class Tap(nn.Module):
     `next_offset`); weights are always measured whole.
     """
 
-    def __init__(self, site: str, point: str, *, site_kind: str, quantizer: Quantizer | None,
+    def __init__(self, site: str, point: str, *, site_kind: str, quantizer: QuantConfig | None,
                  shadow: bool = False, saturation: bool = True, block_exponents: bool = False,
                  transposed: bool = False):
         super().__init__()
@@ -83,13 +83,13 @@ class Tap(nn.Module):
         self.shadow = shadow and point == "output"
         self.saturation = saturation and quantizer is not None
         self.block_exponents = (block_exponents and point == "weight" and quantizer is not None
-                                and formats.get(quantizer[0]).family == "mx")
+                                and quantizer.family.exponents is not None)
         self.enabled = True
         self.stride = 1
         self.reset()
 
     def extra_repr(self) -> str:
-        fmt = self.quantizer[0] if self.quantizer else "unquantized"
+        fmt = self.quantizer.name if self.quantizer else "unquantized"
         return f"{self.label!r}, {fmt}{', shadow' if self.shadow else ''}, enabled={self.enabled}"
 
     def reset(self) -> None:
@@ -125,12 +125,13 @@ class Tap(nn.Module):
         """The format's clipped-at-max mask of the measured elements."""
         if not self.saturation:
             return None
-        fmt, opts = self.quantizer  # type: ignore[misc]
-        if opts.get("rounding") == "stochastic":  # clipping does not depend on the rounding draw
-            opts = {**opts, "rounding": "rne"}
-        if sampled is raw or (opts.get("axis", -1) in (-1, raw.dim() - 1) and not opts.get("block_shape")):
-            return formats.saturated(sampled, fmt, **opts)  # blocks lie within token rows
-        return sample_rows(formats.saturated(raw, fmt, **opts), offset, self.stride)
+        cfg = self.quantizer
+        assert cfg is not None
+        if cfg.stochastic:  # clipping does not depend on the rounding draw
+            cfg = replace(cfg, rounding="rne", seed=None)
+        if sampled is raw or (cfg.block_axis in (-1, raw.dim() - 1) and not cfg.tile):
+            return formats.saturated(sampled, cfg)  # blocks lie within token rows
+        return sample_rows(formats.saturated(raw, cfg), offset, self.stride)
 
     def _observe_weight(self, head: Tensor, raw: Tensor) -> None:
         key = content_key(raw)
@@ -141,8 +142,8 @@ class Tap(nn.Module):
         if self.site_kind == "experts":
             self.expert_stats = [ErrorStats().update(raw[e], head[e]) for e in range(raw.shape[0])]
         if self.exponents is not None:
-            fmt, opts = self.quantizer  # type: ignore[misc]
-            self.exponents = BlockExponentHistogram().update(formats.block_exponents(raw, fmt, **opts))
+            assert self.quantizer is not None
+            self.exponents = BlockExponentHistogram().update(formats.block_exponents(raw, self.quantizer))
 
     def _observe(self, head: Tensor, raw: Tensor, *operands: Tensor, counts: Tensor | None = None) -> None:
         offset = next_offset(self.rows_seen, self.stride)
@@ -193,7 +194,7 @@ class Tap(nn.Module):
         """This tap's metrics: `quant` (head vs raw value), `local` (shadow), block exponents."""
         out: dict[str, Any] = {
             "site": self.site, "point": self.point, "label": self.label,
-            "format": self.quantizer[0] if self.quantizer else None, "calls": self.calls,
+            "format": self.quantizer.name if self.quantizer else None, "calls": self.calls,
             "quant": self.stats.result() if self.stats.n else None,
         }
         if self.local is not None:
@@ -283,18 +284,16 @@ class InstrumentPass(Pass[InstrumentSpec]):
         return Tap(site.name, action.point, site_kind=site.kind,
                    quantizer=quantizer(program, site.name, action.point),
                    shadow=spec.shadow and bool(others),
-                   saturation="saturation" in spec.metrics,
-                   block_exponents="block_exponents" in spec.metrics,
+                   saturation=spec.saturation, block_exponents=spec.block_exponents,
                    transposed=site.weight_transposed)
 
     def describe(self, action: Action) -> str:
         return "tap + shadow" if action.point == "output" and "raw:weight" in action.extra else "tap"
 
 
-def quantizer(program: Program, site: str, point: str) -> Quantizer | None:
-    """(format, options) of the fake-quant module on this point, read from the insertion log."""
+def quantizer(program: Program, site: str, point: str) -> QuantConfig | None:
+    """The config of the fake-quant module on this point, read from the insertion log."""
     for ins in program.insertions(site=site, pass_name="fake_quant"):
         if ins.point == point:
-            fq = program.module().get_submodule(ins.module_path)
-            return fq.fmt, {**fq.options, "axis": fq.axis}
+            return program.module().get_submodule(ins.module_path).config
     return None

@@ -24,20 +24,6 @@ Entries = list[StrictStr]
 
 Tensor = Literal["weight", "input", "output"]
 Phase = Literal["train", "eval", "both", "rollout"]
-Metric = Literal[
-    "sqnr_db",
-    "mse",
-    "rmse",
-    "rel_rmse",
-    "cosine",
-    "max_abs_error",
-    "deadzone",
-    "saturation",
-    "mean_rel_error",
-    "kurtosis",
-    "block_exponents",
-]
-METRICS: tuple[str, ...] = Metric.__args__  # type: ignore[attr-defined]
 TENSORS: tuple[str, ...] = Tensor.__args__  # type: ignore[attr-defined]
 
 

@@ -54,25 +54,26 @@ def element_bits(spec: registry.FormatSpec) -> int:
     return 1 + el.ebits + el.mbits if el.kind == "float" else (el.qmax + 1).bit_length()
 
 
+_OPTION_WORDS = {"scale_rule": "scale rule", "nvfp4_variant": "variant"}
+
+
 def describe_format(rule: Any) -> str:
-    """'MXFP4 (E2M1 elements, block 32, E8M0 scale, floor scale rule, round-half-even)'."""
-    spec = registry.get(rule.format)
+    """'MXFP4 (E2M1 elements, block 32, E8M0 scale, floor scale rule, round-half-even)': the
+    rule's `QuantConfig`, each choice option of its family in the family's order."""
+    cfg = rule.config()
+    spec = cfg.spec
     parts = [f"{spec.element.name.upper().removesuffix('_MX')} elements"]
-    if rule.block_shape is not None:
-        parts.append(f"{rule.block_shape[0]}x{rule.block_shape[1]} weight tiles")
-    else:
-        parts.append(f"block {rule.block_size or spec.default_block}")
+    parts.append(f"{cfg.tile[0]}x{cfg.tile[1]} weight tiles" if cfg.tile else f"block {cfg.block}")
     parts.append(_SCALES[spec.scale])
-    if "scale_rule" in spec.options:
-        parts.append(f"{rule.scale_rule} scale rule")
-    parts.append(
-        _ROUNDING[rule.rounding] + (f" (seed {rule.seed})" if rule.seed is not None else "")
-    )
-    if "nvfp4_variant" in spec.options:
-        parts.append(f"{rule.nvfp4_variant or 'default'} variant")
-    if rule.axis is not None:
-        parts.append(f"blocks along axis {rule.axis}")
-    if rule.zero_saturated_grad:
+    for option in cfg.family.options:
+        value = getattr(cfg, option)
+        if option == "rounding":
+            parts.append(_ROUNDING[value] + (f" (seed {cfg.seed})" if cfg.seed is not None else ""))
+        else:
+            parts.append(f"{value} {_OPTION_WORDS.get(option, option.replace('_', ' '))}")
+    if cfg.axis is not None:
+        parts.append(f"blocks along axis {cfg.axis}")
+    if cfg.zero_saturated_grad:
         parts.append("no gradient through saturated elements")
     return f"{spec.name.upper()} ({', '.join(parts)})"
 

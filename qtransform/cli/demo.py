@@ -125,9 +125,9 @@ def _run(out: Path, final: Path, fmt: str, calib: list | None, options: dict[str
     from qtransform.calibration import builtin_calibration
     from qtransform.models import load_model, load_tokenizer
     from qtransform.scan.activations import resolve_policy, scan_activations
-    from qtransform.scan.weights import choice_for, compare_formats, scan_weights
+    from qtransform.scan.weights import compare_formats, config_for, scan_weights
 
-    choice_for(fmt, options)  # a misspelt format or option fails now, not after loading the model
+    config_for(fmt, options)  # a misspelt format or option fails now, not after loading the model
     samples = list(calib) if calib is not None else builtin_calibration()
     steps = _Steps(6 if onnx else 5, quiet)
     model, tokenizer = steps.run("load", f"loading {MODEL_NAME} (pretrained weights, CPU)",

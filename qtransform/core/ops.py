@@ -2,28 +2,24 @@
 
 Inserted modules run plain PyTorch in eager mode (fast paths, caches, accumulators) and call these
 ops when traced, so an exported graph shows exactly one named node per fake-quant, tap or noise
-insertion. Options travel as a JSON string because custom-op schemas take only simple types.
+insertion. A fake-quant's `QuantConfig` travels as its canonical JSON (`QuantConfig.to_json`)
+because custom-op schemas take only simple types.
 """
 
 from __future__ import annotations
-
-import json
 
 import torch
 from torch import Tensor
 
 from qtransform import formats
-
-
-def encode_options(options: dict) -> str:
-    """Canonical JSON of format options, the `options` argument of `qtransform::fake_quant`."""
-    return json.dumps({k: list(v) if isinstance(v, tuple) else v for k, v in sorted(options.items())})
+from qtransform.formats import QuantConfig
 
 
 @torch.library.custom_op("qtransform::fake_quant", mutates_args=())
 def fake_quant(x: Tensor, fmt: str, options: str, label: str) -> Tensor:
-    """Quantize-dequantize `x` in format `fmt`; `label` names the site tensor in exported graphs."""
-    return formats.fake_quantize(x.detach(), fmt, **json.loads(options)).clone()
+    """Quantize-dequantize `x` in format `fmt` with the options of `QuantConfig.to_json`;
+    `label` names the site tensor in exported graphs."""
+    return formats.fake_quantize(x.detach(), QuantConfig.from_json(fmt, options)).clone()
 
 
 @fake_quant.register_fake
@@ -33,8 +29,8 @@ def _(x: Tensor, fmt: str, options: str, label: str) -> Tensor:
 
 def _fq_setup(ctx, inputs, output) -> None:
     x, fmt, options, _label = inputs
-    opts = json.loads(options)
-    ctx.mask = formats.saturated(x.detach(), fmt, **opts) if opts.get("zero_saturated_grad") else None
+    cfg = QuantConfig.from_json(fmt, options)
+    ctx.mask = formats.saturated(x.detach(), cfg) if cfg.zero_saturated_grad else None
 
 
 def _fq_backward(ctx, grad: Tensor):

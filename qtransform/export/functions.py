@@ -33,8 +33,8 @@ import numpy as np
 from onnx import FunctionProto, NodeProto, TensorProto, helper, numpy_helper
 
 from qtransform.errors import UserError
-from qtransform.formats.options import resolve
-from qtransform.formats.registry import E4M3, ElementSpec, FormatSpec
+from qtransform.formats.options import QuantConfig
+from qtransform.formats.registry import ElementSpec
 
 DOMAIN = "qtransform"
 FLT_MAX = float(np.finfo(np.float32).max)
@@ -49,75 +49,84 @@ class UnsupportedExport(ValueError):
     """A fake-quant configuration that has no ONNX body (names the format and option)."""
 
 
+Shape = tuple[int | None, ...] | None  # a node input's static dims (None where symbolic)
+
+
+def attributes(cfg: QuantConfig) -> dict[str, Any]:
+    """The node attributes of a fake-quant node: every option that changes the numbers
+    (`QuantConfig.numerics`, the axis always bound)."""
+    return cfg.bind(cfg.block_axis).numerics()
+
+
+def config_from_attributes(fmt: str, attrs: dict[str, Any]) -> QuantConfig:
+    """The config a node's attributes describe, validated like `fake_quantize` validates it
+    (export rejects exactly what PyTorch rejects)."""
+    return QuantConfig.from_options(fmt, attrs)
+
+
+def overload(cfg: QuantConfig, shape: Shape = None) -> str:
+    """A stable identifier of the attributes and, for static bodies, the input shape
+    (the function's IR 10 overload name)."""
+    block = "x".join(map(str, cfg.tile)) if cfg.tile else str(cfg.block)
+    parts = [f"b{block}", f"axis{cfg.block_axis}".replace("-", "m"), cfg.rounding]
+    parts += [getattr(cfg, o).replace("-", "_") for o in cfg.family.options if o != "rounding"]
+    if static_blocks(cfg, shape):
+        parts.append("s" + "x".join("d" if d is None else str(d) for d in shape or ()))
+    return "_".join(parts)
+
+
+def static_blocks(cfg: QuantConfig, shape: Shape) -> bool:
+    """True when the blocked dims (and every dim after a 1D blocking axis) are static."""
+    if not shape:
+        return False
+    rank = len(shape)
+    if cfg.tile:
+        return rank >= 2 and None not in shape[-2:]
+    axis = cfg.block_axis
+    return -rank <= axis < rank and None not in shape[axis % rank:]
+
+
 @dataclass(frozen=True)
-class FakeQuantConfig:
-    """One fake-quant node's numerics, resolved with the format's defaults."""
+class OnnxFamily:
+    """The ONNX half of a format family, registered under the family's name by its module in
+    `qtransform.export.families`: the function body and the QDQ form.
 
-    spec: FormatSpec
-    axis: int
-    block: int  # 1D block length (0 with tiles)
-    tile: tuple[int, int] | None
-    scale_rule: str
-    rounding: str
-    variant: str
-    # Static input dims (None where symbolic), when known: bodies then block with constant
-    # shapes, which keeps every intermediate shape known to onnxruntime (see `static_blocks`).
-    shape: tuple[int | None, ...] | None = None
+    `blocks(b, xb, axes, cfg)` fake-quantizes blocked fp32 values (block maxima reduce over
+    `axes`). For QDQ, `weight_scale(label, grid, tensor_scale, cfg)` gives the initializers and
+    nodes that produce `<label>/scale` from the encoded weight's scales, and
+    `activation_scale(b, amax, cfg)` the per-block scale computed in the graph from block
+    maxima (+inf marks a NaN/Inf block), cast to `activation_scale_type` if set. A family
+    without the two QDQ hooks exports in the function and inline modes only.
+    """
 
-    @classmethod
-    def from_options(cls, fmt: str, options: dict[str, Any]) -> FakeQuantConfig:
-        """Validate like `fake_quantize` does, so export rejects exactly what PyTorch rejects."""
-        opts = {k: v for k, v in options.items() if k not in ("zero_saturated_grad", "generator")}
-        if isinstance(opts.get("block_shape"), list):
-            opts["block_shape"] = tuple(opts["block_shape"])
-        cfg = resolve(fmt, **opts)
-        return cls(cfg.spec, cfg.axis, cfg.block, cfg.tile, cfg.scale_rule, cfg.rounding,
-                   cfg.nvfp4_variant)
+    blocks: Callable[[Body, str, str, QuantConfig], str]
+    weight_scale: Callable[[str, Any, Any, QuantConfig], tuple[list[TensorProto], list[NodeProto]]] | None = None
+    activation_scale: Callable[[Body, str, QuantConfig], str] | None = None
+    activation_scale_type: int | None = None
 
-    def kwargs(self) -> dict[str, Any]:
-        """Keyword options of `qtransform.formats.fake_quantize` / `encode` for this config."""
-        kw: dict[str, Any] = {"axis": self.axis, "rounding": self.rounding}
-        kw |= {"block_shape": self.tile} if self.tile else {"block_size": self.block}
-        if self.spec.family == "mx":
-            kw["scale_rule"] = self.scale_rule
-        if self.spec.family == "nvfp4":
-            kw["nvfp4_variant"] = self.variant
-        return kw
 
-    def attributes(self) -> dict[str, Any]:
-        """The node attributes: every option that changes the numbers."""
-        attrs: dict[str, Any] = {"axis": self.axis, "rounding": self.rounding}
-        if self.tile:
-            attrs["block_shape"] = list(self.tile)
-        else:
-            attrs["block_size"] = self.block
-        if self.spec.family == "mx":
-            attrs["scale_rule"] = self.scale_rule
-        if self.spec.family == "nvfp4":
-            attrs["nvfp4_variant"] = self.variant
-        return attrs
+_ONNX_FAMILIES: dict[str, OnnxFamily] = {}
 
-    def overload(self) -> str:
-        """A stable identifier of the attributes and, for static bodies, the input shape
-        (the function's IR 10 overload name)."""
-        block = "x".join(map(str, self.tile)) if self.tile else str(self.block)
-        parts = [f"b{block}", f"axis{self.axis}".replace("-", "m"), self.rounding]
-        if self.spec.family == "mx":
-            parts.append(self.scale_rule)
-        if self.spec.family == "nvfp4":
-            parts.append(self.variant.replace("-", "_"))
-        if self.static_blocks():
-            parts.append("s" + "x".join("d" if d is None else str(d) for d in self.shape or ()))
-        return "_".join(parts)
 
-    def static_blocks(self) -> bool:
-        """True when the blocked dims (and every dim after a 1D blocking axis) are static."""
-        if not self.shape:
-            return False
-        rank = len(self.shape)
-        if self.tile:
-            return rank >= 2 and None not in self.shape[-2:]
-        return -rank <= self.axis < rank and None not in self.shape[self.axis % rank:]
+def register_onnx_family(name: str, family: OnnxFamily) -> OnnxFamily:
+    """Give the format family `name` (of `qtransform.formats`) its ONNX form."""
+    if name in _ONNX_FAMILIES:
+        raise ValueError(f"family {name!r} already has an ONNX form")
+    _ONNX_FAMILIES[name] = family
+    return family
+
+
+def onnx_family(cfg: QuantConfig) -> OnnxFamily:
+    """The ONNX form of cfg's family; UnsupportedExport when it has none."""
+    family = _ONNX_FAMILIES.get(cfg.family.name)
+    if family is None:
+        raise UnsupportedExport(f"{cfg.name}: the {cfg.family.name} family has no ONNX form")
+    return family
+
+
+def initializer(name: str, values: np.ndarray) -> TensorProto:
+    """A graph initializer holding `values` (any dtype onnx.numpy_helper writes)."""
+    return numpy_helper.from_array(np.ascontiguousarray(values), name)
 
 
 @dataclass
@@ -292,84 +301,6 @@ def shared_exponent(b: Body, amax: str, elem: ElementSpec, rule: str) -> str:
     return b.op("Min", b.op("Max", e, b.const(-127.0)), b.const(127.0))
 
 
-def mx_blocks(b: Body, x: str, axes: str, cfg: FakeQuantConfig) -> str:
-    """quantize_mx on a blocked tensor (block maxima reduce over `axes`)."""
-    elem = cfg.spec.element
-    amax = amax_or_inf(b, x, axes)
-    bad = b.op("IsInf", amax)
-    zero = b.op("Equal", amax, b.const(0.0))
-    safe = b.op("Where", b.op("Or", bad, zero), b.const(1.0), amax)
-    e = b.op("Where", zero, b.const(-127.0), shared_exponent(b, safe, elem, cfg.scale_rule))
-    scale = pow2(b, e)
-    q = round_signed(b, b.op("Div", x, scale), elem, cfg.rounding)
-    nan_or_one = b.op("Where", bad, b.const(np.nan), b.const(1.0))  # per block: keeps -0.0
-    return b.op("Mul", b.op("Mul", q, scale), nan_or_one)
-
-
-def int_blocks(b: Body, x: str, axes: str, cfg: FakeQuantConfig) -> str:
-    """quantize_int: symmetric groups, scale amax / qmax."""
-    elem = cfg.spec.element
-    amax = amax_or_inf(b, x, axes)
-    bad = b.op("IsInf", amax)
-    scale = b.op("Where", bad, b.const(np.nan), b.op("Div", amax, b.const(float(elem.qmax))))
-    div = b.op("Where", b.op("Or", b.op("Equal", scale, b.const(0.0)), bad), b.const(1.0), scale)
-    q = round_signed(b, b.op("Div", x, div), elem, cfg.rounding)
-    return b.op("Mul", q, scale)  # NaN scale: the reference's NaN q times NaN scale
-
-
-def _e4m3(b: Body, v: str) -> str:
-    return round_magnitude(b, v, E4M3, "rne")
-
-
-def _clamp6(b: Body, y: str) -> str:
-    return b.op("Max", b.op("Min", y, b.const(6.0)), b.const(-6.0))
-
-
-def nvfp4_blocks(b: Body, x: str, axes: str, cfg: FakeQuantConfig) -> str:
-    """quantize_nvfp4 in the variant's fp32 order of operations."""
-    elem = cfg.spec.element
-    if cfg.variant == "one_level":
-        s = _e4m3(b, b.op("Min", b.op("Div", amax_nan(b, x, axes), b.const(6.0)), b.const(448.0)))
-        sz = b.op("Equal", s, b.const(0.0))
-        # where(s == 0, x * 0.0, x / s) without routing signed zeros through a Where
-        div = b.op("Div", x, b.op("Where", sz, b.const(1.0), s))
-        y = b.op("Mul", div, b.op("Where", sz, b.const(0.0), b.const(1.0)))
-        return b.op("Mul", round_signed(b, _clamp6(b, y), elem, cfg.rounding), s)
-    amax_t = amax_nan(b, x, None)
-    if cfg.variant == "default":
-        amax_b = amax_or_inf(b, x, axes)  # a NaN anywhere makes every output NaN through g
-        g = b.op("Min", b.op("Div", b.const(2688.0), amax_t), b.const(FLT_MAX))
-        g = b.op("Where", b.op("Equal", g, b.const(0.0)), b.const(1.0), g)
-        d = b.op("Div", b.const(1.0), g)
-        d = b.op("Min", d, b.const(FLT_MAX))  # no-op on values; stops Div(1,g)*s becoming s/g
-        gs = b.op("Mul", g, b.const(np.float32(1 / 6)))
-        s = b.op("Min", b.op("Mul", amax_b, gs), b.const(FLT_MAX))
-        s = _e4m3(b, b.op("Max", b.op("Min", s, b.const(448.0)), b.const(-448.0)))
-        sd = b.op("Mul", s, d)
-        enc = b.op("Min", b.op("Div", b.const(1.0), sd), b.const(FLT_MAX))
-        q = round_signed(b, _clamp6(b, b.op("Mul", x, enc)), elem, cfg.rounding)
-        return b.op("Mul", q, sd)
-    amax_b = amax_nan(b, x, axes)  # a NaN block is all NaN here (g ignores amax_t's NaN)
-    recip = b.op("Min", b.op("Div", b.const(1.0), amax_t), b.const(np.inf))  # stops Div-Mul fusion
-    g = b.op("Mul", recip, b.const(2688.0))
-    g = b.op("Where", b.op("Or", b.op("IsNaN", g), b.op("IsInf", g)), b.const(1.0), g)
-    s = b.op("Mul", g, b.op("Div", amax_b, b.const(6.0)))
-    s = _e4m3(b, b.op("Max", b.op("Min", s, b.const(448.0)), b.const(-448.0)))
-    s = b.op("Where", b.op("Equal", s, b.const(0.0)), b.const(0.125), s)
-    scale = b.op("Div", s, g)
-    y = b.op("Div", x, scale)
-    qa = round_magnitude(b, b.op("Abs", _clamp6(b, y)), elem, cfg.rounding)
-    q = b.op("Mul", qa, b.op("Where", b.op("Less", y, b.const(0.0)), b.const(-1.0), b.const(1.0)))
-    return b.op("Mul", q, scale)
-
-
-FAMILIES: dict[str, Callable[[Body, str, str, FakeQuantConfig], str]] = {
-    "mx": mx_blocks,
-    "int": int_blocks,
-    "nvfp4": nvfp4_blocks,
-}
-
-
 # -- blocking --------------------------------------------------------------------------------
 def _ceil_div(b: Body, n: str, k: int) -> str:
     return b.op("Div", b.op("Add", n, b.ints(k - 1)), b.ints(k))
@@ -385,22 +316,23 @@ class BlockView:
     grid: Callable[[str], str] | None  # per-block values -> x's shape with the axis = n_blocks
 
 
-def block_view(b: Body, x: str, cfg: FakeQuantConfig) -> BlockView:
-    """x cut into blocks: with constant shapes when `cfg.static_blocks()`, else from Shape(x)."""
-    return static_view(b, x, cfg) if cfg.static_blocks() else dynamic_view(b, x, cfg)
+def block_view(b: Body, x: str, cfg: QuantConfig, shape: Shape = None) -> BlockView:
+    """x cut into blocks: with constant shapes when `static_blocks`, else from Shape(x)."""
+    return static_view(b, x, cfg, shape) if static_blocks(cfg, shape) else dynamic_view(b, x, cfg)
 
 
-def static_view(b: Body, x: str, cfg: FakeQuantConfig) -> BlockView:
+def static_view(b: Body, x: str, cfg: QuantConfig, shape: Shape) -> BlockView:
     """Blocks by Reshape with constant targets, leading dims copied (0): [..., nb, B, post...]
     or [..., mb, r, nb, c]. Every value keeps shapes onnxruntime can name (batch, sequence),
     without which its session setup (memory planning) grows quadratically with the graph."""
-    assert cfg.shape is not None
-    rank = len(cfg.shape)
+    assert shape is not None
+    rank = len(shape)
     if cfg.tile:
-        first, dims, blocks = rank - 2, [int(d) for d in cfg.shape[-2:]], list(cfg.tile)
+        first, dims, blocks = rank - 2, [int(d) for d in shape[-2:]], list(cfg.tile)
     else:
-        first, dims, blocks = cfg.axis % rank, [int(cfg.shape[cfg.axis % rank])], [cfg.block]
-    post = [int(d) for d in cfg.shape[first + len(dims):]]
+        first = cfg.block_axis % rank
+        dims, blocks = [int(shape[first])], [cfg.block]  # type: ignore[arg-type]
+    post = [int(d) for d in shape[first + len(dims):]]  # type: ignore[arg-type]
     counts = [-(-d // k) for d, k in zip(dims, blocks, strict=True)]
     padded = [n * k for n, k in zip(counts, blocks, strict=True)]
     xp = x
@@ -426,7 +358,7 @@ def static_view(b: Body, x: str, cfg: FakeQuantConfig) -> BlockView:
     return BlockView(xb, b.ints(*axes), unblock, None if cfg.tile else grid)
 
 
-def dynamic_view(b: Body, x: str, cfg: FakeQuantConfig) -> BlockView:
+def dynamic_view(b: Body, x: str, cfg: QuantConfig) -> BlockView:
     """1D: x -> [pre, L, post] -> pad L per row -> [pre, nb, B, post], blocks reduce over axis 2,
     so no transpose is needed for any axis. Tiles: [lead, m, n] -> [P, mb, r, nb, c], axes 2, 4."""
     shape = b.op("Shape", x)
@@ -446,7 +378,7 @@ def dynamic_view(b: Body, x: str, cfg: FakeQuantConfig) -> BlockView:
             return b.op("Reshape", out, shape)
 
         return BlockView(xb, b.ints(2, 4), untile, None)
-    axis, block = cfg.axis, cfg.block
+    axis, block = cfg.block_axis, cfg.block
     pre = b.op("Slice", shape, zero, b.ints(axis))
     length = b.op("Slice", shape, b.ints(axis), b.ints(axis + 1) if axis != -1 else end)
     post_dims = None if axis == -1 else b.op("Slice", shape, b.ints(axis + 1), end)
@@ -469,21 +401,21 @@ def dynamic_view(b: Body, x: str, cfg: FakeQuantConfig) -> BlockView:
     return BlockView(xb, b.ints(2), unblock, grid)
 
 
-def fake_quant_body(cfg: FakeQuantConfig) -> Body:
+def fake_quant_body(cfg: QuantConfig, shape: Shape = None) -> Body:
     """Nodes computing Y = fake_quantize(X, cfg) in X's dtype (X: any float type, rank >= 1)."""
     b = Body()
-    family = FAMILIES[cfg.spec.family]
-    view = block_view(b, b.op("Cast", "X", to=TensorProto.FLOAT), cfg)
-    out = view.unblock(family(b, view.xb, view.axes, cfg))
+    family = onnx_family(cfg)
+    view = block_view(b, b.op("Cast", "X", to=TensorProto.FLOAT), cfg, shape)
+    out = view.unblock(family.blocks(b, view.xb, view.axes, cfg))
     b.nodes.append(helper.make_node("CastLike", [out, "X"], ["Y"]))
     return b
 
 
-def fake_quant_function(cfg: FakeQuantConfig, opset: int) -> FunctionProto:
-    """The model-local function for one (op_type, attributes) of fake-quant."""
-    body = fake_quant_body(cfg)
+def fake_quant_function(cfg: QuantConfig, opset: int, shape: Shape = None) -> FunctionProto:
+    """The model-local function for one (op_type, attributes, static shape) of fake-quant."""
+    body = fake_quant_body(cfg, shape)
     return helper.make_function(
         DOMAIN, cfg.spec.onnx_op, ["X"], ["Y"], body.nodes, [helper.make_opsetid("", opset)],
-        attributes=list(cfg.attributes()), doc_string=f"{cfg.spec.name}: {cfg.spec.description}",
-        overload=cfg.overload(),
+        attributes=list(attributes(cfg)), doc_string=f"{cfg.spec.name}: {cfg.spec.description}",
+        overload=overload(cfg, shape),
     )

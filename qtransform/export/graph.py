@@ -12,7 +12,6 @@ from __future__ import annotations
 import copy
 import zlib
 from collections import Counter
-from dataclasses import replace
 from typing import Any
 
 import onnx
@@ -24,10 +23,14 @@ from qtransform.export.functions import (
     DOMAIN,
     Body,
     ExportError,
-    FakeQuantConfig,
+    Shape,
     UnsupportedExport,
+    attributes,
+    config_from_attributes,
     fake_quant_function,
+    overload,
 )
+from qtransform.formats.options import QuantConfig
 
 
 # -- reading nodes --------------------------------------------------------------------------------
@@ -37,14 +40,14 @@ def fake_quant_nodes(model: ModelProto) -> list[NodeProto]:
     return [n for n in model.graph.node if n.domain == DOMAIN and n.op_type in ops]
 
 
-def config_of(node: NodeProto, model: ModelProto | None = None) -> FakeQuantConfig:
-    """The numerics of an opaque fake-quant node, from its op_type and attributes (and, given
-    the model, its input's static dims)."""
+def config_of(node: NodeProto, model: ModelProto | None = None) -> tuple[QuantConfig, Shape]:
+    """The numerics of an opaque fake-quant node, from its op_type and attributes, and (given
+    the model) its input's static dims."""
     by_op = {formats.get(n).onnx_op: n for n in formats.names()}
     opts = {a.name: helper.get_attribute_value(a) for a in node.attribute if a.name != "label"}
     opts = {k: v.decode() if isinstance(v, bytes) else v for k, v in opts.items()}
-    cfg = FakeQuantConfig.from_options(by_op[node.op_type], opts)
-    return cfg if model is None else replace(cfg, shape=static_dims(model, node.input[0]))
+    cfg = config_from_attributes(by_op[node.op_type], opts)
+    return cfg, None if model is None else static_dims(model, node.input[0])
 
 
 def static_dims(model: ModelProto, name: str) -> tuple[int | None, ...] | None:
@@ -177,10 +180,10 @@ def finish_fake_quant(model: ModelProto, opset: int) -> list[str]:
     labels, functions = [], {}
     for node in fake_quant_nodes(model):
         label = _decode(_attrs(node)["label"])
-        cfg = config_of(node, model)
-        node.name, node.overload = label, cfg.overload()
-        _set_attrs(node, cfg.attributes())
-        functions.setdefault((node.op_type, node.overload), fake_quant_function(cfg, opset))
+        cfg, shape = config_of(node, model)
+        node.name, node.overload = label, overload(cfg, shape)
+        _set_attrs(node, attributes(cfg))
+        functions.setdefault((node.op_type, node.overload), fake_quant_function(cfg, opset, shape))
         labels.append(label)
     model.functions.extend(functions.values())
     return labels

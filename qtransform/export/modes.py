@@ -20,19 +20,16 @@ from qtransform import formats
 from qtransform.errors import UserError
 from qtransform.export.functions import (
     DOMAIN,
-    FLT_MAX,
     Body,
-    FakeQuantConfig,
     amax_or_inf,
     block_view,
-    pow2,
-    round_magnitude,
-    shared_exponent,
+    initializer,
+    onnx_family,
 )
 from qtransform.export.graph import config_of, fake_quant_nodes
 from qtransform.formats.blocking import from_blocks
 from qtransform.formats.elements import decode_elements
-from qtransform.formats.registry import E4M3
+from qtransform.formats.options import QuantConfig
 
 # element name -> (ONNX element type, numpy dtype that onnx.numpy_helper writes as that type)
 QDQ_ELEMENTS = {
@@ -93,8 +90,11 @@ def _drop_functions(model: ModelProto, drop) -> None:
 
 
 # -- qdq ------------------------------------------------------------------------------------------
-def qdq_problem(cfg: FakeQuantConfig) -> str | None:
+def qdq_problem(cfg: QuantConfig) -> str | None:
     """Why a fake-quant config has no QDQ form, or None."""
+    family = onnx_family(cfg)
+    if family.weight_scale is None or family.activation_scale is None:
+        return f"the {cfg.family.name} family has no QDQ form"
     if cfg.spec.element.name not in QDQ_ELEMENTS:
         return f"{cfg.spec.element.name} elements have no ONNX tensor type"
     if cfg.tile:
@@ -106,7 +106,7 @@ def qdq_problem(cfg: FakeQuantConfig) -> str | None:
 
 def _check(nodes: list[NodeProto]) -> None:
     problems = [(n.name, cfg.spec.name, why) for n in nodes
-                if (why := qdq_problem(cfg := config_of(n))) is not None]
+                if (why := qdq_problem(cfg := config_of(n)[0])) is not None]
     if problems:
         fmts = sorted({fmt for _, fmt, _ in problems})
         listed = "; ".join(f"{label} ({fmt}: {why})" for label, fmt, why in problems[:5])
@@ -118,87 +118,48 @@ def _check(nodes: list[NodeProto]) -> None:
         )
 
 
-def _init(name: str, values: np.ndarray) -> TensorProto:
-    return numpy_helper.from_array(np.ascontiguousarray(values), name)
-
-
-def _weight_qdq(node: NodeProto, init: TensorProto, cfg: FakeQuantConfig) -> tuple[list, list]:
+def _weight_qdq(node: NodeProto, init: TensorProto, cfg: QuantConfig) -> tuple[list, list]:
     """Stored codes and scales, and the DequantizeLinear nodes that rebuild the weight."""
     label, elem = node.name, cfg.spec.element
     w = torch.from_numpy(numpy_helper.to_array(init).astype(np.float32))
-    enc = formats.encode(w, cfg.spec.name, **cfg.kwargs())
+    enc = formats.encode(w, cfg)
     values = from_blocks(decode_elements(enc.codes, elem), enc.layout).reshape(enc.shape)
     np_type = QDQ_ELEMENTS[elem.name][1]
-    q = _init(f"{label}/q", values.numpy().astype(np_type))
+    q = initializer(f"{label}/q", values.numpy().astype(np_type))
     grid = enc.scale_grid().reshape(enc.layout.grid_shape)
-    block = {"axis": cfg.axis, "block_size": cfg.block, "output_dtype": TensorProto.FLOAT}
-    inits, nodes, scale = [q], [], f"{label}/scale"
-    if cfg.spec.family == "mx":
-        inits.append(_init(scale, grid.numpy().astype(np.uint8).view(ml_dtypes.float8_e8m0fnu)))
-    elif cfg.spec.family == "int" or cfg.variant == "compressed-tensors":
-        value = grid if cfg.spec.family == "int" else grid / enc.tensor_scale
-        inits.append(_init(scale, value.numpy().astype(np.float32)))
-    else:  # NVFP4 two-level: E4M3 block scales times one fp32 decode scale
-        d = 1.0 if enc.tensor_scale is None else float(enc.tensor_scale)
-        inits += [_init(f"{label}/block_scale", grid.numpy().astype(ml_dtypes.float8_e4m3fn)),
-                  _init(f"{label}/tensor_scale", np.array(d, np.float32))]
-        nodes.append(helper.make_node("DequantizeLinear", [f"{label}/block_scale", f"{label}/tensor_scale"],
-                                      [scale], name=f"{label}/scale_dequantize", output_dtype=TensorProto.FLOAT))
+    block = {"axis": cfg.block_axis, "block_size": cfg.block, "output_dtype": TensorProto.FLOAT}
+    weight_scale = onnx_family(cfg).weight_scale
+    assert weight_scale is not None  # qdq_problem checked it
+    inits, nodes = weight_scale(label, grid, enc.tensor_scale, cfg)
+    inits.insert(0, q)
     out = node.output[0] if init.data_type == TensorProto.FLOAT else f"{label}/dequantized"
-    nodes.append(helper.make_node("DequantizeLinear", [q.name, scale], [out], name=f"{label}/dequantize", **block))
+    nodes.append(helper.make_node("DequantizeLinear", [q.name, f"{label}/scale"], [out],
+                                  name=f"{label}/dequantize", **block))
     if out != node.output[0]:
         nodes.append(helper.make_node("Cast", [out], [node.output[0]], name=f"{label}/cast", to=init.data_type))
     return inits, nodes
 
 
-def _nvfp4_scale(b: Body, amax: str, variant: str) -> str:
-    """Per-block NVFP4 scale in the variant's order (E4M3 block scale times the tensor scale)."""
-    def e4m3(v: str) -> str:
-        return round_magnitude(b, b.op("Min", v, b.const(448.0)), E4M3, "rne")
-
-    if variant == "one_level":
-        return e4m3(b.op("Div", amax, b.const(6.0)))
-    amax_t = b.op("ReduceMax", amax, keepdims=0)
-    if variant == "default":
-        g = b.op("Min", b.op("Div", b.const(2688.0), amax_t), b.const(FLT_MAX))
-        g = b.op("Where", b.op("Equal", g, b.const(0.0)), b.const(1.0), g)
-        s = e4m3(b.op("Min", b.op("Mul", amax, b.op("Mul", g, b.const(np.float32(1 / 6)))), b.const(FLT_MAX)))
-        return b.op("Mul", s, b.op("Div", b.const(1.0), g))
-    g = b.op("Mul", b.op("Div", b.const(1.0), amax_t), b.const(2688.0))
-    g = b.op("Where", b.op("Or", b.op("IsNaN", g), b.op("IsInf", g)), b.const(1.0), g)
-    s = e4m3(b.op("Mul", g, b.op("Div", amax, b.const(6.0))))
-    return b.op("Div", b.op("Where", b.op("Equal", s, b.const(0.0)), b.const(0.125), s), g)
-
-
-def _activation_scale(b: Body, xb: str, axes: str, cfg: FakeQuantConfig) -> str:
-    """Per-block scale for QuantizeLinear on activations: the function bodies' rules. Blocks
-    with NaN/Inf get a NaN scale; int and NVFP4 scales below the smallest normal (zero blocks)
-    are raised to it, since QuantizeLinear divides by the scale."""
-    elem = cfg.spec.element
+def _activation_scale(b: Body, xb: str, axes: str, cfg: QuantConfig) -> str:
+    """Per-block scale for QuantizeLinear on activations: the family's rule (as in its function
+    body); blocks with NaN/Inf get a NaN scale."""
     amax = amax_or_inf(b, xb, axes)
-    bad = b.op("IsInf", amax)
-    if cfg.spec.family == "mx":
-        zero = b.op("Equal", amax, b.const(0.0))
-        safe = b.op("Where", b.op("Or", bad, zero), b.const(1.0), amax)
-        e = b.op("Where", zero, b.const(-127.0), shared_exponent(b, safe, elem, cfg.scale_rule))
-        return b.op("Where", bad, b.const(np.nan), pow2(b, e))
-    if cfg.spec.family == "int":
-        scale = b.op("Div", amax, b.const(float(elem.qmax)))
-    else:
-        scale = _nvfp4_scale(b, amax, cfg.variant)
-    scale = b.op("Max", scale, b.const(2.0**-126))
-    return b.op("Where", bad, b.const(np.nan), scale)
+    activation_scale = onnx_family(cfg).activation_scale
+    assert activation_scale is not None  # qdq_problem checked it
+    scale = activation_scale(b, amax, cfg)
+    return b.op("Where", b.op("IsInf", amax), b.const(np.nan), scale)
 
 
-def _activation_qdq(node: NodeProto, cfg: FakeQuantConfig) -> list[NodeProto]:
+def _activation_qdq(node: NodeProto, cfg: QuantConfig) -> list[NodeProto]:
     """Scales computed from the activation in the graph, then QuantizeLinear/DequantizeLinear."""
     b = Body()
     view = block_view(b, b.op("Cast", "X", to=TensorProto.FLOAT), cfg)
     scale = view.grid(_activation_scale(b, view.xb, view.axes, cfg))
-    if cfg.spec.family == "mx":
-        scale = b.op("Cast", scale, to=TensorProto.FLOAT8E8M0)
+    scale_type = onnx_family(cfg).activation_scale_type
+    if scale_type is not None:
+        scale = b.op("Cast", scale, to=scale_type)
     elem_type = QDQ_ELEMENTS[cfg.spec.element.name][0]
-    block = {"axis": cfg.axis, "block_size": cfg.block}
+    block = {"axis": cfg.block_axis, "block_size": cfg.block}
     x32 = b.nodes[0].output[0]
     q = b.op("QuantizeLinear", x32, scale, output_dtype=elem_type, **block)
     y = b.op("DequantizeLinear", q, scale, output_dtype=TensorProto.FLOAT, **block)
@@ -222,7 +183,7 @@ def to_qdq(model: ModelProto) -> ModelProto:
         if id(node) not in ids:
             nodes.append(node)
             continue
-        cfg = config_of(node, model)
+        cfg, _ = config_of(node, model)
         src = node.input[0]
         if src in inits:
             i, n = _weight_qdq(node, inits[src], cfg)

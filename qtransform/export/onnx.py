@@ -10,7 +10,6 @@ no fake-quant was lost on the way.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import shutil
@@ -34,7 +33,7 @@ from qtransform.core.experts import traceable_experts
 from qtransform.core.io import check_file_target, current_umask
 from qtransform.core.program import Program, insertion_log
 from qtransform.errors import UserError
-from qtransform.export.functions import DOMAIN, ExportError, FakeQuantConfig, UnsupportedExport
+from qtransform.export.functions import DOMAIN, ExportError, UnsupportedExport, attributes
 from qtransform.export.graph import (
     audit,
     finish_fake_quant,
@@ -44,6 +43,7 @@ from qtransform.export.graph import (
     rename_value,
 )
 from qtransform.export.modes import inline_functions, to_qdq
+from qtransform.formats.options import CHOICE_OPTIONS, QuantConfig
 from qtransform.passes import AQNNoise, HWError
 
 FAKE_QUANT_MODES = ("function", "inline", "qdq")
@@ -57,8 +57,8 @@ PROTO_LIMIT = 2**31 - 2**20  # protobuf's 2 GiB limit, less headroom for the gra
 _SCHEMAS: dict[str, onnx.defs.OpSchema] = {}
 _A = onnx.defs.OpSchema.AttrType
 _OP_ATTRS = {  # every attribute an opaque node may carry, by op
-    "fake_quant": {"axis": _A.INT, "block_size": _A.INT, "block_shape": _A.INTS, "scale_rule": _A.STRING,
-                   "rounding": _A.STRING, "nvfp4_variant": _A.STRING, "label": _A.STRING},
+    "fake_quant": {"axis": _A.INT, "block_size": _A.INT, "block_shape": _A.INTS, "label": _A.STRING,
+                   **dict.fromkeys(CHOICE_OPTIONS, _A.STRING)},
     "Tap": {"label": _A.STRING},
     "Noise": {"scale": _A.FLOAT, "kind": _A.STRING, "label": _A.STRING},
 }
@@ -83,12 +83,12 @@ def _opaque(op_type: str, kind: str, inputs: list, attrs: dict[str, Any]):
 
 def _fake_quant_translation(x, fmt: str, options: str, label: str):
     try:
-        cfg = FakeQuantConfig.from_options(fmt, json.loads(options))
-        if cfg.rounding == "stochastic":
+        cfg = QuantConfig.from_json(fmt, options)
+        if cfg.stochastic:
             raise UnsupportedExport("stochastic rounding cannot be exported (its draws are not reproducible)")
     except ValueError as exc:
         raise ExportError(f"fake-quant {label!r} ({fmt}): {exc}") from exc
-    return _opaque(cfg.spec.onnx_op, "fake_quant", [x], {**cfg.attributes(), "label": label})
+    return _opaque(cfg.spec.onnx_op, "fake_quant", [x], {**attributes(cfg), "label": label})
 
 
 def _tap_translation(x, label: str):

@@ -104,3 +104,10 @@ class BlockQuant:
     sat: torch.Tensor  # bool: |scaled value| beyond the element max normal (clipped)
     scales: torch.Tensor  # [n_blocks]: E8M0 codes (uint8), e4m3 block scales or int scales (fp32)
     tensor_scale: torch.Tensor | None = None  # NVFP4 two-level: the fp32 per-tensor factor
+
+
+def tensor_amax(x: torch.Tensor) -> torch.Tensor:
+    """max |x| over the whole tensor as a 0-dim fp32 tensor (NaN propagates; empty gives 0)."""
+    if x.numel() == 0:
+        return torch.zeros((), dtype=torch.float32, device=x.device)
+    return x.detach().abs().amax().to(torch.float32)

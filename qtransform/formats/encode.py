@@ -17,10 +17,8 @@ from qtransform.formats.elements import (
     CANONICAL_NAN,
     decode_elements,
     encode_elements,
-    pow2,
     twos_complement,
 )
-from qtransform.formats.mx import NAN_CODE
 from qtransform.formats.options import QuantConfig, resolve
 from qtransform.formats.quantize import canonical_nan_, check_input, quantize_blocks, stream_seed
 from qtransform.formats.registry import FormatSpec
@@ -62,7 +60,7 @@ class Encoded:
 
 def encode(
     x: torch.Tensor,
-    fmt: str | FormatSpec,
+    fmt: str | FormatSpec | QuantConfig,
     *,
     generator: torch.Generator | None = None,
     seed: int | None = None,
@@ -87,15 +85,7 @@ def decode(enc: Encoded) -> torch.Tensor:
     """Values of an `Encoded` tensor, in its original dtype and shape."""
     cfg = enc.config
     q = decode_elements(enc.codes, cfg.spec.element)
-    if cfg.family == "mx":
-        code = enc.scales.to(torch.int32)
-        scale = torch.where(code == NAN_CODE, CANONICAL_NAN, pow2(code - 127))
-    elif cfg.family == "int" or cfg.nvfp4_variant == "one_level":
-        scale = enc.scales
-    elif cfg.nvfp4_variant == "default":
-        scale = enc.scales * enc.tensor_scale
-    else:
-        scale = enc.scales / enc.tensor_scale
+    scale = cfg.family.scale_values(enc.scales, enc.tensor_scale, cfg)
     out = q * scale[:, None]
     out = torch.where(torch.isnan(out), CANONICAL_NAN, out)
     return canonical_nan_(from_blocks(out, enc.layout).reshape(enc.shape).to(enc.dtype))

@@ -33,7 +33,7 @@ def expected_error(fmt: str, options: dict[str, Any] | None = None, *, length: i
     """SQNR (dB), deadzone, saturation and rel_rmse of `fmt` on i.i.d. N(0, 1) rows of `length`
     elements, quantized along the row (the reduction axis), with the value-changing `options`."""
     opts = {k: (tuple(v) if isinstance(v, list) else v) for k, v in (options or {}).items()
-            if k in NUMERICS_OPTIONS and v is not None}
+            if k in NUMERICS_OPTIONS and k != "axis" and v is not None}
     return dict(_expected(get(fmt).name, tuple(sorted(opts.items())), max(1, int(length))))
 
 

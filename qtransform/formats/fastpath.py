@@ -40,7 +40,6 @@ BASE_FLAGS = ["-O3", "-std=gnu11", "-shared", "-fPIC", "-ffp-contract=off", "-fn
 FLAG_SETS = (["-march=native", "-fopenmp"], ["-fopenmp"], [])
 MIN_PARALLEL = 1 << 16  # elements; below this one thread beats the OpenMP fork/join
 
-_FAMILY = {"mx": 0, "nvfp4": 1, "int": 2}
 _VARIANT = {"default": 0, "compressed-tensors": 1, "one_level": 2}
 _RULE = {"floor": 0, "rceil": 1, "ceil": 2, "even": 3}
 _ROUNDING = {"rne": 0, "rna": 1, "stochastic": 2}
@@ -198,7 +197,7 @@ def unavailable_reason() -> str | None:
 def _params(cfg: QuantConfig) -> _Params:
     e = cfg.spec.element
     return _Params(
-        family=_FAMILY[cfg.family], variant=_VARIANT[cfg.nvfp4_variant],
+        family=cfg.family.kernel_id or 0, variant=_VARIANT[cfg.nvfp4_variant],
         scale_rule=_RULE[cfg.scale_rule], rna=_ROUNDING[cfg.rounding],
         is_int=int(e.kind == "int"), mbits=e.mbits, emin=e.emin, emax=e.emax,
         max_normal=e.max_normal, step=e.step, inv_step=1.0 / e.step, qmax=float(e.qmax),
@@ -215,6 +214,7 @@ def quantize(
     runs the reference path). Stochastic rounding draws from the Philox stream of `seed`."""
     if (
         x.device.type != "cpu"
+        or cfg.family.kernel_id is None
         or (cfg.rounding == "stochastic" and seed is None)
         or x.numel() == 0
         or not enabled()

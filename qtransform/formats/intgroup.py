@@ -7,6 +7,15 @@ import torch
 from qtransform.formats.blocking import BlockQuant
 from qtransform.formats.elements import CANONICAL_NAN, divide, round_signed
 from qtransform.formats.options import QuantConfig
+from qtransform.formats.registry import (
+    INT4,
+    INT8,
+    ROUNDINGS,
+    Family,
+    FormatSpec,
+    register,
+    register_family,
+)
 
 
 def quantize_int(blocks: torch.Tensor, cfg: QuantConfig, u: torch.Tensor | None) -> BlockQuant:
@@ -26,3 +35,16 @@ def quantize_int(blocks: torch.Tensor, cfg: QuantConfig, u: torch.Tensor | None)
     return BlockQuant(
         out=q * scale[:, None], q=q, sat=(y.abs() > elem.qmax) & ~bad_b, scales=scale
     )
+
+
+INT = register_family(Family(
+    "int", {"rounding": ROUNDINGS},
+    quantize=lambda blocks, cfg, u, amax_t: quantize_int(blocks, cfg, u),
+    scale_values=lambda scales, tensor_scale, cfg: scales, kernel_id=2,
+))
+for _name, _elem in [("int4", INT4), ("int8", INT8)]:
+    register(FormatSpec(
+        name=_name, family=INT, element=_elem, default_block=128, scale="fp32", tile=(128, 128),
+        onnx_op=_name.upper() + "FakeQuant", allowed_blocks=None,
+        description=f"symmetric {_name} groups with an fp32 scale per group (amax / {_elem.qmax})",
+    ))

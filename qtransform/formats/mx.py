@@ -19,10 +19,24 @@ from qtransform.formats.elements import (
     round_magnitude,
 )
 from qtransform.formats.options import QuantConfig
-from qtransform.formats.registry import ElementSpec
+from qtransform.formats.registry import (
+    E2M1,
+    E2M3,
+    E3M2,
+    E4M3,
+    E5M2,
+    INT8_MX,
+    ROUNDINGS,
+    ElementSpec,
+    Family,
+    FormatSpec,
+    register,
+    register_family,
+)
 
 E_MIN, E_MAX = -127, 127  # E8M0 range; code = E + 127, code 0xFF = NaN
 NAN_CODE = 255
+SCALE_RULES = ("floor", "rceil", "ceil", "even")  # floor (OCP v1.0) is the default
 
 
 def shared_exponent(amax: torch.Tensor, elem: ElementSpec, rule: str) -> torch.Tensor:
@@ -65,3 +79,33 @@ def quantize_mx(blocks: torch.Tensor, cfg: QuantConfig, u: torch.Tensor | None) 
         sat=(a > elem.max_normal) & ~bad_b,
         scales=codes,
     )
+
+
+def exponents(res: BlockQuant) -> torch.Tensor:
+    """The unbiased shared exponent of every block from its E8M0 code (NaN blocks: 128)."""
+    return torch.where(res.scales == NAN_CODE, 128, res.scales.to(torch.int32) - 127)
+
+
+def scale_values(scales: torch.Tensor, tensor_scale: torch.Tensor | None, cfg: QuantConfig) -> torch.Tensor:  # noqa: ARG001
+    """E8M0 codes -> 2^E (code 0xFF: NaN)."""
+    code = scales.to(torch.int32)
+    return torch.where(code == NAN_CODE, CANONICAL_NAN, pow2(code - 127))
+
+
+MX = register_family(Family(
+    "mx", {"scale_rule": SCALE_RULES, "rounding": ROUNDINGS},
+    quantize=lambda blocks, cfg, u, amax_t: quantize_mx(blocks, cfg, u),
+    scale_values=scale_values, exponents=exponents, kernel_id=0,
+))
+for _name, _elem, _desc in [
+    ("mxfp4", E2M1, "OCP MX: FP4 E2M1 elements, E8M0 power-of-two scale per 32"),
+    ("mxfp6_e2m3", E2M3, "OCP MX: FP6 E2M3 elements, E8M0 scale per 32"),
+    ("mxfp6_e3m2", E3M2, "OCP MX: FP6 E3M2 elements, E8M0 scale per 32"),
+    ("mxfp8_e4m3", E4M3, "OCP MX: FP8 E4M3 elements, E8M0 scale per 32"),
+    ("mxfp8_e5m2", E5M2, "OCP MX: FP8 E5M2 elements, E8M0 scale per 32"),
+    ("mxint8", INT8_MX, "OCP MX: INT8 (1.6 fixed point) elements, E8M0 scale per 32"),
+]:
+    register(FormatSpec(
+        name=_name, family=MX, element=_elem, default_block=32, scale="e8m0", tile=(32, 32),
+        onnx_op=_name.upper().replace("_", "") + "FakeQuant", description=_desc,
+    ))

@@ -11,12 +11,21 @@ import torch
 from qtransform.formats.blocking import BlockQuant
 from qtransform.formats.elements import CANONICAL_NAN, divide, round_magnitude, round_signed
 from qtransform.formats.options import QuantConfig
-from qtransform.formats.registry import E4M3
+from qtransform.formats.registry import (
+    E2M1,
+    E4M3,
+    ROUNDINGS,
+    Family,
+    FormatSpec,
+    register,
+    register_family,
+)
 
 FLT_MAX = torch.finfo(torch.float32).max
 E4M3_MAX = 448.0
 GLOBAL_RANGE = 2688.0  # E2M1 max (6) * E4M3 max (448)
 ONE_SIXTH = float(torch.tensor(1 / 6, dtype=torch.float32))  # fl32(1/6)
+VARIANTS = ("default", "compressed-tensors", "one_level")  # "default" is NVIDIA's order
 
 # element values, dequantized values, scaled values (for saturation), block scales, tensor scale
 Parts = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]
@@ -29,13 +38,6 @@ def e4m3_rne(v: torch.Tensor) -> torch.Tensor:
 
 def _canonical(t: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isnan(t), CANONICAL_NAN, t)
-
-
-def tensor_amax(x: torch.Tensor) -> torch.Tensor:
-    """max |x| over the whole tensor as a 0-dim fp32 tensor (NaN propagates; empty gives 0)."""
-    if x.numel() == 0:
-        return torch.zeros((), dtype=torch.float32, device=x.device)
-    return x.detach().abs().amax().to(torch.float32)
 
 
 def _default(
@@ -82,16 +84,38 @@ def _one_level(blocks: torch.Tensor, cfg: QuantConfig, u: torch.Tensor | None) -
 
 
 def quantize_nvfp4(
-    blocks: torch.Tensor, cfg: QuantConfig, u: torch.Tensor | None, amax_t: torch.Tensor
+    blocks: torch.Tensor, cfg: QuantConfig, u: torch.Tensor | None, amax_t: torch.Tensor | None
 ) -> BlockQuant:
     """Quantize NVFP4 blocks; `amax_t` is the amax of the whole (unpadded) tensor."""
-    if cfg.nvfp4_variant == "default":
-        q, out, y, s, ts = _default(blocks, amax_t, cfg, u)
-    elif cfg.nvfp4_variant == "compressed-tensors":
-        q, out, y, s, ts = _compressed_tensors(blocks, amax_t, cfg, u)
-    else:
+    if cfg.nvfp4_variant == "one_level":
         q, out, y, s, ts = _one_level(blocks, cfg, u)
+    elif amax_t is None:
+        raise ValueError("two-level NVFP4 needs the amax of the whole tensor")
+    elif cfg.nvfp4_variant == "default":
+        q, out, y, s, ts = _default(blocks, amax_t, cfg, u)
+    else:
+        q, out, y, s, ts = _compressed_tensors(blocks, amax_t, cfg, u)
     return BlockQuant(
         out=_canonical(out), q=_canonical(q), sat=y.abs() > 6.0, scales=_canonical(s),
         tensor_scale=None if ts is None else _canonical(ts),
     )
+
+
+def scale_values(scales: torch.Tensor, tensor_scale: torch.Tensor | None, cfg: QuantConfig) -> torch.Tensor:
+    """Stored block scales -> multipliers: the E4M3 scale times (default) or over
+    (compressed-tensors) the tensor scale; one-level scales are the multipliers."""
+    if tensor_scale is None or cfg.nvfp4_variant == "one_level":
+        return scales
+    return scales * tensor_scale if cfg.nvfp4_variant == "default" else scales / tensor_scale
+
+
+NVFP4 = register_family(Family(
+    "nvfp4", {"rounding": ROUNDINGS, "nvfp4_variant": VARIANTS},
+    quantize=quantize_nvfp4, scale_values=scale_values,
+    per_tensor=lambda cfg: cfg.nvfp4_variant != "one_level", kernel_id=1,
+))
+register(FormatSpec(
+    name="nvfp4", family=NVFP4, element=E2M1, default_block=16, scale="e4m3_fp32", tile=(16, 16),
+    onnx_op="NVFP4FakeQuant",
+    description="NVIDIA NVFP4: E2M1 elements, E4M3 scale per 16, fp32 scale per tensor",
+))

@@ -1,41 +1,127 @@
-"""Validation of a fake-quantization request into one immutable `QuantConfig`.
+"""`QuantConfig`: the one representation of "a format and its options".
 
-Every public entry point (fake_quantize, saturated, encode, block_exponents) takes the same
-keywords; checking them in one place gives the same clear errors everywhere, and the frozen result
-is hashable, so it can be cached and handed to the fast path.
+The policy's quantize rules, the fake-quant pass, the scans, the custom ops (as JSON) and the
+ONNX exporter (as node attributes) all hold this object: validated once here, with the
+family's defaults filled in, frozen and hashable, so it can be cached, compared and handed to
+the fast path. Every public entry point (fake_quantize, saturated, encode, block_exponents)
+takes the same keywords and builds it with `resolve`, so the errors are the same everywhere.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
 from typing import Any
 
 from qtransform.formats import registry
-from qtransform.formats.registry import FormatSpec
+from qtransform.formats.registry import Family, FormatSpec
 
-CHOICE_OPTIONS = ("scale_rule", "rounding", "nvfp4_variant")  # strings a format lists values of
-NUMERICS_OPTIONS = ("block_size", "block_shape", *CHOICE_OPTIONS)  # what changes the numbers
-COMMON_OPTIONS = ("zero_saturated_grad",)  # format options every format accepts (bool)
-ALL_FORMAT_OPTIONS = ("nvfp4_variant", *COMMON_OPTIONS)
+CHOICE_OPTIONS = ("scale_rule", "rounding", "nvfp4_variant")  # strings a family lists values of
+NUMERICS_OPTIONS = ("block_size", "block_shape", "axis", *CHOICE_OPTIONS)  # what changes numbers
+FORMAT_KEYS = (*NUMERICS_OPTIONS, "seed")  # the keys that belong to one format (not training's)
+OPTION_KEYS = (*FORMAT_KEYS, "zero_saturated_grad")  # every key of `options()`
+# what a config holds for a choice its family does not take (the kernels never read it)
+NEUTRAL = {"scale_rule": "floor", "rounding": "rne", "nvfp4_variant": "default"}
 KEYWORDS = ("block_size", "axis", "block_shape", "scale_rule", "rounding", "generator", "seed")
 
 
 @dataclass(frozen=True)
 class QuantConfig:
-    """A validated request: the format and every numerics option, defaults filled in."""
+    """A validated format + options: the format, its blocking, every choice option of its
+    family (defaults filled in), the training option and the stochastic-rounding seed.
+
+    `axis` None means "the reduction axis of the tensor it is applied to" (a policy rule that
+    leaves it unset; the pass and the scans `bind` it per site); kernels read None as -1.
+    `seed` is the base seed of stochastic rounding's stream, None when the caller draws one.
+    """
 
     spec: FormatSpec
     block: int  # 1D block length (0 when `tile` is set)
     tile: tuple[int, int] | None
-    axis: int
+    axis: int | None
     scale_rule: str
     rounding: str
     nvfp4_variant: str
-    zero_saturated_grad: bool
+    zero_saturated_grad: bool = False
+    seed: int | None = None
 
     @property
-    def family(self) -> str:
+    def family(self) -> Family:
         return self.spec.family
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def block_axis(self) -> int:
+        """The blocking axis the kernels use (unbound: the last dim)."""
+        return -1 if self.axis is None else self.axis
+
+    @property
+    def stochastic(self) -> bool:
+        return self.rounding == "stochastic"
+
+    def bind(self, axis: int) -> QuantConfig:
+        """This config with an unset axis replaced by `axis` (a site's reduction axis); a set
+        axis and 2D tiles keep theirs."""
+        return self if self.axis is not None or self.tile else replace(self, axis=axis)
+
+    def numerics(self) -> dict[str, Any]:
+        """The options that change the numbers, every one spelled out: the block (size or
+        shape), the axis when bound, and each choice option of the family. This is what ONNX
+        node attributes and reports record."""
+        out: dict[str, Any] = {"block_shape": list(self.tile)} if self.tile else {"block_size": self.block}
+        if self.axis is not None:
+            out["axis"] = self.axis
+        out |= {option: getattr(self, option) for option in self.family.options}
+        return out
+
+    def options(self) -> dict[str, Any]:
+        """`numerics()` plus `zero_saturated_grad` (when set) and `seed` (stochastic, when
+        set): keyword options of `fake_quantize` (`block_shape` as a list, JSON-ready) and the
+        input of `from_options`."""
+        out = self.numerics()
+        if self.zero_saturated_grad:
+            out["zero_saturated_grad"] = True
+        if self.seed is not None and self.stochastic:
+            out["seed"] = self.seed
+        return out
+
+    def kwargs(self) -> dict[str, Any]:
+        """`options()` for `fake_quantize` / `encode` (the seed left out: the caller passes it)."""
+        out = self.options()
+        out.pop("seed", None)
+        if "block_shape" in out:
+            out["block_shape"] = tuple(out["block_shape"])
+        return out
+
+    def describe(self) -> str:
+        """One line for plans: 'mxfp4 block=32, scale_rule=floor, rounding=rne'."""
+        opts = self.options()
+        opts.pop("axis", None)
+        block = "x".join(map(str, opts.pop("block_shape"))) if self.tile else opts.pop("block_size")
+        return ", ".join([f"{self.name} block={block}", *(f"{k}={v}" for k, v in opts.items())])
+
+    def to_json(self) -> str:
+        """`options()` as canonical JSON: the `options` string of the `qtransform::fake_quant`
+        custom op (custom-op schemas take only simple types)."""
+        return json.dumps(self.options(), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, fmt: str, text: str) -> QuantConfig:
+        """The config `to_json` wrote (validated again)."""
+        return cls.from_options(fmt, json.loads(text))
+
+    @classmethod
+    def from_options(cls, fmt: str | FormatSpec, options: Mapping[str, Any] | None = None) -> QuantConfig:
+        """Validate a format and a dict of options (`OPTION_KEYS`; None values mean unset, a
+        `block_shape` may be a list) into the canonical config. Axis unset stays unbound."""
+        opts = {k: v for k, v in (options or {}).items() if v is not None}
+        if isinstance(opts.get("block_shape"), list):
+            opts["block_shape"] = tuple(opts["block_shape"])
+        return resolve(fmt, **({"axis": None} | opts))
 
 
 def _choice(spec: FormatSpec, option: str, value: Any) -> str:
@@ -57,7 +143,7 @@ def _block_size(spec: FormatSpec, block_size: Any) -> int:
     return block_size
 
 
-def _tile(spec: FormatSpec, block_shape: Any, block_size: Any, axis: int) -> tuple[int, int]:
+def _tile(spec: FormatSpec, block_shape: Any, block_size: Any, axis: int | None) -> tuple[int, int]:
     if (
         not isinstance(block_shape, tuple | list)
         or len(block_shape) != 2
@@ -69,52 +155,76 @@ def _tile(spec: FormatSpec, block_shape: Any, block_size: Any, axis: int) -> tup
         )
     if block_size is not None:
         raise ValueError(f"{spec.name}: pass either block_size or block_shape, not both")
-    if axis != -1:
+    if axis not in (-1, None):
         raise ValueError(f"{spec.name}: block_shape tiles the last two dims; leave axis at -1")
     for v in block_shape:
         spec.check_block(v)
     return (block_shape[0], block_shape[1])
 
 
+def _takers(option: str) -> str:
+    """'MX formats only (mxfp4, ...)': the families and formats that take an option."""
+    fams = [f for f in registry.families() if option in f.options]
+    fmts = [n for n in registry.names() if registry.get(n).family in fams]
+    return f"{'/'.join(f.name.upper() for f in fams)} formats only ({', '.join(fmts)})"
+
+
+def _choices(spec: FormatSpec, given: dict[str, Any]) -> dict[str, str]:
+    """Every choice option of the format's family, validated, defaults filled in; an option of
+    another family is an error naming the families that take it (the MX scale rule's default
+    is accepted anywhere: `fake_quantize`'s signature spells it)."""
+    out = {}
+    for option in CHOICE_OPTIONS:
+        if option in spec.options:
+            value = given.get(option, spec.family.default(option))
+            out[option] = _choice(spec, option, value)
+        elif option in given and not (option == "scale_rule" and given[option] == NEUTRAL[option]):
+            raise ValueError(
+                f"{spec.name}: {option}={given[option]!r} applies to {_takers(option)}; "
+                f"{spec.name} has no {option} option"
+            )
+        else:
+            out[option] = NEUTRAL[option]
+    return out
+
+
 def resolve(
-    fmt: str | FormatSpec,
+    fmt: str | FormatSpec | QuantConfig,
     *,
     block_size: int | None = None,
-    axis: int = -1,
+    axis: int | None = -1,
     block_shape: tuple[int, int] | None = None,
-    scale_rule: str = "floor",
-    rounding: str = "rne",
-    **format_options: Any,
+    **options: Any,
 ) -> QuantConfig:
-    """Check a request against the registry; raise ValueError naming what is allowed."""
+    """Check a request against the registry; raise ValueError naming what is allowed.
+
+    A `QuantConfig` passes through unchanged (no further options allowed)."""
+    if isinstance(fmt, QuantConfig):
+        given = {k: v for k, v in options.items() if NEUTRAL.get(k) != v}  # keyword defaults
+        if block_size is not None or block_shape is not None or axis != -1 or given:
+            raise ValueError(f"{fmt.name}: pass a QuantConfig alone, or a format name with options")
+        return fmt
     spec = fmt if isinstance(fmt, FormatSpec) else registry.get(fmt)
-    if isinstance(axis, bool) or not isinstance(axis, int):
+    if axis is not None and (isinstance(axis, bool) or not isinstance(axis, int)):
         raise ValueError(f"{spec.name}: axis must be an int, got {axis!r}")
     if block_shape is None:
         block, tile = _block_size(spec, block_size), None
     else:
         block, tile = 0, _tile(spec, block_shape, block_size, axis)
-    if "scale_rule" in spec.options:
-        scale_rule = _choice(spec, "scale_rule", scale_rule)
-    elif scale_rule != "floor":
-        raise ValueError(
-            f"{spec.name}: scale_rule={scale_rule!r} applies to MX formats only "
-            f"({', '.join(n for n in registry.names() if registry.get(n).family == 'mx')}); "
-            f"{spec.name} has no scale_rule option"
-        )
-    rounding = _choice(spec, "rounding", rounding)
-    opts = dict(format_options)
-    allowed = tuple(o for o in ALL_FORMAT_OPTIONS if o in spec.options or o in COMMON_OPTIONS)
-    for key in opts:
+        axis = -1 if axis is None else axis
+    allowed = (*CHOICE_OPTIONS, "zero_saturated_grad", "seed")
+    for key in options:
         if key not in allowed:
+            takes = tuple(o for o in allowed if o in spec.options or o not in CHOICE_OPTIONS)
             raise ValueError(
-                f"{spec.name}: unknown option {key!r}{registry.suggest(key, allowed + KEYWORDS)}; "
-                f"allowed format options: {', '.join(allowed)}"
+                f"{spec.name}: unknown option {key!r}{registry.suggest(key, takes + KEYWORDS)}; "
+                f"allowed options: {', '.join(takes)}"
             )
-    variant = "default"
-    if "nvfp4_variant" in opts:
-        variant = _choice(spec, "nvfp4_variant", opts["nvfp4_variant"])
-    zsg = opts.get("zero_saturated_grad", False)
+    choices = _choices(spec, {k: v for k, v in options.items() if k in CHOICE_OPTIONS})
+    zsg = options.get("zero_saturated_grad", False)
     if not isinstance(zsg, bool):
         raise ValueError(f"{spec.name}: zero_saturated_grad must be True or False, got {zsg!r}")
-    return QuantConfig(spec, block, tile, axis, scale_rule, rounding, variant, zsg)
+    seed = options.get("seed")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise ValueError(f"{spec.name}: seed must be an int, got {seed!r}")
+    return QuantConfig(spec, block, tile, axis, zero_saturated_grad=zsg, seed=seed, **choices)

@@ -15,18 +15,16 @@ from typing import Any
 import torch
 
 from qtransform.errors import UserError
-from qtransform.formats import fastpath, philox
+from qtransform.formats import fastpath, philox, registry
 from qtransform.formats.blocking import (
     BlockLayout,
     BlockQuant,
     from_blocks,
     make_layout,
     per_block,
+    tensor_amax,
     to_blocks,
 )
-from qtransform.formats.intgroup import quantize_int
-from qtransform.formats.mx import NAN_CODE, quantize_mx
-from qtransform.formats.nvfp4 import quantize_nvfp4, tensor_amax
 from qtransform.formats.options import QuantConfig, resolve
 from qtransform.formats.registry import FormatSpec
 
@@ -55,14 +53,15 @@ def canonical_nan_(t: torch.Tensor) -> torch.Tensor:
 def layout_for(x: torch.Tensor, cfg: QuantConfig) -> BlockLayout:
     """The block layout of x under cfg (0-dim tensors are treated as shape (1,))."""
     shape = tuple(x.shape) if x.ndim else (1,)
-    return make_layout(shape, cfg.axis, cfg.block, cfg.tile)
+    return make_layout(shape, cfg.block_axis, cfg.block, cfg.tile)
 
 
 def stream_seed(
     cfg: QuantConfig, generator: torch.Generator | None, seed: int | None, device: torch.device
 ) -> int | None:
-    """The Philox seed of a stochastic request: `seed` itself, else one draw from `generator`
-    (the global generator when None); None for deterministic rounding."""
+    """The Philox seed of a stochastic request: `seed` itself, else one draw from `generator`,
+    else the config's own seed, else one draw from the global generator; None for deterministic
+    rounding."""
     if cfg.rounding != "stochastic":
         return None
     if seed is not None:
@@ -71,6 +70,8 @@ def stream_seed(
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise UserError(f"{cfg.spec.name}: seed must be an int, got {seed!r}")
         return seed
+    if generator is None and cfg.seed is not None:
+        return cfg.seed
     return philox.seed_from(generator, device)
 
 
@@ -94,13 +95,9 @@ def quantize_blocks(
         if pos is None:
             pos = philox.positions(layout.shape, device=x.device)
         u = to_blocks(philox.uniform_at(seed, pos).reshape(layout.shape), layout)
-    if cfg.family == "mx":
-        res = quantize_mx(blocks, cfg, u)
-    elif cfg.family == "nvfp4":
-        res = quantize_nvfp4(blocks, cfg, u, tensor_amax(x32) if amax_t is None else amax_t)
-    else:
-        res = quantize_int(blocks, cfg, u)
-    return res, layout
+    if amax_t is None and cfg.family.per_tensor(cfg):
+        amax_t = tensor_amax(x32)
+    return cfg.family.quantize(blocks, cfg, u, amax_t), layout
 
 
 def _chunking(layout: BlockLayout) -> tuple[int, int]:
@@ -127,7 +124,7 @@ def _reference(
     per_unit = max(1, xs.numel() // max(n, 1) * unit)
     step = max(1, CHUNK_ELEMENTS // per_unit) * unit
     amax_t = None
-    if cfg.family == "nvfp4":
+    if cfg.family.per_tensor(cfg):
         parts = [tensor_amax(xs.narrow(dim, s, min(step, n - s)).to(torch.float32))
                  for s in range(0, n, step)]
         amax_t = torch.stack(parts).amax() if parts else None  # amax propagates NaN
@@ -145,7 +142,7 @@ def _reference(
         if sat is not None:
             sat.narrow(dim, s, k).copy_(from_blocks(res.sat, lay))
         if exps is not None:
-            exps.narrow(dim, s // unit, math.ceil(k / unit)).copy_(_exponents(res, lay))
+            exps.narrow(dim, s // unit, math.ceil(k / unit)).copy_(_exponents(res, lay, cfg))
     return out, sat, exps
 
 
@@ -186,10 +183,10 @@ def _gpu_path(
     return None if res is None else (*res, None)
 
 
-def _exponents(res: BlockQuant, layout: BlockLayout) -> torch.Tensor:
-    """Reference path: E from the E8M0 codes, shaped like the block grid (NaN blocks: 128)."""
-    e = torch.where(res.scales == NAN_CODE, 128, res.scales.to(torch.int32) - 127)
-    return per_block(e, layout)
+def _exponents(res: BlockQuant, layout: BlockLayout, cfg: QuantConfig) -> torch.Tensor:
+    """Reference path: the family's shared exponents, shaped like the block grid."""
+    assert cfg.family.exponents is not None
+    return per_block(cfg.family.exponents(res), layout)
 
 
 class _FakeQuant(torch.autograd.Function):
@@ -213,7 +210,7 @@ class _FakeQuant(torch.autograd.Function):
 
 def fake_quantize(
     x: torch.Tensor,
-    fmt: str | FormatSpec,
+    fmt: str | FormatSpec | QuantConfig,
     *,
     block_size: int | None = None,
     axis: int = -1,
@@ -230,7 +227,7 @@ def fake_quantize(
     `block_shape` over the last two dims), the MX `scale_rule`, the element `rounding`
     (stochastic: the Philox stream of `seed`, or of one draw from `generator`), and format
     options `nvfp4_variant` and `zero_saturated_grad`. Invalid values raise ValueError listing
-    what is allowed.
+    what is allowed. `fmt` may be a `QuantConfig` instead (then without options).
     """
     cfg = resolve(fmt, block_size=block_size, axis=axis, block_shape=block_shape,
                   scale_rule=scale_rule, rounding=rounding, **format_options)
@@ -240,7 +237,7 @@ def fake_quantize(
     return _forward(x, cfg, generator, want_sat=False, seed=seed)[0]
 
 
-def saturated(x: torch.Tensor, fmt: str | FormatSpec, **options: Any) -> torch.Tensor:
+def saturated(x: torch.Tensor, fmt: str | FormatSpec | QuantConfig, **options: Any) -> torch.Tensor:
     """Bool mask of the elements clipped at the element max normal (same options as
     `fake_quantize`); NaN blocks count as not saturated. Feeds the saturation ratio metric."""
     options.pop("generator", None)
@@ -252,7 +249,7 @@ def saturated(x: torch.Tensor, fmt: str | FormatSpec, **options: Any) -> torch.T
     return sat
 
 
-def block_exponents(x: torch.Tensor, fmt: str | FormatSpec, **options: Any) -> torch.Tensor:
+def block_exponents(x: torch.Tensor, fmt: str | FormatSpec | QuantConfig, **options: Any) -> torch.Tensor:
     """MX only: the unbiased shared exponent E of every block (int32, shaped like the block
     grid: the blocked dim replaced by its block count). Zero blocks read -127, NaN blocks 128."""
     options.pop("generator", None)
@@ -270,21 +267,23 @@ def block_exponents(x: torch.Tensor, fmt: str | FormatSpec, **options: Any) -> t
     return e.reshape(layout.grid_shape if x.ndim else ())
 
 
-def _checked(x: torch.Tensor, fmt: str | FormatSpec, options: dict[str, Any]) -> QuantConfig:
+def _checked(x: torch.Tensor, fmt: str | FormatSpec | QuantConfig, options: dict[str, Any]) -> QuantConfig:
     cfg = resolve(fmt, **options)
     check_input(x, cfg)
     return cfg
 
 
 def _mx_only(cfg: QuantConfig) -> QuantConfig:
-    if cfg.family != "mx":
-        raise ValueError(f"{cfg.spec.name}: block_exponents is defined for MX formats only")
+    if cfg.family.exponents is None:
+        takers = [f.name.upper() for f in registry.families() if f.exponents is not None]
+        raise ValueError(f"{cfg.spec.name}: block_exponents is defined for {'/'.join(takers)} "
+                         "formats only (power-of-two block scales)")
     return cfg
 
 
 def quantize_with_info(
     x: torch.Tensor,
-    fmt: str | FormatSpec,
+    fmt: str | FormatSpec | QuantConfig,
     *,
     exponents: bool = False,
     generator: torch.Generator | None = None,

@@ -1,20 +1,28 @@
-"""The format registry: one source of truth for every number format.
+"""The format registry: one source of truth for every number format and format family.
 
 Passes, metrics, the policy schema and the ONNX exporter all read a format's properties from
 here (element grid, max normal, block size rules, allowed options), so adding a format means
-adding one entry, not editing every consumer.
+adding one entry, not editing every consumer. A `Family` is one record per scaling scheme (MX,
+NVFP4, int groups): its options and their defaults, its reference kernel and its fast-kernel id.
+Each family module (`mx.py`, `nvfp4.py`, `intgroup.py`) registers its family and formats; the
+ONNX half of a family (function body, QDQ form) is registered by `qtransform.export`, one layer
+up, under the same family name.
 """
 
 from __future__ import annotations
 
 import difflib
-from dataclasses import dataclass, field
-from typing import Literal
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
+if TYPE_CHECKING:
+    from qtransform.formats.blocking import BlockQuant
+    from qtransform.formats.options import QuantConfig
+
 ScaleKind = Literal["e8m0", "e4m3_fp32", "fp32"]
-Family = Literal["mx", "nvfp4", "int"]
 
 
 @dataclass(frozen=True)
@@ -63,10 +71,69 @@ INT8_MX = ElementSpec("int8_mx", "int", 0, 6, emax=0, emin=0, max_normal=127 / 6
 INT4 = ElementSpec("int4", "int", 0, 0, emax=0, emin=0, max_normal=7.0, qmax=7)
 INT8 = ElementSpec("int8", "int", 0, 0, emax=0, emin=0, max_normal=127.0, qmax=127)
 
-MX_SCALE_RULES = ("floor", "rceil", "ceil", "even")
-ROUNDINGS = ("rne", "rna", "stochastic")
-NVFP4_VARIANTS = ("default", "compressed-tensors", "one_level")
+ROUNDINGS = ("rne", "rna", "stochastic")  # every family's element rounding
 POW2_BLOCKS = tuple(2**i for i in range(1, 11))  # 2 .. 1024
+
+
+def _never(cfg: QuantConfig) -> bool:  # noqa: ARG001
+    return False
+
+
+@dataclass(frozen=True, eq=False)  # one object per family: compared and hashed by identity
+class Family:
+    """One scaling scheme shared by several formats: everything that is not the element type.
+
+    `options` maps each choice option the family takes to its allowed values, the first being
+    the default. `quantize(blocks, cfg, u, amax_t)` is the reference kernel on [n, block] fp32
+    blocks (`u`: the stochastic-rounding uniforms; `amax_t`: the tensor's amax when
+    `per_tensor(cfg)`, else None). `kernel_id` names the family in the compiled kernels
+    (`qfast.c`, `triton_kernels.py`); None leaves its formats on the reference path.
+    `exponents` (power-of-two families) turns a block result into per-block shared exponents,
+    and `scale_values(scales, tensor_scale, cfg)` decodes stored scales into fp32 multipliers.
+    """
+
+    name: str
+    options: dict[str, tuple[str, ...]]
+    quantize: Callable[[torch.Tensor, QuantConfig, torch.Tensor | None, torch.Tensor | None], BlockQuant]
+    scale_values: Callable[[torch.Tensor, torch.Tensor | None, QuantConfig], torch.Tensor]
+    per_tensor: Callable[[QuantConfig], bool] = _never
+    exponents: Callable[[BlockQuant], torch.Tensor] | None = None
+    kernel_id: int | None = None
+
+    def __repr__(self) -> str:
+        return f"Family({self.name!r})"
+
+    def __reduce__(self) -> tuple:
+        """Pickled by name (its kernels are functions of its module): a pickled config loads
+        as the registered family of this process."""
+        return family, (self.name,)
+
+    def default(self, option: str) -> Any:
+        """The default value of a choice option of this family."""
+        return self.options[option][0]
+
+
+_FAMILIES: dict[str, Family] = {}
+
+
+def register_family(family: Family) -> Family:
+    """Add a family (names are unique); its formats are registered after it."""
+    if family.name in _FAMILIES:
+        raise ValueError(f"family {family.name!r} is already registered")
+    _FAMILIES[family.name] = family
+    return family
+
+
+def family(name: str) -> Family:
+    """A registered family by name."""
+    if name not in _FAMILIES:
+        raise ValueError(f"unknown format family {name!r}; registered: {', '.join(_FAMILIES)}")
+    return _FAMILIES[name]
+
+
+def families() -> tuple[Family, ...]:
+    """Registered families, in registration order."""
+    return tuple(_FAMILIES.values())
 
 
 @dataclass(frozen=True)
@@ -82,7 +149,11 @@ class FormatSpec:
     onnx_op: str  # op_type of the custom-domain node in exported graphs
     description: str
     allowed_blocks: tuple[int, ...] | None = POW2_BLOCKS  # None: any positive integer
-    options: dict[str, tuple[str, ...]] = field(default_factory=dict)  # option -> allowed values
+
+    @property
+    def options(self) -> dict[str, tuple[str, ...]]:
+        """Choice option -> allowed values (the first is the default): the family's."""
+        return self.family.options
 
     @property
     def max_normal(self) -> float:
@@ -103,12 +174,13 @@ class FormatSpec:
             )
 
 
-_MX_OPTIONS = {"scale_rule": MX_SCALE_RULES, "rounding": ROUNDINGS}
 _REGISTRY: dict[str, FormatSpec] = {}
 
 
 def register(spec: FormatSpec) -> FormatSpec:
-    """Add a format to the registry (names are unique)."""
+    """Add a format to the registry (names are unique; its family registered first)."""
+    if _FAMILIES.get(spec.family.name) is not spec.family:
+        raise ValueError(f"format {spec.name!r}: register family {spec.family.name!r} first")
     if spec.name in _REGISTRY:
         raise ValueError(f"format {spec.name!r} is already registered")
     _REGISTRY[spec.name] = spec
@@ -133,56 +205,4 @@ def get(name: str) -> FormatSpec:
         return _REGISTRY[key]
     raise ValueError(
         f"unknown format {name!r}{suggest(key, names())}; registered formats: {', '.join(names())}"
-    )
-
-
-for _name, _elem, _desc in [
-    ("mxfp4", E2M1, "OCP MX: FP4 E2M1 elements, E8M0 power-of-two scale per 32"),
-    ("mxfp6_e2m3", E2M3, "OCP MX: FP6 E2M3 elements, E8M0 scale per 32"),
-    ("mxfp6_e3m2", E3M2, "OCP MX: FP6 E3M2 elements, E8M0 scale per 32"),
-    ("mxfp8_e4m3", E4M3, "OCP MX: FP8 E4M3 elements, E8M0 scale per 32"),
-    ("mxfp8_e5m2", E5M2, "OCP MX: FP8 E5M2 elements, E8M0 scale per 32"),
-    ("mxint8", INT8_MX, "OCP MX: INT8 (1.6 fixed point) elements, E8M0 scale per 32"),
-]:
-    register(
-        FormatSpec(
-            name=_name,
-            family="mx",
-            element=_elem,
-            default_block=32,
-            scale="e8m0",
-            tile=(32, 32),
-            onnx_op=_name.upper().replace("_", "") + "FakeQuant",
-            description=_desc,
-            options=dict(_MX_OPTIONS),
-        )
-    )
-
-register(
-    FormatSpec(
-        name="nvfp4",
-        family="nvfp4",
-        element=E2M1,
-        default_block=16,
-        scale="e4m3_fp32",
-        tile=(16, 16),
-        onnx_op="NVFP4FakeQuant",
-        description="NVIDIA NVFP4: E2M1 elements, E4M3 scale per 16, fp32 scale per tensor",
-        options={"rounding": ROUNDINGS, "nvfp4_variant": NVFP4_VARIANTS},
-    )
-)
-for _name, _elem in [("int4", INT4), ("int8", INT8)]:
-    register(
-        FormatSpec(
-            name=_name,
-            family="int",
-            element=_elem,
-            default_block=128,
-            scale="fp32",
-            tile=(128, 128),
-            onnx_op=_name.upper() + "FakeQuant",
-            description=f"symmetric {_name} groups with an fp32 scale per group (amax / {_elem.qmax})",
-            allowed_blocks=None,
-            options={"rounding": ROUNDINGS},
-        )
     )

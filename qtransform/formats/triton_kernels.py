@@ -35,12 +35,12 @@ import torch
 import triton
 import triton.language as tl
 
-from qtransform.formats.blocking import BlockLayout
-from qtransform.formats.nvfp4 import tensor_amax
+from qtransform.formats.blocking import BlockLayout, tensor_amax
 from qtransform.formats.options import QuantConfig
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _RULES = {"floor": 0, "ceil": 1, "rceil": 2, "even": 3}
+KERNEL_MX, KERNEL_NVFP4 = 0, 1  # the `Family.kernel_id`s these kernels implement
 BLOCKS_PER_PROGRAM = 64
 FLT_MAX = 3.4028234663852886e38
 
@@ -199,8 +199,9 @@ def supported(x: torch.Tensor, cfg: QuantConfig, layout: BlockLayout, exponents:
     """Whether the kernels cover this request (else the reference path runs)."""
     return (x.dtype in _DTYPES and x.numel() > 0 and not layout.tile and not exponents
             and cfg.rounding in ("rne", "rna")
-            and (cfg.family == "mx"
-                 or (cfg.family == "nvfp4" and cfg.nvfp4_variant in ("default", "one_level"))))
+            and (cfg.family.kernel_id == KERNEL_MX
+                 or (cfg.family.kernel_id == KERNEL_NVFP4
+                     and cfg.nvfp4_variant in ("default", "one_level"))))
 
 
 def run(x: torch.Tensor, cfg: QuantConfig, layout: BlockLayout,
@@ -214,12 +215,12 @@ def run(x: torch.Tensor, cfg: QuantConfig, layout: BlockLayout,
     out = torch.empty_like(xm)
     sat = torch.empty(xm.shape, dtype=torch.bool, device=x.device) if want_sat else None
     elem = cfg.spec.element
-    nvfp4 = cfg.family == "nvfp4"
+    nvfp4 = cfg.family.kernel_id == KERNEL_NVFP4
     amax_t = tensor_amax(xm).reshape(1) if nvfp4 else xm.new_zeros(1, dtype=torch.float32)
     grid = (triton.cdiv(n_blocks, BLOCKS_PER_PROGRAM),)
     _fq_kernel[grid](
         xm, out, sat.view(torch.int8) if sat is not None else out, amax_t, n_blocks, row_len,
-        per_row, FAMILY=1 if nvfp4 else 0,
+        per_row, FAMILY=cfg.family.kernel_id,
         VARIANT=1 if cfg.nvfp4_variant == "one_level" else 0,
         RULE=_RULES.get(cfg.scale_rule, 0), IS_FLOAT=elem.kind == "float", EMAX=elem.emax,
         EMIN=elem.emin, MBITS=elem.mbits, INV_STEP=1.0 / elem.step, STEP=elem.step,

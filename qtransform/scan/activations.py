@@ -35,8 +35,8 @@ from qtransform.calibration import Calibration, calibration_batches, run_model
 from qtransform.core.metrics import ErrorStats
 from qtransform.core.sites import Site, discover_sites
 from qtransform.errors import UserError
+from qtransform.formats import QuantConfig
 from qtransform.passes.instrument import (
-    Quantizer,
     Tap,
     next_offset,
     quantizer,
@@ -47,8 +47,6 @@ from qtransform.passes.instrument import (
 from qtransform.pipeline import plan, transform
 from qtransform.scan.report import ScanReport, SiteRow, build_meta
 from qtransform.scan.weights import (
-    QuantChoice,
-    effective_options,
     policy_rules,
     policy_thresholds,
     source_label,
@@ -257,27 +255,28 @@ def _features(site: Site, point: str) -> int:
     return in_dim if point == "input" else out_dim
 
 
-def site_row(site: Site, point: str, stats: ErrorStats, quantizer: Quantizer | None, *,
+def site_row(site: Site, point: str, stats: ErrorStats, quantizer: QuantConfig | None, *,
          extra: dict[str, Any] | None = None, block_exponents: dict | None = None,
          experts: list[dict[str, Any]] | None = None) -> SiteRow:
     """A report row; activation rows have shape [tokens, features]."""
-    fmt, opts = quantizer or ("none", {})
-    opts = {k: v for k, v in opts.items() if k != "zero_saturated_grad"}
+    options = {}
+    if quantizer is not None:
+        options = {k: v for k, v in quantizer.options().items() if k != "zero_saturated_grad"}
     if point == "weight":
         shape = list(site.weight_shape or ())
     else:
         features = _features(site, point)
         shape = [stats.n // features, features]
     row = SiteRow.from_stats(site.name, point, stats, layer=site.layer, role=site.role,
-                             kind=site.kind, shape=shape, fmt=fmt,
-                             options=effective_options(QuantChoice(fmt, opts)) if quantizer else {},
+                             kind=site.kind, shape=shape, fmt=quantizer.name if quantizer else "none",
+                             options=options,
                              block_exponents=block_exponents)
     row.metrics.update(extra or {})
     row.experts = experts
     return row
 
 
-def site_quantizer(program: Any, site: str) -> Quantizer | None:
+def site_quantizer(program: Any, site: str) -> QuantConfig | None:
     """The format a site's output error comes from: its weight's, else its input's, output's."""
     for point in ("weight", "input", "output"):
         found = quantizer(program, site, point)

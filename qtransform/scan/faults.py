@@ -9,7 +9,6 @@ Each returns a `ScanReport` whose rows carry `ErrorStats` metrics plus the scan'
 from __future__ import annotations
 
 import math
-import zlib
 from collections.abc import Callable
 from typing import Any
 
@@ -18,6 +17,7 @@ from torch import Tensor, nn
 
 from qtransform.calibration import Calibration, calibration_batches, run_model
 from qtransform.core.metrics import ErrorStats
+from qtransform.core.streams import DrawStream
 from qtransform.errors import UserError
 from qtransform.passes.instrument import tapping
 from qtransform.scan.activations import (
@@ -68,18 +68,15 @@ class GainProbe(ForwardHooks):
         self.stats = {p: ErrorStats() for p in paths}  # full-precision vs quantized response
         self.perturbation = dict.fromkeys(paths, 0.0)  # sum of |d|^2
         with self.registering():
-            for path in paths:
-                seed_path = seed * 1_000_003 + zlib.crc32(path.encode())
-                self.add(fp.get_submodule(path), self._probe(path, quant.get_submodule(path), seed_path))
+            for path in paths:  # one stream per site (`core.streams`), one draw per call
+                stream = DrawStream(seed, f"{path}/gain_probe")
+                self.add(fp.get_submodule(path), self._probe(path, quant.get_submodule(path), stream))
 
-    def _probe(self, path: str, qmod: nn.Module, seed: int) -> Callable:
-        gen: list[torch.Generator] = []
-
+    def _probe(self, path: str, qmod: nn.Module, stream: DrawStream) -> Callable:
         def hook(module: nn.Module, args: tuple, output: Tensor | tuple) -> None:
             x, rest = args[0], args[1:]  # rest: an experts module's routing, kept as it is
-            if not gen or gen[0].device != x.device:
-                gen[:] = [torch.Generator(device=x.device).manual_seed(seed)]
-            z = torch.randn(x.shape, generator=gen[0], device=x.device)
+            gen = stream.generator(x.device, stream.next_index())
+            z = torch.randn(x.shape, generator=gen, device=x.device)
             xp = x + (self.eps * x.float().pow(2).mean().sqrt() * z).to(x.dtype)
             d = xp.double() - x.double()  # the perturbation as the dtype represents it
             self.perturbation[path] += float(d.pow(2).sum())

@@ -17,13 +17,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from qtransform.formats.options import FORMAT_KEYS
+
 if TYPE_CHECKING:
     from qtransform.scan.report import ScanReport
 
 DEFAULT_TIERS = (1.5, 1.2, 1.0)
 AQN_SCHEDULE = {"kind": "exponential", "sigma_start": 1e-2, "sigma_end": 1e-4, "num_stages": 10}
 KEEP_BELOW, CHANGE_ABOVE = 0.10, 0.30
-_FORMAT_OPTIONS = ("block_size", "block_shape", "scale_rule", "rounding", "nvfp4_variant", "seed", "axis")
 
 
 @dataclass
@@ -120,7 +121,7 @@ def recommend(
     new = finer_format(fmt)
     if share > CHANGE_ABOVE and new is not None:
         for rule in rules:
-            for key in _FORMAT_OPTIONS:
+            for key in FORMAT_KEYS:
                 rule.pop(key, None)
             rule["format"] = new
         text = (f"{len(bad_layers)} of {len(layers)} layers ({100 * share:.0f} %) have problematic sites: "

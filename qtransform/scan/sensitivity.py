@@ -427,7 +427,7 @@ def site_sensitivity(model: nn.Module, policy_or_format: Any, calib: Calibration
             fq = next(iter(by_point.values()))
             shape = sites[name].weight_shape or ()
             rows.append(SensitivityRow(name, sites[name].layer, sites[name].role, math.prod(shape),
-                                       fq.fmt, dict(fq.options), sorted(by_point)))
+                                       fq.config.name, fq.config.options(), sorted(by_point)))
         meta: dict[str, Any] = {}
         if method in ("exact", "both"):
             start = time.perf_counter()

@@ -27,7 +27,7 @@ import os
 import re
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -45,7 +45,10 @@ from qtransform.core.sites import (
     role_of,
 )
 from qtransform.errors import UserError
+from qtransform.formats import QuantConfig
+from qtransform.formats.options import CHOICE_OPTIONS, FORMAT_KEYS
 from qtransform.formats.quantize import quantize_with_info
+from qtransform.passes.fake_quant import first_weight_seed
 from qtransform.scan.compare import Comparison
 from qtransform.scan.report import (
     DEFAULT_THRESHOLDS,
@@ -67,15 +70,6 @@ class WeightRef:
 
     site: Site
     load: Callable[[], torch.Tensor]
-
-
-@dataclass(frozen=True)
-class QuantChoice:
-    """The format and `fake_quantize` keyword options applied to one site."""
-
-    fmt: str
-    options: dict[str, Any]
-    seed: int = 0
 
 
 # -- sources ----------------------------------------------------------------------------------
@@ -270,16 +264,14 @@ def source_label(source: Any) -> str:
 
 
 # -- formats and options ----------------------------------------------------------------------
-def choice_for(fmt: str, options: dict[str, Any] | None) -> QuantChoice:
-    """Validate `fmt` and options once (unknown names become UserErrors with a suggestion)."""
-    opts = dict(options or {})
-    seed = int(opts.pop("seed", 0))
+def config_for(fmt: str, options: dict[str, Any] | None) -> QuantConfig:
+    """Validate `fmt` and options once (unknown names become UserErrors with a suggestion);
+    stochastic rounding without a seed uses seed 0, so a report always names its stream."""
     try:
-        spec = formats.get(fmt)
-        formats.fake_quantize(torch.zeros(1, 64), spec, **opts)
+        cfg = QuantConfig.from_options(fmt, options)
     except ValueError as exc:
         raise UserError(str(exc)) from None
-    return QuantChoice(spec.name, opts, seed)
+    return replace(cfg, seed=0) if cfg.stochastic and cfg.seed is None else cfg
 
 
 def applicable_options(fmt: str, options: dict[str, Any] | None) -> dict[str, Any]:
@@ -287,44 +279,23 @@ def applicable_options(fmt: str, options: dict[str, Any] | None) -> dict[str, An
     spec = formats.get(fmt)
     return {
         k: v for k, v in (options or {}).items()
-        if k not in ("scale_rule", "nvfp4_variant") or k in spec.options
+        if k not in CHOICE_OPTIONS or k in spec.options
     }
 
 
-def effective_options(choice: QuantChoice) -> dict[str, Any]:
-    """Options with the format's defaults spelled out: results are meaningless without them."""
-    spec = formats.get(choice.fmt)
-    out: dict[str, Any] = {}
-    if "block_shape" not in choice.options:
-        out["block_size"] = spec.default_block
-    if "scale_rule" in spec.options:
-        out["scale_rule"] = "floor"
-    if "nvfp4_variant" in spec.options:
-        out["nvfp4_variant"] = "default"
-    out["rounding"] = "rne"
-    out.update({k: (list(v) if isinstance(v, tuple) else v) for k, v in choice.options.items() if v is not None})
-    if choice.options.get("rounding") == "stochastic":
-        out["seed"] = choice.seed
-    return out
-
-
-def policy_choices(policy: Any, sites: Sequence[Site]) -> dict[str, QuantChoice]:
-    """Site name -> format/options of the quantize rule that applies to its weight."""
+def policy_configs(policy: Any, sites: Sequence[Site]) -> dict[str, QuantConfig]:
+    """Site name -> the config of the quantize rule that applies to its weight (the training
+    option zero_saturated_grad dropped: it changes no value)."""
     from qtransform.schemas import load_policy, resolve_quant_rules
 
-    per_rule: dict[int, QuantChoice] = {}
+    per_rule: dict[int, QuantConfig] = {}
     out = {}
     for (name, tensor), (index, rule) in resolve_quant_rules(load_policy(policy).quantize, sites).items():
         if tensor != "weight":
             continue
         if index not in per_rule:
-            opts = rule.format_options()
-            opts.pop("zero_saturated_grad", None)  # a training option; no effect on values
-            if rule.axis is not None:
-                opts["axis"] = rule.axis
-            if rule.seed is not None:
-                opts["seed"] = rule.seed
-            per_rule[index] = choice_for(rule.format, opts)
+            cfg = replace(rule.config(), zero_saturated_grad=False)
+            per_rule[index] = replace(cfg, seed=0) if cfg.stochastic and cfg.seed is None else cfg
         out[name] = per_rule[index]
     return out
 
@@ -347,31 +318,27 @@ def policy_rules(policy: Any) -> list[dict[str, Any]]:
 
 # -- measuring one tensor ---------------------------------------------------------------------
 def measure(
-    w: torch.Tensor, site: Site, choice: QuantChoice
+    w: torch.Tensor, site: Site, cfg: QuantConfig, expert: int | None = None
 ) -> tuple[ErrorStats, BlockExponentHistogram | None, dict[str, float] | None]:
     """Fake-quantize one weight and accumulate its error, saturation, MX block exponents and the
     channel diagnostics that problem reasons quote (`channel_diagnostics`; 1-D blocks only).
 
     One quantization gives all three (`quantize_with_info`); the metrics are one more pass. A
-    fused experts weight is measured expert by expert and merged (`measure_experts`).
+    fused experts weight is measured expert by expert and merged (`measure_experts`). Stochastic
+    rounding draws what the transformed model's first forward draws for this weight
+    (`passes.fake_quant.first_weight_seed`), so the scan measures that very tensor.
     """
     if site.kind == "experts":
-        stats, hist, _ = measure_experts(w, site, choice)
-        return stats, hist
-    opts = dict(choice.options)
-    if "block_shape" not in opts:
-        opts.setdefault("axis", site.reduction_axis)
-    gen = None
-    if opts.get("rounding") == "stochastic":
-        gen = torch.Generator(device=w.device).manual_seed(choice.seed)
-    is_mx = formats.get(choice.fmt).family == "mx"
-    xq, sat, exps = quantize_with_info(w, choice.fmt, exponents=is_mx, generator=gen, **opts)
+        stats, hist, _ = measure_experts(w, site, cfg)
+        return stats, hist, None
+    cfg = cfg.bind(site.reduction_axis)
+    seed = first_weight_seed(cfg, site.name, expert)
+    xq, sat, exps = quantize_with_info(w, cfg, exponents=cfg.family.exponents is not None, seed=seed)
     stats = ErrorStats().update(w, xq, sat)
     hist = BlockExponentHistogram().update(exps) if exps is not None else None
     diagnostics = None
-    if "block_shape" not in opts and w.ndim == 2:
-        block = int(opts.get("block_size") or formats.get(choice.fmt).default_block)
-        diagnostics = channel_diagnostics(w, xq, opts["axis"], block)
+    if not cfg.tile and w.ndim == 2:
+        diagnostics = channel_diagnostics(w, xq, cfg.block_axis, cfg.block)
     return stats, hist, diagnostics
 
 
@@ -400,13 +367,13 @@ def channel_diagnostics(w: torch.Tensor, xq: torch.Tensor, axis: int, block: int
 
 
 def measure_experts(
-    w: torch.Tensor, site: Site, choice: QuantChoice
+    w: torch.Tensor, site: Site, cfg: QuantConfig
 ) -> tuple[ErrorStats, BlockExponentHistogram | None, list[ErrorStats]]:
     """Each expert's matrix of a fused [E, ...] weight measured as an nn.Linear weight; (all
     experts merged, their block exponents, each expert's stats)."""
     two_d = Site(site.name, site.cls_name, "linear", site.layer, site.role,
                  weight_shape=tuple(w.shape[1:]), weight_transposed=site.weight_transposed)
-    per_expert = [measure(w[e], two_d, choice) for e in range(w.shape[0])]
+    per_expert = [measure(w[e], two_d, cfg, expert=e) for e in range(w.shape[0])]
     total = ErrorStats()
     hist = None
     for stats, h, _ in per_expert:
@@ -425,25 +392,25 @@ def _progress(refs: Sequence[WeightRef], progress: bool | None, desc: str):
                 disable=None if progress is None else not progress, leave=False)
 
 
-def _select(refs: list[WeightRef], policy: Any) -> list[tuple[WeightRef, QuantChoice | None]]:
+def _select(refs: list[WeightRef], policy: Any) -> list[tuple[WeightRef, QuantConfig | None]]:
     """(weight, choice) pairs; with a policy only the sites its rules select, with their choice."""
     if not refs:
         raise UserError("no Linear-like 2-D weights found to scan")
     if policy is None:
         return [(r, None) for r in refs]
-    chosen = policy_choices(policy, [r.site for r in refs])
+    chosen = policy_configs(policy, [r.site for r in refs])
     pairs = [(r, chosen[r.site.name]) for r in refs if r.site.name in chosen]
     if not pairs:
         raise UserError("the policy's quantize rules select none of the scanned weights")
     return pairs
 
 
-def _row(ref: WeightRef, choice: QuantChoice, stats: ErrorStats, hist: BlockExponentHistogram | None,
+def _row(ref: WeightRef, cfg: QuantConfig, stats: ErrorStats, hist: BlockExponentHistogram | None,
          experts: list[ErrorStats] | None = None, diagnostics: dict[str, float] | None = None) -> SiteRow:
     site = ref.site
     row = SiteRow.from_stats(
         site.name, "weight", stats, layer=site.layer, role=site.role, kind=site.kind,
-        shape=list(site.weight_shape or ()), fmt=choice.fmt, options=effective_options(choice),
+        shape=list(site.weight_shape or ()), fmt=cfg.name, options=cfg.options(),
         block_exponents=hist.result() if hist is not None else None,
     )
     if experts is not None:
@@ -452,13 +419,13 @@ def _row(ref: WeightRef, choice: QuantChoice, stats: ErrorStats, hist: BlockExpo
     return row
 
 
-def _measured_row(ref: WeightRef, w: torch.Tensor, choice: QuantChoice) -> tuple[SiteRow, ErrorStats]:
+def _measured_row(ref: WeightRef, w: torch.Tensor, cfg: QuantConfig) -> tuple[SiteRow, ErrorStats]:
     """The row of one weight (with per-expert entries for a fused experts weight) and its stats."""
     if ref.site.kind == "experts":
-        stats, hist, experts = measure_experts(w, ref.site, choice)
-        return _row(ref, choice, stats, hist, experts), stats
-    stats, hist, diagnostics = measure(w, ref.site, choice)
-    return _row(ref, choice, stats, hist, diagnostics=diagnostics), stats
+        stats, hist, experts = measure_experts(w, ref.site, cfg)
+        return _row(ref, cfg, stats, hist, experts), stats
+    stats, hist, diagnostics = measure(w, ref.site, cfg)
+    return _row(ref, cfg, stats, hist, diagnostics=diagnostics), stats
 
 
 # -- public API -------------------------------------------------------------------------------
@@ -482,21 +449,21 @@ def scan_weights(
     """
     if fmt is None and policy is None:
         raise UserError("give a format (e.g. mxfp4) or a policy with quantize rules")
-    default = choice_for(fmt, options) if fmt is not None else None
+    default = config_for(fmt, options) if fmt is not None else None
     pairs = _select(weight_refs(source), policy)
     rows = []
     with _progress([r for r, _ in pairs], progress, f"scan {fmt or 'policy'}") as bar:
         for ref, by_policy in pairs:
-            choice = default or by_policy
-            assert choice is not None
+            cfg = default or by_policy
+            assert cfg is not None
             w = ref.load()
-            rows.append(_measured_row(ref, w, choice)[0])
+            rows.append(_measured_row(ref, w, cfg)[0])
             bar.update(w.numel())
             del w
     fmts = sorted({row.format for row in rows})
     meta = build_meta(
         kind="weight_scan", source=source_label(source), fmt=fmts[0] if len(fmts) == 1 else "mixed",
-        options=effective_options(default) if default else {}, quantize=_rules(policy, default),
+        options=default.options() if default else {}, quantize=_rules(policy, default),
     )
     return ScanReport(meta=meta, rows=rows, thresholds=_limits(policy, thresholds),
                       flagging=check_flagging(flagging))
@@ -508,29 +475,15 @@ def _limits(policy: Any, thresholds: dict[str, float] | None) -> dict[str, float
     return limits
 
 
-def _rules(policy: Any, choice: QuantChoice | None) -> list[dict[str, Any]]:
+def _rules(policy: Any, cfg: QuantConfig | None) -> list[dict[str, Any]]:
     """The quantize rules the scan measured: the policy's (with the scanned format, if one was
     given) or one rule for every Linear; recommendations start from them."""
     rules = policy_rules(policy) if policy is not None else [{"name": "weights", "targets": ["Linear"]}]
-    if choice is None:
+    if cfg is None:
         return rules
-    return [{**{k: v for k, v in r.items() if k not in _RULE_FORMAT_KEYS}, **_rule_options(choice)}
+    fields = {"format": cfg.name, **cfg.options()}
+    return [{**{k: v for k, v in r.items() if k not in (*FORMAT_KEYS, "format")}, **fields}
             for r in rules]
-
-
-_RULE_FORMAT_KEYS = ("format", "block_size", "block_shape", "scale_rule", "rounding", "nvfp4_variant", "seed", "axis")
-
-
-def _rule_options(choice: QuantChoice) -> dict[str, Any]:
-    """A QuantChoice as policy-rule fields."""
-    rule: dict[str, Any] = {"format": choice.fmt}
-    for key in ("block_size", "block_shape", "scale_rule", "rounding", "nvfp4_variant"):
-        if key in choice.options:
-            value = choice.options[key]
-            rule[key] = list(value) if isinstance(value, tuple) else value
-    if choice.options.get("rounding") == "stochastic":
-        rule["seed"] = choice.seed
-    return rule
 
 
 def compare_formats(
@@ -551,16 +504,16 @@ def compare_formats(
         raise UserError("give at least one format to compare")
     choices = {}
     for fmt in formats_:
-        choice = choice_for(fmt, applicable_options(fmt, options))
-        choices[choice.fmt] = choice
+        cfg = config_for(fmt, applicable_options(fmt, options))
+        choices[cfg.name] = cfg
     pairs = _select(weight_refs(source), policy)
     rows: dict[str, list[SiteRow]] = {f: [] for f in choices}
     totals = {f: ErrorStats() for f in choices}
     with _progress([r for r, _ in pairs], progress, "compare") as bar:
         for ref, _ in pairs:
             w = ref.load()
-            for f, choice in choices.items():
-                row, stats = _measured_row(ref, w, choice)
+            for f, cfg in choices.items():
+                row, stats = _measured_row(ref, w, cfg)
                 totals[f].merge(stats)
                 rows[f].append(row)
             bar.update(w.numel())
@@ -569,7 +522,7 @@ def compare_formats(
     reports = {
         f: ScanReport(
             meta=build_meta(kind="weight_scan", source=source_label(source), fmt=f,
-                            options=effective_options(c), quantize=_rules(policy, c)),
+                            options=c.options(), quantize=_rules(policy, c)),
             rows=rows[f], thresholds=limits,
         )
         for f, c in choices.items()

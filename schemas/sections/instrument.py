@@ -2,20 +2,21 @@
 
 from __future__ import annotations
 
-from pydantic import Field, StrictBool, field_validator
+from typing import Any
+
+from pydantic import Field, StrictBool, field_validator, model_validator
 
 from ..base import (
-    METRICS,
     TENSORS,
     Float,
     Fraction,
-    Metric,
     NonNegFloat,
     Selected,
     StrictModel,
     Tensor,
     unique,
 )
+from ..errors import Issue, problems_error
 from ..words import TENSOR_WORDS, describe_selector, join
 from . import Section, register_section
 
@@ -33,11 +34,26 @@ class InstrumentSpec(Selected):
     """Measure quantization error (SRDD scans) at the selected sites."""
 
     points: list[Tensor] = Field(default_factory=lambda: list(TENSORS), min_length=1)
-    metrics: list[Metric] = Field(default_factory=lambda: list(METRICS), min_length=1)
     shadow: StrictBool = Field(True, description="measure on a shadow copy; outputs stay unchanged")
+    saturation: StrictBool = Field(
+        True, description="compute the format's clipped-at-max mask (the saturation metric)")
+    block_exponents: StrictBool = Field(
+        True, description="histogram the shared block exponents of quantized weights (MX)")
     thresholds: Thresholds = Field(default_factory=Thresholds)
 
-    @field_validator("points", "metrics")
+    @model_validator(mode="before")
+    @classmethod
+    def _metrics_removed(cls, data: Any) -> Any:
+        """`metrics` listed 11 names but selected nothing: the error statistics are one pass,
+        always all computed. Its two real choices are the booleans above."""
+        if isinstance(data, dict) and "metrics" in data:
+            raise problems_error([Issue(
+                ("metrics",), "removed: every error metric is always computed (one pass); delete "
+                "this field, and set saturation / block_exponents to false to skip those two",
+                data["metrics"])])
+        return data
+
+    @field_validator("points")
     @classmethod
     def _no_repeats(cls, values: list[str]) -> list[str]:
         return unique(values)
@@ -48,14 +64,19 @@ def describe(spec: InstrumentSpec) -> list[str]:
     where = "on a shadow copy (outputs unchanged)" if spec.shadow else "on the live forward values"
     return [
         f"Instrumentation: taps the {join([TENSOR_WORDS[p] for p in spec.points])} of "
-        f"{describe_selector(spec)} and records {', '.join(spec.metrics)} {where}.",
+        f"{describe_selector(spec)} and records {_recorded(spec)} {where}.",
         f"  A site is flagged when SQNR < {t.sqnr_db:g} dB, deadzone > {t.deadzone:.3g}, "
         f"saturation > {t.saturation:.3g} or rel_rmse > {t.relative_error:.3g}.",
     ]
 
 
+def _recorded(spec: InstrumentSpec) -> str:
+    extra = [w for w, on in (("saturation", spec.saturation), ("block exponents", spec.block_exponents)) if on]
+    return join(["the error metrics", *extra])
+
+
 def summary(spec: InstrumentSpec) -> str:
-    return f"instrument ({len(spec.metrics)} metrics)"
+    return f"instrument ({join(spec.points)})"
 
 
 register_section(Section("instrument", InstrumentSpec | None, None, describe, summary, order=1))

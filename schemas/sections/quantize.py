@@ -11,7 +11,7 @@ from typing import Annotated, Any
 from pydantic import AfterValidator, Field, StrictBool, StrictStr, field_validator, model_validator
 
 from qtransform.formats import registry
-from qtransform.formats.options import CHOICE_OPTIONS
+from qtransform.formats.options import CHOICE_OPTIONS, QuantConfig
 
 from ..base import Int, PosInt, Selected, Tensor, unique
 from ..errors import Issue, problems_error
@@ -85,23 +85,17 @@ class QuantRule(Selected):
             raise problems_error(issues)
         return self
 
-    def format_options(self) -> dict[str, Any]:
-        """Keyword arguments for `qtransform.formats.fake_quantize(x, fmt, **opts)`.
-
-        Options the format does not take (scale_rule outside MX, nvfp4_variant outside NVFP4)
-        and unset ones are left out, so the format's own defaults apply.
-        """
+    def config(self) -> QuantConfig:
+        """The rule's format and options as the canonical `QuantConfig` (axis unset: bound per
+        site to its reduction axis by the pass and the scans). Options the format does not take
+        (scale_rule outside MX, nvfp4_variant outside NVFP4) are left to the format's default."""
         spec = registry.get(self.format)
         opts: dict[str, Any] = {
-            "block_size": self.block_size,
-            "block_shape": self.block_shape,
-            "rounding": self.rounding,
-            "zero_saturated_grad": self.zero_saturated_grad,
+            "block_size": self.block_size, "block_shape": self.block_shape, "axis": self.axis,
+            "zero_saturated_grad": self.zero_saturated_grad, "seed": self.seed,
         }
-        for option in ("scale_rule", "nvfp4_variant"):  # the choices not every format takes
-            if option in spec.options:
-                opts[option] = getattr(self, option)
-        return {k: v for k, v in opts.items() if v is not None}
+        opts |= {o: getattr(self, o) for o in CHOICE_OPTIONS if o in spec.options}
+        return QuantConfig.from_options(spec, opts)
 
 
 def _option_issues(rule: QuantRule, spec: registry.FormatSpec) -> list[Issue]:

@@ -110,13 +110,13 @@ def test_onnxruntime_matches_pytorch_at_two_shapes_of_one_dynamic_export(exporte
     n_fq = sum(1 for e in qtransform.insertion_log(ex.model) if e.pass_name == "fake_quant")
     assert len(ex.fq) == n_fq and {n for n, _, _ in ex.fq} == {
         f"{e.site}/{e.point}_fake_quant" for e in qtransform.insertion_log(ex.model) if e.pass_name == "fake_quant"}
-    formats_used = {config_of(n).spec.name for n in fake_quant_nodes(ex.proto)}
+    formats_used = {config_of(n)[0].spec.name for n in fake_quant_nodes(ex.proto)}
     assert formats_used == {"mxfp4", "nvfp4"}
     for batch, seq in SHAPES:
         x = ids(batch, seq, seed=batch)
         out = ex.run(x)
         for label, src, dst in ex.fq:  # each fake-quant node: bit-exact on what it was given
-            cfg = config_of(next(n for n in fake_quant_nodes(ex.proto) if n.name == label))
+            cfg, _ = config_of(next(n for n in fake_quant_nodes(ex.proto) if n.name == label))
             want = fake_quantize(torch.from_numpy(out[src]), cfg.spec.name, **cfg.kwargs())
             assert bits_equal(out[dst], want), label
         ref = ex.torch_logits(x)
@@ -137,7 +137,7 @@ def test_weight_fake_quant_nodes_equal_the_reference_on_the_weights(exported):
             continue
         site = label.rsplit("/", 1)[0]
         axis = 0 if type(ex.model.get_submodule(site)).__name__ == "Conv1D" else -1
-        fmt = config_of(next(n for n in fake_quant_nodes(ex.proto) if n.name == label)).spec.name
+        fmt = config_of(next(n for n in fake_quant_nodes(ex.proto) if n.name == label))[0].spec.name
         assert bits_equal(out[dst], fake_quantize(weights[f"{site}.weight"].detach(), fmt, axis=axis)), label
         checked += 1
     assert checked == 4  # c_attn, c_proj, mlp.c_fc, mlp.c_proj

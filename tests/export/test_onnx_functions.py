@@ -8,7 +8,6 @@ neighbours (exact exponents), subnormals, ties, signed zeros, NaN and Inf, ragge
 from __future__ import annotations
 
 import itertools
-from dataclasses import replace
 
 import numpy as np
 import onnx
@@ -18,8 +17,16 @@ import torch
 from onnx import TensorProto, helper
 
 from qtransform import fake_quantize, formats
-from qtransform.export.functions import DOMAIN, FakeQuantConfig, fake_quant_function
+from qtransform.export.functions import (
+    DOMAIN,
+    Shape,
+    attributes,
+    fake_quant_function,
+    overload,
+    static_blocks,
+)
 from qtransform.export.onnx import ExportError
+from qtransform.formats import QuantConfig
 
 
 def all_configs() -> list[tuple[str, dict]]:
@@ -60,16 +67,18 @@ def adversarial(rows: int = 48, cols: int = 200, seed: int = 0) -> torch.Tensor:
     return x
 
 
-def model_for(configs: list[FakeQuantConfig], shape: list, elem_type: int = TensorProto.FLOAT) -> onnx.ModelProto:
-    """One input, one fake-quant node and output per config, functions attached."""
+def model_for(configs: list[QuantConfig], shape: list, elem_type: int = TensorProto.FLOAT,
+              static: Shape = None) -> onnx.ModelProto:
+    """One input, one fake-quant node and output per config, functions attached (bodies with
+    constant block shapes for the `static` input shape)."""
     nodes, outputs, functions = [], [], {}
     for i, cfg in enumerate(configs):
         node = helper.make_node(cfg.spec.onnx_op, ["x"], [f"y{i}"], domain=DOMAIN, name=f"fq{i}",
-                                **cfg.attributes())
-        node.overload = cfg.overload()
+                                **attributes(cfg))
+        node.overload = overload(cfg, static)
         nodes.append(node)
         outputs.append(helper.make_tensor_value_info(f"y{i}", elem_type, shape))
-        functions.setdefault((cfg.spec.onnx_op, cfg.overload()), fake_quant_function(cfg, 21))
+        functions.setdefault((cfg.spec.onnx_op, node.overload), fake_quant_function(cfg, 21, static))
     graph = helper.make_graph(nodes, "fq", [helper.make_tensor_value_info("x", elem_type, shape)], outputs)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid(DOMAIN, 1)],
                               functions=list(functions.values()), ir_version=10)
@@ -93,10 +102,10 @@ def bit_mismatches(got: torch.Tensor, want: torch.Tensor) -> int:
 def check(cases: list[tuple[str, dict]], x: torch.Tensor, *, static: bool, elem_type: int = TensorProto.FLOAT):
     """Run every case as one node of one model; assert all outputs equal fake_quantize bit for bit."""
     shape = tuple(x.shape) if static else None
-    configs = [replace(FakeQuantConfig.from_options(f, o), shape=shape) for f, o in cases]
-    assert all(c.static_blocks() == static for c in configs)
+    configs = [QuantConfig.from_options(f, o).bind(-1) for f, o in cases]
+    assert all(static_blocks(c, shape) == static for c in configs)
     dims = list(x.shape) if static else [f"d{i}" for i in range(x.dim())]
-    outs = run(model_for(configs, dims, elem_type), x.numpy())
+    outs = run(model_for(configs, dims, elem_type, shape), x.numpy())
     failures = []
     for (fmt, opts), got in zip(cases, outs, strict=True):
         bad = bit_mismatches(torch.from_numpy(got), fake_quantize(x, fmt, **opts))
@@ -133,14 +142,16 @@ def test_half_precision_inputs_round_at_the_end():
 
 
 def test_node_attributes_and_overloads_name_the_options():
-    cfg = FakeQuantConfig.from_options("mxfp4", {"scale_rule": "rceil", "axis": 0})
+    cfg = QuantConfig.from_options("mxfp4", {"scale_rule": "rceil", "axis": 0})
     assert cfg.spec.onnx_op == "MXFP4FakeQuant"
-    assert cfg.attributes() == {"axis": 0, "rounding": "rne", "block_size": 32, "scale_rule": "rceil"}
-    assert cfg.overload() == "b32_axis0_rne_rceil"
-    tiles = FakeQuantConfig.from_options("nvfp4", {"block_shape": [16, 16], "nvfp4_variant": "one_level"})
-    assert tiles.attributes()["block_shape"] == [16, 16] and tiles.overload() == "b16x16_axism1_rne_one_level"
+    assert attributes(cfg) == {"axis": 0, "rounding": "rne", "block_size": 32, "scale_rule": "rceil"}
+    assert overload(cfg) == "b32_axis0_rne_rceil"
+    assert overload(cfg, (4, 64)) == "b32_axis0_rne_rceil_s4x64" and overload(cfg, (None, 64)) == overload(cfg)
+    tiles = QuantConfig.from_options("nvfp4", {"block_shape": [16, 16], "nvfp4_variant": "one_level"})
+    assert attributes(tiles)["block_shape"] == [16, 16] and overload(tiles) == "b16x16_axism1_rne_one_level"
+    assert attributes(QuantConfig.from_options("int4", {})) == {"axis": -1, "rounding": "rne", "block_size": 128}
     fn = fake_quant_function(cfg, 21)
-    assert (fn.domain, fn.name, fn.overload) == (DOMAIN, "MXFP4FakeQuant", cfg.overload())
+    assert (fn.domain, fn.name, fn.overload) == (DOMAIN, "MXFP4FakeQuant", overload(cfg))
     assert all(n.domain == "" for n in fn.node)  # standard ops only
 
 

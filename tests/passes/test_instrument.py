@@ -158,8 +158,7 @@ def test_plan_lists_taps_after_fake_quant_and_shadow_only_where_needed(tiny):
                      instrument={"targets": [SITE, "lm_head"], "points": ["output"]})
     rows = qtransform.plan(tiny("qwen2"), policy).rows
     assert [(r.site, r.pass_name, r.detail) for r in rows] == [
-        (SITE, "fake_quant", "mxfp4 block=32, rounding=rne, zero_saturated_grad=False, "
-                             "scale_rule=floor"),
+        (SITE, "fake_quant", "mxfp4 block=32, scale_rule=floor, rounding=rne"),
         (SITE, "instrument", "tap + shadow"),
         ("lm_head", "instrument", "tap + shadow")]
     model = qtransform.transform(tiny("qwen2"), policy)

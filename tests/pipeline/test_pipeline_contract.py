@@ -32,7 +32,7 @@ from tests.conftest import ids
 
 STANDARD = ["aqn_noise", "fake_quant", "hw_error", "clamp", "instrument"]  # import order of passes/
 HINT_TAIL = "use -1 (the last axis, the default for activations) or -2, or drop axis (the reduction axis)"
-MXFP4_DETAIL = "mxfp4 block=32, rounding=rne, zero_saturated_grad=False, scale_rule=floor"
+MXFP4_DETAIL = "mxfp4 block=32, scale_rule=floor, rounding=rne"
 
 
 def _policy(**sections: object) -> dict:

@@ -12,6 +12,7 @@ from torch import nn
 import qtransform
 from qtransform import fake_quantize
 from qtransform.errors import UserError
+from qtransform.formats import QuantConfig
 from tests.conftest import ids
 from tests.helpers import assert_untouched, snapshot
 
@@ -278,12 +279,11 @@ def test_fake_quantize_module_repr_copy_cache_and_step():
     from qtransform.passes.fake_quant import FakeQuantize
 
     x = torch.randn(4, 64, generator=torch.Generator().manual_seed(3))
-    fq = FakeQuantize("mxfp4", {"block_size": 32, "nvfp4_variant": None}, "lin/weight_fake_quant", cache=True)
-    assert fq.extra_repr() == "mxfp4, axis=-1, block_size=32, label='lin/weight_fake_quant'"
-    assert FakeQuantize("nvfp4", {}, "a/input_fake_quant", axis=0).extra_repr() == \
-        "nvfp4, axis=0, label='a/input_fake_quant'"
-    two = FakeQuantize("mxfp4", {"block_size": 32, "rounding": "rne"}, "b", axis=1)
-    assert two.extra_repr() == "mxfp4, axis=1, block_size=32, rounding=rne, label='b'"
+    cfg = QuantConfig.from_options
+    fq = FakeQuantize(cfg("mxfp4", {"block_size": 32, "nvfp4_variant": None}), "lin/weight_fake_quant", cache=True)
+    assert fq.extra_repr() == "mxfp4, block_size=32, axis=-1, scale_rule=floor, rounding=rne, label='lin/weight_fake_quant'"
+    assert FakeQuantize(cfg("nvfp4", {"axis": 0}), "a/input_fake_quant").extra_repr() == \
+        "nvfp4, block_size=16, axis=0, rounding=rne, nvfp4_variant=default, label='a/input_fake_quant'"
     want = fake_quantize(x, "mxfp4", block_size=32)
     fq.enabled = False  # the copy is quantized whether or not the module is enabled
     copy_ = fq.quantized_copy(x.clone().requires_grad_(True))
@@ -293,7 +293,7 @@ def test_fake_quantize_module_repr_copy_cache_and_step():
     fq.clear_cache()
     assert fq._key is None and fq._cached is None
     fq.set_step(4)  # no stream: nothing to move, nothing raised
-    sr = FakeQuantize("mxfp4", {"rounding": "stochastic"}, "s/weight_fake_quant", seed=9)
+    sr = FakeQuantize(cfg("mxfp4", {"rounding": "stochastic", "seed": 9}), "s/weight_fake_quant")
     sr.set_step(5, 2)  # step 5, two draws already taken: this forward is draw 2
     got = sr.quantize(x)
     assert (sr.stream.step, sr.stream.count) == (5, 3)

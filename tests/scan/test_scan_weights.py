@@ -190,9 +190,9 @@ def test_policy_selects_sites_formats_and_thresholds(tmp_path):
     forced = scan_weights(path, "nvfp4", policy=policy)
     assert {r.format for r in forced.rows} == {"nvfp4"} and len(forced.rows) == 8
     # the recorded rules: scale_rule (MX only) dropped, the default targets left implicit
-    assert forced.meta["quantize"] == [
-        {"ignore": ["lm_head"], "layers": "0-1", "format": "nvfp4"},
-        {"targets": ["down_proj"], "layers": "1", "format": "nvfp4"}]
+    nvfp4 = {"format": "nvfp4", "block_size": 16, "rounding": "rne", "nvfp4_variant": "default"}
+    assert forced.meta["quantize"] == [  # the scanned format's every option spelled out
+        {"ignore": ["lm_head"], "layers": "0-1", **nvfp4}, {"targets": ["down_proj"], "layers": "1", **nvfp4}]
     again = load_policy({"version": 1, "quantize": forced.meta["quantize"]})
     assert [(r.format, r.layers) for r in again.quantize] == [("nvfp4", "0-1"), ("nvfp4", "1")]
 
@@ -294,3 +294,26 @@ def test_compare_shows_per_layer_sqnr_and_where_the_winner_differs():
         assert row.endswith(f"| {layers[layer]['winner']}"
                             + (" (differs) |" if layers[layer]["winner"] != overall else " |"))
     assert json.loads(json.dumps(result.to_dict()))["layers"][1]["winner"] == "mxfp8_e4m3"
+
+
+def test_a_stochastic_weight_scan_measures_the_transformed_models_first_draw():
+    """One seeding scheme: the scan's stochastic rounding is the draw the transformed model's
+    first forward makes for that weight (read here through `rollout_weights`), not a draw of
+    its own."""
+    import qtransform
+    from qtransform.models import build_tiny
+    from tests.helpers import metrics_f64
+
+    model = build_tiny("qwen2")
+    rule = {"targets": ["Linear"], "ignore": ["lm_head"], "format": "mxfp4", "rounding": "stochastic", "seed": 5}
+    site = "model.layers.1.mlp.down_proj"
+    q = qtransform.transform(model, {"version": 1, "quantize": [rule]})
+    seen = dict(qtransform.rollout_weights(q))[f"{site}.weight"]
+    w = model.get_submodule(site).weight
+    row = next(r for r in scan_weights(model, policy={"version": 1, "quantize": [rule]}).rows if r.site == site)
+    want = metrics_f64(w, seen)
+    assert row.metrics["sqnr_db"] == pytest.approx(want["sqnr_db"], rel=1e-9)
+    assert row.metrics["deadzone"] == want["deadzone"] and row.options["seed"] == 5
+    other = next(r for r in scan_weights(model, "mxfp4", options={"rounding": "stochastic", "seed": 6}).rows
+                 if r.site == site)
+    assert other.metrics["sqnr_db"] != row.metrics["sqnr_db"]  # another seed, another draw

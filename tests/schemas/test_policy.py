@@ -45,7 +45,8 @@ def test_defaults():
     r = p.quantize[0]
     assert p.version == 1 and r.format == "mxfp4" and r.targets == ["Linear"] and r.ignore == []
     assert (r.tensors, r.scale_rule, r.rounding, r.block_size, r.axis, r.seed) == (["weight"], "floor", "rne", None, None, None)
-    assert p.instrument.points == ["weight", "input", "output"] and len(p.instrument.metrics) == 11
+    assert p.instrument.points == ["weight", "input", "output"]
+    assert p.instrument.saturation is True and p.instrument.block_exponents is True
     assert p.instrument.shadow and p.instrument.thresholds.sqnr_db == 20.0
     assert (p.instrument.thresholds.deadzone, p.instrument.thresholds.saturation, p.instrument.thresholds.relative_error) == (0.05, 0.01, 0.10)
     n = p.noise
@@ -56,12 +57,22 @@ def test_defaults():
         ["Linear"], "relative_gaussian", "output", "both", 0, False)
 
 
-def test_format_options():
-    mx = QuantRule(format="mxfp4", block_size=64, scale_rule="rceil", rounding="stochastic", seed=3)
-    assert mx.format_options() == {"block_size": 64, "scale_rule": "rceil", "rounding": "stochastic", "zero_saturated_grad": False}
-    nv = QuantRule(format="nvfp4", nvfp4_variant="compressed-tensors", block_shape=(16, 16), zero_saturated_grad=True)
-    assert nv.format_options() == {"block_shape": (16, 16), "rounding": "rne", "nvfp4_variant": "compressed-tensors", "zero_saturated_grad": True}
-    assert QuantRule(format="int4", block_size=100).format_options() == {"block_size": 100, "rounding": "rne", "zero_saturated_grad": False}
+def test_rule_config_is_the_canonical_options_object():
+    """A rule becomes one QuantConfig: every option of its family spelled out, the axis left
+    unbound until a site binds it, the seed kept for stochastic rounding."""
+    mx = QuantRule(format="mxfp4", block_size=64, scale_rule="rceil", rounding="stochastic", seed=3).config()
+    assert (mx.name, mx.block, mx.tile, mx.axis, mx.seed) == ("mxfp4", 64, None, None, 3)
+    assert mx.options() == {"block_size": 64, "scale_rule": "rceil", "rounding": "stochastic", "seed": 3}
+    assert mx.bind(0).axis == 0 and mx.bind(0).bind(1).axis == 0
+    nv = QuantRule(format="nvfp4", nvfp4_variant="compressed-tensors", block_shape=(16, 16),
+                   zero_saturated_grad=True).config()
+    assert nv.options() == {"block_shape": [16, 16], "axis": -1, "rounding": "rne",
+                            "nvfp4_variant": "compressed-tensors", "zero_saturated_grad": True}
+    assert nv.bind(0).axis == -1  # tiles have no blocking axis to bind
+    assert QuantRule(format="int4", block_size=100, axis=0).config().options() == {
+        "block_size": 100, "axis": 0, "rounding": "rne"}
+    assert QuantRule(format="nvfp4").config().options() == {
+        "block_size": 16, "rounding": "rne", "nvfp4_variant": "default"}
 
 
 def test_unknown_format_and_misspelt_key_suggest():
@@ -157,11 +168,14 @@ def test_noise_multipliers_problems():
 
 
 def test_instrument_and_hw_error_problems():
-    found = problems({"instrument": {"metrics": ["sqnr", "mse"], "thresholds": {"deadzone": 2}},
+    found = problems({"instrument": {"points": ["weight", "wieght"], "thresholds": {"deadzone": 2}},
                       "hw_error": {"error_type": "relative", "error_scale": -0.05}})
-    assert found[0].startswith("instrument.metrics[0]: unknown value; got 'sqnr'; allowed: sqnr_db, mse,")
-    assert found[0].endswith("(did you mean 'sqnr_db'?)")
+    assert found[0].startswith("instrument.points[1]: unknown value; got 'wieght'; allowed: weight, input,")
+    assert found[0].endswith("(did you mean 'weight'?)")
     assert "instrument.thresholds.deadzone: must be <= 1; got 2" in found
+    assert problems({"instrument": {"metrics": ["sqnr_db"]}}) == [
+        "instrument.metrics: removed: every error metric is always computed (one pass); delete this "
+        "field, and set saturation / block_exponents to false to skip those two; got [\"sqnr_db\"]"]
     assert any(p.startswith("hw_error.error_type: unknown value; got 'relative'") for p in found)
     assert "hw_error.error_scale: must be > 0; got -0.05" in found
     assert problems({"hw_error": {}}) == ["hw_error.error_scale: required field is missing"]

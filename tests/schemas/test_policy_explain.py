@@ -59,16 +59,17 @@ def test_noise_schedule_and_multipliers():
 
 
 def test_instrument_and_hw_error():
-    text = explain(load_policy({"instrument": {"points": ["weight"], "metrics": ["sqnr_db"]},
+    text = explain(load_policy({"instrument": {"points": ["weight"], "block_exponents": False},
                                 "hw_error": {"error_scale": 0.05}}))
-    assert "Instrumentation: taps the weights of modules matching class Linear and records sqnr_db" in text
+    assert ("Instrumentation: taps the weights of modules matching class Linear and records the "
+            "error metrics and saturation on a shadow copy") in text
     assert "flagged when SQNR < 20 dB, deadzone > 0.05, saturation > 0.01 or rel_rmse > 0.1" in text
     assert "Hardware error: relative gaussian y*(1 + s*z) with s = 0.05, z ~ N(0, 1), on the outputs" in text
 
 
 def test_summary_and_empty():
     p = load_policy(EXAMPLES / "srdd_guided_aqn.json")
-    assert summary(p) == ("1 quantize rule(s) (mxfp4 W4A16), instrument (5 metrics), "
+    assert summary(p) == ("1 quantize rule(s) (mxfp4 W4A16), instrument (weight), "
                           "noise (exponential, sigma_start 0.01, 5 stages)")
     assert explain(load_policy({})) == "The policy is empty: it changes nothing."
     assert summary(load_policy({})) == "empty policy"

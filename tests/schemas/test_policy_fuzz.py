@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from qtransform.formats import registry
 from qtransform.schemas import Policy, PolicyError, dump_policy, load_policy
-from qtransform.schemas.base import METRICS, TENSORS
+from qtransform.schemas.base import TENSORS
 from qtransform.schemas.selectors import format_layers
 
 EXAMPLES = [json.loads(p.read_text()) for p in sorted((Path(__file__).resolve().parents[2] / "schemas" / "examples").glob("*.json"))]
@@ -89,7 +89,8 @@ def policies(draw) -> dict[str, Any]:
         data["instrument"] = {
             **draw(selector_fields()),
             "points": draw(st.lists(st.sampled_from(TENSORS), min_size=1, unique=True)),
-            "metrics": draw(st.lists(st.sampled_from(METRICS), min_size=1, unique=True)),
+            "saturation": draw(st.booleans()),
+            "block_exponents": draw(st.booleans()),
             "shadow": draw(st.booleans()),
             "thresholds": {"sqnr_db": draw(st.floats(-50, 80)), "deadzone": draw(st.floats(0, 1))},
         }

@@ -1,0 +1,111 @@
+"""NVFP4 in ONNX: each variant's fp32 order of operations, and two-level QDQ (E4M3 block
+scales times one fp32 decode scale)."""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import torch
+from onnx import NodeProto, TensorProto, helper
+
+from qtransform.export.functions import (
+    FLT_MAX,
+    Body,
+    OnnxFamily,
+    amax_nan,
+    amax_or_inf,
+    initializer,
+    register_onnx_family,
+    round_magnitude,
+    round_signed,
+)
+from qtransform.formats.options import QuantConfig
+from qtransform.formats.registry import E4M3
+
+
+def _e4m3(b: Body, v: str) -> str:
+    return round_magnitude(b, v, E4M3, "rne")
+
+
+def _clamp6(b: Body, y: str) -> str:
+    return b.op("Max", b.op("Min", y, b.const(6.0)), b.const(-6.0))
+
+
+def nvfp4_blocks(b: Body, x: str, axes: str, cfg: QuantConfig) -> str:
+    """quantize_nvfp4 in the variant's fp32 order of operations."""
+    elem = cfg.spec.element
+    if cfg.nvfp4_variant == "one_level":
+        s = _e4m3(b, b.op("Min", b.op("Div", amax_nan(b, x, axes), b.const(6.0)), b.const(448.0)))
+        sz = b.op("Equal", s, b.const(0.0))
+        # where(s == 0, x * 0.0, x / s) without routing signed zeros through a Where
+        div = b.op("Div", x, b.op("Where", sz, b.const(1.0), s))
+        y = b.op("Mul", div, b.op("Where", sz, b.const(0.0), b.const(1.0)))
+        return b.op("Mul", round_signed(b, _clamp6(b, y), elem, cfg.rounding), s)
+    amax_t = amax_nan(b, x, None)
+    if cfg.nvfp4_variant == "default":
+        amax_b = amax_or_inf(b, x, axes)  # a NaN anywhere makes every output NaN through g
+        g = b.op("Min", b.op("Div", b.const(2688.0), amax_t), b.const(FLT_MAX))
+        g = b.op("Where", b.op("Equal", g, b.const(0.0)), b.const(1.0), g)
+        d = b.op("Div", b.const(1.0), g)
+        d = b.op("Min", d, b.const(FLT_MAX))  # no-op on values; stops Div(1,g)*s becoming s/g
+        gs = b.op("Mul", g, b.const(np.float32(1 / 6)))
+        s = b.op("Min", b.op("Mul", amax_b, gs), b.const(FLT_MAX))
+        s = _e4m3(b, b.op("Max", b.op("Min", s, b.const(448.0)), b.const(-448.0)))
+        sd = b.op("Mul", s, d)
+        enc = b.op("Min", b.op("Div", b.const(1.0), sd), b.const(FLT_MAX))
+        q = round_signed(b, _clamp6(b, b.op("Mul", x, enc)), elem, cfg.rounding)
+        return b.op("Mul", q, sd)
+    amax_b = amax_nan(b, x, axes)  # a NaN block is all NaN here (g ignores amax_t's NaN)
+    recip = b.op("Min", b.op("Div", b.const(1.0), amax_t), b.const(np.inf))  # stops Div-Mul fusion
+    g = b.op("Mul", recip, b.const(2688.0))
+    g = b.op("Where", b.op("Or", b.op("IsNaN", g), b.op("IsInf", g)), b.const(1.0), g)
+    s = b.op("Mul", g, b.op("Div", amax_b, b.const(6.0)))
+    s = _e4m3(b, b.op("Max", b.op("Min", s, b.const(448.0)), b.const(-448.0)))
+    s = b.op("Where", b.op("Equal", s, b.const(0.0)), b.const(0.125), s)
+    scale = b.op("Div", s, g)
+    y = b.op("Div", x, scale)
+    qa = round_magnitude(b, b.op("Abs", _clamp6(b, y)), elem, cfg.rounding)
+    q = b.op("Mul", qa, b.op("Where", b.op("Less", y, b.const(0.0)), b.const(-1.0), b.const(1.0)))
+    return b.op("Mul", q, scale)
+
+
+def weight_scale(label: str, grid: torch.Tensor, tensor_scale: torch.Tensor | None,
+                 cfg: QuantConfig) -> tuple[list[TensorProto], list[NodeProto]]:
+    """compressed-tensors: one fp32 scale per block (block scale over the tensor scale); the
+    others: E4M3 block scales and a DequantizeLinear by the fp32 decode scale."""
+    if cfg.nvfp4_variant == "compressed-tensors":
+        return [initializer(f"{label}/scale", (grid / tensor_scale).numpy().astype(np.float32))], []
+    d = 1.0 if tensor_scale is None else float(tensor_scale)
+    inits = [initializer(f"{label}/block_scale", grid.numpy().astype(ml_dtypes.float8_e4m3fn)),
+             initializer(f"{label}/tensor_scale", np.array(d, np.float32))]
+    node = helper.make_node("DequantizeLinear", [f"{label}/block_scale", f"{label}/tensor_scale"],
+                            [f"{label}/scale"], name=f"{label}/scale_dequantize",
+                            output_dtype=TensorProto.FLOAT)
+    return inits, [node]
+
+
+def _nvfp4_scale(b: Body, amax: str, variant: str) -> str:
+    """Per-block NVFP4 scale in the variant's order (E4M3 block scale times the tensor scale)."""
+    def e4m3(v: str) -> str:
+        return _e4m3(b, b.op("Min", v, b.const(448.0)))
+
+    if variant == "one_level":
+        return e4m3(b.op("Div", amax, b.const(6.0)))
+    amax_t = b.op("ReduceMax", amax, keepdims=0)
+    if variant == "default":
+        g = b.op("Min", b.op("Div", b.const(2688.0), amax_t), b.const(FLT_MAX))
+        g = b.op("Where", b.op("Equal", g, b.const(0.0)), b.const(1.0), g)
+        s = e4m3(b.op("Min", b.op("Mul", amax, b.op("Mul", g, b.const(np.float32(1 / 6)))), b.const(FLT_MAX)))
+        return b.op("Mul", s, b.op("Div", b.const(1.0), g))
+    g = b.op("Mul", b.op("Div", b.const(1.0), amax_t), b.const(2688.0))
+    g = b.op("Where", b.op("Or", b.op("IsNaN", g), b.op("IsInf", g)), b.const(1.0), g)
+    s = e4m3(b.op("Mul", g, b.op("Div", amax, b.const(6.0))))
+    return b.op("Div", b.op("Where", b.op("Equal", s, b.const(0.0)), b.const(0.125), s), g)
+
+
+def activation_scale(b: Body, amax: str, cfg: QuantConfig) -> str:
+    """The variant's block scale, raised to the smallest normal (zero blocks)."""
+    return b.op("Max", _nvfp4_scale(b, amax, cfg.nvfp4_variant), b.const(2.0**-126))
+
+
+register_onnx_family("nvfp4", OnnxFamily(nvfp4_blocks, weight_scale, activation_scale))
