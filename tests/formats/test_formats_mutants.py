@@ -53,7 +53,7 @@ def test_round_defaults_are_rne() -> None:
 
 def test_stochastic_without_draws_names_the_problem() -> None:
     """Stochastic rounding with u=None fails with the message that says what is missing."""
-    with pytest.raises(AssertionError, match="stochastic rounding needs uniform draws"):
+    with pytest.raises(AssertionError, match="^stochastic rounding needs uniform draws$"):
         round_to_integer(torch.tensor([0.5]), "stochastic", None)
 
 
