@@ -58,12 +58,6 @@ def attributes(cfg: QuantConfig) -> dict[str, Any]:
     return cfg.bind(cfg.block_axis).numerics()
 
 
-def config_from_attributes(fmt: str, attrs: dict[str, Any]) -> QuantConfig:
-    """The config a node's attributes describe, validated like `fake_quantize` validates it
-    (export rejects exactly what PyTorch rejects)."""
-    return QuantConfig.from_options(fmt, attrs)
-
-
 def overload(cfg: QuantConfig, shape: Shape = None) -> str:
     """A stable identifier of the attributes and, for static bodies, the input shape
     (the function's IR 10 overload name)."""

@@ -26,7 +26,6 @@ from qtransform.export.functions import (
     Shape,
     UnsupportedExport,
     attributes,
-    config_from_attributes,
     fake_quant_function,
     overload,
 )
@@ -46,7 +45,7 @@ def config_of(node: NodeProto, model: ModelProto | None = None) -> tuple[QuantCo
     by_op = {formats.get(n).onnx_op: n for n in formats.names()}
     opts = {a.name: helper.get_attribute_value(a) for a in node.attribute if a.name != "label"}
     opts = {k: v.decode() if isinstance(v, bytes) else v for k, v in opts.items()}
-    cfg = config_from_attributes(by_op[node.op_type], opts)
+    cfg = QuantConfig.from_options(by_op[node.op_type], opts)  # validated as fake_quantize does
     return cfg, None if model is None else static_dims(model, node.input[0])
 
 

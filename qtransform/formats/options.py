@@ -89,14 +89,6 @@ class QuantConfig:
             out["seed"] = self.seed
         return out
 
-    def kwargs(self) -> dict[str, Any]:
-        """`options()` for `fake_quantize` / `encode` (the seed left out: the caller passes it)."""
-        out = self.options()
-        out.pop("seed", None)
-        if "block_shape" in out:
-            out["block_shape"] = tuple(out["block_shape"])
-        return out
-
     def describe(self) -> str:
         """One line for plans: 'mxfp4 block=32, scale_rule=floor, rounding=rne'."""
         opts = self.options()

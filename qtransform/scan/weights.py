@@ -265,12 +265,16 @@ def source_label(source: Any) -> str:
 
 # -- formats and options ----------------------------------------------------------------------
 def config_for(fmt: str, options: dict[str, Any] | None) -> QuantConfig:
-    """Validate `fmt` and options once (unknown names become UserErrors with a suggestion);
-    stochastic rounding without a seed uses seed 0, so a report always names its stream."""
+    """Validate `fmt` and options once (unknown names become UserErrors with a suggestion)."""
     try:
         cfg = QuantConfig.from_options(fmt, options)
     except ValueError as exc:
         raise UserError(str(exc)) from None
+    return _named_stream(cfg)
+
+
+def _named_stream(cfg: QuantConfig) -> QuantConfig:
+    """Stochastic rounding without a seed uses seed 0, so a report always names its stream."""
     return replace(cfg, seed=0) if cfg.stochastic and cfg.seed is None else cfg
 
 
@@ -295,7 +299,7 @@ def policy_configs(policy: Any, sites: Sequence[Site]) -> dict[str, QuantConfig]
             continue
         if index not in per_rule:
             cfg = replace(rule.config(), zero_saturated_grad=False)
-            per_rule[index] = replace(cfg, seed=0) if cfg.stochastic and cfg.seed is None else cfg
+            per_rule[index] = _named_stream(cfg)
         out[name] = per_rule[index]
     return out
 

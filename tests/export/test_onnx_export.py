@@ -117,7 +117,7 @@ def test_onnxruntime_matches_pytorch_at_two_shapes_of_one_dynamic_export(exporte
         out = ex.run(x)
         for label, src, dst in ex.fq:  # each fake-quant node: bit-exact on what it was given
             cfg, _ = config_of(next(n for n in fake_quant_nodes(ex.proto) if n.name == label))
-            want = fake_quantize(torch.from_numpy(out[src]), cfg.spec.name, **cfg.kwargs())
+            want = fake_quantize(torch.from_numpy(out[src]), cfg)
             assert bits_equal(out[dst], want), label
         ref = ex.torch_logits(x)
         got = out[ex.names[0]]

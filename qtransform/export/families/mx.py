@@ -20,16 +20,21 @@ from qtransform.export.functions import (
 from qtransform.formats.options import QuantConfig
 
 
-def mx_blocks(b: Body, x: str, axes: str, cfg: QuantConfig) -> str:
-    """quantize_mx on a blocked tensor (block maxima reduce over `axes`)."""
-    elem = cfg.spec.element
-    amax = amax_or_inf(b, x, axes)
-    bad = b.op("IsInf", amax)
+def _scale(b: Body, amax: str, bad: str, cfg: QuantConfig) -> str:
+    """2^E per block (mx.quantize_mx): zero blocks 2^-127; NaN/Inf blocks (`bad`) get a
+    placeholder the callers mask."""
     zero = b.op("Equal", amax, b.const(0.0))
     safe = b.op("Where", b.op("Or", bad, zero), b.const(1.0), amax)
-    e = b.op("Where", zero, b.const(-127.0), shared_exponent(b, safe, elem, cfg.scale_rule))
-    scale = pow2(b, e)
-    q = round_signed(b, b.op("Div", x, scale), elem, cfg.rounding)
+    e = b.op("Where", zero, b.const(-127.0), shared_exponent(b, safe, cfg.spec.element, cfg.scale_rule))
+    return pow2(b, e)
+
+
+def mx_blocks(b: Body, x: str, axes: str, cfg: QuantConfig) -> str:
+    """quantize_mx on a blocked tensor (block maxima reduce over `axes`)."""
+    amax = amax_or_inf(b, x, axes)
+    bad = b.op("IsInf", amax)
+    scale = _scale(b, amax, bad, cfg)
+    q = round_signed(b, b.op("Div", x, scale), cfg.spec.element, cfg.rounding)
     nan_or_one = b.op("Where", bad, b.const(np.nan), b.const(1.0))  # per block: keeps -0.0
     return b.op("Mul", b.op("Mul", q, scale), nan_or_one)
 
@@ -43,11 +48,7 @@ def weight_scale(label: str, grid: torch.Tensor, tensor_scale: torch.Tensor | No
 
 def activation_scale(b: Body, amax: str, cfg: QuantConfig) -> str:
     """2^E from the block maxima (zero blocks: 2^-127)."""
-    bad = b.op("IsInf", amax)
-    zero = b.op("Equal", amax, b.const(0.0))
-    safe = b.op("Where", b.op("Or", bad, zero), b.const(1.0), amax)
-    e = b.op("Where", zero, b.const(-127.0), shared_exponent(b, safe, cfg.spec.element, cfg.scale_rule))
-    return pow2(b, e)
+    return _scale(b, amax, b.op("IsInf", amax), cfg)
 
 
 register_onnx_family("mx", OnnxFamily(mx_blocks, weight_scale, activation_scale,
