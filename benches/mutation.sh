@@ -32,7 +32,7 @@ GROUPS_ALL=(
   "metrics|qtransform/core/metrics.py|tests/core/test_metrics.py"
   "fake_quant|qtransform/passes/fake_quant.py|tests/pipeline/test_transform.py tests/formats/test_formats_api.py tests/core/test_moe.py"
   "pipeline|qtransform/pipeline/base.py qtransform/pipeline/manager.py qtransform/pipeline/selection.py qtransform/pipeline/transform.py|tests/pipeline/test_transform.py tests/core/test_site_identity.py tests/core/test_capture.py tests/pipeline/test_pipeline_contract.py"
-  "formats|qtransform/formats/elements.py qtransform/formats/mx.py qtransform/formats/nvfp4.py qtransform/formats/intgroup.py qtransform/formats/blocking.py qtransform/formats/options.py|tests/formats/test_formats_rules.py tests/formats/test_formats_vectors.py tests/formats/test_formats_nvfp4_order.py tests/formats/test_formats_api.py tests/formats/test_formats_properties.py tests/formats/test_formats_mutants.py"
+  "formats|qtransform/formats/elements.py qtransform/formats/mx.py qtransform/formats/nvfp4.py qtransform/formats/intgroup.py qtransform/formats/blocking.py qtransform/formats/options.py|tests/formats/test_formats_rules.py tests/formats/test_formats_vectors.py tests/formats/test_formats_nvfp4_order.py tests/formats/test_formats_api.py tests/formats/test_formats_properties.py tests/formats/test_formats_mutants.py tests/formats/test_formats_options.py"
 )
 
 toml_list() { printf '['; local first=1; for x in "$@"; do [ $first = 1 ] || printf ', '; printf '"%s"' "$x"; first=0; done; printf ']'; }
