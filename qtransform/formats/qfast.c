@@ -407,6 +407,271 @@ DEFINE_RUN(run_int_rne, 1, 0)
 DEFINE_RUN(run_int_rna, 1, 1)
 DEFINE_RUN(run_int_sr, 1, 2)
 
+/* ---- Vector path (AVX-512 builds): rows made of whole 1D blocks whose size is a multiple of
+ * 16 (the default layout of every family). The same fp32 operations as the scalar path above,
+ * 16 lanes at a time (GCC vector extensions; elsewhere GCC spills 64-byte vectors and lowers
+ * the transpose's shuffles lane by lane, so other ISAs keep the scalar path), 16 blocks at a time: their amaxes reduced together
+ * by a transpose, their plans, then their elements, read and written in the tensor's own dtype
+ * (no widening buffers). Where the two paths differ in form they agree in value:
+ * round-to-nearest-even adds and subtracts 2^(23 - mbits) ulps of the element's binade instead
+ * of scaling to an integer (both round |y| to the grid step of its binade, ties to even). */
+typedef void (*vec_fn)(const void *, void *, uint8_t *, int32_t *, int64_t, int64_t, int64_t,
+                       const qf_params *, const tensor_scale *, const sr_t *, int64_t, int64_t,
+                       float *);
+#if defined(__AVX512F__)
+#include <immintrin.h>
+typedef float v16f __attribute__((vector_size(64)));
+typedef uint32_t v16u __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+typedef uint16_t v16h __attribute__((vector_size(32)));
+typedef uint8_t v16b __attribute__((vector_size(16)));
+#define VINLINE static inline __attribute__((always_inline)) /* no 64-byte vector ABI */
+#define SPLAT(u) ((v16u){0} + (uint32_t)(u))
+#define VGROUP 16
+
+VINLINE v16u vsel(v16i m, v16u a, v16u b) { return ((v16u)m & a) | (~(v16u)m & b); }
+
+/* max / min lane-wise in one instruction (C has no vector `?:`, and GCC does not turn the
+ * select into a max); `vminf(a, b)` is `a < b ? a : b` (NaN -> b) */
+VINLINE v16u vmaxu(v16u a, v16u b) { return (v16u)_mm512_max_epu32((__m512i)a, (__m512i)b); }
+VINLINE v16i vmaxi(v16i a, v16i b) { return (v16i)_mm512_max_epi32((__m512i)a, (__m512i)b); }
+VINLINE v16i vmini(v16i a, v16i b) { return (v16i)_mm512_min_epi32((__m512i)a, (__m512i)b); }
+VINLINE v16f vminf(v16f a, v16f b) { return (v16f)_mm512_min_ps((__m512)a, (__m512)b); }
+
+
+/* fp16 through the F16C conversions (every AVX-512 CPU has them): exact widening, and IEEE
+ * round-to-nearest-even narrowing as torch's `.to()`, with NaNs made canonical where asked */
+VINLINE v16u vload(const void *p, int64_t i, int dtype) {
+    if (dtype == DT_F32) {
+        v16u v;
+        memcpy(&v, (const uint32_t *)p + i, sizeof v);
+        return v;
+    }
+    __m256i h;
+    memcpy(&h, (const uint16_t *)p + i, sizeof h);
+    if (dtype == DT_F16) return (v16u)_mm512_cvtph_ps(h);
+    return (v16u)_mm512_cvtepu16_epi32(h) << 16;
+}
+
+/* Every NaN the vector path writes is already the canonical one (NaN blocks, compressed-tensors'
+ * NaNs), which both narrowings keep canonical, so they need no NaN check. */
+VINLINE void vstore(void *p, int64_t i, int dtype, v16u v) {
+    if (dtype == DT_F32) {
+        memcpy((uint32_t *)p + i, &v, sizeof v);
+        return;
+    }
+    __m256i h = dtype == DT_BF16 /* f2bf_bits's rounding; the low halves (vpmovdw) */
+                    ? _mm512_cvtepi32_epi16((__m512i)((v + 0x7fffu + ((v >> 16) & 1u)) >> 16))
+                    : _mm512_cvtps_ph((__m512)v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    memcpy((uint16_t *)p + i, &h, sizeof h);
+}
+
+/* lane k = the largest lane of m[k]: a transpose in four halving steps */
+VINLINE v16u hmax16(v16u m[VGROUP]) {
+    const v16u s1a = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
+    const v16u s1b = {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31};
+    const v16u s2a = {0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27};
+    const v16u s2b = {4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31};
+    const v16u s3a = {0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29};
+    const v16u s3b = {2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31};
+    const v16u s4a = {0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30};
+    const v16u s4b = {1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31};
+    for (int i = 0; i < 8; i++)
+        m[i] = vmaxu(__builtin_shuffle(m[i], m[i + 8], s1a), __builtin_shuffle(m[i], m[i + 8], s1b));
+    for (int i = 0; i < 4; i++)
+        m[i] = vmaxu(__builtin_shuffle(m[i], m[i + 4], s2a), __builtin_shuffle(m[i], m[i + 4], s2b));
+    for (int i = 0; i < 2; i++)
+        m[i] = vmaxu(__builtin_shuffle(m[i], m[i + 2], s3a), __builtin_shuffle(m[i], m[i + 2], s3b));
+    return vmaxu(__builtin_shuffle(m[0], m[1], s4a), __builtin_shuffle(m[0], m[1], s4b));
+}
+
+/* round_mag for a in [0, max_normal] (already saturated, not NaN), lane-wise */
+VINLINE v16f vround(v16f a, grid_t g, v16f u) {
+    if (g.rna == 0) { /* (a + C) - C with C = 2^23 grid steps: exact, ties to even */
+        v16u c;
+        if (g.is_int) {
+            c = SPLAT(f2u(g.step * 8388608.0f));
+        } else {
+            v16i eb = (v16i)((v16u)a & 0x7f800000u), lo = (v16i)SPLAT((uint32_t)(g.emin + 127) << 23);
+            c = (v16u)vmaxi(eb, lo) + ((uint32_t)(23 - g.mbits) << 23);
+        }
+        return (a + (v16f)c) - (v16f)c;
+    }
+    v16f t, step;
+    if (g.is_int) {
+        t = a * g.inv_step;
+        step = (v16f)SPLAT(f2u(g.step));
+    } else {
+        v16i e = vmaxi((v16i)((v16u)a >> 23), (v16i)SPLAT(g.emin + 127)); /* biased, >= emin's */
+        t = a * (v16f)((v16u)(254 + g.mbits - e) << 23);
+        step = (v16f)((v16u)(e - g.mbits) << 23);
+    }
+    v16f r = g.rna == 2 ? t + u : t + 0.5f; /* then truncation, as round_mag */
+    return __builtin_convertvector(__builtin_convertvector(r, v16i), v16f) * step;
+}
+
+/* floor_log2f / ceil_log2f lane-wise (lanes holding 0 come out as garbage); a subnormal's
+ * integer bits convert to float exactly, whose exponent is then its floor(log2) */
+VINLINE v16i vfloor_log2(v16u u) {
+    v16i sub = (v16i)((v16u)__builtin_convertvector((v16i)u, v16f) >> 23) - (127 + 149);
+    return (v16i)vsel((v16i)((u >> 23) == 0), (v16u)sub, (v16u)((v16i)(u >> 23) - 127));
+}
+VINLINE v16i vceil_log2(v16u u) {
+    v16i pow2 = (v16i)vsel((v16i)((u >> 23) != 0), (v16u)((u & 0x7fffffu) == 0), (v16u)((u & (u - 1)) == 0));
+    return vfloor_log2(u) + 1 + pow2; /* pow2: -1 where a power of two */
+}
+
+/* block_exponent for 16 blocks: lane k of am is the amax bits of block k */
+VINLINE v16i vblock_exponent(v16u am, const qf_params *p) {
+    v16i e;
+    if (p->scale_rule == RULE_FLOOR) {
+        e = vfloor_log2(am) - p->emax;
+    } else if (p->scale_rule == RULE_CEIL) {
+        e = vceil_log2(am) - p->emax;
+    } else if (p->scale_rule == RULE_RCEIL) {
+        v16f v = (v16f)am / p->max_normal;
+        e = (v16i)vsel(v > 0.0f, (v16u)vceil_log2((v16u)v), SPLAT(-127));
+    } else {
+        v16u b = am + (1u << (22 - p->mbits));
+        e = (v16i)vsel((v16i)(b >= 0x7f800000u), SPLAT(128), (v16u)vfloor_log2(b)) - p->emax;
+    }
+    e = vmaxi(vmini(e, (v16i)SPLAT(127)), (v16i)SPLAT(-127));
+    e = (v16i)vsel((v16i)(am == 0), SPLAT(-127), (v16u)e);
+    return (v16i)vsel((v16i)(am >= 0x7f800000u), SPLAT(128), (v16u)e);
+}
+
+/* pow2i lane-wise, k in [-127, 128] (128: +Inf, read only for NaN blocks) */
+VINLINE v16f vpow2(v16i k) {
+    v16u sub = SPLAT(1) << ((v16u)(k + 149) & 31u);
+    return (v16f)vsel(k >= -126, (v16u)(k + 127) << 23, sub);
+}
+
+/* plan_block for the nj blocks of a group: in 16 lanes for MX, int groups and the default NVFP4
+ * variant (the same fp32 operations; `s > c ? c : s` is vminf(s, c) as s is never NaN there),
+ * block by block for the others. ex: MX block exponents, already computed. */
+VINLINE void vplans(v16u am, v16i ex, const qf_params *p, const tensor_scale *ts, int64_t nj,
+                    plan_t *pl) {
+    v16f a, post;
+    v16i nan = (v16i)(am >= 0x7f800000u);
+    int kind = PLAN_MUL;
+    if (p->family == FAM_MX) {
+        a = vpow2(-ex), post = vpow2(ex);
+    } else if (p->family == FAM_INT) {
+        v16f scale = (v16f)am / p->qmax;
+        a = (v16f)vsel(scale == 0.0f, SPLAT(f2u(1.0f)), (v16u)scale), post = scale, kind = PLAN_DIV;
+    } else if (p->variant == NV_DEFAULT) {
+        const grid_t e4m3 = {0, 0, 3, -6, 448.0f, 1.0f, 1.0f};
+        v16f s = vminf(vminf((v16f)am * ts->g6, (v16f)SPLAT(f2u(FLT_MAX))), (v16f)SPLAT(f2u(448.0f)));
+        s = vround(s, e4m3, s);
+        post = s * ts->d;
+        a = vminf(1.0f / post, (v16f)SPLAT(f2u(FLT_MAX)));
+        nan = (v16i)SPLAT(ts->nan ? -1 : 0);
+    } else {
+        for (int64_t k = 0; k < nj; k++) pl[k] = plan_block(am[k], p, ts);
+        return;
+    }
+    for (int64_t k = 0; k < nj; k++) {
+        plan_t one = {nan[k] ? PLAN_NAN : kind, a[k], post[k]};
+        pl[k] = one;
+    }
+}
+
+/* The elements of one block (n a multiple of 16) under a MUL, DIV or CT plan. */
+VINLINE void vapply(const void *x, void *o, uint8_t *sat,
+                                                        const float *u, int64_t base, int64_t n,
+                                                        int dtype, int kind, plan_t pl, grid_t g) {
+    v16f a = (v16f)SPLAT(f2u(pl.a)), post = (v16f)SPLAT(f2u(pl.post));
+    v16f maxn = (v16f)SPLAT(f2u(g.max_normal));
+    for (int64_t v = 0; v < n; v += 16) {
+        v16f xv = (v16f)vload(x, base + v, dtype);
+        v16f y = kind == PLAN_MUL ? xv * a : xv / a;
+        v16u yb = (v16u)y;
+        v16f ay = (v16f)(yb & 0x7fffffffu);
+        if (sat) {
+            v16b s = __builtin_convertvector((v16i)(ay > maxn) & 1, v16b);
+            memcpy(sat + base + v, &s, sizeof s);
+        }
+        v16f uv = {0};
+        if (g.rna == 2) memcpy(&uv, u + v, sizeof uv);
+        v16f q = vround(vminf(ay, maxn), g, uv);
+        v16u out;
+        if (kind == PLAN_CT) { /* y NaN -> 0, sign only where y < 0, NaN results canonical */
+            v16i ny = (v16i)(y != y);
+            v16f v = (v16f)(((v16u)q & ~(v16u)ny) | ((v16u)(v16i)(y < 0.0f) & 0x80000000u)) * a;
+            out = vsel(ny | (v16i)(v != v), SPLAT(QNAN), (v16u)v);
+        } else {
+            out = (v16u)((v16f)((v16u)q | (yb & 0x80000000u)) * post);
+        }
+        vstore(o, base + v, dtype, out);
+    }
+}
+
+VINLINE void vnan(void *o, uint8_t *sat, int64_t base, int64_t n,
+                                                      int dtype) {
+    for (int64_t v = 0; v < n; v += 16) vstore(o, base + v, dtype, SPLAT(QNAN));
+    if (sat) memset(sat + base, 0, (size_t)n);
+}
+
+/* nt whole blocks of B elements from element `off` of one row (row `row` of the blocked matrix,
+ * its first column col0), like DEFINE_RUN with nr = 1, reading x and writing o in `dtype`. */
+VINLINE void vec_body(
+    const void *x, void *o, uint8_t *sat, int32_t *e, int64_t off, int64_t nt, int64_t B,
+    const qf_params *p, const tensor_scale *ts, const sr_t *sr, int64_t row, int64_t col0,
+    float *ub, int dtype, int is_int, int rna) {
+    grid_t g = grid_of(p);
+    g.is_int = is_int;
+    g.rna = rna;
+    for (int64_t jc = 0; jc < nt; jc += VGROUP) {
+        int64_t nj = nt - jc < VGROUP ? nt - jc : VGROUP;
+        v16u pm[VGROUP];
+        for (int64_t k = 0; k < VGROUP; k++) {
+            v16u m = SPLAT(0);
+            for (int64_t v = 0; k < nj && v < B; v += 16)
+                m = vmaxu(m, vload(x, off + (jc + k) * B + v, dtype) & 0x7fffffffu);
+            pm[k] = m;
+        }
+        v16u am = hmax16(pm);
+        v16i ex = p->family == FAM_MX ? vblock_exponent(am, p) : (v16i)SPLAT(0);
+        if (e) memcpy(e + jc, &ex, sizeof(int32_t) * (size_t)nj);
+        if (!o) continue;
+        plan_t pl[VGROUP];
+        vplans(am, ex, p, ts, nj, pl);
+        if (rna == 2) fill_uniform(sr, row, col0 + jc * B, nj * B, ub);
+        for (int64_t k = 0; k < nj; k++) {
+            int64_t base = off + (jc + k) * B;
+            const float *u = ub + k * B;
+            if (pl[k].kind == PLAN_MUL) vapply(x, o, sat, u, base, B, dtype, PLAN_MUL, pl[k], g);
+            else if (pl[k].kind == PLAN_DIV) vapply(x, o, sat, u, base, B, dtype, PLAN_DIV, pl[k], g);
+            else if (pl[k].kind == PLAN_CT) vapply(x, o, sat, u, base, B, dtype, PLAN_CT, pl[k], g);
+            else vnan(o, sat, base, B, dtype);
+        }
+    }
+}
+
+#define DEFINE_VEC(NAME, DT, IS_INT, RNA)                                                        \
+    static void NAME(const void *x, void *o, uint8_t *sat, int32_t *e, int64_t off, int64_t nt, \
+                     int64_t B, const qf_params *p, const tensor_scale *ts, const sr_t *sr,     \
+                     int64_t row, int64_t col0, float *ub) {                                    \
+        vec_body(x, o, sat, e, off, nt, B, p, ts, sr, row, col0, ub, DT, IS_INT, RNA);          \
+    }
+#define DEFINE_VEC_DT(DT, SUFFIX)                                                            \
+    DEFINE_VEC(vec_float_rne_##SUFFIX, DT, 0, 0) DEFINE_VEC(vec_float_rna_##SUFFIX, DT, 0, 1) \
+    DEFINE_VEC(vec_float_sr_##SUFFIX, DT, 0, 2) DEFINE_VEC(vec_int_rne_##SUFFIX, DT, 1, 0)    \
+    DEFINE_VEC(vec_int_rna_##SUFFIX, DT, 1, 1) DEFINE_VEC(vec_int_sr_##SUFFIX, DT, 1, 2)
+DEFINE_VEC_DT(DT_F32, f32)
+DEFINE_VEC_DT(DT_BF16, bf16)
+DEFINE_VEC_DT(DT_F16, f16)
+/* [dtype][is_int][rounding] */
+static const vec_fn VEC_FNS[3][2][3] = {
+    {{vec_float_rne_f32, vec_float_rna_f32, vec_float_sr_f32}, {vec_int_rne_f32, vec_int_rna_f32, vec_int_sr_f32}},
+    {{vec_float_rne_bf16, vec_float_rna_bf16, vec_float_sr_bf16}, {vec_int_rne_bf16, vec_int_rna_bf16, vec_int_sr_bf16}},
+    {{vec_float_rne_f16, vec_float_rna_f16, vec_float_sr_f16}, {vec_int_rne_f16, vec_int_rna_f16, vec_int_sr_f16}},
+};
+#define VEC_FN(dtype, is_int, rna) VEC_FNS[dtype][is_int][rna]
+#else
+#define VEC_FN(dtype, is_int, rna) ((vec_fn)0)
+#endif
+
 typedef void (*run_fn)(const float *, int64_t, float *, int64_t, uint8_t *, int64_t, int32_t *,
                        int64_t, int64_t, int64_t, int64_t, const qf_params *,
                        const tensor_scale *, const sr_t *, int64_t, int64_t, float *, int64_t);
@@ -457,10 +722,13 @@ int qf_quantize(const void *x, int dtype, void *out, uint8_t *sat, int32_t *exps
     int sr_on = p->rna == 2;
     run_fn run = p->is_int ? (sr_on ? run_int_sr : p->rna ? run_int_rna : run_int_rne)
                            : (sr_on ? run_float_sr : p->rna ? run_float_rna : run_float_rne);
+    vec_fn vec = tile_r == 1 && tile_c % 16 == 0 && cols % tile_c == 0
+                     ? VEC_FN(dtype, p->is_int != 0, p->rna)
+                     : 0;
 #pragma omp parallel num_threads(nthreads)
     {
         int64_t width = span * tile_c < cols ? span * tile_c : cols;
-        int narrowed = dtype != DT_F32;
+        int narrowed = dtype != DT_F32 && !vec;
         float *buf = narrowed ? malloc(sizeof(float) * tile_r * width) : 0;
         float *obuf = narrowed && out ? malloc(sizeof(float) * tile_r * width) : 0;
         int64_t ubw = CHUNK * tile_c < cols ? CHUNK * tile_c : cols;
@@ -478,6 +746,11 @@ int qf_quantize(const void *x, int dtype, void *out, uint8_t *sat, int32_t *exps
             int64_t b = rs / ntr, r0 = (rs % ntr) * tile_r;
             int64_t nr = rows - r0 < tile_r ? rows - r0 : tile_r;
             int64_t off = b * rows * cols + r0 * cols + c0, w = cols - c0 < width ? cols - c0 : width;
+            if (vec) {
+                vec(x, out, sat, exps ? exps + rs * ntc + j0 : 0, off, nt, tile_c, p, &ts, &sr,
+                    b * rows + r0, c0, ub);
+                continue;
+            }
             const float *src = (const float *)x + off;
             float *dst = out ? (float *)out + off : 0;
             if (narrowed) {

@@ -51,6 +51,21 @@ def _datasets() -> list[torch.Tensor]:
         s = torch.randn(4, 64, generator=g)
         s[1, 3] = special
         out.append(s)
+    # rows of whole blocks (up to 128, int groups' default) take the kernel's vector path; the
+    # ragged sets above its scalar path: the same cases again, 256 columns wide
+    rows = [torch.randn(256, generator=g) * s for s in (1e-30, 1e-6, 1.0, 3e4, 1e30)]
+    rows += [torch.rand(256, generator=g) ** 6 * 10, torch.randn(256, generator=g) / torch.rand(256, generator=g),
+             torch.rand(256, generator=g) ** 4 * 2.0**-120]
+    # subnormal blocks, and amax / max_normal just below 2^-126 (rceil's subnormal branch)
+    rows += [torch.rand(256, generator=g) * 2.0**k for k in (-140, -128, -124, -118)]
+    out.append(torch.stack(rows))
+    ties_row = torch.cat([adv.flatten(), (adv * 7).flatten().flip(0)])[:256]
+    out.append(torch.stack([ties_row, ties_row * -1 / 3, ties_row * 2.0**-70, ties_row.roll(5)]))
+    out.append(torch.cat([zero, zero.flip(1)], 1))
+    for special in (NAN, INF, -INF):
+        s = torch.randn(4, 256, generator=g)
+        s[2, 200] = special
+        out.append(s)
     return out
 
 
@@ -109,19 +124,20 @@ def test_bit_identical_to_reference(lib, fmt, opts, monkeypatch):
 @pytest.mark.parametrize(("fmt", "opts"), [("mxfp4", {}), ("mxfp8_e4m3", {"scale_rule": "even"}),
                                            ("nvfp4", {}), ("int8", {"rounding": "rna"})])
 def test_multithreaded_and_other_dtypes(lib, fmt, opts, monkeypatch):
-    x = torch.randn(3, 250, 130) * torch.logspace(-8, 8, 130)  # > MIN_PARALLEL elements
     prev = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        for lay in ({}, {"axis": 1}):
-            assert _same(fake_quantize(x, fmt, **opts, **lay),
-                         _reference(x, fmt, monkeypatch, **opts, **lay))
-    finally:
-        torch.set_num_threads(prev)
-    for dtype in (torch.bfloat16, torch.float16):
-        xd = x[0].to(dtype)
-        a, b = fake_quantize(xd, fmt, **opts), _reference(xd, fmt, monkeypatch, **opts)
-        assert a.dtype == dtype and torch.equal(a.view(torch.int16), b.view(torch.int16))
+    for cols in (130, 256):  # ragged rows (scalar path), whole blocks (vector path)
+        x = torch.randn(3, 250, cols) * torch.logspace(-8, 8, cols)  # > MIN_PARALLEL elements
+        torch.set_num_threads(2)
+        try:
+            for lay in ({}, {"axis": 1}):
+                assert _same(fake_quantize(x, fmt, **opts, **lay),
+                             _reference(x, fmt, monkeypatch, **opts, **lay))
+        finally:
+            torch.set_num_threads(prev)
+        for dtype in (torch.bfloat16, torch.float16):
+            xd = x[0].to(dtype)
+            a, b = fake_quantize(xd, fmt, **opts), _reference(xd, fmt, monkeypatch, **opts)
+            assert a.dtype == dtype and torch.equal(a.view(torch.int16), b.view(torch.int16))
 
 
 def test_long_single_row_is_split_across_tasks(lib, monkeypatch):
@@ -252,3 +268,55 @@ def test_quantize_with_info_stochastic_and_errors(lib):
     with pytest.raises(ValueError, match="MX formats only"):
         quantize_with_info(x, "nvfp4", exponents=True)
     assert quantize_with_info(torch.tensor(3.3), "mxfp4", exponents=True)[2].shape == ()
+
+
+def _narrowing_ties(dtype: torch.dtype, count: int) -> list[torch.Tensor]:
+    """NVFP4 inputs in `dtype` whose fp32 result at index 17 lies exactly halfway between two
+    `dtype` values, with an odd lower neighbour (ties to even rounds up there, truncation or
+    ties-down would not). Found by search: the output q * (s * d) over one binade of tensor
+    amaxes (d = 1 / (2688 / amax)), every positive E4M3 block scale s and every E2M1 value q;
+    each candidate is built as a tensor (amax first; a block [s / g6, q * s * d]) and kept when
+    the reference confirms the tie."""
+    bit = 16 if dtype == torch.bfloat16 else 13
+    # amaxes in [1024, 2048): scaling by a power of two keeps every tie, and puts the results
+    # among fp16's normal numbers (its subnormals round at another bit)
+    first = torch.tensor(1024.0, dtype=dtype).view(torch.int16).item()
+    amax = torch.arange(first, first + (1 << (23 - bit)), dtype=torch.int16).view(dtype).float()
+    e4m3 = torch.arange(1, 0x7F, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    grid = torch.tensor([0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+    sd = e4m3[None, :] * (1.0 / (2688.0 / amax))[:, None]  # [amax, s]
+    out = grid * sd[..., None]  # [amax, s, q]
+    bits = out.view(torch.int32)
+    ties = ((bits & ((1 << bit) - 1)) == 1 << (bit - 1)) & ((bits >> bit) & 1 == 1)
+    cases = []
+    for ia, js, kq in ties.nonzero().tolist():
+        g = torch.tensor(2688.0) / amax[ia]
+        row = torch.zeros(32)
+        row[0], row[16], row[17] = amax[ia], e4m3[js] / (g * torch.tensor(1 / 6)), out[ia, js, kq]
+        cases.append(row.to(dtype))
+        if len(cases) == 4 * count:
+            break
+    return cases
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_narrowing_rounds_exact_ties_to_even(lib, dtype, monkeypatch):
+    """The kernel's own narrowing (fp32 -> bf16/fp16) is torch's `.to()`: ties to even, on
+    whole-block rows (vector path) and ragged ones (scalar path)."""
+    bit = 16 if dtype == torch.bfloat16 else 13
+    checked = 0
+    for row in _narrowing_ties(dtype, 3):
+        ref32 = _reference(row.float(), "nvfp4", monkeypatch)
+        b = ref32.view(torch.int32)[17].item()
+        if (b & ((1 << bit) - 1)) != 1 << (bit - 1) or not (b >> bit) & 1:
+            continue  # the candidate's block scale came out differently: not a tie after all
+        checked += 1
+        expected = ref32.to(dtype)
+        assert expected[17].view(torch.int16).item() & 1 == 0  # rounded up to the even neighbour
+        for width in (32, 34):
+            x = torch.cat([row, torch.zeros(width - 32, dtype=dtype)])
+            fast = fake_quantize(x, "nvfp4")[:32]
+            assert torch.equal(fast.view(torch.int16), expected.view(torch.int16)), width
+            assert torch.equal(_reference(x, "nvfp4", monkeypatch)[:32].view(torch.int16),
+                               expected.view(torch.int16))
+    assert checked >= 3
