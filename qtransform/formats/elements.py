@@ -97,11 +97,11 @@ def encode_elements(q: torch.Tensor, elem: ElementSpec) -> torch.Tensor:
     monotone in magnitude); int elements are sign-magnitude so that -0.0 survives a round trip.
     NaN values get code 0: their block scale carries the NaN.
     """
-    grid = elem.grid().to(q.device)
+    grid = q.new_tensor(elem.grid().tolist())  # on q's device (grid values are exact in any float)
     mag = torch.nan_to_num(q.abs())  # NaN -> 0
     idx = torch.searchsorted(grid, mag.contiguous())
     sign = torch.signbit(q) & ~torch.isnan(q)
-    return (idx | (sign << (elem.bits - 1))).to(torch.uint8)  # bool << int is int64
+    return (idx | torch.where(sign, 1 << (elem.bits - 1), 0)).to(torch.uint8)
 
 
 def decode_elements(codes: torch.Tensor, elem: ElementSpec) -> torch.Tensor:

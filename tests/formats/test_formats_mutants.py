@@ -82,11 +82,12 @@ def test_pow2_bit_patterns() -> None:
 
 
 def test_tables_follow_the_device_asked_for() -> None:
-    """code_table, decode_elements and tensor_amax (empty input) put their results on the
+    """code_table, decode/encode_elements and tensor_amax (empty input) put their results on the
     device they are given or the input's: the meta device shows it without a GPU."""
     meta = torch.device("meta")
     assert code_table(E2M1, meta).device == meta
     assert decode_elements(torch.zeros(3, dtype=torch.uint8, device=meta), E2M1).device == meta
+    assert encode_elements(torch.zeros(3, device=meta), E2M1).device == meta
     assert tensor_amax(torch.zeros(0, device=meta)).device == meta
 
 
