@@ -52,7 +52,7 @@ def make_layout(
                            (min(tile[0], max(shape[-2], 1)), min(tile[1], max(shape[-1], 1))))
     if not -ndim <= axis < ndim:
         raise ValueError(f"axis {axis} is out of range for a tensor of shape {tuple(shape)}")
-    return BlockLayout(tuple(shape), axis % ndim, min(block, max(shape[axis], 1)), None)
+    return BlockLayout(tuple(shape), axis % ndim, min(block, max(shape[axis], 1)))
 
 
 def to_blocks(x: torch.Tensor, layout: BlockLayout) -> torch.Tensor:

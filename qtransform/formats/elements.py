@@ -30,9 +30,10 @@ def ceil_log2(a: torch.Tensor) -> torch.Tensor:
 def pow2(k: torch.Tensor) -> torch.Tensor:
     """Exact 2^k in fp32 for integer k in [-149, 127], built from bits (2^-127 is subnormal)."""
     k = k.to(torch.int32)
-    normal = (k + 127).clamp(1, 254) << 23
-    sub = torch.ones_like(k) << (k + 149).clamp(0, 22)
-    return torch.where(k >= -126, normal, sub).view(torch.float32)
+    # the branch not selected may shift out of range: its value is read nowhere. (At k = -126
+    # both branches give 2^-126: the split is at -127, where a moved bound would be wrong.)
+    bits = torch.where(k > -127, (k + 127) << 23, torch.ones_like(k) << (k + 149))
+    return bits.view(torch.float32)
 
 
 def divide(a: torch.Tensor, b: float) -> torch.Tensor:
@@ -96,11 +97,11 @@ def encode_elements(q: torch.Tensor, elem: ElementSpec) -> torch.Tensor:
     monotone in magnitude); int elements are sign-magnitude so that -0.0 survives a round trip.
     NaN values get code 0: their block scale carries the NaN.
     """
-    grid = elem.grid().to(q.device)
-    mag = torch.nan_to_num(q.abs(), nan=0.0)
+    grid = q.new_tensor(elem.grid().tolist())  # on q's device (grid values are exact in any float)
+    mag = torch.nan_to_num(q.abs())  # NaN -> 0
     idx = torch.searchsorted(grid, mag.contiguous())
     sign = torch.signbit(q) & ~torch.isnan(q)
-    return (idx | (sign.to(torch.int64) << (elem.bits - 1))).to(torch.uint8)
+    return (idx | torch.where(sign, 1 << (elem.bits - 1), 0)).to(torch.uint8)
 
 
 def decode_elements(codes: torch.Tensor, elem: ElementSpec) -> torch.Tensor:
@@ -115,7 +116,6 @@ def twos_complement(codes: torch.Tensor, elem: ElementSpec) -> torch.Tensor:
     """Sign-magnitude int element codes as ordinary signed integers (int8); -0 becomes 0."""
     if elem.kind != "int":
         raise ValueError(f"{elem.name}: two's complement codes only exist for integer elements")
-    c = codes.to(torch.int16)
     sign_bit = 1 << (elem.bits - 1)
-    mag = c & (sign_bit - 1)
-    return torch.where((c & sign_bit) != 0, -mag, mag).to(torch.int8)
+    mag = (codes & (sign_bit - 1)).to(torch.int8)  # at most 127, so -mag fits too
+    return torch.where((codes & sign_bit) != 0, -mag, mag)

@@ -24,7 +24,7 @@ def quantize_int(blocks: torch.Tensor, cfg: QuantConfig, u: torch.Tensor | None)
     A NaN or Inf in a group makes the whole group NaN, as for MX blocks.
     """
     elem = cfg.spec.element
-    amax = blocks.abs().amax(dim=-1)
+    amax = blocks.abs().amax(dim=1)
     bad = ~torch.isfinite(amax)
     scale = torch.where(bad, CANONICAL_NAN, divide(amax, elem.qmax))
     div = torch.where((scale == 0) | bad, 1.0, scale)[:, None]

@@ -40,7 +40,10 @@ SCALE_RULES = ("floor", "rceil", "ceil", "even")  # floor (OCP v1.0) is the defa
 
 
 def shared_exponent(amax: torch.Tensor, elem: ElementSpec, rule: str) -> torch.Tensor:
-    """Unbiased shared exponent E (int32) for block amaxes that are finite and > 0."""
+    """Unbiased shared exponent E (int32) of finite block amaxes > 0.
+
+    Other amaxes (0, Inf, NaN) give some E in [E_MIN, E_MAX] without an error: callers mask it.
+    """
     if rule == "floor":
         e = floor_log2(amax) - elem.emax
     elif rule == "ceil":
@@ -48,11 +51,10 @@ def shared_exponent(amax: torch.Tensor, elem: ElementSpec, rule: str) -> torch.T
     elif rule == "rceil":
         v = divide(amax, elem.max_normal)  # fp32 quotient, rounded to nearest even
         # an underflowed quotient means the smallest scale
-        e = torch.where(v > 0, ceil_log2(torch.where(v > 0, v, 1.0)), E_MIN)
+        e = torch.where(v > 0, ceil_log2(v), E_MIN)
     elif rule == "even":
         bits = amax.view(torch.int32) + (1 << (22 - elem.mbits))  # round half up on the bits
-        rounded = torch.where(bits < 0x7F800000, bits, 0x3F800000).view(torch.float32)
-        e = torch.where(bits < 0x7F800000, floor_log2(rounded), 128) - elem.emax
+        e = torch.where(bits < 0x7F800000, floor_log2(bits.view(torch.float32)), 128) - elem.emax
     else:
         raise ValueError(f"unknown scale_rule {rule!r}")
     return e.clamp(E_MIN, E_MAX)
@@ -61,11 +63,11 @@ def shared_exponent(amax: torch.Tensor, elem: ElementSpec, rule: str) -> torch.T
 def quantize_mx(blocks: torch.Tensor, cfg: QuantConfig, u: torch.Tensor | None) -> BlockQuant:
     """Quantize every block: amax, shared exponent, exact scaling, element rounding."""
     elem = cfg.spec.element
-    amax = blocks.abs().amax(dim=-1)
+    amax = blocks.abs().amax(dim=1)
     bad = ~torch.isfinite(amax)  # NaN or Inf in the block: all-NaN block, scale code 0xFF
     zero = amax == 0
-    safe = torch.where(bad | zero, 1.0, amax)
-    e = torch.where(zero, E_MIN, shared_exponent(safe, elem, cfg.scale_rule))
+    # the exponent of a bad block is masked below, like everything else of that block
+    e = torch.where(zero, E_MIN, shared_exponent(amax, elem, cfg.scale_rule))
     scale = pow2(e)[:, None]
     y = blocks / scale
     a = y.abs()

@@ -32,8 +32,11 @@ Parts = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tens
 
 
 def e4m3_rne(v: torch.Tensor) -> torch.Tensor:
-    """Round non-negative fp32 values (already clamped to <= 448) to E4M3, ties to even."""
-    return round_magnitude(v, E4M3, "rne")
+    """Round non-negative fp32 values to E4M3, ties to even (the default), saturating at 448.
+
+    Inf saturates too, so clamping the input to 448 first changes nothing.
+    """
+    return round_magnitude(v, E4M3)
 
 
 def _canonical(t: torch.Tensor) -> torch.Tensor:
@@ -47,9 +50,9 @@ def _default(
     g = torch.clamp_max(amax_t.new_tensor(GLOBAL_RANGE) / amax_t, FLT_MAX)  # a true division
     g = torch.where(g == 0, 1.0, g)
     d = 1.0 / g
-    amax_b = blocks.abs().amax(dim=-1)
-    s = torch.clamp(torch.clamp_max(amax_b * (g * ONE_SIXTH), FLT_MAX), -E4M3_MAX, E4M3_MAX)
-    s = e4m3_rne(s)
+    amax_b = blocks.abs().amax(dim=1)
+    # NUMERICS.md's clamp to [-448, 448] is e4m3_rne's own saturation (the product is >= 0)
+    s = e4m3_rne(torch.clamp_max(amax_b * (g * ONE_SIXTH), FLT_MAX))
     sd = (s * d)[:, None]
     enc = torch.clamp_max(1.0 / sd, FLT_MAX)
     y = blocks * enc
@@ -63,8 +66,8 @@ def _compressed_tensors(
     """compressed-tensors / llm-compressor order: scale = e4m3(g * amax_b / 6) / g, x / scale."""
     g = amax_t.reciprocal() * GLOBAL_RANGE  # Python's `2688 / tensor` computes exactly this
     g = torch.where(torch.isfinite(g), g, 1.0)  # amax 0, NaN, or so tiny that g overflows
-    amax_b = blocks.abs().amax(dim=-1)
-    s = e4m3_rne(torch.clamp(g * divide(amax_b, 6.0), -E4M3_MAX, E4M3_MAX))
+    amax_b = blocks.abs().amax(dim=1)
+    s = e4m3_rne(g * divide(amax_b, 6.0))  # clamped to 448 by e4m3_rne itself
     s = torch.where(s == 0, 0.125, s)
     scale = (s / g)[:, None]
     y = blocks / scale
@@ -75,10 +78,10 @@ def _compressed_tensors(
 
 def _one_level(blocks: torch.Tensor, cfg: QuantConfig, u: torch.Tensor | None) -> Parts:
     """No tensor scale: s = e4m3(amax_b / 6), elements x / s (torchao's order, no lower clamp)."""
-    amax_b = blocks.abs().amax(dim=-1)
+    amax_b = blocks.abs().amax(dim=1)
     s = e4m3_rne(torch.clamp_max(divide(amax_b, 6.0), E4M3_MAX))
     sb = s[:, None]
-    y = torch.where(sb == 0, blocks * 0.0, blocks / torch.where(sb == 0, 1.0, sb))
+    y = torch.where(sb == 0, blocks * 0.0, blocks / sb)  # x / 0 is discarded
     q = round_signed(torch.clamp(y, -6.0, 6.0), cfg.spec.element, cfg.rounding, u)
     return q, q * sb, y, s, None
 

@@ -16,14 +16,18 @@ from qtransform.formats import encode, fake_quantize, saturated
 from qtransform.formats.blocking import BlockLayout, make_layout, tensor_amax
 from qtransform.formats.elements import (
     code_table,
+    decode_elements,
     encode_elements,
+    pow2,
     round_magnitude,
     round_signed,
     round_to_integer,
     twos_complement,
 )
 from qtransform.formats.mx import shared_exponent
-from qtransform.formats.registry import E2M1, INT4, INT8_MX
+from qtransform.formats.nvfp4 import quantize_nvfp4, scale_values
+from qtransform.formats.options import resolve
+from qtransform.formats.registry import E2M1, INT4, INT8, INT8_MX
 
 
 def f32_from_bits(bits: int) -> float:
@@ -69,6 +73,24 @@ def test_code_table_default_device_length_and_dtype() -> None:
         assert code_table(E2M1).dtype == torch.float32
 
 
+def test_pow2_bit_patterns() -> None:
+    """2^k built from bits at both ends of each branch: 2^-149 is bits 0x1, 2^-127 the subnormal
+    0x00400000, 2^-126 the smallest normal 0x00800000, 2^0 0x3F800000, 2^127 0x7F000000."""
+    k = torch.tensor([-149, -128, -127, -126, 0, 127])
+    bits = [0x00000001, 0x00200000, 0x00400000, 0x00800000, 0x3F800000, 0x7F000000]
+    assert pow2(k).view(torch.int32).tolist() == bits
+
+
+def test_tables_follow_the_device_asked_for() -> None:
+    """code_table, decode/encode_elements and tensor_amax (empty input) put their results on the
+    device they are given or the input's: the meta device shows it without a GPU."""
+    meta = torch.device("meta")
+    assert code_table(E2M1, meta).device == meta
+    assert decode_elements(torch.zeros(3, dtype=torch.uint8, device=meta), E2M1).device == meta
+    assert encode_elements(torch.zeros(3, device=meta), E2M1).device == meta
+    assert tensor_amax(torch.zeros(0, device=meta)).device == meta
+
+
 def test_encode_nan_gets_code_zero() -> None:
     """A NaN element encodes as code 0 (its block scale carries the NaN), not as the code of
     1.0 (0b0010) nor with a sign bit: NUMERICS.md's encode rule, hand-worked codes."""
@@ -81,6 +103,9 @@ def test_twos_complement_is_int8() -> None:
     out = twos_complement(torch.tensor([0b1011, 0b0011, 0b1000], dtype=torch.uint8), INT4)
     assert out.dtype == torch.int8
     assert out.tolist() == [-3, 3, 0]
+    int8 = twos_complement(torch.tensor([0xFF, 0x7F, 0x80, 0x81], dtype=torch.uint8), INT8)
+    assert int8.dtype == torch.int8
+    assert int8.tolist() == [-127, 127, 0, -1]
 
 
 # ---- blocking ---------------------------------------------------------------------------------
@@ -210,3 +235,77 @@ def test_compressed_tensors_zero_block_scale_in_mixed_tensor() -> None:
     enc = encode(x, "nvfp4", nvfp4_variant="compressed-tensors")
     assert enc.scales.float()[1].item() == 0.125
     assert fake_quantize(x, "nvfp4", nvfp4_variant="compressed-tensors")[16:].abs().max() == 0
+
+
+@pytest.fixture(params=["0", "1"], ids=["reference", "fastpath"])
+def path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Run a test on the reference path and on the C fast path (where it builds)."""
+    monkeypatch.setenv("QTRANSFORM_FASTPATH", request.param)
+    return request.param
+
+
+def test_default_zero_block_scale_with_large_elements(path: str) -> None:
+    """NVIDIA's order, tensor amax 1e6 (g = fl32(2688 / 1e6)): a block of +-2 has
+    2 * g / 6 = 8.96e-4 < 2^-10 (9.77e-4), so s = 0, enc = min(1 / 0, FLT_MAX) = FLT_MAX and
+    y = +-2 * FLT_MAX = +-Inf. clamp(y, -6, 6) makes both q = +-6 (codes 0b0111, 0b1111,
+    saturated) and the output q * 0 = +-0; without the lower bound -Inf would round to NaN."""
+    x = torch.cat([torch.full((16,), 1e6), torch.tensor([2.0, -2.0] * 8)])
+    out = fake_quantize(x, "nvfp4")
+    assert out[16:].tolist() == [0.0] * 16
+    assert torch.signbit(out[16:]).tolist() == [False, True] * 8
+    assert saturated(x, "nvfp4")[16:].all()
+    if path == "0":
+        assert encode(x, "nvfp4").codes[1].tolist() == [0b0111, 0b1111] * 8
+        assert encode(x, "nvfp4").scales.tolist() == [448.0, 0.0]
+
+
+def test_one_level_infinities_saturate(path: str) -> None:
+    """one_level, a block with +-Inf: s = e4m3(min(Inf / 6, 448)) = 448, y = +-Inf / 448 =
+    +-Inf clamps to +-6, so Inf -> 6 * 448 = 2688 and -Inf -> -2688 (not NaN); 224 / 448 = 0.5
+    is on the E2M1 grid: 224 comes back."""
+    x = torch.tensor([float("-inf"), float("inf"), 224.0] + [0.0] * 13)
+    out = fake_quantize(x, "nvfp4", nvfp4_variant="one_level")
+    assert out[:3].tolist() == [-2688.0, 2688.0, 224.0]
+
+
+def test_compressed_tensors_infinities_beside_a_nan(path: str) -> None:
+    """compressed-tensors, NaN in block 0 and +-Inf in block 1: the tensor amax is NaN, so
+    g = 1; block 1 has s = e4m3(Inf / 6) = 448 (E4M3 rounding saturates Inf), scale 448 / 1,
+    y = +-Inf clamps to +-6: -Inf -> -2688, Inf -> 2688, 448 -> 448 (y = 1). Block 0 is NaN."""
+    inf = float("inf")
+    x = torch.tensor([float("nan")] + [1.0] * 15 + [-inf, inf, 448.0] + [0.0] * 13)
+    out = fake_quantize(x, "nvfp4", nvfp4_variant="compressed-tensors")
+    assert torch.isnan(out[:16]).all()
+    assert out[16:19].tolist() == [-2688.0, 2688.0, 448.0]
+
+
+def test_one_level_zero_scale_elements_are_zero_under_stochastic_rounding() -> None:
+    """one_level, block amax 6 * 2^-10: amax / 6 = 2^-10 is half the smallest E4M3 subnormal
+    and ties to even give s = 0, so every element is 0 (code 0), whatever the draws. Scaled
+    as x / 1 instead, y = 6 * 2^-10 would round up to 0.5 (code 1) whenever u >= 1 - y / 0.5,
+    about 1.2 % of 1024 draws."""
+    x = torch.full((1024,), 6 * 2.0**-10)
+    enc = encode(x, "nvfp4", nvfp4_variant="one_level", rounding="stochastic", seed=3)
+    assert enc.scales.tolist() == [0.0] * 64
+    assert enc.codes.unique().tolist() == [0]
+
+
+def test_two_level_without_tensor_amax_message() -> None:
+    """Two-level NVFP4 called without the tensor amax fails with the message that says so."""
+    cfg = resolve("nvfp4")
+    with pytest.raises(ValueError, match="^two-level NVFP4 needs the amax of the whole tensor$"):
+        quantize_nvfp4(torch.ones(1, 16), cfg, None, None)
+
+
+def test_nvfp4_scale_values_per_variant() -> None:
+    """Block scales 2 and 3 with tensor scale 4: default multiplies (8, 12), compressed-tensors
+    divides (0.5, 0.75), one_level ignores any tensor scale (2, 3), and no tensor scale means the
+    block scales are the multipliers, whatever the variant."""
+    s, ts = torch.tensor([2.0, 3.0]), torch.tensor(4.0)
+    default, ct = resolve("nvfp4"), resolve("nvfp4", nvfp4_variant="compressed-tensors")
+    one = resolve("nvfp4", nvfp4_variant="one_level")
+    assert scale_values(s, ts, default).tolist() == [8.0, 12.0]
+    assert scale_values(s, ts, ct).tolist() == [0.5, 0.75]
+    assert scale_values(s, ts, one).tolist() == [2.0, 3.0]
+    assert scale_values(s, None, default).tolist() == [2.0, 3.0]
+    assert scale_values(s, None, ct).tolist() == [2.0, 3.0]
