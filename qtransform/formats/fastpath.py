@@ -16,6 +16,7 @@ non-CPU tensor or `QTRANSFORM_FASTPATH=0` all fall back silently to the torch re
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import logging
 import math
@@ -194,6 +195,7 @@ def unavailable_reason() -> str | None:
     return _reason or "the kernel could not be built"
 
 
+@functools.lru_cache(maxsize=256)  # configs are frozen and hashable; a sync makes hundreds of calls
 def _params(cfg: QuantConfig) -> _Params:
     e = cfg.spec.element
     return _Params(
@@ -226,6 +228,7 @@ def quantize(
         x, code = x.to(torch.float32), _DTYPES[torch.float32]
     xs = x.detach().reshape(layout.shape)
     post = 1  # elements of a blocked row are `post` apart in x (see qfast.c sr_t)
+    last = layout.tile is not None or layout.axis == len(layout.shape) - 1  # no axis to move
     if layout.tile:
         xm = xs.contiguous()
         rows, cols = xm.shape[-2:]
@@ -233,7 +236,7 @@ def quantize(
         tile_r, tile_c = layout.tile
         grid = (*xm.shape[:-2], -(-rows // tile_r), -(-cols // tile_c))
     else:
-        xm = xs.movedim(layout.axis, -1).contiguous()
+        xm = (xs if last else xs.movedim(layout.axis, -1)).contiguous()
         cols = xm.shape[-1]
         post = math.prod(layout.shape[layout.axis + 1:])
         batch, rows, tile_r, tile_c = 1, xm.numel() // cols, 1, layout.block
@@ -242,15 +245,14 @@ def quantize(
     sat = torch.empty(xm.shape, dtype=torch.bool) if want_sat and values else None
     exps = torch.empty(grid, dtype=torch.int32) if exponents else None
     threads = torch.get_num_threads() if xm.numel() >= MIN_PARALLEL else 1
-    params = _params(cfg)
     assert _lib is not None
     if _lib.qf_quantize(
         xm.data_ptr(), code, _ptr(out), _ptr(sat), _ptr(exps),
-        batch, rows, cols, tile_r, tile_c, ctypes.byref(params), (seed or 0) % (1 << 64), post,
+        batch, rows, cols, tile_r, tile_c, ctypes.byref(_params(cfg)), (seed or 0) % (1 << 64), post,
         threads,
     ):
         raise MemoryError("qf_quantize: out of memory")
-    if not layout.tile:
+    if not last:
         out, sat, exps = (None if t is None else t.movedim(-1, layout.axis) for t in (out, sat, exps))
     return out, sat, exps
 

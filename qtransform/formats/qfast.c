@@ -6,7 +6,8 @@
  * bit-identical. The statistics kernel (qf_stats, end of file) does the float64 element math of
  * qtransform/metrics.py. Must be compiled without -ffast-math and with -ffp-contract=off: a fused
  * multiply-add or a reassociation would change roundings. Plain C (GCC vector extensions for
- * the statistics), no torch headers.
+ * the statistics and, on AVX-512 builds, for rows of whole blocks: see "Vector path"), no torch
+ * headers.
  */
 #include <float.h>
 #include <stdint.h>
@@ -679,9 +680,10 @@ typedef void (*run_fn)(const float *, int64_t, float *, int64_t, uint8_t *, int6
 /* x and out (dtype: fp32, bf16 or fp16, both the same) and sat (optional): `batch` contiguous
  * row-major matrices of rows x cols; blocks are tiles of tile_r x tile_c (1D blocks: tile_r = 1),
  * zero-padded at the ragged edges. exps (MX, optional): E of every tile, row-major over
- * [batch, tile rows, tile cols]; out NULL computes only those. bf16/fp16 are widened tile row by
- * tile row into a per-thread buffer and the results narrowed from another (no separate
- * conversion pass); the arithmetic is fp32 throughout. Stochastic rounding (p->rna == 2) draws
+ * [batch, tile rows, tile cols]; out NULL computes only those. The vector path (rows of whole
+ * 1D blocks, AVX-512 builds) reads and writes bf16/fp16 lane by lane; the scalar path widens them
+ * tile row by tile row into a per-thread buffer and narrows the results from another (no
+ * separate conversion pass); the arithmetic is fp32 throughout. Stochastic rounding (p->rna == 2) draws
  * from the stream of `seed`, with `post` as in sr_t. Returns -1 without memory. */
 int qf_quantize(const void *x, int dtype, void *out, uint8_t *sat, int32_t *exps, int64_t batch,
                 int64_t rows, int64_t cols, int64_t tile_r, int64_t tile_c, const qf_params *p,
