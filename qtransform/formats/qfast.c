@@ -418,7 +418,7 @@ DEFINE_RUN(run_int_sr, 1, 2)
  * of scaling to an integer (both round |y| to the grid step of its binade, ties to even). */
 typedef void (*vec_fn)(const void *, void *, uint8_t *, int32_t *, int64_t, int64_t, int64_t,
                        const qf_params *, const tensor_scale *, const sr_t *, int64_t, int64_t,
-                       float *);
+                       float *, const uint32_t *);
 #if defined(__AVX512F__)
 #include <immintrin.h>
 typedef float v16f __attribute__((vector_size(64)));
@@ -615,23 +615,54 @@ VINLINE void vnan(void *o, uint8_t *sat, int64_t base, int64_t n,
 
 /* nt whole blocks of B elements from element `off` of one row (row `row` of the blocked matrix,
  * its first column col0), like DEFINE_RUN with nr = 1, reading x and writing o in `dtype`. */
+/* Lane k: the amax bits of block k of the nj (<= 16) whole blocks of B elements from x[i0]. */
+VINLINE v16u group_amax(const void *x, int64_t i0, int64_t nj, int64_t B, int dtype) {
+    v16u pm[VGROUP];
+    for (int64_t k = 0; k < VGROUP; k++) {
+        v16u m = SPLAT(0);
+        for (int64_t v = 0; k < nj && v < B; v += 16)
+            m = vmaxu(m, vload(x, i0 + k * B + v, dtype) & 0x7fffffffu);
+        pm[k] = m;
+    }
+    return hmax16(pm);
+}
+
+/* NVFP4's tensor pass on the vector path: the amax bits of n elements from x[lo] (whole blocks
+ * of B), and each block's amax into bam[block index], so the second pass reads every block once
+ * instead of twice. */
+VINLINE uint32_t block_amaxes_of(const void *x, int64_t lo, int64_t n, int64_t B, uint32_t *bam,
+                                 int dtype) {
+    v16u m = SPLAT(0);
+    for (int64_t k = 0; k < n / B; k += VGROUP) {
+        int64_t nj = n / B - k < VGROUP ? n / B - k : VGROUP;
+        v16u am = group_amax(x, lo + k * B, nj, B, dtype);
+        memcpy(bam + lo / B + k, &am, sizeof(uint32_t) * (size_t)nj);
+        m = vmaxu(m, am);
+    }
+    uint32_t r = 0;
+    for (int k = 0; k < VGROUP; k++) r = m[k] > r ? m[k] : r;
+    return r;
+}
+static uint32_t block_amaxes(const void *x, int dtype, int64_t lo, int64_t n, int64_t B,
+                             uint32_t *bam) {
+    return dtype == DT_F32    ? block_amaxes_of(x, lo, n, B, bam, DT_F32)
+           : dtype == DT_BF16 ? block_amaxes_of(x, lo, n, B, bam, DT_BF16)
+                              : block_amaxes_of(x, lo, n, B, bam, DT_F16);
+}
+
+/* bam: every block's amax bits, from the tensor pass (NVFP4 two-level), else NULL */
 VINLINE void vec_body(
     const void *x, void *o, uint8_t *sat, int32_t *e, int64_t off, int64_t nt, int64_t B,
     const qf_params *p, const tensor_scale *ts, const sr_t *sr, int64_t row, int64_t col0,
-    float *ub, int dtype, int is_int, int rna) {
+    float *ub, const uint32_t *bam, int dtype, int is_int, int rna) {
     grid_t g = grid_of(p);
     g.is_int = is_int;
     g.rna = rna;
     for (int64_t jc = 0; jc < nt; jc += VGROUP) {
         int64_t nj = nt - jc < VGROUP ? nt - jc : VGROUP;
-        v16u pm[VGROUP];
-        for (int64_t k = 0; k < VGROUP; k++) {
-            v16u m = SPLAT(0);
-            for (int64_t v = 0; k < nj && v < B; v += 16)
-                m = vmaxu(m, vload(x, off + (jc + k) * B + v, dtype) & 0x7fffffffu);
-            pm[k] = m;
-        }
-        v16u am = hmax16(pm);
+        v16u am = SPLAT(0);
+        if (bam) memcpy(&am, bam + off / B + jc, sizeof(uint32_t) * (size_t)nj);
+        else am = group_amax(x, off + jc * B, nj, B, dtype);
         v16i ex = p->family == FAM_MX ? vblock_exponent(am, p) : (v16i)SPLAT(0);
         if (e) memcpy(e + jc, &ex, sizeof(int32_t) * (size_t)nj);
         if (!o) continue;
@@ -652,8 +683,8 @@ VINLINE void vec_body(
 #define DEFINE_VEC(NAME, DT, IS_INT, RNA)                                                        \
     static void NAME(const void *x, void *o, uint8_t *sat, int32_t *e, int64_t off, int64_t nt, \
                      int64_t B, const qf_params *p, const tensor_scale *ts, const sr_t *sr,     \
-                     int64_t row, int64_t col0, float *ub) {                                    \
-        vec_body(x, o, sat, e, off, nt, B, p, ts, sr, row, col0, ub, DT, IS_INT, RNA);          \
+                     int64_t row, int64_t col0, float *ub, const uint32_t *bam) {               \
+        vec_body(x, o, sat, e, off, nt, B, p, ts, sr, row, col0, ub, bam, DT, IS_INT, RNA);     \
     }
 #define DEFINE_VEC_DT(DT, SUFFIX)                                                            \
     DEFINE_VEC(vec_float_rne_##SUFFIX, DT, 0, 0) DEFINE_VEC(vec_float_rna_##SUFFIX, DT, 0, 1) \
@@ -669,8 +700,10 @@ static const vec_fn VEC_FNS[3][2][3] = {
     {{vec_float_rne_f16, vec_float_rna_f16, vec_float_sr_f16}, {vec_int_rne_f16, vec_int_rna_f16, vec_int_sr_f16}},
 };
 #define VEC_FN(dtype, is_int, rna) VEC_FNS[dtype][is_int][rna]
+#define BLOCK_AMAXES(x, dtype, lo, n, B, bam) block_amaxes(x, dtype, lo, n, B, bam)
 #else
 #define VEC_FN(dtype, is_int, rna) ((vec_fn)0)
+#define BLOCK_AMAXES(x, dtype, lo, n, B, bam) 0u /* no vector path: bam is never allocated */
 #endif
 
 typedef void (*run_fn)(const float *, int64_t, float *, int64_t, uint8_t *, int64_t, int32_t *,
@@ -694,13 +727,21 @@ int qf_quantize(const void *x, int dtype, void *out, uint8_t *sat, int32_t *exps
     int failed = 0;
     sr_t sr = {seed, post, cols};
     tensor_scale ts = {1.0f, 1.0f, 0.0f, 0};
+    vec_fn vec = tile_r == 1 && tile_c % 16 == 0 && cols % tile_c == 0
+                     ? VEC_FN(dtype, p->is_int != 0, p->rna)
+                     : 0;
+    uint32_t *bam = 0; /* NVFP4 two-level, vector path: block amaxes from the tensor pass */
     if (p->family == FAM_NVFP4 && p->variant != NV_ONE_LEVEL) {
+        if (vec && out && !(bam = malloc(sizeof(uint32_t) * (size_t)(total / tile_c)))) return -1;
+        int64_t chunk = tile_c < 65536 ? 65536 / tile_c * tile_c : tile_c; /* whole blocks */
         uint32_t m = 0;
 #pragma omp parallel for num_threads(nthreads) reduction(max : m) schedule(static)
-        for (int64_t c = 0; c < (total + 65535) / 65536; c++) {
-            int64_t lo = c * 65536, hi = lo + 65536 < total ? lo + 65536 : total;
+        for (int64_t c = 0; c < (total + chunk - 1) / chunk; c++) {
+            int64_t lo = c * chunk, hi = lo + chunk < total ? lo + chunk : total;
             uint32_t v = 0;
-            if (dtype == DT_F32) {
+            if (bam) {
+                v = BLOCK_AMAXES(x, dtype, lo, hi - lo, tile_c, bam);
+            } else if (dtype == DT_F32) {
                 v = amax_bits_of((const float *)x + lo, hi - lo);
             } else { /* |h| orders like its bit pattern (NaN above Inf): widen only the max */
                 const uint16_t *h = (const uint16_t *)x;
@@ -724,9 +765,6 @@ int qf_quantize(const void *x, int dtype, void *out, uint8_t *sat, int32_t *exps
     int sr_on = p->rna == 2;
     run_fn run = p->is_int ? (sr_on ? run_int_sr : p->rna ? run_int_rna : run_int_rne)
                            : (sr_on ? run_float_sr : p->rna ? run_float_rna : run_float_rne);
-    vec_fn vec = tile_r == 1 && tile_c % 16 == 0 && cols % tile_c == 0
-                     ? VEC_FN(dtype, p->is_int != 0, p->rna)
-                     : 0;
 #pragma omp parallel num_threads(nthreads)
     {
         int64_t width = span * tile_c < cols ? span * tile_c : cols;
@@ -750,7 +788,7 @@ int qf_quantize(const void *x, int dtype, void *out, uint8_t *sat, int32_t *exps
             int64_t off = b * rows * cols + r0 * cols + c0, w = cols - c0 < width ? cols - c0 : width;
             if (vec) {
                 vec(x, out, sat, exps ? exps + rs * ntc + j0 : 0, off, nt, tile_c, p, &ts, &sr,
-                    b * rows + r0, c0, ub);
+                    b * rows + r0, c0, ub, bam);
                 continue;
             }
             const float *src = (const float *)x + off;
@@ -770,6 +808,7 @@ int qf_quantize(const void *x, int dtype, void *out, uint8_t *sat, int32_t *exps
         free(obuf);
         free(ub);
     }
+    free(bam);
     return failed ? -1 : 0;
 }
 
