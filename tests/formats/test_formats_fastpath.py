@@ -203,17 +203,27 @@ def test_broken_source_falls_back(monkeypatch, tmp_path):
     assert not any((tmp_path / "cache").rglob("*.so"))
 
 
-def test_portable_build_is_bit_identical_too(monkeypatch, tmp_path):
-    """The fallback flag set (no -march=native, no OpenMP) computes the same bits."""
+@pytest.mark.parametrize("flags", [[], ["-march=native", "-mno-avx512f", "-fopenmp"]],
+                         ids=["portable", "native-without-avx512"])
+def test_other_builds_are_bit_identical_too(flags, monkeypatch, tmp_path):
+    """The fallback flag set (no -march=native, no OpenMP) computes the same bits, and so does
+    a native build without AVX-512 (the scalar path everywhere, with F16C where the CPU has it),
+    which is what a CPU without AVX-512 compiles."""
     if not HAS_CC:
         pytest.skip("no C compiler")
-    monkeypatch.setattr(fastpath, "FLAG_SETS", ([],))
+    monkeypatch.setattr(fastpath, "FLAG_SETS", (flags,))
     monkeypatch.setattr(fastpath, "_lib", None)
     monkeypatch.setattr(fastpath, "_failed", False)
     monkeypatch.setenv("QTRANSFORM_CACHE_DIR", str(tmp_path))
-    assert fastpath.library() is not None
+    if fastpath.library() is None:
+        assert flags, f"the portable build must compile: {fastpath.unavailable_reason()}"
+        pytest.skip(f"this compiler or CPU does not take {flags}")
     for (fmt, opts), x in itertools.product(CONFIGS[::5], DATA[::2]):
         assert _same(fake_quantize(x, fmt, **opts), _reference(x, fmt, monkeypatch, **opts))
+    for (fmt, opts), x, dtype in itertools.product(CONFIGS[::7], DATA[1::2], (torch.bfloat16, torch.float16)):
+        xd = x.to(dtype)
+        a, b = fake_quantize(xd, fmt, **opts), _reference(xd, fmt, monkeypatch, **opts)
+        assert torch.equal(a.view(torch.int16), b.view(torch.int16)), (fmt, dtype)
     x = torch.cat([d.reshape(-1) for d in DATA])  # and the statistics kernel, with NaN and Inf
     xq, sat, _ = quantize_with_info(x, "mxfp4")
     fast = ErrorStats().update(x, xq, sat).state()
