@@ -330,3 +330,34 @@ def test_narrowing_rounds_exact_ties_to_even(lib, dtype, monkeypatch):
             assert torch.equal(_reference(x, "nvfp4", monkeypatch)[:32].view(torch.int16),
                                expected.view(torch.int16))
     assert checked >= 3
+
+
+@pytest.mark.parametrize(("fmt", "opts"), [(f, o) for f, o in CONFIGS if o.get("rounding") == "stochastic"],
+                         ids=[i for (f, o), i in zip(CONFIGS, CONFIG_IDS, strict=True) if o.get("rounding") == "stochastic"])
+def test_vector_path_on_a_moved_axis_draws_each_element_its_own_uniform(lib, fmt, opts, monkeypatch):
+    """Blocks along a middle axis of 1024 (whole blocks: the vector path, in groups of 16
+    blocks) sit `post` = 7 elements apart in the tensor; stochastic rounding must still give each
+    element the draw of its own position, as the reference does, in every dtype."""
+    x = torch.randn(3, 1024, 7, generator=torch.Generator().manual_seed(3)) * torch.logspace(-3, 3, 7)
+    block = {"block_size": 16} if fmt in ("int4", "int8") else {}
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        xd = x.to(dtype)
+        a = fake_quantize(xd, fmt, axis=1, **opts, **block)
+        b = _reference(xd, fmt, monkeypatch, axis=1, **opts, **block)
+        bits = torch.int32 if dtype == torch.float32 else torch.int16
+        assert torch.equal(a.view(bits), b.view(bits)), dtype
+
+
+def test_vector_path_block_exponents_past_the_first_group(lib, monkeypatch):
+    """Rows of 32 MX blocks (two groups of 16 on the vector path; 16 rows, so a row is one
+    task): every block's E lands at its own index, for every scale rule, with the amax varying
+    along the row."""
+    x = torch.randn(16, 1024, generator=torch.Generator().manual_seed(4)) * torch.logspace(-20, 20, 1024)
+    for rule in ("floor", "rceil", "ceil", "even"):
+        fast = quantize_with_info(x, "mxfp4", exponents=True, scale_rule=rule)
+        with monkeypatch.context() as m:
+            m.setenv("QTRANSFORM_FASTPATH", "0")
+            ref = quantize_with_info(x, "mxfp4", exponents=True, scale_rule=rule)
+        assert fast[2].shape == (16, 32) and torch.equal(fast[2], ref[2]), rule
+        assert _same(fast[0], ref[0]) and torch.equal(fast[1], ref[1]), rule  # values, saturation
+        assert torch.equal(block_exponents(x, "mxfp4", scale_rule=rule), ref[2])  # exponents only
