@@ -429,12 +429,13 @@ DEFINE_RUN(run_int_sr, 1, 2)
 
 /* ---- Vector path (AVX-512 builds): rows made of whole 1D blocks whose size is a multiple of
  * 16 (the default layout of every family). The same fp32 operations as the scalar path above,
- * 16 lanes at a time (GCC vector extensions; elsewhere GCC spills 64-byte vectors and lowers
- * the transpose's shuffles lane by lane, so other ISAs keep the scalar path), 16 blocks at a time: their amaxes reduced together
- * by a transpose, their plans, then their elements, read and written in the tensor's own dtype
- * (no widening buffers). Where the two paths differ in form they agree in value:
- * round-to-nearest-even adds and subtracts 2^(23 - mbits) ulps of the element's binade instead
- * of scaling to an integer (both round |y| to the grid step of its binade, ties to even). */
+ * 16 lanes at a time (GCC vector extensions; on other ISAs GCC spills 64-byte vectors and
+ * lowers the transpose's shuffles lane by lane, so they keep the scalar path), 16 blocks at a
+ * time: their amaxes reduced together by a transpose, their plans, then their elements, read and
+ * written in the tensor's own dtype (no widening buffers). Where the two paths differ in form
+ * they agree in value: round-to-nearest-even adds and subtracts 2^(23 - mbits) ulps of the
+ * element's binade instead of scaling to an integer (both round |y| to the grid step of its
+ * binade, ties to even). */
 typedef void (*vec_fn)(const void *, void *, uint8_t *, int32_t *, int64_t, int64_t, int64_t,
                        const qf_params *, const tensor_scale *, const sr_t *, int64_t, int64_t,
                        float *, const uint32_t *);
@@ -443,7 +444,6 @@ typedef void (*vec_fn)(const void *, void *, uint8_t *, int32_t *, int64_t, int6
 typedef float v16f __attribute__((vector_size(64)));
 typedef uint32_t v16u __attribute__((vector_size(64)));
 typedef int32_t v16i __attribute__((vector_size(64)));
-typedef uint16_t v16h __attribute__((vector_size(32)));
 typedef uint8_t v16b __attribute__((vector_size(16)));
 #define VINLINE static inline __attribute__((always_inline)) /* no 64-byte vector ABI */
 #define SPLAT(u) ((v16u){0} + (uint32_t)(u))
@@ -458,9 +458,8 @@ VINLINE v16i vmaxi(v16i a, v16i b) { return (v16i)_mm512_max_epi32((__m512i)a, (
 VINLINE v16i vmini(v16i a, v16i b) { return (v16i)_mm512_min_epi32((__m512i)a, (__m512i)b); }
 VINLINE v16f vminf(v16f a, v16f b) { return (v16f)_mm512_min_ps((__m512)a, (__m512)b); }
 
-
-/* fp16 through the F16C conversions (every AVX-512 CPU has them): exact widening, and IEEE
- * round-to-nearest-even narrowing as torch's `.to()`, with NaNs made canonical where asked */
+/* bf16 by shifts, fp16 through the F16C conversions (every AVX-512 CPU has them): exact
+ * widening, and IEEE round-to-nearest-even narrowing as torch's `.to()` */
 VINLINE v16u vload(const void *p, int64_t i, int dtype) {
     if (dtype == DT_F32) {
         v16u v;
@@ -597,9 +596,8 @@ VINLINE void vplans(v16u am, v16i ex, const qf_params *p, const tensor_scale *ts
 }
 
 /* The elements of one block (n a multiple of 16) under a MUL, DIV or CT plan. */
-VINLINE void vapply(const void *x, void *o, uint8_t *sat,
-                                                        const float *u, int64_t base, int64_t n,
-                                                        int dtype, int kind, plan_t pl, grid_t g) {
+VINLINE void vapply(const void *x, void *o, uint8_t *sat, const float *u, int64_t base, int64_t n,
+                    int dtype, int kind, plan_t pl, grid_t g) {
     v16f a = (v16f)SPLAT(f2u(pl.a)), post = (v16f)SPLAT(f2u(pl.post));
     v16f maxn = (v16f)SPLAT(f2u(g.max_normal));
     for (int64_t v = 0; v < n; v += 16) {
@@ -626,14 +624,11 @@ VINLINE void vapply(const void *x, void *o, uint8_t *sat,
     }
 }
 
-VINLINE void vnan(void *o, uint8_t *sat, int64_t base, int64_t n,
-                                                      int dtype) {
+VINLINE void vnan(void *o, uint8_t *sat, int64_t base, int64_t n, int dtype) {
     for (int64_t v = 0; v < n; v += 16) vstore(o, base + v, dtype, SPLAT(QNAN));
     if (sat) memset(sat + base, 0, (size_t)n);
 }
 
-/* nt whole blocks of B elements from element `off` of one row (row `row` of the blocked matrix,
- * its first column col0), like DEFINE_RUN with nr = 1, reading x and writing o in `dtype`. */
 /* Lane k: the amax bits of block k of the nj (<= 16) whole blocks of B elements from x[i0]. */
 VINLINE v16u group_amax(const void *x, int64_t i0, int64_t nj, int64_t B, int dtype) {
     v16u pm[VGROUP];
@@ -669,7 +664,9 @@ static uint32_t block_amaxes(const void *x, int dtype, int64_t lo, int64_t n, in
                               : block_amaxes_of(x, lo, n, B, bam, DT_F16);
 }
 
-/* bam: every block's amax bits, from the tensor pass (NVFP4 two-level), else NULL */
+/* nt whole blocks of B elements from element `off` of one row (row `row` of the blocked matrix,
+ * its first column col0), like DEFINE_RUN with nr = 1, reading x and writing o in `dtype`.
+ * bam: every block's amax bits, from the tensor pass (NVFP4 two-level), else NULL. */
 VINLINE void vec_body(
     const void *x, void *o, uint8_t *sat, int32_t *e, int64_t off, int64_t nt, int64_t B,
     const qf_params *p, const tensor_scale *ts, const sr_t *sr, int64_t row, int64_t col0,
