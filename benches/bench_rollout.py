@@ -1,12 +1,16 @@
 """Cost of `rollout_weights` against a plain `state_dict()` copy, on a 28-layer Qwen2-shaped model.
 
-    .venv/bin/python benches/bench_rollout.py [--hidden 512] [--rounds 5] [--format nvfp4]
-                                              [--dtype fp32|bf16] [--fresh-pages]
+    .venv/bin/python benches/bench_rollout.py [--hidden 512] [--rounds 15]
+                                              [--formats mxfp4,nvfp4] [--dtypes fp32,bf16]
+                                              [--fresh-pages]
 
 Both produce every tensor of the model once, as a new tensor (the copy clones each tensor of the
 state dict; `rollout_weights` quantizes the linear weights, noises the norms and passes the rest
-through). Rounds are interleaved and the median is reported; peak extra memory is measured as the
-largest tensor alive at once beyond the model, by tracking what each stream yields and drops.
+through). Rounds alternate the copy and the stream; each round's ratio is the stream's time over
+the copy's just before it, and the table gives the median of those ratios (adjacent runs share
+the machine's state, so a noisy neighbour moves both) beside the median times. Peak extra memory
+is measured as the largest tensor alive at once beyond the model, by tracking what each stream
+yields and drops.
 
 The allocator is pinned (the script re-executes itself with glibc's malloc settings), because on
 a VM a page fault costs about a microsecond and unpinned runs swing between the two regimes: by
@@ -29,6 +33,7 @@ import qtransform
 
 REUSE = {"MALLOC_MMAP_THRESHOLD_": str(1 << 30), "MALLOC_TRIM_THRESHOLD_": str(1 << 32)}
 FRESH = {"MALLOC_MMAP_THRESHOLD_": "131072"}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def model(hidden: int, dtype: torch.dtype = torch.float32) -> Qwen2ForCausalLM:
@@ -49,12 +54,33 @@ def consume(pairs) -> tuple[float, int, int]:
     return time.perf_counter() - start, n, largest
 
 
+def measure(dtype: str, fmt: str, hidden: int, rounds: int) -> tuple[list[float], list[float], tuple[int, int]]:
+    """Per-round seconds of the copy and of the stream, and the stream's (tensors, largest bytes)."""
+    policy = {"version": 1,
+              "quantize": [{"targets": ["Linear"], "ignore": ["lm_head"], "format": fmt}],
+              "noise": {"targets": ["RMSNorm"], "schedule": {
+                  "sigma_start": 1e-2, "sigma_end": 1e-4, "num_stages": 10, "total_steps": 100}}}
+    transformed = qtransform.transform(model(hidden, DTYPES[dtype]), policy)
+    qtransform.noise_controller(transformed).set_step(50)
+
+    def copy():
+        return ((k, v.clone()) for k, v in transformed.state_dict().items())
+
+    consume(copy()), consume(qtransform.rollout_weights(transformed))  # warm-up: builds, caches
+    copies, streams = [], []
+    for _ in range(rounds):
+        copies.append(consume(copy())[0])
+        seconds, n, largest = consume(qtransform.rollout_weights(transformed))
+        streams.append(seconds)
+    return copies, streams, (n, largest)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--hidden", type=int, default=512)
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--format", default="nvfp4")
-    parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--formats", default="mxfp4,nvfp4")
+    parser.add_argument("--dtypes", default="fp32,bf16")
     parser.add_argument("--fresh-pages", action="store_true",
                         help="new pages for every large allocation instead of reused memory")
     args = parser.parse_args()
@@ -62,37 +88,18 @@ def main() -> None:
         env = {**os.environ, **(FRESH if args.fresh_pages else REUSE)}
         os.execve(sys.executable, [sys.executable, *sys.argv], env)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "2")))
-    policy = {"version": 1,
-              "quantize": [{"targets": ["Linear"], "ignore": ["lm_head"], "format": args.format}],
-              "noise": {"targets": ["RMSNorm"], "schedule": {
-                  "sigma_start": 1e-2, "sigma_end": 1e-4, "num_stages": 10, "total_steps": 100}}}
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
-    transformed = qtransform.transform(model(args.hidden, dtype), policy)
-    qtransform.noise_controller(transformed).set_step(50)
-    params = sum(t.numel() for t in transformed.state_dict().values())
-
-    def copy():
-        return ((k, v.clone()) for k, v in transformed.state_dict().items())
-
-    results: dict[str, list[float]] = {"state_dict() copy": [], "rollout_weights": []}
-    shape = {}
-    for _ in range(args.rounds):
-        for label, make in (("state_dict() copy", copy),
-                            ("rollout_weights", lambda: qtransform.rollout_weights(transformed))):
-            seconds, n, largest = consume(make())
-            results[label].append(seconds)
-            shape[label] = (n, largest)
-    base = statistics.median(results["state_dict() copy"])
     pages = "fresh pages" if args.fresh_pages else "reused memory"
-    print(f"28-layer Qwen2 shape, hidden {args.hidden}, {params / 1e6:.1f}M values, {args.dtype}, "
-          f"{args.format}, {torch.get_num_threads()} threads, {pages}, median of {args.rounds} "
-          "interleaved rounds")
-    print("| stream | tensors | median time | ratio | largest tensor |")
-    print("|---|---|---|---|---|")
-    for label, times in results.items():
-        n, largest = shape[label]
-        med = statistics.median(times)
-        print(f"| {label} | {n} | {med * 1e3:.0f} ms | {med / base:.2f}x | {largest / 2**20:.1f} MiB |")
+    print(f"28-layer Qwen2 shape, hidden {args.hidden}, {torch.get_num_threads()} threads, {pages}, "
+          f"{args.rounds} rounds, medians")
+    print("| dtype, format | state_dict() copy | rollout_weights | ratio | tensors | largest tensor |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for dtype in args.dtypes.split(","):
+        for fmt in args.formats.split(","):
+            copies, streams, (n, largest) = measure(dtype, fmt, args.hidden, args.rounds)
+            ratio = statistics.median(s / c for s, c in zip(streams, copies, strict=True))
+            print(f"| {dtype}, {fmt} | {statistics.median(copies) * 1e3:.1f} ms | "
+                  f"{statistics.median(streams) * 1e3:.1f} ms | **{ratio:.2f}x** | {n} | "
+                  f"{largest / 2**20:.1f} MiB |", flush=True)
 
 
 if __name__ == "__main__":

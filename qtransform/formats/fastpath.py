@@ -16,6 +16,7 @@ non-CPU tensor or `QTRANSFORM_FASTPATH=0` all fall back silently to the torch re
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
 import hashlib
 import logging
@@ -206,6 +207,46 @@ def _params(cfg: QuantConfig) -> _Params:
     )
 
 
+@dataclasses.dataclass(frozen=True)
+class _Call:
+    """The arguments of a `qf_quantize` call that depend only on config, layout and dtype,
+    worked out once: a rollout sync or a training step makes hundreds of calls on a few shapes,
+    and working them out each time cost more than quantizing a small weight."""
+
+    code: int
+    shape: tuple[int, ...]  # the kernel's view of x: blocked axis last, contiguous
+    moved: bool  # the blocked axis is not already last: move it there and back
+    grid: tuple[int, ...]
+    dims: tuple[int, int, int, int, int]  # batch, rows, cols, tile rows, tile cols
+    post: int  # elements of a blocked row are `post` apart in x (see qfast.c sr_t)
+    params: object  # ctypes.byref of the _Params
+    parallel: bool
+
+
+@functools.lru_cache(maxsize=1024)
+def _call(cfg: QuantConfig, layout: BlockLayout, dtype: torch.dtype) -> _Call | None:
+    code = _DTYPES.get(dtype, 0 if dtype == torch.float64 else None)  # float64: narrowed to fp32
+    if code is None:
+        return None
+    shape = layout.shape
+    if layout.tile:
+        rows, cols = shape[-2:]
+        tile_r, tile_c = layout.tile
+        dims = (math.prod(shape[:-2]), rows, cols, tile_r, tile_c)
+        moved, post = False, 1
+        grid = (*shape[:-2], -(-rows // tile_r), -(-cols // tile_c))
+    else:
+        moved = layout.axis != len(shape) - 1
+        if moved:
+            shape = (*shape[: layout.axis], *shape[layout.axis + 1:], shape[layout.axis])
+        cols = shape[-1]
+        dims = (1, math.prod(shape) // cols, cols, 1, layout.block)
+        post = math.prod(layout.shape[layout.axis + 1:])
+        grid = (*shape[:-1], -(-cols // layout.block))
+    return _Call(code, shape, moved, grid, dims, post, ctypes.byref(_params(cfg)),
+                 math.prod(shape) >= MIN_PARALLEL)
+
+
 def quantize(
     x: torch.Tensor, cfg: QuantConfig, layout: BlockLayout, want_sat: bool, *,
     exponents: bool = False, values: bool = True, seed: int | None = None,
@@ -215,44 +256,33 @@ def quantize(
     if `exponents`) from one pass, or None when the fast path does not apply (the caller then
     runs the reference path). Stochastic rounding draws from the Philox stream of `seed`."""
     if (
-        x.device.type != "cpu"
+        not x.is_cpu
         or cfg.family.kernel_id is None
-        or (cfg.rounding == "stochastic" and seed is None)
+        or (seed is None and cfg.rounding == "stochastic")
         or x.numel() == 0
         or not enabled()
         or library() is None
     ):
         return None
-    code = _DTYPES.get(x.dtype)
-    if code is None:  # float64: narrowed here, as the reference path does
-        x, code = x.to(torch.float32), _DTYPES[torch.float32]
-    xs = x.detach().reshape(layout.shape)
-    post = 1  # elements of a blocked row are `post` apart in x (see qfast.c sr_t)
-    last = layout.tile is not None or layout.axis == len(layout.shape) - 1  # no axis to move
-    if layout.tile:
-        xm = xs.contiguous()
-        rows, cols = xm.shape[-2:]
-        batch = xm.numel() // (rows * cols)
-        tile_r, tile_c = layout.tile
-        grid = (*xm.shape[:-2], -(-rows // tile_r), -(-cols // tile_c))
-    else:
-        xm = (xs if last else xs.movedim(layout.axis, -1)).contiguous()
-        cols = xm.shape[-1]
-        post = math.prod(layout.shape[layout.axis + 1:])
-        batch, rows, tile_r, tile_c = 1, xm.numel() // cols, 1, layout.block
-        grid = (*xm.shape[:-1], -(-cols // tile_c))
-    out = torch.empty(xm.shape, dtype=xm.dtype) if values else None  # written natively
-    sat = torch.empty(xm.shape, dtype=torch.bool) if want_sat and values else None
-    exps = torch.empty(grid, dtype=torch.int32) if exponents else None
-    threads = torch.get_num_threads() if xm.numel() >= MIN_PARALLEL else 1
+    call = _call(cfg, layout, x.dtype)
+    if call is None:
+        return None
+    xs = x.detach()
+    if xs.dtype == torch.float64:  # narrowed here, as the reference path does
+        xs = xs.to(torch.float32)
+    if xs.shape != layout.shape:
+        xs = xs.reshape(layout.shape)
+    xm = (xs.movedim(layout.axis, -1) if call.moved else xs).contiguous()
+    out = torch.empty_like(xm) if values else None  # written natively
+    sat = torch.empty(call.shape, dtype=torch.bool) if want_sat and values else None
+    exps = torch.empty(call.grid, dtype=torch.int32) if exponents else None
     assert _lib is not None
     if _lib.qf_quantize(
-        xm.data_ptr(), code, _ptr(out), _ptr(sat), _ptr(exps),
-        batch, rows, cols, tile_r, tile_c, ctypes.byref(_params(cfg)), (seed or 0) % (1 << 64), post,
-        threads,
+        xm.data_ptr(), call.code, _ptr(out), _ptr(sat), _ptr(exps), *call.dims, call.params,
+        (seed or 0) % (1 << 64), call.post, torch.get_num_threads() if call.parallel else 1,
     ):
         raise MemoryError("qf_quantize: out of memory")
-    if not last:
+    if call.moved:
         out, sat, exps = (None if t is None else t.movedim(-1, layout.axis) for t in (out, sat, exps))
     return out, sat, exps
 

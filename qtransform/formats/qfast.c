@@ -565,11 +565,19 @@ VINLINE v16f vpow2(v16i k) {
     return (v16f)vsel(k >= -126, (v16u)(k + 127) << 23, sub);
 }
 
+/* The plans of a group's nj blocks as arrays (lane k: block k), so the blocks read their a and
+ * post by broadcast, with no per-block plan record to build. */
+typedef struct {
+    float a[VGROUP], post[VGROUP];
+    int kind[VGROUP];
+} vplan_t;
+
 /* plan_block for the nj blocks of a group: in 16 lanes for MX, int groups and the default NVFP4
  * variant (the same fp32 operations; `s > c ? c : s` is vminf(s, c) as s is never NaN there),
- * block by block for the others. ex: MX block exponents, already computed. */
-VINLINE void vplans(v16u am, v16i ex, const qf_params *p, const tensor_scale *ts, int64_t nj,
-                    plan_t *pl) {
+ * block by block for the others. ex: MX block exponents, already computed. Returns the kind
+ * every block shares (vp->kind is then unset), or -1 when they differ. */
+VINLINE int vplans(v16u am, v16i ex, const qf_params *p, const tensor_scale *ts, int64_t nj,
+                   vplan_t *vp) {
     v16f a, post;
     v16i nan = (v16i)(am >= 0x7f800000u);
     int kind = PLAN_MUL;
@@ -579,26 +587,34 @@ VINLINE void vplans(v16u am, v16i ex, const qf_params *p, const tensor_scale *ts
         v16f scale = (v16f)am / p->qmax;
         a = (v16f)vsel(scale == 0.0f, SPLAT(f2u(1.0f)), (v16u)scale), post = scale, kind = PLAN_DIV;
     } else if (p->variant == NV_DEFAULT) {
+        if (ts->nan) return PLAN_NAN;
         const grid_t e4m3 = {0, 0, 3, -6, 448.0f, 1.0f, 1.0f};
         v16f s = vminf(vminf((v16f)am * ts->g6, (v16f)SPLAT(f2u(FLT_MAX))), (v16f)SPLAT(f2u(448.0f)));
         s = vround(s, e4m3, s);
         post = s * ts->d;
         a = vminf(1.0f / post, (v16f)SPLAT(f2u(FLT_MAX)));
-        nan = (v16i)SPLAT(ts->nan ? -1 : 0);
+        nan = (v16i)SPLAT(0);
     } else {
-        for (int64_t k = 0; k < nj; k++) pl[k] = plan_block(am[k], p, ts);
-        return;
+        int uni = -2;
+        for (int64_t k = 0; k < nj; k++) {
+            plan_t pl = plan_block(am[k], p, ts);
+            vp->a[k] = pl.a, vp->post[k] = pl.post, vp->kind[k] = pl.kind;
+            uni = uni == -2 || uni == pl.kind ? pl.kind : -1;
+        }
+        return uni;
     }
-    for (int64_t k = 0; k < nj; k++) {
-        plan_t one = {nan[k] ? PLAN_NAN : kind, a[k], post[k]};
-        pl[k] = one;
-    }
+    memcpy(vp->a, &a, sizeof a);
+    memcpy(vp->post, &post, sizeof post);
+    if (!_mm512_test_epi32_mask((__m512i)nan, (__m512i)nan)) return kind; /* lanes >= nj: am 0 */
+    v16i kinds = (v16i)vsel(nan, SPLAT(PLAN_NAN), SPLAT((uint32_t)kind));
+    memcpy(vp->kind, &kinds, sizeof kinds);
+    return -1;
 }
 
 /* The elements of one block (n a multiple of 16) under a MUL, DIV or CT plan. */
 VINLINE void vapply(const void *x, void *o, uint8_t *sat, const float *u, int64_t base, int64_t n,
-                    int dtype, int kind, plan_t pl, grid_t g) {
-    v16f a = (v16f)SPLAT(f2u(pl.a)), post = (v16f)SPLAT(f2u(pl.post));
+                    int dtype, int kind, float pa, float ppost, grid_t g) {
+    v16f a = (v16f)SPLAT(f2u(pa)), post = (v16f)SPLAT(f2u(ppost));
     v16f maxn = (v16f)SPLAT(f2u(g.max_normal));
     for (int64_t v = 0; v < n; v += 16) {
         v16f xv = (v16f)vload(x, base + v, dtype);
@@ -664,6 +680,21 @@ static uint32_t block_amaxes(const void *x, int dtype, int64_t lo, int64_t n, in
                               : block_amaxes_of(x, lo, n, B, bam, DT_F16);
 }
 
+/* nj blocks sharing one plan kind, with the usual block sizes as compile-time constants (one
+ * vector per block for NVFP4's 16: no per-block dispatch or loop left) */
+VINLINE void vgroup(const void *x, void *o, uint8_t *sat, const float *ub, int64_t base,
+                    int64_t nj, int64_t B, int dtype, int kind, const vplan_t *vp, grid_t g) {
+    if (B == 16)
+        for (int64_t k = 0; k < nj; k++)
+            vapply(x, o, sat, ub + k * 16, base + k * 16, 16, dtype, kind, vp->a[k], vp->post[k], g);
+    else if (B == 32)
+        for (int64_t k = 0; k < nj; k++)
+            vapply(x, o, sat, ub + k * 32, base + k * 32, 32, dtype, kind, vp->a[k], vp->post[k], g);
+    else
+        for (int64_t k = 0; k < nj; k++)
+            vapply(x, o, sat, ub + k * B, base + k * B, B, dtype, kind, vp->a[k], vp->post[k], g);
+}
+
 /* nt whole blocks of B elements from element `off` of one row (row `row` of the blocked matrix,
  * its first column col0), like DEFINE_RUN with nr = 1, reading x and writing o in `dtype`.
  * bam: every block's amax bits, from the tensor pass (NVFP4 two-level), else NULL. */
@@ -682,17 +713,24 @@ VINLINE void vec_body(
         v16i ex = p->family == FAM_MX ? vblock_exponent(am, p) : (v16i)SPLAT(0);
         if (e) memcpy(e + jc, &ex, sizeof(int32_t) * (size_t)nj);
         if (!o) continue;
-        plan_t pl[VGROUP];
-        vplans(am, ex, p, ts, nj, pl);
+        vplan_t vp;
+        int uni = vplans(am, ex, p, ts, nj, &vp);
         if (rna == 2) fill_uniform(sr, row, col0 + jc * B, nj * B, ub);
-        for (int64_t k = 0; k < nj; k++) {
-            int64_t base = off + (jc + k) * B;
-            const float *u = ub + k * B;
-            if (pl[k].kind == PLAN_MUL) vapply(x, o, sat, u, base, B, dtype, PLAN_MUL, pl[k], g);
-            else if (pl[k].kind == PLAN_DIV) vapply(x, o, sat, u, base, B, dtype, PLAN_DIV, pl[k], g);
-            else if (pl[k].kind == PLAN_CT) vapply(x, o, sat, u, base, B, dtype, PLAN_CT, pl[k], g);
-            else vnan(o, sat, base, B, dtype);
-        }
+        int64_t base = off + jc * B;
+        if (uni == PLAN_MUL) vgroup(x, o, sat, ub, base, nj, B, dtype, PLAN_MUL, &vp, g);
+        else if (uni == PLAN_DIV) vgroup(x, o, sat, ub, base, nj, B, dtype, PLAN_DIV, &vp, g);
+        else if (uni == PLAN_CT) vgroup(x, o, sat, ub, base, nj, B, dtype, PLAN_CT, &vp, g);
+        else if (uni == PLAN_NAN) vnan(o, sat, base, nj * B, dtype);
+        else
+            for (int64_t k = 0; k < nj; k++) {
+                int64_t at = base + k * B;
+                const float *u = ub + k * B;
+                float a = vp.a[k], post = vp.post[k];
+                if (vp.kind[k] == PLAN_MUL) vapply(x, o, sat, u, at, B, dtype, PLAN_MUL, a, post, g);
+                else if (vp.kind[k] == PLAN_DIV) vapply(x, o, sat, u, at, B, dtype, PLAN_DIV, a, post, g);
+                else if (vp.kind[k] == PLAN_CT) vapply(x, o, sat, u, at, B, dtype, PLAN_CT, a, post, g);
+                else vnan(o, sat, at, B, dtype);
+            }
     }
 }
 

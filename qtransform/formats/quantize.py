@@ -8,6 +8,7 @@ rounding draws from the counter-based stream of `philox.py` on both paths.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import replace
 from typing import Any
@@ -52,8 +53,10 @@ def canonical_nan_(t: torch.Tensor) -> torch.Tensor:
 
 def layout_for(x: torch.Tensor, cfg: QuantConfig) -> BlockLayout:
     """The block layout of x under cfg (0-dim tensors are treated as shape (1,))."""
-    shape = tuple(x.shape) if x.ndim else (1,)
-    return make_layout(shape, cfg.block_axis, cfg.block, cfg.tile)
+    return _layout(tuple(x.shape) if x.ndim else (1,), cfg.block_axis, cfg.block, cfg.tile)
+
+
+_layout = functools.lru_cache(maxsize=1024)(make_layout)  # a weight sync asks for a few shapes
 
 
 def stream_seed(
@@ -162,7 +165,10 @@ def _forward(
         assert out is not None
     else:
         out, sat, exps = _reference(x, cfg, seed, layout, want_sat, want_exps)
-    out = out.reshape(x.shape).to(x.dtype)
+    if out.shape != x.shape:
+        out = out.reshape(x.shape)
+    if out.dtype != x.dtype:
+        out = out.to(x.dtype)
     if exps is not None and not x.ndim:
         exps = exps.reshape(())
     return out, None if sat is None else sat.reshape(x.shape), exps

@@ -16,6 +16,7 @@ activations, which an engine computes itself.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Iterator
 
 import torch
@@ -40,7 +41,7 @@ def _weight_chains(model: nn.Module) -> dict[str, list[nn.Module]]:
             if ins.point != "weight" or ins.pass_name not in _WEIGHT_PASSES:
                 continue
             chain = chains.setdefault(hf_name(f"{name}.{_weight_param(module, ins.site)}"), [])
-            chain.append(getattr(module, ins.module_path.rsplit(".", 1)[-1]))
+            chain.append(module._modules[ins.module_path.rsplit(".", 1)[-1]])
     return chains
 
 
@@ -62,8 +63,11 @@ def _unwrapped(model: nn.Module) -> nn.Module:
     return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
 
 
+_ADAPTER = re.compile(rf"(?:^|\.)(?:{'|'.join(ADAPTER_KEYS)})\.|\.original_module\.")
+
+
 def _is_adapter(name: str) -> bool:
-    return any(f".{key}." in f".{name}" for key in ADAPTER_KEYS) or ".original_module." in name
+    return _ADAPTER.search(name) is not None
 
 
 def rollout_filter(model: nn.Module, pairs: Iterable[tuple[str, Tensor]]) -> Iterator[tuple[str, Tensor]]:
