@@ -1,6 +1,7 @@
 """Cost of `rollout_weights` against a plain `state_dict()` copy, on a 28-layer Qwen2-shaped model.
 
-    .venv/bin/python benches/bench_rollout.py [--hidden 512] [--rounds 15]
+    .venv/bin/python benches/bench_rollout.py [--hidden 512] [--intermediate N] [--vocab 32000]
+                                              [--rounds 15]
                                               [--formats mxfp4,nvfp4] [--dtypes fp32,bf16]
                                               [--fresh-pages]
 
@@ -36,9 +37,12 @@ FRESH = {"MALLOC_MMAP_THRESHOLD_": "131072"}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-def model(hidden: int, dtype: torch.dtype = torch.float32) -> Qwen2ForCausalLM:
+def model(hidden: int, dtype: torch.dtype = torch.float32, intermediate: int | None = None,
+          vocab: int = 32000) -> Qwen2ForCausalLM:
+    """28 Qwen2 layers (Qwen2.5-1.5B: hidden 1536, intermediate 8960, vocab 151936)."""
     torch.manual_seed(0)
-    cfg = Qwen2Config(vocab_size=32000, hidden_size=hidden, intermediate_size=hidden * 11 // 4,
+    cfg = Qwen2Config(vocab_size=vocab, hidden_size=hidden,
+                      intermediate_size=intermediate or hidden * 11 // 4,
                       num_hidden_layers=28, num_attention_heads=hidden // 64, num_key_value_heads=2,
                       max_position_embeddings=512, tie_word_embeddings=True)
     return Qwen2ForCausalLM(cfg).to(dtype).eval()
@@ -54,13 +58,14 @@ def consume(pairs) -> tuple[float, int, int]:
     return time.perf_counter() - start, n, largest
 
 
-def measure(dtype: str, fmt: str, hidden: int, rounds: int) -> tuple[list[float], list[float], tuple[int, int]]:
+def measure(dtype: str, fmt: str, args: argparse.Namespace) -> tuple[list[float], list[float], tuple[int, int]]:
     """Per-round seconds of the copy and of the stream, and the stream's (tensors, largest bytes)."""
     policy = {"version": 1,
               "quantize": [{"targets": ["Linear"], "ignore": ["lm_head"], "format": fmt}],
               "noise": {"targets": ["RMSNorm"], "schedule": {
                   "sigma_start": 1e-2, "sigma_end": 1e-4, "num_stages": 10, "total_steps": 100}}}
-    transformed = qtransform.transform(model(hidden, DTYPES[dtype]), policy)
+    transformed = qtransform.transform(
+        model(args.hidden, DTYPES[dtype], args.intermediate, args.vocab), policy)
     qtransform.noise_controller(transformed).set_step(50)
 
     def copy():
@@ -68,7 +73,7 @@ def measure(dtype: str, fmt: str, hidden: int, rounds: int) -> tuple[list[float]
 
     consume(copy()), consume(qtransform.rollout_weights(transformed))  # warm-up: builds, caches
     copies, streams = [], []
-    for _ in range(rounds):
+    for _ in range(args.rounds):
         copies.append(consume(copy())[0])
         seconds, n, largest = consume(qtransform.rollout_weights(transformed))
         streams.append(seconds)
@@ -78,6 +83,8 @@ def measure(dtype: str, fmt: str, hidden: int, rounds: int) -> tuple[list[float]
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--intermediate", type=int, default=None, help="default: hidden * 11 / 4")
+    parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--formats", default="mxfp4,nvfp4")
     parser.add_argument("--dtypes", default="fp32,bf16")
@@ -89,13 +96,15 @@ def main() -> None:
         os.execve(sys.executable, [sys.executable, *sys.argv], env)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "2")))
     pages = "fresh pages" if args.fresh_pages else "reused memory"
-    print(f"28-layer Qwen2 shape, hidden {args.hidden}, {torch.get_num_threads()} threads, {pages}, "
+    inter = args.intermediate or args.hidden * 11 // 4
+    print(f"28-layer Qwen2 shape, hidden {args.hidden}, intermediate {inter}, vocab {args.vocab}, "
+          f"{torch.get_num_threads()} threads, {pages}, "
           f"{args.rounds} rounds, medians")
     print("| dtype, format | state_dict() copy | rollout_weights | ratio | tensors | largest tensor |")
     print("|---|---:|---:|---:|---:|---:|")
     for dtype in args.dtypes.split(","):
         for fmt in args.formats.split(","):
-            copies, streams, (n, largest) = measure(dtype, fmt, args.hidden, args.rounds)
+            copies, streams, (n, largest) = measure(dtype, fmt, args)
             ratio = statistics.median(s / c for s, c in zip(streams, copies, strict=True))
             print(f"| {dtype}, {fmt} | {statistics.median(copies) * 1e3:.1f} ms | "
                   f"{statistics.median(streams) * 1e3:.1f} ms | **{ratio:.2f}x** | {n} | "

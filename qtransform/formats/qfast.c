@@ -436,9 +436,13 @@ DEFINE_RUN(run_int_sr, 1, 2)
  * they agree in value: round-to-nearest-even adds and subtracts 2^(23 - mbits) ulps of the
  * element's binade instead of scaling to an integer (both round |y| to the grid step of its
  * binade, ties to even). */
+/* Outputs from this size on are written with non-temporal stores (vector path): about a quarter of
+ * a server L3, past which a written tensor is evicted before anyone reads it (docs/benchmarks.md,
+ * "Rollout weights": 15-20 % less time at Qwen2.5-1.5B sizes, nothing gained below). */
+#define STREAM_BYTES ((int64_t)8 << 20)
 typedef void (*vec_fn)(const void *, void *, uint8_t *, int32_t *, int64_t, int64_t, int64_t,
                        const qf_params *, const tensor_scale *, const sr_t *, int64_t, int64_t,
-                       float *, const uint32_t *);
+                       float *, const uint32_t *, int);
 #if defined(__AVX512F__)
 #include <immintrin.h>
 typedef float v16f __attribute__((vector_size(64)));
@@ -473,16 +477,19 @@ VINLINE v16u vload(const void *p, int64_t i, int dtype) {
 }
 
 /* Every NaN the vector path writes is already the canonical one (NaN blocks, compressed-tensors'
- * NaNs), which both narrowings keep canonical, so they need no NaN check. */
-VINLINE void vstore(void *p, int64_t i, int dtype, v16u v) {
+ * NaNs), which both narrowings keep canonical, so they need no NaN check. `stream`: a
+ * non-temporal store (i a multiple of 16 and p 64-byte aligned; see STREAM_BYTES). */
+VINLINE void vstore(void *p, int64_t i, int dtype, v16u v, int stream) {
     if (dtype == DT_F32) {
-        memcpy((uint32_t *)p + i, &v, sizeof v);
+        if (stream) _mm512_stream_ps((float *)p + i, (__m512)v);
+        else memcpy((uint32_t *)p + i, &v, sizeof v);
         return;
     }
     __m256i h = dtype == DT_BF16 /* f2bf_bits's rounding; the low halves (vpmovdw) */
                     ? _mm512_cvtepi32_epi16((__m512i)((v + 0x7fffu + ((v >> 16) & 1u)) >> 16))
                     : _mm512_cvtps_ph((__m512)v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    memcpy((uint16_t *)p + i, &h, sizeof h);
+    if (stream) _mm256_stream_si256((__m256i *)((uint16_t *)p + i), h);
+    else memcpy((uint16_t *)p + i, &h, sizeof h);
 }
 
 /* lane k = the largest lane of m[k]: a transpose in four halving steps */
@@ -613,7 +620,7 @@ VINLINE int vplans(v16u am, v16i ex, const qf_params *p, const tensor_scale *ts,
 
 /* The elements of one block (n a multiple of 16) under a MUL, DIV or CT plan. */
 VINLINE void vapply(const void *x, void *o, uint8_t *sat, const float *u, int64_t base, int64_t n,
-                    int dtype, int kind, float pa, float ppost, grid_t g) {
+                    int dtype, int kind, float pa, float ppost, grid_t g, int stream) {
     v16f a = (v16f)SPLAT(f2u(pa)), post = (v16f)SPLAT(f2u(ppost));
     v16f maxn = (v16f)SPLAT(f2u(g.max_normal));
     for (int64_t v = 0; v < n; v += 16) {
@@ -636,12 +643,12 @@ VINLINE void vapply(const void *x, void *o, uint8_t *sat, const float *u, int64_
         } else {
             out = (v16u)((v16f)((v16u)q | (yb & 0x80000000u)) * post);
         }
-        vstore(o, base + v, dtype, out);
+        vstore(o, base + v, dtype, out, stream);
     }
 }
 
-VINLINE void vnan(void *o, uint8_t *sat, int64_t base, int64_t n, int dtype) {
-    for (int64_t v = 0; v < n; v += 16) vstore(o, base + v, dtype, SPLAT(QNAN));
+VINLINE void vnan(void *o, uint8_t *sat, int64_t base, int64_t n, int dtype, int stream) {
+    for (int64_t v = 0; v < n; v += 16) vstore(o, base + v, dtype, SPLAT(QNAN), stream);
     if (sat) memset(sat + base, 0, (size_t)n);
 }
 
@@ -683,25 +690,30 @@ static uint32_t block_amaxes(const void *x, int dtype, int64_t lo, int64_t n, in
 /* nj blocks sharing one plan kind, with the usual block sizes as compile-time constants (one
  * vector per block for NVFP4's 16: no per-block dispatch or loop left) */
 VINLINE void vgroup(const void *x, void *o, uint8_t *sat, const float *ub, int64_t base,
-                    int64_t nj, int64_t B, int dtype, int kind, const vplan_t *vp, grid_t g) {
+                    int64_t nj, int64_t B, int dtype, int kind, const vplan_t *vp, grid_t g,
+                    int stream) {
     if (B == 16)
         for (int64_t k = 0; k < nj; k++)
-            vapply(x, o, sat, ub + k * 16, base + k * 16, 16, dtype, kind, vp->a[k], vp->post[k], g);
+            vapply(x, o, sat, ub + k * 16, base + k * 16, 16, dtype, kind, vp->a[k], vp->post[k], g,
+                   stream);
     else if (B == 32)
         for (int64_t k = 0; k < nj; k++)
-            vapply(x, o, sat, ub + k * 32, base + k * 32, 32, dtype, kind, vp->a[k], vp->post[k], g);
+            vapply(x, o, sat, ub + k * 32, base + k * 32, 32, dtype, kind, vp->a[k], vp->post[k], g,
+                   stream);
     else
         for (int64_t k = 0; k < nj; k++)
-            vapply(x, o, sat, ub + k * B, base + k * B, B, dtype, kind, vp->a[k], vp->post[k], g);
+            vapply(x, o, sat, ub + k * B, base + k * B, B, dtype, kind, vp->a[k], vp->post[k], g,
+                   stream);
 }
 
 /* nt whole blocks of B elements from element `off` of one row (row `row` of the blocked matrix,
  * its first column col0), like DEFINE_RUN with nr = 1, reading x and writing o in `dtype`.
- * bam: every block's amax bits, from the tensor pass (NVFP4 two-level), else NULL. */
+ * bam: every block's amax bits, from the tensor pass (NVFP4 two-level), else NULL. stream:
+ * non-temporal stores of o. */
 VINLINE void vec_body(
     const void *x, void *o, uint8_t *sat, int32_t *e, int64_t off, int64_t nt, int64_t B,
     const qf_params *p, const tensor_scale *ts, const sr_t *sr, int64_t row, int64_t col0,
-    float *ub, const uint32_t *bam, int dtype, int is_int, int rna) {
+    float *ub, const uint32_t *bam, int stream, int dtype, int is_int, int rna) {
     grid_t g = grid_of(p);
     g.is_int = is_int;
     g.rna = rna;
@@ -717,19 +729,19 @@ VINLINE void vec_body(
         int uni = vplans(am, ex, p, ts, nj, &vp);
         if (rna == 2) fill_uniform(sr, row, col0 + jc * B, nj * B, ub);
         int64_t base = off + jc * B;
-        if (uni == PLAN_MUL) vgroup(x, o, sat, ub, base, nj, B, dtype, PLAN_MUL, &vp, g);
-        else if (uni == PLAN_DIV) vgroup(x, o, sat, ub, base, nj, B, dtype, PLAN_DIV, &vp, g);
-        else if (uni == PLAN_CT) vgroup(x, o, sat, ub, base, nj, B, dtype, PLAN_CT, &vp, g);
-        else if (uni == PLAN_NAN) vnan(o, sat, base, nj * B, dtype);
+        if (uni == PLAN_MUL) vgroup(x, o, sat, ub, base, nj, B, dtype, PLAN_MUL, &vp, g, stream);
+        else if (uni == PLAN_DIV) vgroup(x, o, sat, ub, base, nj, B, dtype, PLAN_DIV, &vp, g, stream);
+        else if (uni == PLAN_CT) vgroup(x, o, sat, ub, base, nj, B, dtype, PLAN_CT, &vp, g, stream);
+        else if (uni == PLAN_NAN) vnan(o, sat, base, nj * B, dtype, stream);
         else
             for (int64_t k = 0; k < nj; k++) {
                 int64_t at = base + k * B;
                 const float *u = ub + k * B;
                 float a = vp.a[k], post = vp.post[k];
-                if (vp.kind[k] == PLAN_MUL) vapply(x, o, sat, u, at, B, dtype, PLAN_MUL, a, post, g);
-                else if (vp.kind[k] == PLAN_DIV) vapply(x, o, sat, u, at, B, dtype, PLAN_DIV, a, post, g);
-                else if (vp.kind[k] == PLAN_CT) vapply(x, o, sat, u, at, B, dtype, PLAN_CT, a, post, g);
-                else vnan(o, sat, at, B, dtype);
+                if (vp.kind[k] == PLAN_MUL) vapply(x, o, sat, u, at, B, dtype, PLAN_MUL, a, post, g, stream);
+                else if (vp.kind[k] == PLAN_DIV) vapply(x, o, sat, u, at, B, dtype, PLAN_DIV, a, post, g, stream);
+                else if (vp.kind[k] == PLAN_CT) vapply(x, o, sat, u, at, B, dtype, PLAN_CT, a, post, g, stream);
+                else vnan(o, sat, at, B, dtype, stream);
             }
     }
 }
@@ -737,8 +749,9 @@ VINLINE void vec_body(
 #define DEFINE_VEC(NAME, DT, IS_INT, RNA)                                                        \
     static void NAME(const void *x, void *o, uint8_t *sat, int32_t *e, int64_t off, int64_t nt, \
                      int64_t B, const qf_params *p, const tensor_scale *ts, const sr_t *sr,     \
-                     int64_t row, int64_t col0, float *ub, const uint32_t *bam) {               \
-        vec_body(x, o, sat, e, off, nt, B, p, ts, sr, row, col0, ub, bam, DT, IS_INT, RNA);     \
+                     int64_t row, int64_t col0, float *ub, const uint32_t *bam, int stream) {   \
+        vec_body(x, o, sat, e, off, nt, B, p, ts, sr, row, col0, ub, bam, stream, DT, IS_INT,   \
+                 RNA);                                                                          \
     }
 #define DEFINE_VEC_DT(DT, SUFFIX)                                                            \
     DEFINE_VEC(vec_float_rne_##SUFFIX, DT, 0, 0) DEFINE_VEC(vec_float_rna_##SUFFIX, DT, 0, 1) \
@@ -754,9 +767,11 @@ static const vec_fn VEC_FNS[3][2][3] = {
     {{vec_float_rne_f16, vec_float_rna_f16, vec_float_sr_f16}, {vec_int_rne_f16, vec_int_rna_f16, vec_int_sr_f16}},
 };
 #define VEC_FN(dtype, is_int, rna) VEC_FNS[dtype][is_int][rna]
+#define SFENCE() _mm_sfence()
 #define BLOCK_AMAXES(x, dtype, lo, n, B, bam) block_amaxes(x, dtype, lo, n, B, bam)
 #else
 #define VEC_FN(dtype, is_int, rna) ((vec_fn)0)
+#define SFENCE() ((void)0) /* no vector path: stream is never set */
 #define BLOCK_AMAXES(x, dtype, lo, n, B, bam) 0u /* no vector path: bam is never allocated */
 #endif
 
@@ -784,6 +799,11 @@ int qf_quantize(const void *x, int dtype, void *out, uint8_t *sat, int32_t *exps
     vec_fn vec = tile_r == 1 && tile_c % 16 == 0 && cols % tile_c == 0
                      ? VEC_FN(dtype, p->is_int != 0, p->rna)
                      : 0;
+    /* an output this large would not stay in cache until it is read: store it around the cache,
+     * which saves reading each line in before it is overwritten (aligned: torch allocates
+     * 64-byte aligned, and every vector store starts on a multiple of 16 elements) */
+    int stream = vec && out && total * (dtype == DT_F32 ? 4 : 2) >= STREAM_BYTES &&
+                 ((uintptr_t)out & 63) == 0;
     uint32_t *bam = 0; /* NVFP4 two-level, vector path: block amaxes from the tensor pass */
     if (p->family == FAM_NVFP4 && p->variant != NV_ONE_LEVEL) {
         if (vec && out && !(bam = malloc(sizeof(uint32_t) * (size_t)(total / tile_c)))) return -1;
@@ -842,7 +862,7 @@ int qf_quantize(const void *x, int dtype, void *out, uint8_t *sat, int32_t *exps
             int64_t off = b * rows * cols + r0 * cols + c0, w = cols - c0 < width ? cols - c0 : width;
             if (vec) {
                 vec(x, out, sat, exps ? exps + rs * ntc + j0 : 0, off, nt, tile_c, p, &ts, &sr,
-                    b * rows + r0, c0, ub, bam);
+                    b * rows + r0, c0, ub, bam, stream);
                 continue;
             }
             const float *src = (const float *)x + off;
@@ -861,6 +881,7 @@ int qf_quantize(const void *x, int dtype, void *out, uint8_t *sat, int32_t *exps
         free(buf);
         free(obuf);
         free(ub);
+        if (stream) SFENCE(); /* non-temporal stores are weakly ordered: visible before return */
     }
     free(bam);
     return failed ? -1 : 0;

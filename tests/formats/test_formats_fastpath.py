@@ -361,3 +361,21 @@ def test_vector_path_block_exponents_past_the_first_group(lib, monkeypatch):
         assert fast[2].shape == (16, 32) and torch.equal(fast[2], ref[2]), rule
         assert _same(fast[0], ref[0]) and torch.equal(fast[1], ref[1]), rule  # values, saturation
         assert torch.equal(block_exponents(x, "mxfp4", scale_rule=rule), ref[2])  # exponents only
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4", "int4"])
+def test_outputs_past_the_streaming_size_are_bit_identical(lib, fmt, monkeypatch):
+    """Outputs of 8 MiB and more are written around the cache (non-temporal stores, qfast.c
+    STREAM_BYTES): the values, NaN blocks included, are those of the reference in every dtype.
+    Rows of 2048 (four groups of blocks per task), 2048 rows in half precision: exactly 8 MiB."""
+    x = torch.randn(2048, 2048, generator=torch.Generator().manual_seed(5)) * torch.logspace(-4, 4, 2048)
+    x[7, 100] = float("nan")  # one NaN block (NVFP4: a NaN tensor scale, all NaN)
+    block = {"block_size": 16} if fmt == "int4" else {}
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        xd = x.to(dtype)
+        assert xd.numel() * xd.element_size() >= 8 << 20
+        a, b = fake_quantize(xd, fmt, **block), _reference(xd, fmt, monkeypatch, **block)
+        bits = torch.int32 if dtype == torch.float32 else torch.int16
+        assert torch.equal(a.view(bits), b.view(bits)), dtype
+        if fmt != "nvfp4":
+            assert a[7, 96:112].isnan().all() and not a[8].isnan().any(), dtype
