@@ -618,6 +618,18 @@ VINLINE int vplans(v16u am, v16i ex, const qf_params *p, const tensor_scale *ts,
     return -1;
 }
 
+/* min(|y|, maxn) for y that is not NaN (CT's NaN lanes are replaced afterwards): one vrangeps
+ * (smaller magnitude, sign cleared) where the build has AVX512DQ; ay is |y| */
+VINLINE v16f vsatabs(v16f y, v16f ay, v16f maxn) {
+#if defined(__AVX512DQ__)
+    (void)ay;
+    return (v16f)_mm512_range_ps((__m512)y, (__m512)maxn, 0x0A);
+#else
+    (void)y;
+    return vminf(ay, maxn);
+#endif
+}
+
 /* The elements of one block (n a multiple of 16) under a MUL, DIV or CT plan. */
 VINLINE void vapply(const void *x, void *o, uint8_t *sat, const float *u, int64_t base, int64_t n,
                     int dtype, int kind, float pa, float ppost, grid_t g, int stream) {
@@ -634,7 +646,7 @@ VINLINE void vapply(const void *x, void *o, uint8_t *sat, const float *u, int64_
         }
         v16f uv = {0};
         if (g.rna == 2) memcpy(&uv, u + v, sizeof uv);
-        v16f q = vround(vminf(ay, maxn), g, uv);
+        v16f q = vround(vsatabs(y, ay, maxn), g, uv);
         v16u out;
         if (kind == PLAN_CT) { /* y NaN -> 0, sign only where y < 0, NaN results canonical */
             v16i ny = (v16i)(y != y);

@@ -203,12 +203,14 @@ def test_broken_source_falls_back(monkeypatch, tmp_path):
     assert not any((tmp_path / "cache").rglob("*.so"))
 
 
-@pytest.mark.parametrize("flags", [[], ["-march=native", "-mno-avx512f", "-fopenmp"]],
-                         ids=["portable", "native-without-avx512"])
+@pytest.mark.parametrize("flags", [[], ["-march=native", "-mno-avx512f", "-fopenmp"],
+                                   ["-march=native", "-mno-avx512dq", "-fopenmp"]],
+                         ids=["portable", "native-without-avx512", "native-without-avx512dq"])
 def test_other_builds_are_bit_identical_too(flags, monkeypatch, tmp_path):
     """The fallback flag set (no -march=native, no OpenMP) computes the same bits, and so does
     a native build without AVX-512 (the scalar path everywhere, with F16C where the CPU has it),
-    which is what a CPU without AVX-512 compiles."""
+    which is what a CPU without AVX-512 compiles, and one whose vector path saturates without
+    vrangeps (AVX512DQ)."""
     if not HAS_CC:
         pytest.skip("no C compiler")
     monkeypatch.setattr(fastpath, "FLAG_SETS", (flags,))
