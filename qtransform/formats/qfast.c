@@ -476,18 +476,30 @@ VINLINE v16u vload(const void *p, int64_t i, int dtype) {
     return (v16u)_mm512_cvtepu16_epi32(h) << 16;
 }
 
+/* How vstore writes: ST_STREAM a non-temporal store (i a multiple of 16 and p 64-byte aligned; see
+ * STREAM_BYTES); ST_NORMAL every lane is zero, normal, Inf or NaN (no fp32 subnormal), so the bf16
+ * narrowing may be vcvtneps2bf16, which rounds to nearest even as f2bf_bits but reads subnormal
+ * inputs as zero. */
+enum { ST_STREAM = 1, ST_NORMAL = 2 };
+
 /* Every NaN the vector path writes is already the canonical one (NaN blocks, compressed-tensors'
- * NaNs), which both narrowings keep canonical, so they need no NaN check. `stream`: a
- * non-temporal store (i a multiple of 16 and p 64-byte aligned; see STREAM_BYTES). */
-VINLINE void vstore(void *p, int64_t i, int dtype, v16u v, int stream) {
+ * NaNs), which both narrowings keep canonical, so they need no NaN check. */
+VINLINE void vstore(void *p, int64_t i, int dtype, v16u v, int st) {
+    int stream = st & ST_STREAM;
     if (dtype == DT_F32) {
         if (stream) _mm512_stream_ps((float *)p + i, (__m512)v);
         else memcpy((uint32_t *)p + i, &v, sizeof v);
         return;
     }
-    __m256i h = dtype == DT_BF16 /* f2bf_bits's rounding; the low halves (vpmovdw) */
-                    ? _mm512_cvtepi32_epi16((__m512i)((v + 0x7fffu + ((v >> 16) & 1u)) >> 16))
-                    : _mm512_cvtps_ph((__m512)v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256i h;
+#if defined(__AVX512BF16__)
+    if (dtype == DT_BF16 && (st & ST_NORMAL))
+        h = (__m256i)_mm512_cvtneps_pbh((__m512)v);
+    else
+#endif
+        h = dtype == DT_BF16 /* f2bf_bits's rounding; the low halves (vpmovdw) */
+                ? _mm512_cvtepi32_epi16((__m512i)((v + 0x7fffu + ((v >> 16) & 1u)) >> 16))
+                : _mm512_cvtps_ph((__m512)v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     if (stream) _mm256_stream_si256((__m256i *)((uint16_t *)p + i), h);
     else memcpy((uint16_t *)p + i, &h, sizeof h);
 }
@@ -632,7 +644,7 @@ VINLINE v16f vsatabs(v16f y, v16f ay, v16f maxn) {
 
 /* The elements of one block (n a multiple of 16) under a MUL, DIV or CT plan. */
 VINLINE void vapply(const void *x, void *o, uint8_t *sat, const float *u, int64_t base, int64_t n,
-                    int dtype, int kind, float pa, float ppost, grid_t g, int stream) {
+                    int dtype, int kind, float pa, float ppost, grid_t g, int st) {
     v16f a = (v16f)SPLAT(f2u(pa)), post = (v16f)SPLAT(f2u(ppost));
     v16f maxn = (v16f)SPLAT(f2u(g.max_normal));
     for (int64_t v = 0; v < n; v += 16) {
@@ -655,12 +667,12 @@ VINLINE void vapply(const void *x, void *o, uint8_t *sat, const float *u, int64_
         } else {
             out = (v16u)((v16f)((v16u)q | (yb & 0x80000000u)) * post);
         }
-        vstore(o, base + v, dtype, out, stream);
+        vstore(o, base + v, dtype, out, st);
     }
 }
 
-VINLINE void vnan(void *o, uint8_t *sat, int64_t base, int64_t n, int dtype, int stream) {
-    for (int64_t v = 0; v < n; v += 16) vstore(o, base + v, dtype, SPLAT(QNAN), stream);
+VINLINE void vnan(void *o, uint8_t *sat, int64_t base, int64_t n, int dtype, int st) {
+    for (int64_t v = 0; v < n; v += 16) vstore(o, base + v, dtype, SPLAT(QNAN), st);
     if (sat) memset(sat + base, 0, (size_t)n);
 }
 
@@ -703,19 +715,30 @@ static uint32_t block_amaxes(const void *x, int dtype, int64_t lo, int64_t n, in
  * vector per block for NVFP4's 16: no per-block dispatch or loop left) */
 VINLINE void vgroup(const void *x, void *o, uint8_t *sat, const float *ub, int64_t base,
                     int64_t nj, int64_t B, int dtype, int kind, const vplan_t *vp, grid_t g,
-                    int stream) {
+                    int st) {
     if (B == 16)
         for (int64_t k = 0; k < nj; k++)
             vapply(x, o, sat, ub + k * 16, base + k * 16, 16, dtype, kind, vp->a[k], vp->post[k], g,
-                   stream);
+                   st);
     else if (B == 32)
         for (int64_t k = 0; k < nj; k++)
             vapply(x, o, sat, ub + k * 32, base + k * 32, 32, dtype, kind, vp->a[k], vp->post[k], g,
-                   stream);
+                   st);
     else
         for (int64_t k = 0; k < nj; k++)
             vapply(x, o, sat, ub + k * B, base + k * B, B, dtype, kind, vp->a[k], vp->post[k], g,
-                   stream);
+                   st);
+}
+
+/* Whether every output of the group's nj blocks is zero or normal: an output is q * post (or
+ * q * a for compressed-tensors) with q zero or at least the grid's smallest step, so a post of at
+ * least FLT_MIN / that step is enough. NaN blocks (post 0) fail it and keep the exact narrowing. */
+VINLINE int normal_outputs(const vplan_t *vp, int64_t nj, grid_t g) {
+    float smallest = g.is_int ? g.step : pow2i(g.emin - g.mbits);
+    __mmask16 lanes = nj >= VGROUP ? 0xffffu : (__mmask16)((1u << nj) - 1u);
+    v16f post = (v16f)_mm512_maskz_loadu_ps(lanes, vp->post); /* lanes past nj: 0, not read */
+    v16i low = (v16i)(post * smallest < FLT_MIN);
+    return !(_mm512_test_epi32_mask((__m512i)low, (__m512i)low) & lanes);
 }
 
 /* nt whole blocks of B elements from element `off` of one row (row `row` of the blocked matrix,
@@ -741,19 +764,21 @@ VINLINE void vec_body(
         int uni = vplans(am, ex, p, ts, nj, &vp);
         if (rna == 2) fill_uniform(sr, row, col0 + jc * B, nj * B, ub);
         int64_t base = off + jc * B;
-        if (uni == PLAN_MUL) vgroup(x, o, sat, ub, base, nj, B, dtype, PLAN_MUL, &vp, g, stream);
-        else if (uni == PLAN_DIV) vgroup(x, o, sat, ub, base, nj, B, dtype, PLAN_DIV, &vp, g, stream);
-        else if (uni == PLAN_CT) vgroup(x, o, sat, ub, base, nj, B, dtype, PLAN_CT, &vp, g, stream);
-        else if (uni == PLAN_NAN) vnan(o, sat, base, nj * B, dtype, stream);
+        int st = stream;
+        if (dtype == DT_BF16 && uni != PLAN_NAN && normal_outputs(&vp, nj, g)) st |= ST_NORMAL;
+        if (uni == PLAN_MUL) vgroup(x, o, sat, ub, base, nj, B, dtype, PLAN_MUL, &vp, g, st);
+        else if (uni == PLAN_DIV) vgroup(x, o, sat, ub, base, nj, B, dtype, PLAN_DIV, &vp, g, st);
+        else if (uni == PLAN_CT) vgroup(x, o, sat, ub, base, nj, B, dtype, PLAN_CT, &vp, g, st);
+        else if (uni == PLAN_NAN) vnan(o, sat, base, nj * B, dtype, st);
         else
             for (int64_t k = 0; k < nj; k++) {
                 int64_t at = base + k * B;
                 const float *u = ub + k * B;
                 float a = vp.a[k], post = vp.post[k];
-                if (vp.kind[k] == PLAN_MUL) vapply(x, o, sat, u, at, B, dtype, PLAN_MUL, a, post, g, stream);
-                else if (vp.kind[k] == PLAN_DIV) vapply(x, o, sat, u, at, B, dtype, PLAN_DIV, a, post, g, stream);
-                else if (vp.kind[k] == PLAN_CT) vapply(x, o, sat, u, at, B, dtype, PLAN_CT, a, post, g, stream);
-                else vnan(o, sat, at, B, dtype, stream);
+                if (vp.kind[k] == PLAN_MUL) vapply(x, o, sat, u, at, B, dtype, PLAN_MUL, a, post, g, st);
+                else if (vp.kind[k] == PLAN_DIV) vapply(x, o, sat, u, at, B, dtype, PLAN_DIV, a, post, g, st);
+                else if (vp.kind[k] == PLAN_CT) vapply(x, o, sat, u, at, B, dtype, PLAN_CT, a, post, g, st);
+                else vnan(o, sat, at, B, dtype, st);
             }
     }
 }
