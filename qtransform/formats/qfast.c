@@ -435,10 +435,10 @@ DEFINE_RUN(run_int_sr, 1, 2)
  * written in the tensor's own dtype (no widening buffers). Where the two paths differ in form
  * they agree in value: round-to-nearest-even adds and subtracts 2^(23 - mbits) ulps of the
  * element's binade instead of scaling to an integer (both round |y| to the grid step of its
- * binade, ties to even). */
-/* Outputs from this size on are written with non-temporal stores (vector path): about a quarter of
- * a server L3, past which a written tensor is evicted before anyone reads it (docs/benchmarks.md,
- * "Rollout weights": 15-20 % less time at Qwen2.5-1.5B sizes, nothing gained below). */
+ * binade, ties to even). Outputs of STREAM_BYTES and more are written with non-temporal stores:
+ * about a quarter of a server L3, past which a written tensor is evicted before anyone reads it
+ * (docs/benchmarks.md, "Rollout weights": 13-15 % less time at Qwen2.5-1.5B's sizes, nothing
+ * gained below). */
 #define STREAM_BYTES ((int64_t)8 << 20)
 typedef void (*vec_fn)(const void *, void *, uint8_t *, int32_t *, int64_t, int64_t, int64_t,
                        const qf_params *, const tensor_scale *, const sr_t *, int64_t, int64_t,
