@@ -430,9 +430,10 @@ DEFINE_RUN(run_int_sr, 1, 2)
 /* ---- Vector path (AVX-512 builds): rows made of whole 1D blocks whose size is a multiple of
  * 16 (the default layout of every family). The same fp32 operations as the scalar path above,
  * 16 lanes at a time (GCC vector extensions; on other ISAs GCC spills 64-byte vectors and
- * lowers the transpose's shuffles lane by lane, so they keep the scalar path), 16 blocks at a
- * time: their amaxes reduced together by a transpose, their plans, then their elements, read and
- * written in the tensor's own dtype (no widening buffers). Where the two paths differ in form
+ * lowers the reduction's shuffles lane by lane, so they keep the scalar path), 16 blocks at a
+ * time: their amaxes reduced together by halving shuffles (bf16 and fp16 on their raw 16-bit
+ * halves), their plans (made one group ahead), then their elements, read and written in the
+ * tensor's own dtype (no widening buffers). Where the two paths differ in form
  * they agree in value: round-to-nearest-even adds and subtracts 2^(23 - mbits) ulps of the
  * element's binade instead of scaling to an integer (both round |y| to the grid step of its
  * binade, ties to even). Outputs of STREAM_BYTES and more are written with non-temporal stores:
@@ -502,25 +503,6 @@ VINLINE void vstore(void *p, int64_t i, int dtype, v16u v, int st) {
                 : _mm512_cvtps_ph((__m512)v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     if (stream) _mm256_stream_si256((__m256i *)((uint16_t *)p + i), h);
     else memcpy((uint16_t *)p + i, &h, sizeof h);
-}
-
-/* lane k = the largest lane of m[k]: a transpose in four halving steps */
-VINLINE v16u hmax16(v16u m[VGROUP]) {
-    const v16u s1a = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
-    const v16u s1b = {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31};
-    const v16u s2a = {0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27};
-    const v16u s2b = {4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31};
-    const v16u s3a = {0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29};
-    const v16u s3b = {2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31};
-    const v16u s4a = {0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30};
-    const v16u s4b = {1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31};
-    for (int i = 0; i < 8; i++)
-        m[i] = vmaxu(__builtin_shuffle(m[i], m[i + 8], s1a), __builtin_shuffle(m[i], m[i + 8], s1b));
-    for (int i = 0; i < 4; i++)
-        m[i] = vmaxu(__builtin_shuffle(m[i], m[i + 4], s2a), __builtin_shuffle(m[i], m[i + 4], s2b));
-    for (int i = 0; i < 2; i++)
-        m[i] = vmaxu(__builtin_shuffle(m[i], m[i + 2], s3a), __builtin_shuffle(m[i], m[i + 2], s3b));
-    return vmaxu(__builtin_shuffle(m[0], m[1], s4a), __builtin_shuffle(m[0], m[1], s4b));
 }
 
 /* round_mag for a in [0, max_normal] (already saturated, not NaN), lane-wise */
@@ -676,16 +658,82 @@ VINLINE void vnan(void *o, uint8_t *sat, int64_t base, int64_t n, int dtype, int
     if (sat) memset(sat + base, 0, (size_t)n);
 }
 
-/* Lane k: the amax bits of block k of the nj (<= 16) whole blocks of B elements from x[i0]. */
+/* max lane-wise in 16-bit lanes (w16, which only AVX512BW builds pass) or 32-bit ones */
+VINLINE v16u vmaxl(v16u a, v16u b, int w16) {
+#if defined(__AVX512BW__)
+    if (w16) return (v16u)_mm512_max_epu16((__m512i)a, (__m512i)b);
+#endif
+    return vmaxu(a, b);
+}
+
+/* Two partial maxima of a block (lanes of 32 bits, or of 16 with w16), the first pair's
+ * 256-bit halves folded into the low half of the result, the second's into the high half. */
+VINLINE v16u fold_halves(v16u a, v16u b, int w16) {
+    return vmaxl((v16u)_mm512_shuffle_i32x4((__m512i)a, (__m512i)b, 0x44),
+                 (v16u)_mm512_shuffle_i32x4((__m512i)a, (__m512i)b, 0xEE), w16);
+}
+
+/* The maxima of 16 blocks from v[j] holding blocks 2j and 2j+1, one per 256-bit half: halving
+ * steps pair lanes of 128, 64 and 32 bits (128-bit lane and in-lane shuffles, cheaper than
+ * element-wise two-source permutes), then one permute by block_at (its own inverse) puts block
+ * k in 32-bit lane k. w16: 16-bit lanes,
+ * reduced within each 32-bit lane and returned widened to fp32 bits (dtype bf16 or fp16). */
+VINLINE v16u fold_blocks(v16u v[8], int w16, int dtype) {
+    for (int i = 0; i < 4; i++) /* 128-bit lanes: blocks 2i, 2i+1, 2i+8, 2i+9 */
+        v[i] = vmaxl((v16u)_mm512_shuffle_i32x4((__m512i)v[i], (__m512i)v[i + 4], 0x88),
+                     (v16u)_mm512_shuffle_i32x4((__m512i)v[i], (__m512i)v[i + 4], 0xDD), w16);
+    for (int i = 0; i < 2; i++) /* 64 bits each: lane L of v[i], then lane L of v[i + 2] */
+        v[i] = vmaxl((v16u)_mm512_unpacklo_epi64((__m512i)v[i], (__m512i)v[i + 2]),
+                     (v16u)_mm512_unpackhi_epi64((__m512i)v[i], (__m512i)v[i + 2]), w16);
+    v16u z = vmaxl((v16u)_mm512_shuffle_ps((__m512)v[0], (__m512)v[1], 0x88),
+                   (v16u)_mm512_shuffle_ps((__m512)v[0], (__m512)v[1], 0xDD), w16);
+    if (w16) {
+        z = vmaxl(z, z >> 16, 1); /* each 32-bit lane's two halves belong to one block */
+        z = dtype == DT_BF16 ? z << 16
+                             : (v16u)_mm512_cvtph_ps(_mm512_cvtepi32_epi16((__m512i)z)); /* exact */
+    }
+    const v16u block_at = {0, 4, 2, 6, 1, 5, 3, 7, 8, 12, 10, 14, 9, 13, 11, 15};
+    return (v16u)_mm512_permutexvar_epi32((__m512i)block_at, (__m512i)z);
+}
+
+/* Lane k: the amax bits of block k of the nj (<= 16) whole blocks of B elements from x[i0]
+ * (lanes past nj: 0). bf16 and fp16 blocks of 16 or a multiple of 32 are reduced on their raw
+ * 16-bit halves (|h| orders like its bits) where the build has AVX512BW: half the vectors and
+ * no widening, only the 16 maxima are widened. */
 VINLINE v16u group_amax(const void *x, int64_t i0, int64_t nj, int64_t B, int dtype) {
+    v16u v[8];
+#if defined(__AVX512BW__)
+    if (dtype != DT_F32 && nj == VGROUP && (B == 16 || B % 32 == 0)) {
+        const uint16_t *h = (const uint16_t *)x + i0;
+        for (int j = 0; j < 8; j++) {
+            if (B == 16) {
+                memcpy(&v[j], h + 32 * j, sizeof v[j]);
+                v[j] &= 0x7fff7fffu;
+                continue;
+            }
+            v16u m[2];
+            for (int s = 0; s < 2; s++) {
+                m[s] = SPLAT(0);
+                for (int64_t c = 0; c < B; c += 32) {
+                    v16u t;
+                    memcpy(&t, h + (2 * j + s) * B + c, sizeof t);
+                    m[s] = vmaxl(m[s], t & 0x7fff7fffu, 1);
+                }
+            }
+            v[j] = fold_halves(m[0], m[1], 1);
+        }
+        return fold_blocks(v, 1, dtype);
+    }
+#endif
     v16u pm[VGROUP];
     for (int64_t k = 0; k < VGROUP; k++) {
         v16u m = SPLAT(0);
-        for (int64_t v = 0; k < nj && v < B; v += 16)
-            m = vmaxu(m, vload(x, i0 + k * B + v, dtype) & 0x7fffffffu);
+        for (int64_t c = 0; k < nj && c < B; c += 16)
+            m = vmaxu(m, vload(x, i0 + k * B + c, dtype) & 0x7fffffffu);
         pm[k] = m;
     }
-    return hmax16(pm);
+    for (int j = 0; j < 8; j++) v[j] = fold_halves(pm[2 * j], pm[2 * j + 1], 0);
+    return fold_blocks(v, 0, dtype);
 }
 
 /* NVFP4's tensor pass on the vector path: the amax bits of n elements from x[lo] (whole blocks
@@ -741,10 +789,25 @@ VINLINE int normal_outputs(const vplan_t *vp, int64_t nj, grid_t g) {
     return !(_mm512_test_epi32_mask((__m512i)low, (__m512i)low) & lanes);
 }
 
+/* The plans of the group of blocks from block jc on (and its MX exponents into e); returns
+ * vplans' uniform kind, or -2 where only exponents are wanted (o NULL). */
+VINLINE int vec_plan(const void *x, void *o, int32_t *e, int64_t off, int64_t jc, int64_t nj,
+                     int64_t B, const qf_params *p, const tensor_scale *ts, const uint32_t *bam,
+                     int dtype, vplan_t *vp) {
+    v16u am = SPLAT(0);
+    if (bam) memcpy(&am, bam + off / B + jc, sizeof(uint32_t) * (size_t)nj);
+    else am = group_amax(x, off + jc * B, nj, B, dtype);
+    v16i ex = p->family == FAM_MX ? vblock_exponent(am, p) : (v16i)SPLAT(0);
+    if (e) memcpy(e + jc, &ex, sizeof(int32_t) * (size_t)nj);
+    return o ? vplans(am, ex, p, ts, nj, vp) : -2;
+}
+
 /* nt whole blocks of B elements from element `off` of one row (row `row` of the blocked matrix,
  * its first column col0), like DEFINE_RUN with nr = 1, reading x and writing o in `dtype`.
  * bam: every block's amax bits, from the tensor pass (NVFP4 two-level), else NULL. stream:
- * non-temporal stores of o. */
+ * non-temporal stores of o. Each group's plans are made one group ahead, before the elements of
+ * the group before it: the plans are a long chain of dependent operations (a division among
+ * them) that then overlaps the elements' independent work instead of stalling it. */
 VINLINE void vec_body(
     const void *x, void *o, uint8_t *sat, int32_t *e, int64_t off, int64_t nt, int64_t B,
     const qf_params *p, const tensor_scale *ts, const sr_t *sr, int64_t row, int64_t col0,
@@ -752,32 +815,33 @@ VINLINE void vec_body(
     grid_t g = grid_of(p);
     g.is_int = is_int;
     g.rna = rna;
-    for (int64_t jc = 0; jc < nt; jc += VGROUP) {
-        int64_t nj = nt - jc < VGROUP ? nt - jc : VGROUP;
-        v16u am = SPLAT(0);
-        if (bam) memcpy(&am, bam + off / B + jc, sizeof(uint32_t) * (size_t)nj);
-        else am = group_amax(x, off + jc * B, nj, B, dtype);
-        v16i ex = p->family == FAM_MX ? vblock_exponent(am, p) : (v16i)SPLAT(0);
-        if (e) memcpy(e + jc, &ex, sizeof(int32_t) * (size_t)nj);
+    vplan_t plans[2];
+    int unis[2];
+    unis[0] = vec_plan(x, o, e, off, 0, nt < VGROUP ? nt : VGROUP, B, p, ts, bam, dtype, &plans[0]);
+    for (int64_t jc = 0, s = 0; jc < nt; jc += VGROUP, s ^= 1) {
+        int64_t nj = nt - jc < VGROUP ? nt - jc : VGROUP, jn = jc + VGROUP;
+        if (jn < nt)
+            unis[s ^ 1] = vec_plan(x, o, e, off, jn, nt - jn < VGROUP ? nt - jn : VGROUP, B, p, ts,
+                                   bam, dtype, &plans[s ^ 1]);
         if (!o) continue;
-        vplan_t vp;
-        int uni = vplans(am, ex, p, ts, nj, &vp);
+        const vplan_t *vp = &plans[s];
+        int uni = unis[s];
         if (rna == 2) fill_uniform(sr, row, col0 + jc * B, nj * B, ub);
         int64_t base = off + jc * B;
         int st = stream;
-        if (dtype == DT_BF16 && uni != PLAN_NAN && normal_outputs(&vp, nj, g)) st |= ST_NORMAL;
-        if (uni == PLAN_MUL) vgroup(x, o, sat, ub, base, nj, B, dtype, PLAN_MUL, &vp, g, st);
-        else if (uni == PLAN_DIV) vgroup(x, o, sat, ub, base, nj, B, dtype, PLAN_DIV, &vp, g, st);
-        else if (uni == PLAN_CT) vgroup(x, o, sat, ub, base, nj, B, dtype, PLAN_CT, &vp, g, st);
+        if (dtype == DT_BF16 && uni != PLAN_NAN && normal_outputs(vp, nj, g)) st |= ST_NORMAL;
+        if (uni == PLAN_MUL) vgroup(x, o, sat, ub, base, nj, B, dtype, PLAN_MUL, vp, g, st);
+        else if (uni == PLAN_DIV) vgroup(x, o, sat, ub, base, nj, B, dtype, PLAN_DIV, vp, g, st);
+        else if (uni == PLAN_CT) vgroup(x, o, sat, ub, base, nj, B, dtype, PLAN_CT, vp, g, st);
         else if (uni == PLAN_NAN) vnan(o, sat, base, nj * B, dtype, st);
         else
             for (int64_t k = 0; k < nj; k++) {
                 int64_t at = base + k * B;
                 const float *u = ub + k * B;
-                float a = vp.a[k], post = vp.post[k];
-                if (vp.kind[k] == PLAN_MUL) vapply(x, o, sat, u, at, B, dtype, PLAN_MUL, a, post, g, st);
-                else if (vp.kind[k] == PLAN_DIV) vapply(x, o, sat, u, at, B, dtype, PLAN_DIV, a, post, g, st);
-                else if (vp.kind[k] == PLAN_CT) vapply(x, o, sat, u, at, B, dtype, PLAN_CT, a, post, g, st);
+                float a = vp->a[k], post = vp->post[k];
+                if (vp->kind[k] == PLAN_MUL) vapply(x, o, sat, u, at, B, dtype, PLAN_MUL, a, post, g, st);
+                else if (vp->kind[k] == PLAN_DIV) vapply(x, o, sat, u, at, B, dtype, PLAN_DIV, a, post, g, st);
+                else if (vp->kind[k] == PLAN_CT) vapply(x, o, sat, u, at, B, dtype, PLAN_CT, a, post, g, st);
                 else vnan(o, sat, at, B, dtype, st);
             }
     }

@@ -204,13 +204,14 @@ def test_broken_source_falls_back(monkeypatch, tmp_path):
 
 
 @pytest.mark.parametrize("flags", [[], ["-march=native", "-mno-avx512f", "-fopenmp"],
-                                   ["-march=native", "-mno-avx512dq", "-mno-avx512bf16", "-fopenmp"]],
-                         ids=["portable", "native-without-avx512", "native-without-avx512dq-bf16"])
+                                   ["-march=native", "-mno-avx512dq", "-mno-avx512bw", "-fopenmp"]],
+                         ids=["portable", "native-without-avx512", "native-without-avx512dq-bw"])
 def test_other_builds_are_bit_identical_too(flags, monkeypatch, tmp_path):
     """The fallback flag set (no -march=native, no OpenMP) computes the same bits, and so does
     a native build without AVX-512 (the scalar path everywhere, with F16C where the CPU has it),
     which is what a CPU without AVX-512 compiles, and one whose vector path saturates without
-    vrangeps (AVX512DQ) and narrows to bf16 without vcvtneps2bf16 (AVX512_BF16)."""
+    vrangeps (AVX512DQ), narrows to bf16 without vcvtneps2bf16 (AVX512_BF16, which needs
+    AVX512BW) and reduces 16-bit blocks in 32-bit lanes (AVX512BW)."""
     if not HAS_CC:
         pytest.skip("no C compiler")
     monkeypatch.setattr(fastpath, "FLAG_SETS", (flags,))
