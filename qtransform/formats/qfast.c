@@ -301,7 +301,7 @@ static tensor_scale nv_tensor(float amax_t, const qf_params *p) {
 }
 
 /* How one block maps x to out; computed once per block from its amax. */
-enum { PLAN_MUL = 0, PLAN_DIV = 1, PLAN_CT = 2, PLAN_NAN = 3 };
+enum { PLAN_MUL = 0, PLAN_DIV = 1, PLAN_CT = 2, PLAN_NAN = 3, PLAN_POW2 = 4 }; /* POW2: vector path */
 typedef struct {
     int kind;
     float a, post; /* y = x * a (MUL) or x / a (DIV, CT); out = q * post */
@@ -584,6 +584,14 @@ VINLINE int vplans(v16u am, v16i ex, const qf_params *p, const tensor_scale *ts,
     int kind = PLAN_MUL;
     if (p->family == FAM_MX) {
         a = vpow2(-ex), post = vpow2(ex);
+        /* float grids rounding to nearest even, where 2^e, the grid scaled by it and the
+         * rounding constants stay normal (every lane past nj or of a NaN block aside) */
+        v16i out_of_range = (ex < -126 - p->emin) | (ex > 127 - 24 - p->emax);
+        __mmask16 lanes = nj >= VGROUP ? 0xffffu : (__mmask16)((1u << nj) - 1u);
+        out_of_range &= ~nan;
+        if (!p->is_int && p->rna == 0 &&
+            !(_mm512_test_epi32_mask((__m512i)out_of_range, (__m512i)out_of_range) & lanes))
+            kind = PLAN_POW2, a = post * p->max_normal; /* exact: the block's saturation bound */
     } else if (p->family == FAM_INT) {
         v16f scale = (v16f)am / p->qmax;
         a = (v16f)vsel(scale == 0.0f, SPLAT(f2u(1.0f)), (v16u)scale), post = scale, kind = PLAN_DIV;
@@ -624,10 +632,35 @@ VINLINE v16f vsatabs(v16f y, v16f ay, v16f maxn) {
 #endif
 }
 
-/* The elements of one block (n a multiple of 16) under a MUL, DIV or CT plan. */
+/* An MX block under a POW2 plan (a: max_normal * 2^e, post: 2^e), rounded where it is: y = x *
+ * 2^-e and q * 2^e are exact there, so rounding |x| onto the grid scaled by 2^e (saturating at
+ * a, the rounding constant's binade at least that of 2^(e + emin)) gives the bits of the
+ * reference's rounding of |y| times 2^e, without either multiplication. */
+VINLINE void vapply_pow2(const void *x, void *o, uint8_t *sat, int64_t base, int64_t n, int dtype,
+                         v16f a, v16f post, grid_t g, int st) {
+    v16i lo = (v16i)((v16u)post + ((uint32_t)g.emin << 23));
+    for (int64_t v = 0; v < n; v += 16) {
+        v16u xb = vload(x, base + v, dtype);
+        v16f ax = (v16f)(xb & 0x7fffffffu);
+        if (sat) {
+            v16b s = __builtin_convertvector((v16i)(ax > a) & 1, v16b);
+            memcpy(sat + base + v, &s, sizeof s);
+        }
+        v16f z = vsatabs((v16f)xb, ax, a);
+        v16f c = (v16f)((v16u)vmaxi((v16i)((v16u)z & 0x7f800000u), lo) +
+                        ((uint32_t)(23 - g.mbits) << 23));
+        vstore(o, base + v, dtype, (v16u)((z + c) - c) | (xb & 0x80000000u), st);
+    }
+}
+
+/* The elements of one block (n a multiple of 16) under a MUL, DIV, CT or POW2 plan. */
 VINLINE void vapply(const void *x, void *o, uint8_t *sat, const float *u, int64_t base, int64_t n,
                     int dtype, int kind, float pa, float ppost, grid_t g, int st) {
     v16f a = (v16f)SPLAT(f2u(pa)), post = (v16f)SPLAT(f2u(ppost));
+    if (kind == PLAN_POW2) {
+        vapply_pow2(x, o, sat, base, n, dtype, a, post, g, st);
+        return;
+    }
     v16f maxn = (v16f)SPLAT(f2u(g.max_normal));
     for (int64_t v = 0; v < n; v += 16) {
         v16f xv = (v16f)vload(x, base + v, dtype);
@@ -736,6 +769,14 @@ VINLINE v16u group_amax(const void *x, int64_t i0, int64_t nj, int64_t B, int dt
     return fold_blocks(v, 0, dtype);
 }
 
+/* group_amax with a whole group of the usual block sizes as compile-time constants: its loops
+ * unroll and its vectors stay in registers */
+VINLINE v16u group_amax_b(const void *x, int64_t i0, int64_t nj, int64_t B, int dtype) {
+    if (nj == VGROUP && B == 16) return group_amax(x, i0, VGROUP, 16, dtype);
+    if (nj == VGROUP && B == 32) return group_amax(x, i0, VGROUP, 32, dtype);
+    return group_amax(x, i0, nj, B, dtype);
+}
+
 /* NVFP4's tensor pass on the vector path: the amax bits of n elements from x[lo] (whole blocks
  * of B), and each block's amax into bam[block index], so the second pass reads every block once
  * instead of twice. */
@@ -744,8 +785,9 @@ VINLINE uint32_t block_amaxes_of(const void *x, int64_t lo, int64_t n, int64_t B
     v16u m = SPLAT(0);
     for (int64_t k = 0; k < n / B; k += VGROUP) {
         int64_t nj = n / B - k < VGROUP ? n / B - k : VGROUP;
-        v16u am = group_amax(x, lo + k * B, nj, B, dtype);
-        memcpy(bam + lo / B + k, &am, sizeof(uint32_t) * (size_t)nj);
+        v16u am = group_amax_b(x, lo + k * B, nj, B, dtype);
+        _mm512_mask_storeu_epi32(bam + lo / B + k, nj >= VGROUP ? 0xffffu : (__mmask16)((1u << nj) - 1u),
+                                 (__m512i)am);
         m = vmaxu(m, am);
     }
     uint32_t r = 0;
@@ -794,11 +836,11 @@ VINLINE int normal_outputs(const vplan_t *vp, int64_t nj, grid_t g) {
 VINLINE int vec_plan(const void *x, void *o, int32_t *e, int64_t off, int64_t jc, int64_t nj,
                      int64_t B, const qf_params *p, const tensor_scale *ts, const uint32_t *bam,
                      int dtype, vplan_t *vp) {
-    v16u am = SPLAT(0);
-    if (bam) memcpy(&am, bam + off / B + jc, sizeof(uint32_t) * (size_t)nj);
-    else am = group_amax(x, off + jc * B, nj, B, dtype);
+    __mmask16 lanes = nj >= VGROUP ? 0xffffu : (__mmask16)((1u << nj) - 1u);
+    v16u am = bam ? (v16u)_mm512_maskz_loadu_epi32(lanes, bam + off / B + jc) /* no memcpy call */
+                  : group_amax_b(x, off + jc * B, nj, B, dtype);
     v16i ex = p->family == FAM_MX ? vblock_exponent(am, p) : (v16i)SPLAT(0);
-    if (e) memcpy(e + jc, &ex, sizeof(int32_t) * (size_t)nj);
+    if (e) _mm512_mask_storeu_epi32(e + jc, lanes, (__m512i)ex);
     return o ? vplans(am, ex, p, ts, nj, vp) : -2;
 }
 
@@ -830,7 +872,8 @@ VINLINE void vec_body(
         int64_t base = off + jc * B;
         int st = stream;
         if (dtype == DT_BF16 && uni != PLAN_NAN && normal_outputs(vp, nj, g)) st |= ST_NORMAL;
-        if (uni == PLAN_MUL) vgroup(x, o, sat, ub, base, nj, B, dtype, PLAN_MUL, vp, g, st);
+        if (uni == PLAN_POW2) vgroup(x, o, sat, ub, base, nj, B, dtype, PLAN_POW2, vp, g, st);
+        else if (uni == PLAN_MUL) vgroup(x, o, sat, ub, base, nj, B, dtype, PLAN_MUL, vp, g, st);
         else if (uni == PLAN_DIV) vgroup(x, o, sat, ub, base, nj, B, dtype, PLAN_DIV, vp, g, st);
         else if (uni == PLAN_CT) vgroup(x, o, sat, ub, base, nj, B, dtype, PLAN_CT, vp, g, st);
         else if (uni == PLAN_NAN) vnan(o, sat, base, nj * B, dtype, st);
@@ -839,7 +882,8 @@ VINLINE void vec_body(
                 int64_t at = base + k * B;
                 const float *u = ub + k * B;
                 float a = vp->a[k], post = vp->post[k];
-                if (vp->kind[k] == PLAN_MUL) vapply(x, o, sat, u, at, B, dtype, PLAN_MUL, a, post, g, st);
+                if (vp->kind[k] == PLAN_POW2) vapply(x, o, sat, u, at, B, dtype, PLAN_POW2, a, post, g, st);
+                else if (vp->kind[k] == PLAN_MUL) vapply(x, o, sat, u, at, B, dtype, PLAN_MUL, a, post, g, st);
                 else if (vp->kind[k] == PLAN_DIV) vapply(x, o, sat, u, at, B, dtype, PLAN_DIV, a, post, g, st);
                 else if (vp->kind[k] == PLAN_CT) vapply(x, o, sat, u, at, B, dtype, PLAN_CT, a, post, g, st);
                 else vnan(o, sat, at, B, dtype, st);
