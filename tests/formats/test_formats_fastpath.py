@@ -382,3 +382,25 @@ def test_outputs_past_the_streaming_size_are_bit_identical(lib, fmt, monkeypatch
         assert torch.equal(a.view(bits), b.view(bits)), dtype
         if fmt != "nvfp4":
             assert a[7, 96:112].isnan().all() and not a[8].isnan().any(), dtype
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "mxfp6_e3m2", "mxfp8_e4m3", "mxfp8_e5m2"])
+def test_mx_blocks_at_the_edges_of_in_place_rounding_are_bit_identical(lib, fmt, monkeypatch):
+    """The vector path rounds an MX block where it is (no multiplication by 2^-E and 2^E) only
+    while 2^E, the scaled grid and its rounding constants are normal fp32 (qfast.c, POW2 plans).
+    Rows of blocks whose exponents sweep across both edges of that range, with fp32 subnormals
+    among the elements, get the reference's values, saturation flags and exponents."""
+    g = torch.Generator().manual_seed(11)
+    scales = torch.tensor([2.0**k for k in range(-149, 128)], dtype=torch.float64)
+    x = torch.randn(len(scales), 512, generator=g, dtype=torch.float64)
+    x = x * torch.exp2(torch.randn(x.shape, generator=g, dtype=torch.float64) * 4)
+    x = (x * scales[:, None]).clamp(-3e38, 3e38).float()
+    for dtype in (torch.float32, torch.bfloat16):
+        xd = x.to(dtype)
+        fast = quantize_with_info(xd, fmt, exponents=True)
+        with monkeypatch.context() as m:
+            m.setenv("QTRANSFORM_FASTPATH", "0")
+            ref = quantize_with_info(xd, fmt, exponents=True)
+        bits = torch.int32 if dtype == torch.float32 else torch.int16
+        assert torch.equal(fast[0].view(bits), ref[0].view(bits)), dtype
+        assert torch.equal(fast[1], ref[1]) and torch.equal(fast[2], ref[2]), dtype
