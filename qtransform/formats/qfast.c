@@ -454,6 +454,11 @@ typedef uint8_t v16b __attribute__((vector_size(16)));
 #define SPLAT(u) ((v16u){0} + (uint32_t)(u))
 #define VGROUP 16
 
+/* the mask of a group's first nj (<= VGROUP) lanes */
+static inline __mmask16 group_lanes(int64_t nj) {
+    return nj >= VGROUP ? 0xffffu : (__mmask16)((1u << nj) - 1u);
+}
+
 VINLINE v16u vsel(v16i m, v16u a, v16u b) { return ((v16u)m & a) | (~(v16u)m & b); }
 
 /* max / min lane-wise in one instruction (C has no vector `?:`, and GCC does not turn the
@@ -587,10 +592,9 @@ VINLINE int vplans(v16u am, v16i ex, const qf_params *p, const tensor_scale *ts,
         /* float grids rounding to nearest even, where 2^e, the grid scaled by it and the
          * rounding constants stay normal (every lane past nj or of a NaN block aside) */
         v16i out_of_range = (ex < -126 - p->emin) | (ex > 127 - 24 - p->emax);
-        __mmask16 lanes = nj >= VGROUP ? 0xffffu : (__mmask16)((1u << nj) - 1u);
         out_of_range &= ~nan;
-        if (!p->is_int && p->rna == 0 &&
-            !(_mm512_test_epi32_mask((__m512i)out_of_range, (__m512i)out_of_range) & lanes))
+        __mmask16 out = _mm512_test_epi32_mask((__m512i)out_of_range, (__m512i)out_of_range);
+        if (!p->is_int && p->rna == 0 && !(out & group_lanes(nj)))
             kind = PLAN_POW2, a = post * p->max_normal; /* exact: the block's saturation bound */
     } else if (p->family == FAM_INT) {
         v16f scale = (v16f)am / p->qmax;
@@ -709,8 +713,8 @@ VINLINE v16u fold_halves(v16u a, v16u b, int w16) {
 /* The maxima of 16 blocks from v[j] holding blocks 2j and 2j+1, one per 256-bit half: halving
  * steps pair lanes of 128, 64 and 32 bits (128-bit lane and in-lane shuffles, cheaper than
  * element-wise two-source permutes), then one permute by block_at (its own inverse) puts block
- * k in 32-bit lane k. w16: 16-bit lanes,
- * reduced within each 32-bit lane and returned widened to fp32 bits (dtype bf16 or fp16). */
+ * k in 32-bit lane k. w16: 16-bit lanes, reduced within each 32-bit lane and returned widened
+ * to fp32 bits (dtype bf16 or fp16). */
 VINLINE v16u fold_blocks(v16u v[8], int w16, int dtype) {
     for (int i = 0; i < 4; i++) /* 128-bit lanes: blocks 2i, 2i+1, 2i+8, 2i+9 */
         v[i] = vmaxl((v16u)_mm512_shuffle_i32x4((__m512i)v[i], (__m512i)v[i + 4], 0x88),
@@ -786,8 +790,7 @@ VINLINE uint32_t block_amaxes_of(const void *x, int64_t lo, int64_t n, int64_t B
     for (int64_t k = 0; k < n / B; k += VGROUP) {
         int64_t nj = n / B - k < VGROUP ? n / B - k : VGROUP;
         v16u am = group_amax_b(x, lo + k * B, nj, B, dtype);
-        _mm512_mask_storeu_epi32(bam + lo / B + k, nj >= VGROUP ? 0xffffu : (__mmask16)((1u << nj) - 1u),
-                                 (__m512i)am);
+        _mm512_mask_storeu_epi32(bam + lo / B + k, group_lanes(nj), (__m512i)am);
         m = vmaxu(m, am);
     }
     uint32_t r = 0;
@@ -825,7 +828,7 @@ VINLINE void vgroup(const void *x, void *o, uint8_t *sat, const float *ub, int64
  * least FLT_MIN / that step is enough. NaN blocks (post 0) fail it and keep the exact narrowing. */
 VINLINE int normal_outputs(const vplan_t *vp, int64_t nj, grid_t g) {
     float smallest = g.is_int ? g.step : pow2i(g.emin - g.mbits);
-    __mmask16 lanes = nj >= VGROUP ? 0xffffu : (__mmask16)((1u << nj) - 1u);
+    __mmask16 lanes = group_lanes(nj);
     v16f post = (v16f)_mm512_maskz_loadu_ps(lanes, vp->post); /* lanes past nj: 0, not read */
     v16i low = (v16i)(post * smallest < FLT_MIN);
     return !(_mm512_test_epi32_mask((__m512i)low, (__m512i)low) & lanes);
@@ -836,7 +839,7 @@ VINLINE int normal_outputs(const vplan_t *vp, int64_t nj, grid_t g) {
 VINLINE int vec_plan(const void *x, void *o, int32_t *e, int64_t off, int64_t jc, int64_t nj,
                      int64_t B, const qf_params *p, const tensor_scale *ts, const uint32_t *bam,
                      int dtype, vplan_t *vp) {
-    __mmask16 lanes = nj >= VGROUP ? 0xffffu : (__mmask16)((1u << nj) - 1u);
+    __mmask16 lanes = group_lanes(nj);
     v16u am = bam ? (v16u)_mm512_maskz_loadu_epi32(lanes, bam + off / B + jc) /* no memcpy call */
                   : group_amax_b(x, off + jc * B, nj, B, dtype);
     v16i ex = p->family == FAM_MX ? vblock_exponent(am, p) : (v16i)SPLAT(0);
