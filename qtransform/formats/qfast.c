@@ -454,6 +454,9 @@ typedef uint8_t v16b __attribute__((vector_size(16)));
 #define SPLAT(u) ((v16u){0} + (uint32_t)(u))
 #define VGROUP 16
 
+/* the lanes of a lane-wise comparison result that are true */
+static inline __mmask16 true_lanes(v16i m) { return _mm512_test_epi32_mask((__m512i)m, (__m512i)m); }
+
 /* the mask of a group's first nj (<= VGROUP) lanes */
 static inline __mmask16 group_lanes(int64_t nj) {
     return nj >= VGROUP ? 0xffffu : (__mmask16)((1u << nj) - 1u);
@@ -593,8 +596,7 @@ VINLINE int vplans(v16u am, v16i ex, const qf_params *p, const tensor_scale *ts,
          * rounding constants stay normal (every lane past nj or of a NaN block aside) */
         v16i out_of_range = (ex < -126 - p->emin) | (ex > 127 - 24 - p->emax);
         out_of_range &= ~nan;
-        __mmask16 out = _mm512_test_epi32_mask((__m512i)out_of_range, (__m512i)out_of_range);
-        if (!p->is_int && p->rna == 0 && !(out & group_lanes(nj)))
+        if (!p->is_int && p->rna == 0 && !(true_lanes(out_of_range) & group_lanes(nj)))
             kind = PLAN_POW2, a = post * p->max_normal; /* exact: the block's saturation bound */
     } else if (p->family == FAM_INT) {
         v16f scale = (v16f)am / p->qmax;
@@ -618,7 +620,7 @@ VINLINE int vplans(v16u am, v16i ex, const qf_params *p, const tensor_scale *ts,
     }
     memcpy(vp->a, &a, sizeof a);
     memcpy(vp->post, &post, sizeof post);
-    if (!_mm512_test_epi32_mask((__m512i)nan, (__m512i)nan)) return kind; /* lanes >= nj: am 0 */
+    if (!true_lanes(nan)) return kind; /* lanes >= nj: am 0 */
     v16i kinds = (v16i)vsel(nan, SPLAT(PLAN_NAN), SPLAT((uint32_t)kind));
     memcpy(vp->kind, &kinds, sizeof kinds);
     return -1;
@@ -831,7 +833,7 @@ VINLINE int normal_outputs(const vplan_t *vp, int64_t nj, grid_t g) {
     __mmask16 lanes = group_lanes(nj);
     v16f post = (v16f)_mm512_maskz_loadu_ps(lanes, vp->post); /* lanes past nj: 0, not read */
     v16i low = (v16i)(post * smallest < FLT_MIN);
-    return !(_mm512_test_epi32_mask((__m512i)low, (__m512i)low) & lanes);
+    return !(true_lanes(low) & lanes);
 }
 
 /* The plans of the group of blocks from block jc on (and its MX exponents into e); returns
