@@ -296,8 +296,8 @@ def shared_exponent(b: Body, amax: str, elem: ElementSpec, rule: str) -> str:
 
 
 # -- blocking --------------------------------------------------------------------------------
-def _ceil_div(b: Body, n: str, k: int) -> str:
-    return b.op("Div", b.op("Add", n, b.ints(k - 1)), b.ints(k))
+def _ceil_div(b: Body, n: str, k: str) -> str:
+    return b.op("Div", b.op("Sub", b.op("Add", n, k), b.ints(1)), k)
 
 
 @dataclass
@@ -326,6 +326,7 @@ def static_view(b: Body, x: str, cfg: QuantConfig, shape: Shape) -> BlockView:
     else:
         first = cfg.block_axis % rank
         dims, blocks = [int(shape[first])], [cfg.block]  # type: ignore[arg-type]
+    blocks = [min(k, max(d, 1)) for d, k in zip(dims, blocks, strict=True)]  # as make_layout
     post = [int(d) for d in shape[first + len(dims):]]  # type: ignore[arg-type]
     counts = [-(-d // k) for d, k in zip(dims, blocks, strict=True)]
     padded = [n * k for n, k in zip(counts, blocks, strict=True)]
@@ -352,19 +353,26 @@ def static_view(b: Body, x: str, cfg: QuantConfig, shape: Shape) -> BlockView:
     return BlockView(xb, b.ints(*axes), unblock, None if cfg.tile else grid)
 
 
+def _clamped(b: Body, block: int, length: str) -> str:
+    """min(block, max(length, 1)) as a 1-element int64 tensor: a block longer than its dim is cut
+    to the dim (`blocking.make_layout`), so a huge block never pads a row to its size."""
+    return b.op("Min", b.ints(block), b.op("Max", length, b.ints(1)))
+
+
 def dynamic_view(b: Body, x: str, cfg: QuantConfig) -> BlockView:
     """1D: x -> [pre, L, post] -> pad L per row -> [pre, nb, B, post], blocks reduce over axis 2,
-    so no transpose is needed for any axis. Tiles: [lead, m, n] -> [P, mb, r, nb, c], axes 2, 4."""
+    so no transpose is needed for any axis. Tiles: [lead, m, n] -> [P, mb, r, nb, c], axes 2, 4.
+    Block sides are clamped to their dim at run time, as the torch path clamps them."""
     shape = b.op("Shape", x)
     zero, end = b.ints(0), b.ints(2**62)
     if cfg.tile:
-        r, c = cfg.tile
         m, n = b.op("Slice", shape, b.ints(-2), b.ints(-1)), b.op("Slice", shape, b.ints(-1), end)
+        r, c = _clamped(b, cfg.tile[0], m), _clamped(b, cfg.tile[1], n)
         x3 = b.op("Reshape", x, b.op("Concat", b.ints(-1), m, n, axis=0))
         mb, nb = _ceil_div(b, m, r), _ceil_div(b, n, c)
-        pad_m, pad_n = b.op("Sub", b.op("Mul", mb, b.ints(r)), m), b.op("Sub", b.op("Mul", nb, b.ints(c)), n)
+        pad_m, pad_n = b.op("Sub", b.op("Mul", mb, r), m), b.op("Sub", b.op("Mul", nb, c), n)
         xp = b.op("Pad", x3, b.op("Concat", zero, zero, zero, zero, pad_m, pad_n, axis=0))
-        xb = b.op("Reshape", xp, b.op("Concat", b.ints(-1), mb, b.ints(r), nb, b.ints(c), axis=0))
+        xb = b.op("Reshape", xp, b.op("Concat", b.ints(-1), mb, r, nb, c, axis=0))
 
         def untile(out: str) -> str:
             out = b.op("Reshape", out, b.op("Shape", xp))
@@ -372,17 +380,18 @@ def dynamic_view(b: Body, x: str, cfg: QuantConfig) -> BlockView:
             return b.op("Reshape", out, shape)
 
         return BlockView(xb, b.ints(2, 4), untile, None)
-    axis, block = cfg.block_axis, cfg.block
+    axis = cfg.block_axis
     pre = b.op("Slice", shape, zero, b.ints(axis))
     length = b.op("Slice", shape, b.ints(axis), b.ints(axis + 1) if axis != -1 else end)
     post_dims = None if axis == -1 else b.op("Slice", shape, b.ints(axis + 1), end)
     post = b.ints(1) if post_dims is None else b.op("ReduceProd", post_dims, keepdims=1)
     p = b.op("ReduceProd", pre, keepdims=1)
     x3 = b.op("Reshape", x, b.op("Concat", p, length, post, axis=0))
+    block = _clamped(b, cfg.block, length)
     nb = _ceil_div(b, length, block)
-    pad = b.op("Sub", b.op("Mul", nb, b.ints(block)), length)
+    pad = b.op("Sub", b.op("Mul", nb, block), length)
     xp = b.op("Pad", x3, b.op("Concat", zero, zero, zero, zero, pad, zero, axis=0))
-    xb = b.op("Reshape", xp, b.op("Concat", p, nb, b.ints(block), post, axis=0))
+    xb = b.op("Reshape", xp, b.op("Concat", p, nb, block, post, axis=0))
 
     def unblock(out: str) -> str:
         out = b.op("Slice", b.op("Reshape", out, b.op("Shape", xp)), zero, length, b.ints(1))

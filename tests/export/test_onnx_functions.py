@@ -11,6 +11,7 @@ import itertools
 
 import numpy as np
 import onnx
+import onnx.inliner
 import onnxruntime as ort
 import pytest
 import torch
@@ -162,3 +163,35 @@ def test_stochastic_rounding_and_bad_options_are_clear_errors():
         _fake_quant_translation(None, "mxfp4", '{"rounding": "stochastic"}', "layer/weight_fake_quant")
     with pytest.raises(ExportError, match="scale_rule='flor'.*did you mean 'floor'"):
         _fake_quant_translation(None, "mxfp4", '{"scale_rule": "flor"}', "layer/weight_fake_quant")
+
+
+BLOCKS_LONGER_THAN_ROWS = [("mxfp4", {"block_size": 256}), ("nvfp4", {"block_size": 1024}),
+                           ("int8", {"block_size": 100_000}), ("mxfp8_e4m3", {"axis": 0, "block_size": 64}),
+                           ("mxfp4", {"block_shape": (64, 512)}), ("int4", {"block_shape": (8, 1000)})]
+
+
+def padded_sizes(model: onnx.ModelProto, x: np.ndarray) -> list[int]:
+    """The element count of every Pad output when `model` runs on x (functions inlined, each Pad's
+    output made a graph output)."""
+    flat = onnx.inliner.inline_local_functions(model)
+    pads = [n.output[0] for n in flat.graph.node if n.op_type == "Pad"]
+    flat.graph.output.extend(helper.make_tensor_value_info(p, TensorProto.FLOAT, None) for p in pads)
+    session = ort.InferenceSession(flat.SerializeToString(), providers=["CPUExecutionProvider"])
+    return [int(v.size) for v in session.run(pads, {"x": x})]
+
+
+@pytest.mark.parametrize("static", [True, False])
+def test_a_block_longer_than_its_row_is_cut_to_the_row_as_in_torch(static):
+    """The torch path cuts a block (or tile side) longer than its dim to the dim
+    (`blocking.make_layout`); the bodies do the same, so they give the same bits without padding
+    every row to the configured block (a group of 10^5 made a Pad 2500 times the tensor)."""
+    x = adversarial(24, 40, seed=4)
+    check(BLOCKS_LONGER_THAN_ROWS, x, static=static)
+    shape = tuple(x.shape) if static else None
+    dims = list(x.shape) if static else ["rows", "cols"]
+    for fmt, opts in BLOCKS_LONGER_THAN_ROWS:
+        model = model_for([QuantConfig.from_options(fmt, opts).bind(-1)], dims, static=shape)
+        assert all(size <= x.numel() for size in padded_sizes(model, x.numpy())), (fmt, opts)
+    ragged = adversarial(24, 40, seed=5)[:, :37]  # 37 = 32 + 5: one full MX block and a short one
+    model = model_for([QuantConfig.from_options("mxfp4", {}).bind(-1)], ["rows", "cols"])
+    assert padded_sizes(model, ragged.numpy()) == [24 * 64]
