@@ -12,6 +12,7 @@ _SCALES = {
     "e8m0": "E8M0 scale",
     "e4m3_fp32": "E4M3 block scale x FP32 tensor scale",
     "fp32": "FP32 scale",
+    "fp32_tensor": "FP32 tensor scale",
 }
 _ROUNDING = {
     "rne": "round-half-even",

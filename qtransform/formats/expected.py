@@ -19,14 +19,15 @@ from typing import Any
 
 import torch
 
-from qtransform.formats.options import NUMERICS_OPTIONS
+from qtransform.formats.options import NUMERICS_OPTIONS, QuantConfig
 from qtransform.formats.quantize import quantize_with_info
 from qtransform.formats.registry import get
 
 SEED = 0
 MIN_ELEMENTS = 1 << 16  # Monte Carlo size: the SQNR estimate is good to about 0.02 dB
 MIN_ROWS = 16
-SCALE_BITS = {"e8m0": 8, "e4m3_fp32": 8, "fp32": 32}  # bits of one block scale
+BLOCK_SCALE_BITS = {"e8m0": 8, "e4m3_fp32": 8, "fp32": 32, "fp32_tensor": 0}  # by `FormatSpec.scale`
+TENSOR_SCALE_BITS = 32  # the fp32 scale of a family that needs the tensor's amax (`Family.per_tensor`)
 
 
 def expected_error(fmt: str, options: dict[str, Any] | None = None, *, length: int) -> dict[str, float]:
@@ -58,13 +59,16 @@ def _expected(fmt: str, options: tuple[tuple[str, Any], ...], length: int) -> tu
     )
 
 
-def effective_bits(fmt: str, options: dict[str, Any] | None = None) -> float:
-    """Storage bits per element: the element code plus its share of the block scale (a per-tensor
-    scale is negligible and left out). MXFP4: 4 + 8/32 = 4.25; NVFP4: 4 + 8/16 = 4.5."""
-    spec = get(fmt)
-    opts = options or {}
-    if opts.get("block_shape"):
-        block = math.prod(opts["block_shape"])
-    else:
-        block = int(opts.get("block_size") or spec.default_block)
-    return spec.element.bits + SCALE_BITS[spec.scale] / block
+def effective_bits(fmt: str, options: dict[str, Any] | None = None, *, numel: int | None = None) -> float:
+    """Storage bits per element: the element code, its share of its block's scale, and its share
+    of the tensor's fp32 scale when the format has one, spread over the `numel` elements of the
+    tensor (left out when `numel` is None). MXFP4: 4 + 8/32 = 4.25; NVFP4 on a 4096-element
+    tensor: 4 + 8/16 + 32/4096; an FP8 format with one scale per tensor: 8 + 32/numel."""
+    opts = {k: (tuple(v) if isinstance(v, list) else v) for k, v in (options or {}).items()
+            if k in NUMERICS_OPTIONS and k != "axis" and v is not None}
+    cfg = QuantConfig.from_options(fmt, opts)
+    block = math.prod(cfg.tile) if cfg.tile else cfg.block
+    bits = cfg.spec.element.bits + BLOCK_SCALE_BITS[cfg.spec.scale] / block
+    if numel and cfg.family.per_tensor(cfg):
+        bits += TENSOR_SCALE_BITS / numel
+    return bits

@@ -22,7 +22,9 @@ if TYPE_CHECKING:
     from qtransform.formats.blocking import BlockQuant
     from qtransform.formats.options import QuantConfig
 
-ScaleKind = Literal["e8m0", "e4m3_fp32", "fp32"]
+# what a format stores beside its elements: an E8M0 or fp32 scale per block, an E4M3 scale per
+# block times an fp32 one per tensor, or one fp32 scale per tensor only (no block scales)
+ScaleKind = Literal["e8m0", "e4m3_fp32", "fp32", "fp32_tensor"]
 
 
 @dataclass(frozen=True)

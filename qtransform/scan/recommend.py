@@ -228,7 +228,7 @@ def budget_policy(report: Any, *, bits: float | None = None, keep: int | None = 
         raise ValueError("give exactly one budget: bits, keep, share or target")
     rows = list(report.rows)
     score = {r.site: max(r.score(), 0.0) if not math.isnan(r.score()) else 0.0 for r in rows}
-    qbits = {r.site: effective_bits(r.format, r.options) for r in rows}
+    qbits = {r.site: effective_bits(r.format, r.options, numel=r.params) for r in rows}
     params = {r.site: max(int(r.params), 1) for r in rows}
     by_score = sorted(rows, key=lambda r: (-score[r.site], r.site))
     if keep is not None or share is not None:

@@ -148,3 +148,19 @@ def test_block_exponents():
 
 def test_registry_element_bits():
     assert [get(n).element.bits for n in names()] == [4, 6, 6, 8, 8, 8, 4, 4, 8]
+
+
+@pytest.mark.parametrize(("fmt", "opts", "numel", "bits"), [
+    ("mxfp4", {}, None, 4 + 8 / 32),
+    ("mxfp4", {"block_shape": [32, 32]}, 4096, 4 + 8 / 1024),
+    ("mxfp8_e4m3", {"block_size": 64, "rounding": "rna"}, 64, 8 + 8 / 64),
+    ("nvfp4", {}, None, 4 + 8 / 16),
+    ("nvfp4", {}, 1024, 4 + 8 / 16 + 32 / 1024),  # E4M3 per 16, fp32 per tensor
+    ("nvfp4", {"nvfp4_variant": "one_level"}, 1024, 4 + 8 / 16),  # no tensor scale
+    ("int4", {}, 4096, 4 + 32 / 128),  # fp32 per group of 128, none per tensor
+    ("int8", {"block_size": 24, "axis": 0}, 48, 8 + 32 / 24),
+])
+def test_effective_bits_charge_each_scale_where_it_is_stored(fmt, opts, numel, bits):
+    from qtransform.formats.expected import effective_bits
+
+    assert effective_bits(fmt, opts, numel=numel) == pytest.approx(bits, abs=1e-12)

@@ -37,7 +37,7 @@ SCRIPT = textwrap.dedent('''
     FP8T = register_family(Family("fp8_tensor", {"rounding": ROUNDINGS}, quantize=quantize,
                                   scale_values=lambda s, t, cfg: s, per_tensor=lambda cfg: True))
     register(FormatSpec(name="fp8_e4m3_tensor", family=FP8T, element=E4M3, default_block=32,
-                        scale="fp32", tile=(32, 32), onnx_op="FP8E4M3TensorFakeQuant",
+                        scale="fp32_tensor", tile=(32, 32), onnx_op="FP8E4M3TensorFakeQuant",
                         description="FP8 E4M3, one fp32 scale per tensor (amax / 448)"))
 
     # -- module 2, "export/families/fp8tensor.py": its ONNX form ------------------------------
@@ -68,6 +68,8 @@ SCRIPT = textwrap.dedent('''
     got = qtransform.fake_quantize(x, "fp8_e4m3_tensor")
     out["fake_quantize_bits_differ"] = int((got.view(torch.int32) != expected(x).view(torch.int32)).sum())
     out["zeros"] = qtransform.fake_quantize(torch.zeros(4, 8), "fp8_e4m3_tensor").abs().sum().item()
+    from qtransform.formats.expected import effective_bits
+    out["bits"] = [effective_bits("fp8_e4m3_tensor"), effective_bits("fp8_e4m3_tensor", numel=4096)]
 
     policy = {"version": 1, "quantize": [
         {"targets": ["Linear"], "ignore": ["lm_head"], "format": "fp8_e4m3_tensor"}]}
@@ -107,9 +109,11 @@ def test_a_new_family_is_two_modules_and_works_everywhere():
     assert done.returncode == 0, done.stderr[-3000:]
     out = json.loads(done.stdout.strip().splitlines()[-1])
     assert out["fake_quantize_bits_differ"] == 0 and out["zeros"] == 0.0
+    assert out["bits"] == [8.0, 8 + 32 / 4096]  # one fp32 scale per tensor, no block scales
     assert out["linear_max_diff"] < 1e-5
     assert out["plan"] == ["fp8_e4m3_tensor block=32, rounding=rne"]
     assert len(out["explain"]) == 1 and "E4M3 elements" in out["explain"][0]
+    assert "FP32 tensor scale" in out["explain"][0]
     assert out["scan_rows"] == out["linears"] + 1  # every Linear and lm_head
     assert out["onnx_nodes"] == out["linears"]
     assert out["onnx_max_diff"] < 1e-4
