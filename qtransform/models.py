@@ -251,3 +251,13 @@ def load_tokenizer(path: str | os.PathLike):
     if text.startswith("builtin:") or not (folder / "tokenizer_config.json").exists():
         return None
     return tf.AutoTokenizer.from_pretrained(folder)
+
+
+def source_tokenizer(model: nn.Module):
+    """The tokenizer beside the local folder `model` was loaded from (transformers records the
+    folder as `config._name_or_path`), or None: built-in and config-built models have none."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # PEFT
+    source = str(getattr(getattr(base, "config", None), "_name_or_path", "") or "")
+    if not source or not Path(source).is_dir():
+        return None
+    return load_tokenizer(source)

@@ -114,3 +114,23 @@ def assert_untouched(before: dict, model: torch.nn.Module) -> None:
             *a_meta, a_data = after[kind][name]
             assert a_meta == meta, f"{kind[:-1]} {name}: object, dtype, device or flags changed"
             assert _same_values(a_data, data), f"{kind[:-1]} {name}: values changed"
+
+
+TOKENIZER_TEXT = ["the quick brown fox jumps over the lazy dog", "a lazy dog sleeps in the sun",
+                  "quick thinking wins the day", "over and over the fox runs"]
+
+
+def tiny_bpe_tokenizer():
+    """A byte-level BPE tokenizer trained offline on `TOKENIZER_TEXT` (85 ids, fits build_tiny's
+    256): the kind real causal LMs ship, so transformers 5 reloads it beside a Qwen2 or Llama
+    config (as Qwen2Tokenizer) with the same ids, which a word-level one does not survive."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(TOKENIZER_TEXT, trainers.BpeTrainer(vocab_size=120, show_progress=False,
+                                                                special_tokens=["<|endoftext|>"]))
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>",
+                                   pad_token="<|endoftext|>")

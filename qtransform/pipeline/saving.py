@@ -3,13 +3,16 @@
 A transformed model is the original weights plus a policy: fake-quant, taps and noise are nodes,
 never written into the weights. So a saved transformed model is a normal `save_pretrained`
 folder (the original, full-precision weights, loadable by any transformers code) with the policy
-beside it; `load_transformed` rebuilds the transformed model from the two.
+beside it; `load_transformed` rebuilds the transformed model from the two. The tokenizer of the
+folder the model came from goes with it, so the saved folder is a model folder the scans (text
+calibration) and inference engines can use as they used the original.
 """
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -17,7 +20,7 @@ from torch import nn
 from qtransform.core import io as qio
 from qtransform.core.sites import ADAPTER_KEYS, hf_name
 from qtransform.errors import UserError
-from qtransform.models import load_model
+from qtransform.models import load_model, source_tokenizer
 from qtransform.pipeline.transform import PolicyLike, transform
 from qtransform.schemas import dump_policy, load_policy
 
@@ -26,14 +29,15 @@ ADAPTER_DIR = "adapter"  # a PEFT model's adapter, beside the base weights
 
 
 def save_transformed(model: nn.Module, policy: PolicyLike, out_dir: str | os.PathLike, *,
-                     force: bool = False) -> Path:
-    """Write `save_pretrained` output plus the policy to `out_dir`, atomically as a folder.
+                     force: bool = False, tokenizer: Any = None) -> Path:
+    """Write `save_pretrained` output, the policy and the tokenizer to `out_dir`, atomically as a
+    folder. `tokenizer` defaults to the one saved beside the folder the model was loaded from.
 
     `out_dir` may be absent, empty or a previous `save_transformed` output; any other folder is
     refused unless `force` (see `qtransform.core.io.output_folder`).
     """
     with qio.output_folder(out_dir, "transform", force=force) as staging:
-        write_transformed(model, policy, staging)
+        write_transformed(model, policy, staging, tokenizer=tokenizer)
     return Path(out_dir)
 
 
@@ -49,11 +53,13 @@ def base_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
             if not any(f".{key}." in name for key in ADAPTER_KEYS)}
 
 
-def write_transformed(model: nn.Module, policy: PolicyLike, folder: Path) -> None:
+def write_transformed(model: nn.Module, policy: PolicyLike, folder: Path, *, tokenizer: Any = None) -> None:
     """The files of a saved transformed model, into an existing (staging) folder.
 
     A PEFT model is saved as its base model (clean weights, loadable by any transformers code)
-    with the adapter in `adapter/`, so `load_transformed` rebuilds base, adapter and policy."""
+    with the adapter in `adapter/`, so `load_transformed` rebuilds base, adapter and policy.
+    `tokenizer` (default: the one beside the folder the model was loaded from, if any) is saved
+    beside the weights."""
     if not hasattr(model, "save_pretrained"):
         raise UserError(f"{type(model).__name__} has no save_pretrained; save its state_dict and policy")
     if is_peft(model):
@@ -61,6 +67,9 @@ def write_transformed(model: nn.Module, policy: PolicyLike, folder: Path) -> Non
         model.save_pretrained(folder / ADAPTER_DIR)
     else:
         model.save_pretrained(folder)
+    tokenizer = tokenizer if tokenizer is not None else source_tokenizer(model)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(folder)
     qio.write_json(folder / POLICY_FILE, dump_policy(load_policy(policy)))
 
 

@@ -10,6 +10,7 @@ import torch
 
 import qtransform
 from tests.conftest import REPO, ids
+from tests.helpers import TOKENIZER_TEXT, tiny_bpe_tokenizer
 
 EXAMPLE = REPO / "schemas" / "examples" / "w4a16_mxfp4.json"
 
@@ -46,3 +47,36 @@ def test_plan_errors_are_readable(tmp_path):
     assert "lm_haed" in res.stderr and "lm_head" in res.stderr
     res = _cli("plan", "Qwen/Qwen2.5-0.5B", str(EXAMPLE))
     assert res.returncode == 2 and "hub ids are not downloaded" in res.stderr
+
+
+def test_transform_keeps_the_tokenizer_so_text_scans_run_on_the_saved_folder(tmp_path, tiny):
+    """A model folder with a tokenizer gives a transformed folder with it: `scan --calib` with
+    text needs it (it failed with "text calibration needs the model's tokenizer")."""
+    model_dir = tmp_path / "qwen"
+    tiny("qwen2").save_pretrained(model_dir)
+    tiny_bpe_tokenizer().save_pretrained(model_dir)
+    calib = tmp_path / "calib.txt"
+    calib.write_text("\n".join(TOKENIZER_TEXT) + "\n")
+    res = _cli("transform", str(model_dir), str(EXAMPLE), "--out", str(tmp_path / "out"))
+    assert res.returncode == 0, res.stderr
+    source, saved = (qtransform.models.load_tokenizer(p) for p in (model_dir, tmp_path / "out"))
+    assert saved is not None and saved(TOKENIZER_TEXT)["input_ids"] == source(TOKENIZER_TEXT)["input_ids"]
+    res = _cli("scan", str(tmp_path / "out"), "--format", "mxfp4", "--calib", str(calib),
+               "--out", str(tmp_path / "scan"), "--no-onnx", "--json")
+    assert res.returncode == 0, res.stderr
+    report = json.loads((tmp_path / "scan" / "report.json").read_text())
+    assert report["rows"], report
+
+
+def test_save_transformed_carries_the_tokenizer_of_the_source_folder(tmp_path, tiny):
+    tiny("qwen2").save_pretrained(tmp_path / "src")
+    tiny_bpe_tokenizer().save_pretrained(tmp_path / "src")
+    want = tiny_bpe_tokenizer()(TOKENIZER_TEXT)["input_ids"]
+    model = qtransform.transform(qtransform.models.load_model(tmp_path / "src"), EXAMPLE)
+    qtransform.save_transformed(model, EXAMPLE, tmp_path / "a")
+    assert qtransform.models.load_tokenizer(tmp_path / "a")(TOKENIZER_TEXT)["input_ids"] == want
+    built = qtransform.transform(tiny("qwen2"), EXAMPLE)  # config-built: no tokenizer anywhere
+    qtransform.save_transformed(built, EXAMPLE, tmp_path / "b")
+    assert qtransform.models.load_tokenizer(tmp_path / "b") is None
+    qtransform.save_transformed(built, EXAMPLE, tmp_path / "c", tokenizer=tiny_bpe_tokenizer())
+    assert qtransform.models.load_tokenizer(tmp_path / "c")(TOKENIZER_TEXT)["input_ids"] == want
