@@ -11,6 +11,7 @@ examples:
   qtransform export builtin:qwen2 --policy schemas/examples/w4a16_mxfp4.json --out qwen2.onnx
   qtransform export ./Qwen2.5-0.5B --policy policy.json --out q.onnx --seq-len 128 --noise off
   qtransform export ./model --policy p.json --out q_qdq.onnx --fake-quant qdq --no-taps
+  qtransform export ./model --policy p.json --out q.onnx --attention-mask   # padded batches
 
 The file runs in plain onnxruntime (fake-quant nodes carry their ONNX function bodies), taps are
 graph outputs `tap:<site>:<point>`, noise draws graph inputs `noise:<site>/<point>` (zeros turn
@@ -49,6 +50,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--noise", choices=("input", "random", "off"), default="input",
                    help="noise draws as graph inputs (default), seeded RandomNormalLike, or none")
     p.add_argument("--static", action="store_true", help="fixed input shapes instead of dynamic batch/sequence")
+    p.add_argument("--attention-mask", action="store_true",
+                   help="an attention_mask input beside input_ids, so padded batches run")
     p.add_argument("--opset", type=_positive, default=None, help="ONNX opset (default 21; 24 for qdq)")
     p.add_argument("--json", action="store_true", help="print a JSON summary")
     p.set_defaults(func=run_export)
@@ -95,7 +98,7 @@ def run_export(args: argparse.Namespace) -> int:
         start = time.perf_counter()
         path = export_onnx(model, args.out, {"input_ids": ids}, dynamic=not args.static,
                            fake_quant=args.fake_quant, taps=not args.no_taps, noise=args.noise,
-                           opset=args.opset)
+                           opset=args.opset, attention_mask=args.attention_mask)
     seconds = time.perf_counter() - start
     log = [i.to_dict() for i in insertion_log(model)]
     graph = onnx.load(str(path), load_external_data=False).graph

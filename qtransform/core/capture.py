@@ -51,6 +51,25 @@ def normalize_inputs(model: nn.Module, example_inputs: Any) -> tuple[tuple, dict
     return args, kwargs
 
 
+def with_attention_mask(model: nn.Module, example_inputs: Any) -> dict[str, Any]:
+    """The example inputs as keywords with an all-ones `attention_mask` beside `input_ids` (a
+    given mask is kept), so that an export has a mask input and padded batches run through it."""
+    args, kwargs = normalize_inputs(model, example_inputs)
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        params = {}
+    if "attention_mask" not in params:
+        raise UserError(f"{type(model).__name__}.forward takes no attention_mask; export it "
+                        "without one (attention_mask=False, no --attention-mask)")
+    ids = kwargs.get("input_ids")
+    if args or not isinstance(ids, torch.Tensor):
+        raise UserError("an attention_mask input needs example inputs given as input_ids "
+                        "({'input_ids': ids} or one tensor of token ids)")
+    kwargs.setdefault("attention_mask", torch.ones_like(ids))
+    return kwargs
+
+
 def _failing_construct(exc: BaseException) -> str:
     """The innermost frame of user or library code (not torch internals) where export failed."""
     frames = [f for f in traceback.extract_tb(exc.__traceback__) if "/torch/" not in f.filename]

@@ -28,7 +28,7 @@ from onnx import ModelProto, helper
 from torch import nn
 
 import qtransform.core.ops  # noqa: F401 - registers the custom ops the translations refer to
-from qtransform.core.capture import normalize_inputs
+from qtransform.core.capture import normalize_inputs, with_attention_mask
 from qtransform.core.experts import traceable_experts
 from qtransform.core.io import check_file_target, current_umask
 from qtransform.core.program import Program, insertion_log
@@ -339,6 +339,7 @@ def export_onnx(
     noise: str = "input",
     opset: int | None = None,
     external_data_threshold: int = PROTO_LIMIT,
+    attention_mask: bool = False,
 ) -> Path:
     """Export a transformed model (or Program) to `path` and return the path.
 
@@ -348,6 +349,8 @@ def export_onnx(
     cannot run it). taps: graph outputs `tap:<site>:<point>`. noise: "input" (graph inputs
     `noise:<site>/<point>`, zeros disable), "random" (seeded RandomNormalLike) or "off".
     `example_inputs`: a dict of keyword tensors (`{"input_ids": ids}`), a tuple or one tensor.
+    attention_mask: add an `attention_mask` input (all ones in the example) beside `input_ids`,
+    dynamic like it, so left- or right-padded batches run through the file.
     """
     if fake_quant not in FAKE_QUANT_MODES:
         raise UserError(f"fake_quant must be one of {', '.join(FAKE_QUANT_MODES)}, got {fake_quant!r}")
@@ -355,6 +358,8 @@ def export_onnx(
         raise UserError(f"noise must be one of {', '.join(NOISE_MODES)}, got {noise!r}")
     opset = check_opset(fake_quant, opset)
     module, signature_model, log = _log_of(model_or_program)
+    if attention_mask:
+        example_inputs = with_attention_mask(signature_model, example_inputs)
     model, noise_inputs = _torch_export(module, signature_model, example_inputs,
                                         dynamic=dynamic, opset=opset, log=log)
     labels = finish_fake_quant(model, opset)
