@@ -11,6 +11,9 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from qtransform.core.io import read_input_text
+from qtransform.errors import UserError
+
 from .errors import PolicyError, Problem, from_validation_error
 from .policy import Policy
 
@@ -90,9 +93,6 @@ def read_json(source: Mapping[str, Any] | str | os.PathLike) -> tuple[Any, str |
     path = Path(source)
     if not (path.exists() or path.is_symlink()):
         raise PolicyError([Problem(str(path), "no such file")])
-    from qtransform.core.io import read_input_text
-    from qtransform.errors import UserError
-
     try:
         text = read_input_text(path, "policy file", limit=MAX_POLICY_BYTES)
     except UserError as exc:

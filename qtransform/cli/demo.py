@@ -30,8 +30,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from qtransform.calibration import builtin_calibration, calibration_batches, read_calibration
+from qtransform.cli import options as cli_options
 from qtransform.core import io as qio
+from qtransform.core.io import encode_floats
+from qtransform.core.metrics import ErrorStats
 from qtransform.errors import UserError
+from qtransform.export.onnx import export_onnx
+from qtransform.models import load_model, load_tokenizer
+from qtransform.pipeline import transform
+from qtransform.scan.activations import resolve_policy, scan_activations
+from qtransform.scan.recommend import recommend
+from qtransform.scan.render import format_metric as fm
+from qtransform.scan.report import expected_for
+from qtransform.scan.sensitivity import site_sensitivity
+from qtransform.scan.weights import compare_formats, config_for, scan_weights
+from qtransform.schemas import dump_policy
 
 DEFAULT_OUT = "qtransform-demo"
 DEFAULT_FORMAT = "mxfp4"
@@ -68,8 +82,6 @@ class DemoResult:
         return len(self.weights.problems()) + len(self.activations.problems())
 
     def to_dict(self) -> dict[str, Any]:
-        from qtransform.core.io import encode_floats
-
         return encode_floats({
             "model": self.model, "format": self.fmt, "calibration_samples": self.samples,
             "weights": self.weights.to_dict()["summary"],
@@ -112,7 +124,6 @@ def run_demo(out: str | Path = DEFAULT_OUT, *, fmt: str = DEFAULT_FORMAT,
     leaves the previous output as it was; `out` must be new, empty or a previous output unless
     `force`.
     """
-
     out = Path(out)
     with qio.output_folder(out, "scan", force=force) as staging:
         return _run(staging, out, fmt, calib, options, thresholds, onnx, progress, quiet)
@@ -122,11 +133,6 @@ def _run(out: Path, final: Path, fmt: str, calib: list | None, options: dict[str
          thresholds: dict[str, float] | None, onnx: bool, progress: bool | None,
          quiet: bool) -> DemoResult:
     """The demo's work, writing into the staging folder `out` that becomes `final`."""
-    from qtransform.calibration import builtin_calibration
-    from qtransform.models import load_model, load_tokenizer
-    from qtransform.scan.activations import resolve_policy, scan_activations
-    from qtransform.scan.weights import compare_formats, config_for, scan_weights
-
     config_for(fmt, options)  # a misspelt format or option fails now, not after loading the model
     samples = list(calib) if calib is not None else builtin_calibration()
     steps = _Steps(6 if onnx else 5, quiet)
@@ -144,8 +150,6 @@ def _run(out: Path, final: Path, fmt: str, calib: list | None, options: dict[str
     comparison = steps.run("compare", f"comparing {', '.join(f.upper() for f in compared)}",
                            lambda: compare_formats(model, compared, options=options,
                                                    progress=progress))
-    from qtransform.scan.sensitivity import site_sensitivity
-
     sensitivity = steps.run("sensitivity", "per-site sensitivity of the final output (estimate)",
                             lambda: site_sensitivity(model, policy, samples, tokenizer=tokenizer,
                                                      method="estimate", draws=2))
@@ -159,8 +163,6 @@ def _run(out: Path, final: Path, fmt: str, calib: list | None, options: dict[str
              *_save(sensitivity, out / "sensitivity")]
     files += [qio.write_json(out / "comparison.json", comparison.to_dict()),
               qio.write_text(out / "comparison.md", comparison.to_markdown())]
-    from qtransform.schemas import dump_policy
-
     files.append(qio.write_json(out / "policy.json", dump_policy(policy)))
     if onnx:  # last: the slowest step, and the reports above stand without it
         files.append(steps.run("onnx_export", "exporting the instrumented W4A16 model to ONNX",
@@ -180,10 +182,6 @@ def _save(report: Any, folder: Path) -> list[Path]:
 def export_demo_onnx(model: Any, policy: Any, tokenizer: Any, samples: list, path: Path) -> Path:
     """The transformed model as instrumented ONNX (taps as graph outputs, dynamic batch and
     sequence), traced on the first calibration sentences."""
-    from qtransform.calibration import calibration_batches
-    from qtransform.export.onnx import export_onnx
-    from qtransform.pipeline import transform
-
     if all(isinstance(s, str) for s in samples):
         batch = tokenizer(samples[:EXPORT_SAMPLES], padding=True, return_tensors="pt")
         example = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
@@ -213,9 +211,6 @@ def layer_table(result: DemoResult) -> str:
     """One line per layer: weight SQNR under each compared format, the main format's deadzone and
     saturation, its activation error at the sites' outputs (each site's own, and accumulated from
     the input on) and the number of problematic rows."""
-    from qtransform.core.metrics import ErrorStats
-    from qtransform.scan.render import format_metric as fm
-
     weights, acts, comparison = result.weights, result.activations, result.comparison
     per_format = {f: _by_layer(comparison.reports[f].rows) for f in comparison.formats}
     local = _by_layer([r for r in acts.rows if r.point == "output"])
@@ -244,9 +239,6 @@ def layer_table(result: DemoResult) -> str:
 def summary_text(result: DemoResult) -> str:
     """The terminal view: the per-layer table, the end-to-end effect, the whole-model comparison,
     the recommendation and the files written."""
-    from qtransform.scan.recommend import recommend
-    from qtransform.scan.render import format_metric as fm
-
     name = result.fmt.upper()
     end = result.activations.meta.get("end_to_end", {})
     problems = len(result.weights.problems()), len(result.activations.problems())
@@ -277,8 +269,6 @@ def summary_text(result: DemoResult) -> str:
 
 def _expected_text(report: Any) -> str:
     """What the format does to Gaussian data of the first row's block structure, in words."""
-    from qtransform.scan.report import expected_for
-
     row = next((r for r in report.rows if expected_for(r) is not None), None)
     if row is None:
         return "the format's expected error"
@@ -289,19 +279,17 @@ def _expected_text(report: Any) -> str:
 
 def run_from_args(args: argparse.Namespace) -> int:
     """`qtransform scan` without MODEL: the demo, with the scan command's options."""
-    from qtransform.calibration import read_calibration
-    from qtransform.cli.options import format_options, progress, thresholds
-
     if args.policy is not None:
         raise UserError("the demo uses its own W4A16 policy; give a MODEL to scan with --policy")
     calib = None if args.calib in (None, "builtin") else read_calibration(args.calib)
     if args.no_progress:  # transformers draws its own bar while loading the weights
-        from transformers.utils import logging as hf_logging
+        from transformers.utils import logging as hf_logging  # loaded by then; not at start-up
 
         hf_logging.disable_progress_bar()
     result = run_demo(args.out or DEFAULT_OUT, fmt=args.format or DEFAULT_FORMAT, calib=calib,
-                      options=format_options(args), thresholds=thresholds(args.threshold),
-                      onnx=not args.no_onnx, progress=progress(args), quiet=args.no_progress,
+                      options=cli_options.format_options(args),
+                      thresholds=cli_options.thresholds(args.threshold), onnx=not args.no_onnx,
+                      progress=cli_options.progress(args), quiet=args.no_progress,
                       force=args.force)
     print(json.dumps(result.to_dict(), indent=2) if args.json else summary_text(result))
     return 1 if args.fail_on_problematic and result.problems() else 0

@@ -6,6 +6,17 @@ import argparse
 import json
 import time
 
+import onnx
+import torch
+
+from qtransform.core import io as qio
+from qtransform.core.program import insertion_log
+from qtransform.errors import UserError
+from qtransform.export.onnx import check_opset, export_onnx
+from qtransform.models import load_model
+from qtransform.pipeline import transform
+from qtransform.schemas import load_policy
+
 EPILOG = """\
 examples:
   qtransform export builtin:qwen2 --policy schemas/examples/w4a16_mxfp4.json --out qwen2.onnx
@@ -59,10 +70,6 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def example_input_ids(model, batch: int, seq_len: int):
     """Token ids drawn from the model config's vocabulary (fixed seed)."""
-    import torch
-
-    from qtransform.errors import UserError
-
     config = getattr(model, "config", None)
     vocab = getattr(config, "vocab_size", None)
     if not vocab:
@@ -80,15 +87,6 @@ def example_input_ids(model, batch: int, seq_len: int):
 
 
 def run_export(args: argparse.Namespace) -> int:
-    import onnx
-
-    from qtransform.core import io as qio
-    from qtransform.core.program import insertion_log
-    from qtransform.export.onnx import check_opset, export_onnx
-    from qtransform.models import load_model
-    from qtransform.pipeline import transform
-    from qtransform.schemas import load_policy
-
     check_opset(args.fake_quant, args.opset)
     with qio.output_file(args.out):
         policy = load_policy(args.policy)

@@ -5,6 +5,13 @@ from __future__ import annotations
 import argparse
 import json
 
+from qtransform.core import io as qio
+from qtransform.core.program import insertion_log
+from qtransform.models import input_paths, load_model
+from qtransform.pipeline import plan, transform
+from qtransform.pipeline.saving import write_transformed
+from qtransform.schemas import load_policy
+
 EPILOG_PLAN = """example:
   qtransform plan ./Qwen2.5-0.5B schemas/examples/w4a16_mxfp4.json
   qtransform plan builtin:qwen2 policy.json --json > plan.json
@@ -37,10 +44,6 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run_plan(args: argparse.Namespace) -> int:
-    from qtransform.models import load_model
-    from qtransform.pipeline import plan
-    from qtransform.schemas import load_policy
-
     policy = load_policy(args.policy)
     result = plan(load_model(args.model), policy)
     print(json.dumps(result.to_dict(), indent=2) if args.json else result.to_text())
@@ -48,13 +51,6 @@ def run_plan(args: argparse.Namespace) -> int:
 
 
 def run_transform(args: argparse.Namespace) -> int:
-    from qtransform.core import io as qio
-    from qtransform.core.program import insertion_log
-    from qtransform.models import input_paths, load_model
-    from qtransform.pipeline import transform
-    from qtransform.pipeline.saving import write_transformed
-    from qtransform.schemas import load_policy
-
     with qio.output_folder(args.out, "transform", force=args.force,
                            protect=input_paths(args.model, args.policy)) as staging:
         policy = load_policy(args.policy)

@@ -9,7 +9,12 @@ from pathlib import Path
 
 import torch
 
+from qtransform.core.io import check_folder_target, output_folder, read_input_text
 from qtransform.errors import UserError
+from qtransform.models import input_paths, load_model
+from qtransform.pipeline import transform
+from qtransform.rl import HFEngine, noise_controller, parity, rollout_weights
+from qtransform.schemas import load_policy
 
 EPILOG = """examples:
   qtransform parity ./Qwen2.5-0.5B --policy w4a16_aqn.json --engine vllm --step 120 --out parity/
@@ -50,8 +55,6 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def _prompts(args: argparse.Namespace, vocab: int) -> list[list[int]]:
     if args.prompts:
-        from qtransform.core.io import read_input_text
-
         data = json.loads(read_input_text(args.prompts, "prompts file"))
         if not (isinstance(data, list) and all(isinstance(p, list) and p for p in data)):
             raise UserError(f"{args.prompts}: give a JSON list of non-empty token-id lists")
@@ -61,9 +64,6 @@ def _prompts(args: argparse.Namespace, vocab: int) -> list[list[int]]:
 
 
 def _engine(args: argparse.Namespace, model: torch.nn.Module):
-    from qtransform.models import load_model
-    from qtransform.rl import HFEngine, rollout_weights
-
     if args.engine == "vllm":
         if args.model.startswith("builtin:"):
             raise UserError("--engine vllm needs a model folder (vLLM loads it from disk)")
@@ -85,12 +85,6 @@ def _engine(args: argparse.Namespace, model: torch.nn.Module):
 
 
 def run_parity(args: argparse.Namespace) -> int:
-    from qtransform.core.io import check_folder_target, output_folder
-    from qtransform.models import input_paths, load_model
-    from qtransform.pipeline import transform
-    from qtransform.rl import noise_controller, parity
-    from qtransform.schemas import load_policy
-
     protect = input_paths(args.model, args.policy, args.prompts)
     check_folder_target(args.out, "parity", force=args.force, protect=protect)  # before any work
     model = transform(load_model(args.model), load_policy(args.policy)).eval()

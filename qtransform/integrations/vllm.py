@@ -46,7 +46,7 @@ class VLLMEngine:
         self.seed = seed
 
     def _run(self, prompt: list[int], **params: Any) -> Any:
-        from vllm import SamplingParams
+        from vllm import SamplingParams  # the optional dependency, imported where it is used
         from vllm.inputs import TokensPrompt
 
         out = self.llm.generate([TokensPrompt(prompt_token_ids=prompt)], SamplingParams(**params),

@@ -81,7 +81,7 @@ def load_transformed(folder: str | os.PathLike) -> nn.Module:
         raise UserError(f"{path}: no {POLICY_FILE}; was it written by `qtransform transform`?")
     model = load_model(path)
     if (path / ADAPTER_DIR).is_dir():
-        try:
+        try:  # peft is optional (qtransform[peft]): imported only for a folder with an adapter
             from peft import PeftModel
         except ImportError:
             raise UserError(f"{path} holds a PEFT adapter: install peft (pip install "

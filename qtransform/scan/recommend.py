@@ -17,7 +17,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from qtransform import formats
+from qtransform.formats.expected import effective_bits
 from qtransform.formats.options import FORMAT_KEYS
+from qtransform.schemas import load_policy
+from qtransform.schemas.selectors import format_layers
 
 if TYPE_CHECKING:
     from qtransform.scan.report import ScanReport
@@ -59,8 +63,6 @@ def aqn_section(
 ) -> dict[str, Any]:
     """SRDD-guided AQN: QeRL's exponential schedule (1e-2 to 1e-4, 10 stages) on the norms, with
     larger sigma where the scan found larger error. `total_steps` is the training run's length."""
-    from qtransform.schemas.selectors import format_layers
-
     section: dict[str, Any] = {
         "targets": ["RMSNorm", "LayerNorm"],
         "schedule": {**AQN_SCHEDULE, "total_steps": int(total_steps)},
@@ -79,13 +81,11 @@ def finer_format(fmt: str) -> str | None:
 
 def _rules(report: ScanReport) -> list[dict[str, Any]]:
     """Copies of the quantize rules the report measured (meta.quantize), else one rule for its format."""
-    from qtransform.formats import names
-
     rules = report.meta.get("quantize")
     if rules:
         return [dict(r) for r in rules]
     fmt = report.meta.get("format")
-    if fmt not in names():
+    if fmt not in formats.names():
         raise ValueError(f"the report names no quantize rules and no single format (format {fmt!r})")
     return [{"name": "weights", "targets": ["Linear"], "format": fmt, "tensors": ["weight"]}]
 
@@ -97,8 +97,6 @@ def _ignoring(rules: list[dict[str, Any]], sites: Sequence[str]) -> list[dict[st
 
 
 def _validated(policy: dict[str, Any]) -> dict[str, Any]:
-    from qtransform.schemas import load_policy
-
     load_policy(policy)  # a PolicyError here is a bug in this module, not a user mistake
     return policy
 
@@ -181,8 +179,6 @@ def _nan_last(value: float) -> float:
 
 
 def _layer_text(layers: Sequence[int]) -> str:
-    from qtransform.schemas.selectors import format_layers
-
     return format_layers(layers) if layers else "none"
 
 
@@ -220,8 +216,6 @@ def budget_policy(report: Any, *, bits: float | None = None, keep: int | None = 
     - `target`: predicted sensitivity at most `target`, keeping sites greedily by sensitivity per
       parameter (fewest parameters kept first).
     """
-    from qtransform.formats.expected import effective_bits
-
     given = {k: v for k, v in (("bits", bits), ("keep", keep), ("share", share), ("target", target))
              if v is not None}
     if len(given) != 1:

@@ -20,10 +20,12 @@ from typing import Any
 
 import torch
 
+from qtransform import formats
 from qtransform.core import io as qio
 from qtransform.core.io import encode_floats
 from qtransform.core.metrics import ErrorStats
 from qtransform.errors import UserError
+from qtransform.formats.expected import expected_error
 from qtransform.scan import render
 
 SCHEMA = "qtransform.scan_report"
@@ -85,10 +87,7 @@ def check_flagging(flagging: str) -> str:
 def expected_for(row: SiteRow) -> dict[str, float] | None:
     """The format's error on Gaussian data of the row's block structure (None: nothing quantized
     or a point the baseline does not describe)."""
-    from qtransform.formats import names
-    from qtransform.formats.expected import expected_error
-
-    if row.point not in EXPECTED_POINTS or row.format not in names() or not row.shape:
+    if row.point not in EXPECTED_POINTS or row.format not in formats.names() or not row.shape:
         return None
     length = row.shape[0] if (row.kind == "conv1d" and row.point == "weight") else row.shape[-1]
     return expected_error(row.format, row.options, length=length)

@@ -161,7 +161,7 @@ class SensitivityReport:
 
     def plot(self, path: str | os.PathLike[str]) -> Path:
         """Sites by layer index (log scale), exact and estimate as separate marks."""
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.backends.backend_agg import FigureCanvasAgg  # loaded only to draw (0.5 s)
         from matplotlib.figure import Figure
 
         fig = Figure(figsize=(10, 4.5), layout="constrained")

@@ -41,6 +41,7 @@ from torch import Tensor, nn
 
 from qtransform.calibration import Calibration, calibration_batches, run_model
 from qtransform.errors import UserError
+from qtransform.models import model_class, read_config
 from qtransform.passes.fake_quant import FakeQuantize
 from qtransform.passes.instrument import reset_taps, tapping
 from qtransform.scan.activations import (
@@ -110,9 +111,7 @@ def parameters_on_meta() -> Iterator[None]:
 
 def skeleton(folder: Path) -> nn.Module:
     """The checkpoint's model class built from its config, every parameter on meta."""
-    import transformers as tf
-
-    from qtransform.models import model_class, read_config
+    import transformers as tf  # imported when used: `import qtransform` does not load transformers
 
     read_config(folder)
     config = tf.AutoConfig.from_pretrained(folder, trust_remote_code=False)

@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from qtransform import formats
+from qtransform.core import io as qio
 from qtransform.core.metrics import BlockExponentHistogram, ErrorStats
 from qtransform.core.sites import (
     EXPERT_PARAMS,
@@ -48,6 +49,7 @@ from qtransform.errors import UserError
 from qtransform.formats import QuantConfig
 from qtransform.formats.options import CHOICE_OPTIONS, FORMAT_KEYS
 from qtransform.formats.quantize import quantize_with_info
+from qtransform.models import check_safetensors, missing_source
 from qtransform.passes.fake_quant import first_weight_seed
 from qtransform.scan.compare import Comparison
 from qtransform.scan.report import (
@@ -57,6 +59,7 @@ from qtransform.scan.report import (
     build_meta,
     check_flagging,
 )
+from qtransform.schemas import load_policy, resolve_quant_rules
 
 GPT2_CONV1D_LEAVES = ("c_attn", "c_fc", "c_proj")
 _FLOAT_DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64}
@@ -97,8 +100,6 @@ def checkpoint_files(path: str | os.PathLike[str]) -> list[Path]:
     """The safetensors files of one checkpoint, headers validated: the file itself, a folder's
     only file, or the shards its `model.safetensors.index.json` lists. Several files without an
     index are not one model (they may be a model and its adapter, or two models): refused."""
-    from qtransform.models import check_safetensors, missing_source
-
     p = Path(path)
     if not p.exists():
         if p.is_symlink():
@@ -127,8 +128,6 @@ def checkpoint_files(path: str | os.PathLike[str]) -> list[Path]:
 
 def _shards(index: Path) -> list[Path]:
     """The files a sharded checkpoint's index maps its tensors to (each must exist)."""
-    from qtransform.core import io as qio
-
     try:
         weight_map = json.loads(qio.read_input_text(index, "checkpoint index"))["weight_map"]
         names = sorted(set(weight_map.values()))
@@ -290,8 +289,6 @@ def applicable_options(fmt: str, options: dict[str, Any] | None) -> dict[str, An
 def policy_configs(policy: Any, sites: Sequence[Site]) -> dict[str, QuantConfig]:
     """Site name -> the config of the quantize rule that applies to its weight (the training
     option zero_saturated_grad dropped: it changes no value)."""
-    from qtransform.schemas import load_policy, resolve_quant_rules
-
     per_rule: dict[int, QuantConfig] = {}
     out = {}
     for (name, tensor), (index, rule) in resolve_quant_rules(load_policy(policy).quantize, sites).items():
@@ -305,8 +302,6 @@ def policy_configs(policy: Any, sites: Sequence[Site]) -> dict[str, QuantConfig]
 
 
 def policy_thresholds(policy: Any) -> dict[str, float]:
-    from qtransform.schemas import load_policy
-
     pol = load_policy(policy)
     if pol.instrument is None:
         return dict(DEFAULT_THRESHOLDS)
@@ -315,8 +310,6 @@ def policy_thresholds(policy: Any) -> dict[str, float]:
 
 def policy_rules(policy: Any) -> list[dict[str, Any]]:
     """The policy's quantize rules as JSON dicts (recommendations edit copies of them)."""
-    from qtransform.schemas import load_policy
-
     return [r.model_dump(mode="json", exclude_defaults=True) for r in load_policy(policy).quantize]
 
 
