@@ -3,7 +3,8 @@
 The weight a site computes with becomes gamma + sigma_t * m_site * z. The parameter is never
 written: the noise is an inserted module on the site's weight, so it cannot accumulate across
 steps (the bug of in-place `weight.add_(noise)` implementations) and switching it off gives the
-clean model back bit for bit. The schedule and the controller live in `qtransform.noise`.
+clean model back bit for bit. The schedule lives in `qtransform.core.schedule`, the controller
+in `qtransform.rl.noise`.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ import json
 
 from qtransform.core import io as qio
 from qtransform.core.program import insertion_log
-from qtransform.models import input_paths, load_model
+from qtransform.models import BUILTIN, input_paths, load_model
 from qtransform.pipeline import plan, transform
 from qtransform.pipeline.saving import write_transformed
 from qtransform.schemas import load_policy
@@ -26,7 +26,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     fmt = argparse.RawDescriptionHelpFormatter
     p = sub.add_parser("plan", help="list every site and the rule that selects it",
                        epilog=EPILOG_PLAN, formatter_class=fmt)
-    p.add_argument("model", help="local HF model folder, or builtin:<qwen2|llama|mistral|gpt2|bert>")
+    p.add_argument("model", help=f"local HF model folder, or builtin:<{'|'.join(BUILTIN)}>")
     p.add_argument("policy", help="policy JSON file")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(func=run_plan)

@@ -14,7 +14,7 @@ same batches. Per instrumented site the report holds
 
 Everything streams: full-precision site outputs of one batch wait only until the quantized model
 produces the same site's output, and only float64 sums outlive a batch. The SRDD field notes'
-fault-diagnosis scans (gain, kurtosis, instability) are in `qtransform.fault_scan`.
+fault-diagnosis scans (gain, kurtosis, instability) are in `qtransform.scan.faults`.
 """
 
 from __future__ import annotations

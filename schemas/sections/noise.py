@@ -31,7 +31,7 @@ from . import Section, register_section
 
 
 class Schedule(StrictModel):
-    """How AQN's sigma changes over training (the math lives in `qtransform.noise`).
+    """How AQN's sigma changes over training (the math lives in `qtransform.core.schedule`).
 
     The run is given either as ``total_steps`` (split into ``num_stages`` equal intervals, default
     10) or per epoch as ``steps_per_epoch`` + ``stages_per_epoch`` (each epoch runs the whole
