@@ -18,7 +18,7 @@ from .sections import SECTIONS, ordered
 class PolicyRoot(StrictModel):
     """What every policy has besides its sections."""
 
-    version: Literal[1] = 1
+    version: Literal[1] = Field(1, description="the policy file format; 1")
 
     @field_validator("version", mode="before")
     @classmethod

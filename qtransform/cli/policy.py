@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from qtransform.schemas import Policy, PolicyError, Problem, from_legacy_srdd, load_policy
-from qtransform.schemas.explain import explain, summary
+from qtransform.schemas.explain import explain, fields, summary
 from qtransform.schemas.generate import schema_text
 from qtransform.schemas.loading import MAX_POLICY_BYTES, parse_json, validate_policy
 
@@ -27,8 +27,9 @@ example:
   qtransform policy schema > policy.schema.json   # for editor completion and CI checks"""
 
 EXPLAIN_EPILOG = """\
-example:
-  qtransform policy explain schemas/examples/qerl_aqn.json"""
+examples:
+  qtransform policy explain schemas/examples/qerl_aqn.json
+  qtransform policy explain schemas/examples/qerl_aqn.json --fields   # every setting, explained"""
 
 
 def _add_source_args(parser: argparse.ArgumentParser) -> None:
@@ -87,6 +88,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         formatter_class=_RAW,
     )
     _add_source_args(explain_p)
+    explain_p.add_argument("--fields", action="store_true",
+                           help="also list every setting (defaults filled in) with what it means")
     explain_p.set_defaults(func=_explain)
 
 
@@ -123,5 +126,8 @@ def _validate(args: argparse.Namespace) -> int:
 
 
 def _explain(args: argparse.Namespace) -> int:
-    print(explain(_read(args)))
+    policy = _read(args)
+    print(explain(policy))
+    if args.fields:
+        print("\nSettings:\n" + fields(policy))
     return 0

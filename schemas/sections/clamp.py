@@ -18,7 +18,7 @@ class ClampSpec(Selected):
     """Clamp the `point` of the selected sites to [-limit, limit]."""
 
     limit: PosFloat = Field(description="largest magnitude kept, e.g. 448 (FP8 E4M3)")
-    point: Tensor = "output"
+    point: Tensor = Field("output", description="the point clamped: weight, input or output")
 
 
 def describe(spec: ClampSpec) -> list[str]:
@@ -30,4 +30,5 @@ def summary(spec: ClampSpec) -> str:
     return f"clamp ({spec.point} to ±{spec.limit:g})"
 
 
-register_section(Section("clamp", ClampSpec | None, None, describe, summary, order=4))
+register_section(Section("clamp", ClampSpec | None, None, describe, summary, order=4,
+                         description="saturate a point of the selected sites to ±limit"))

@@ -14,11 +14,12 @@ from . import Section, register_section
 class HWErrorSpec(Selected):
     """Simulated hardware (matmul) error: relative y*(1+s*z) or absolute y+s*z Gaussian."""
 
-    error_type: Literal["relative_gaussian", "absolute_gaussian"] = "relative_gaussian"
-    error_scale: PosFloat
-    injection_point: Tensor = "output"
-    apply_during: Phase = "both"
-    seed: Int = 0
+    error_type: Literal["relative_gaussian", "absolute_gaussian"] = Field(
+        "relative_gaussian", description="relative_gaussian: y*(1 + s*z); absolute_gaussian: y + s*z")
+    error_scale: PosFloat = Field(description="s, the standard deviation of the error (> 0)")
+    injection_point: Tensor = Field("output", description="the point the error is added to")
+    apply_during: Phase = Field("both", description="when the error applies: train, eval, both or rollout")
+    seed: Int = Field(0, description="seed of the draws (with the site and step: reproducible)")
     include_matmuls: StrictBool = Field(
         False, description="also attention matmuls (whole-graph mode)"
     )
@@ -41,4 +42,5 @@ def summary(h: HWErrorSpec) -> str:
     return f"hw_error ({h.error_type} {h.error_scale:g})"
 
 
-register_section(Section("hw_error", HWErrorSpec | None, None, describe, summary, order=3))
+register_section(Section("hw_error", HWErrorSpec | None, None, describe, summary, order=3,
+                         description="simulated hardware (matmul) error on the selected sites"))

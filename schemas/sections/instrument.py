@@ -33,13 +33,15 @@ class Thresholds(StrictModel):
 class InstrumentSpec(Selected):
     """Measure quantization error (SRDD scans) at the selected sites."""
 
-    points: list[Tensor] = Field(default_factory=lambda: list(TENSORS), min_length=1)
+    points: list[Tensor] = Field(default_factory=lambda: list(TENSORS), min_length=1,
+                                 description="the points tapped: weight, input and/or output")
     shadow: StrictBool = Field(True, description="measure on a shadow copy; outputs stay unchanged")
     saturation: StrictBool = Field(
         True, description="compute the format's clipped-at-max mask (the saturation metric)")
     block_exponents: StrictBool = Field(
         True, description="histogram the shared block exponents of quantized weights (MX)")
-    thresholds: Thresholds = Field(default_factory=Thresholds)
+    thresholds: Thresholds = Field(default_factory=Thresholds,
+                                   description="when a scanned site is flagged as a problem")
 
     @model_validator(mode="before")
     @classmethod
@@ -79,4 +81,5 @@ def summary(spec: InstrumentSpec) -> str:
     return f"instrument ({join(spec.points)})"
 
 
-register_section(Section("instrument", InstrumentSpec | None, None, describe, summary, order=1))
+register_section(Section("instrument", InstrumentSpec | None, None, describe, summary, order=1,
+                         description="taps that measure quantization error (scans)"))

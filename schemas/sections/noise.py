@@ -39,15 +39,19 @@ class Schedule(StrictModel):
     ``warmup_steps`` noise-free steps come before the intervals.
     """
 
-    kind: Literal["exponential", "linear", "cosine", "constant"] = "exponential"
-    sigma_start: PosFloat
+    kind: Literal["exponential", "linear", "cosine", "constant"] = Field(
+        "exponential", description="how sigma goes from sigma_start to sigma_end (QeRL: exponential)")
+    sigma_start: PosFloat = Field(description="sigma of the first noisy interval")
     sigma_end: NonNegFloat | None = Field(None, description="required except for 'constant'")
     num_stages: PosInt | None = Field(None, description="K; null = 10 (total_steps mode only)")
-    total_steps: PosInt | None = None
-    steps_per_epoch: PosInt | None = None
-    stages_per_epoch: PosInt | None = None
-    epochs: PosInt | None = None
-    warmup_steps: NonNegInt = 0
+    total_steps: PosInt | None = Field(
+        None, description="the run's length in steps (or give steps_per_epoch + stages_per_epoch)")
+    steps_per_epoch: PosInt | None = Field(
+        None, description="per-epoch mode: steps in one epoch, each running the whole schedule")
+    stages_per_epoch: PosInt | None = Field(None, description="per-epoch mode: K, intervals per epoch")
+    epochs: PosInt | None = Field(
+        None, description="per-epoch mode: after this many epochs sigma stays at its last value")
+    warmup_steps: NonNegInt = Field(0, description="noise-free steps before the first interval")
 
     @property
     def per_epoch(self) -> bool:
@@ -147,24 +151,27 @@ _ZERO_END = (
 class Multiplier(Selected):
     """Scale sigma at the selected sites."""
 
-    targets: Entries = Field(min_length=1)
-    value: PosFloat
+    targets: Entries = Field(min_length=1, description="the sites whose sigma is scaled (required)")
+    value: PosFloat = Field(description="the factor; the factors of all matching entries multiply")
 
 
 class NoiseSpec(Selected):
     """QeRL's Adaptive Quantization Noise: Gaussian noise on norm weights, on a schedule."""
 
-    targets: Entries = Field(default_factory=lambda: ["RMSNorm", "LayerNorm"], min_length=1)
-    schedule: Schedule
+    targets: Entries = Field(default_factory=lambda: ["RMSNorm", "LayerNorm"], min_length=1,
+                             description="the sites whose weights get noise (default: the norms)")
+    schedule: Schedule = Field(description="sigma over training")
     layer_multipliers: dict[NonNegInt, PosFloat] = Field(
         default_factory=dict,
         description='sigma multiplier per layer index, e.g. {"14": 1.5}',
         json_schema_extra={"propertyNames": {"pattern": "^[0-9]+$"}},
     )
-    multipliers: list[Multiplier] = Field(default_factory=list)
-    resample: Literal["step", "forward"] = "step"
+    multipliers: list[Multiplier] = Field(default_factory=list,
+                                          description="sigma factors for selected sites")
+    resample: Literal["step", "forward"] = Field(
+        "step", description="a new draw every step (all forwards of a step alike) or every forward")
     apply_during: Phase = Field("rollout", description="rollout (QeRL: generate() and rollout weights only), train, eval or both")
-    seed: Int = 0
+    seed: Int = Field(0, description="seed of the draws (with the site and step: reproducible)")
 
     @field_validator("layer_multipliers", mode="before")
     @classmethod
@@ -256,4 +263,5 @@ def summary(n: NoiseSpec) -> str:
     return f"noise ({s.kind}, sigma_start {s.sigma_start:g}, {s.stages} stages)"
 
 
-register_section(Section("noise", NoiseSpec | None, None, describe_noise, summary, order=2))
+register_section(Section("noise", NoiseSpec | None, None, describe_noise, summary, order=2,
+                         description="QeRL's adaptive quantization noise (AQN) on a schedule"))

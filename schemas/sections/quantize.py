@@ -33,8 +33,10 @@ def _all_option_values(option: str) -> list[str]:
 class QuantRule(Selected):
     """Fake-quantize the selected tensors of the selected sites to one block format."""
 
-    name: Annotated[StrictStr, Field(min_length=1)] | None = None
-    format: StrictStr = Field(json_schema_extra={"enum": list(registry.names())})
+    name: Annotated[StrictStr, Field(min_length=1)] | None = Field(
+        None, description="the rule's name in plans, logs and reports (unique)")
+    format: StrictStr = Field(json_schema_extra={"enum": list(registry.names())},
+                              description="a registered format, e.g. mxfp4, nvfp4, int4")
     tensors: list[Tensor] = Field(
         default_factory=lambda: ["weight"],
         min_length=1,
@@ -43,15 +45,19 @@ class QuantRule(Selected):
     block_size: PosInt | None = Field(None, description="elements per block; null = format default")
     block_shape: tuple[PosInt, PosInt] | None = Field(None, description="2D weight tiles")
     scale_rule: StrictStr = Field(
-        OPTION_DEFAULTS["scale_rule"], json_schema_extra={"enum": _all_option_values("scale_rule")}
+        OPTION_DEFAULTS["scale_rule"], json_schema_extra={"enum": _all_option_values("scale_rule")},
+        description="how an MX block's shared exponent is chosen (MX formats only)",
     )
     rounding: StrictStr = Field(
-        OPTION_DEFAULTS["rounding"], json_schema_extra={"enum": _all_option_values("rounding")}
+        OPTION_DEFAULTS["rounding"], json_schema_extra={"enum": _all_option_values("rounding")},
+        description="rne: half to even; rna: half away from zero; stochastic (see seed)",
     )
     nvfp4_variant: StrictStr | None = Field(
-        None, json_schema_extra={"enum": [*_all_option_values("nvfp4_variant"), None]}
+        None, json_schema_extra={"enum": [*_all_option_values("nvfp4_variant"), None]},
+        description="NVFP4 only: whose fp32 order of operations; null = default",
     )
-    zero_saturated_grad: StrictBool = False
+    zero_saturated_grad: StrictBool = Field(
+        False, description="no gradient through saturated elements (straight-through otherwise)")
     axis: Int | None = Field(None, description="blocking axis; null = the reduction axis")
     seed: Int | None = Field(None, description="seed of stochastic rounding")
 
@@ -192,4 +198,5 @@ def summary(rules: list[QuantRule]) -> str:
 
 register_section(Section(
     "quantize", Annotated[list[QuantRule], AfterValidator(_names_unique)], [], describe, summary,
-    order=0, description="later rules override earlier"))
+    order=0,
+    description="fake-quantize rules, in order: a later rule overrides an earlier one for the same site and tensor"))
