@@ -26,8 +26,8 @@ def _policy(*rules, instrument=None):
 
 
 def _close(a: dict, b: dict, rel=1e-9):
-    """Metric dicts equal up to float64 summation order (NaN equals NaN)."""
-    assert a.keys() == b.keys()
+    """Metric dicts equal up to float64 summation order (NaN equals NaN); empty ones are no match."""
+    assert a.keys() == b.keys() and a
     for key in a:
         x, y = float(a[key]), float(b[key])
         assert (math.isnan(x) and math.isnan(y)) or x == pytest.approx(y, rel=rel, abs=1e-300), key
@@ -146,11 +146,17 @@ def test_graph_mode_taps_measure_what_module_mode_measures(tiny):
         program.module()(input_ids=x, use_cache=False)
         module(input_ids=x)
     graph_taps = {t.label: t.result() for t in taps(program.module())}
-    for tap in taps(module):
-        got = graph_taps[tap.label]
+    module_taps = {t.label: t.result() for t in taps(module)}
+    assert sorted(graph_taps) == sorted(module_taps) == [f"{SITE}:{p}" for p in ("input", "output", "weight")]
+    compared = []
+    for label, want in module_taps.items():
         for key in ("quant", "local"):
-            if tap.result().get(key) is not None:
-                _close(got[key], tap.result()[key], rel=1e-6)
+            if want.get(key) is not None:
+                _close(graph_taps[label][key], want[key], rel=1e-6)
+                compared.append((label, key))
+    # the quantization error at the quantized points, the local error at the output: none skipped
+    assert sorted(compared) == [(f"{SITE}:input", "quant"), (f"{SITE}:output", "local"),
+                                (f"{SITE}:weight", "quant")]
 
 
 def test_plan_lists_taps_after_fake_quant_and_shadow_only_where_needed(tiny):
