@@ -61,11 +61,11 @@ def tiny_config(arch: str, *, num_layers: int = 2, hidden: int = 64, vocab: int 
 
 
 def build_tiny(arch: str, *, num_layers: int = 2, hidden: int = 64, seed: int = 0,
-               dtype: torch.dtype = torch.float32) -> nn.Module:
+               dtype: torch.dtype = torch.float32, vocab: int = 256) -> nn.Module:
     """A tiny config-built model with seeded weights, in eval mode."""
     import transformers as tf
 
-    config = tiny_config(arch, num_layers=num_layers, hidden=hidden)
+    config = tiny_config(arch, num_layers=num_layers, hidden=hidden, vocab=vocab)
     torch.manual_seed(seed)
     cls = tf.BertModel if arch == "bert" else tf.AutoModelForCausalLM
     model = cls(config) if arch == "bert" else cls.from_config(config)

@@ -8,19 +8,17 @@ import copy
 import pytest
 import torch
 from torch import nn
-from transformers import Qwen2Config, Qwen2ForCausalLM
+from transformers import Qwen2ForCausalLM
 
 import qtransform
 from qtransform.formats import fake_quantize
+from qtransform.models import build_tiny
 
 W4 = {"version": 1, "quantize": [{"targets": ["Linear"], "ignore": ["lm_head"], "format": "mxfp4"}]}
 
 
-def tiny_qwen2(seed: int = 0) -> Qwen2ForCausalLM:
-    torch.manual_seed(seed)
-    cfg = Qwen2Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
-    return Qwen2ForCausalLM(cfg).eval()
+def tiny_qwen2(seed: int = 0) -> nn.Module:
+    return build_tiny("qwen2", seed=seed, vocab=128)
 
 
 def test_sites_stay_instances_of_their_class_with_their_own_parameters():

@@ -17,10 +17,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from transformers import Qwen2Config, Qwen2ForCausalLM
 
 import qtransform
 from qtransform.errors import UserError
+from qtransform.models import build_tiny
 from qtransform.passes import AQNNoise, FakeQuantize, HWError
 
 STEPS = 3
@@ -46,11 +46,8 @@ POLICIES: dict[str, dict[str, Any]] = {
 WRAPS = ("fsdp", "fsdp_no_reshard", "fsdp_checkpointing", "ddp", "ddp_checkpointing")
 
 
-def tiny_qwen2() -> Qwen2ForCausalLM:
-    torch.manual_seed(0)
-    cfg = Qwen2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
-    return Qwen2ForCausalLM(cfg)
+def tiny_qwen2() -> nn.Module:
+    return build_tiny("qwen2", vocab=VOCAB).train()  # built as training code builds it
 
 
 def held_elements(model: nn.Module) -> int:

@@ -13,10 +13,10 @@ import textwrap
 import pytest
 import torch
 from torch import nn
-from transformers import Qwen2Config, Qwen2ForCausalLM
 
 import qtransform
 from qtransform.formats import fake_quantize
+from qtransform.models import build_tiny
 
 SCHEDULE = {"kind": "exponential", "sigma_start": 0.05, "sigma_end": 0.005, "num_stages": 4,
             "total_steps": 40}  # noise from step 10 on
@@ -24,11 +24,8 @@ W4 = {"targets": ["Linear"], "ignore": ["lm_head"], "format": "nvfp4"}
 POLICY = {"version": 1, "quantize": [W4], "noise": {"schedule": SCHEDULE, "seed": 3}}
 
 
-def tiny_qwen2(seed: int = 0, layers: int = 2) -> Qwen2ForCausalLM:
-    torch.manual_seed(seed)
-    cfg = Qwen2Config(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=layers,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
-    return Qwen2ForCausalLM(cfg).eval()
+def tiny_qwen2(seed: int = 0, layers: int = 2) -> nn.Module:
+    return build_tiny("qwen2", num_layers=layers, seed=seed, vocab=96)
 
 
 def documented_z(seed: int, site: str, step: int, shape: torch.Size) -> torch.Tensor:
@@ -45,7 +42,7 @@ def sigma(step: int) -> float:
     return 0.0 if stage == 0 else 0.05 * (0.005 / 0.05) ** ((stage - 1) / 2)
 
 
-def rollout_reference(model: nn.Module, step: int) -> Qwen2ForCausalLM:
+def rollout_reference(model: nn.Module, step: int) -> nn.Module:
     """A plain copy whose weights are what the rollout computes with at `step`."""
     ref = tiny_qwen2()
     ref.load_state_dict(model.state_dict())
@@ -176,10 +173,8 @@ def test_a_run_that_never_applied_aqn_ends_with_a_warning(tmp_path):
     script = tmp_path / "run.py"
     script.write_text(textwrap.dedent(f"""
         import torch, qtransform
-        from transformers import Qwen2Config, Qwen2ForCausalLM
-        cfg = Qwen2Config(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
-                          num_attention_heads=4, num_key_value_heads=2)
-        model = qtransform.transform(Qwen2ForCausalLM(cfg), {POLICY!r})
+        from qtransform.models import build_tiny
+        model = qtransform.transform(build_tiny("qwen2", num_layers=1, vocab=96), {POLICY!r})
         model.train()
         for _ in range(3):
             model(torch.randint(0, 96, (1, 5))).logits.sum().backward()
