@@ -15,6 +15,8 @@ Why the results are the same bits as the reference:
 
 - every division is `div_rn` (correctly rounded; Triton's `/` on fp32 is an approximate
   division on GPUs) and kernels are compiled with `enable_fp_fusion=False` (no FMA contraction);
+  a division by an MX scale 2^e is the multiplication by 2^-e (exact for -127 <= e <= 127, so
+  both round the same real quotient), and NVFP4's reciprocal scale is divided once per block;
 - amaxes are maxima of the absolute *bit patterns* (integers order non-negative floats, and a
   NaN or Inf shows as a pattern >= 0x7f800000: the hardware float max drops NaNs);
 - exponents are read from bits (subnormals are scaled by 2^64 first), powers of two are built
@@ -42,7 +44,7 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _RULES = {"floor": 0, "ceil": 1, "rceil": 2, "even": 3}
 KERNEL_MX, KERNEL_NVFP4 = 0, 1  # the `Family.kernel_id`s these kernels implement
 BLOCKS_PER_PROGRAM = 64
-FLT_MAX = 3.4028234663852886e38
+FLT_MAX = tl.constexpr(3.4028234663852886e38)  # jit code may read globals that are constexprs only
 
 
 @triton.jit
@@ -146,7 +148,7 @@ def _fq_kernel(x_ptr, out_ptr, sat_ptr, amax_t_ptr, n_blocks, row_len, blocks_pe
         e = tl.minimum(tl.maximum(e, -127), 127)
         e = tl.where(zero, -127, e)
         scale = _pow2(e)[:, None] + tl.zeros(x.shape, tl.float32)
-        y = tl.math.div_rn(x, scale)
+        y = x * _pow2(-e)[:, None]  # = div_rn(x, 2^e): 2^-e is exact for -127 <= e <= 127
         a = tl.abs(y)
         q = _copysign(_round_magnitude(a, IS_FLOAT, EMIN, MBITS, INV_STEP, STEP, MAX_NORMAL, RNA),
                       y)
@@ -163,11 +165,11 @@ def _fq_kernel(x_ptr, out_ptr, sat_ptr, amax_t_ptr, n_blocks, row_len, blocks_pe
             s = amax_b * (g * 0.16666667163372040)  # fl32(1/6)
             s = tl.where(s > FLT_MAX, FLT_MAX, s)
             s = _e4m3_rne(tl.where(s > 448.0, 448.0, s))
-            sd = (s * d)[:, None] + tl.zeros(x.shape, tl.float32)
-            enc = tl.math.div_rn(tl.full(x.shape, 1.0, tl.float32), sd)
+            sd = s * d
+            enc = tl.math.div_rn(tl.full(sd.shape, 1.0, tl.float32), sd)  # once per block
             enc = tl.where(enc > FLT_MAX, FLT_MAX, enc)
-            y = x * enc
-            scale = sd
+            y = x * enc[:, None]
+            scale = sd[:, None] + tl.zeros(x.shape, tl.float32)
         else:
             s = tl.math.div_rn(amax_b, tl.full(amax_b.shape, 6.0, tl.float32))
             s = _e4m3_rne(tl.where(s > 448.0, 448.0, s))
