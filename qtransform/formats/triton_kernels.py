@@ -107,8 +107,8 @@ def _fq_kernel(x_ptr, out_ptr, sat_ptr, amax_t_ptr, n_blocks, row_len, blocks_pe
                IS_FLOAT: tl.constexpr, EMAX: tl.constexpr, EMIN: tl.constexpr,
                MBITS: tl.constexpr, INV_STEP: tl.constexpr, STEP: tl.constexpr,
                MAX_NORMAL: tl.constexpr, RNA: tl.constexpr, BLOCK: tl.constexpr,
-               BLOCK_P2: tl.constexpr, GROUP: tl.constexpr, WANT_SAT: tl.constexpr,
-               OUT_KIND: tl.constexpr):
+               BLOCK_P2: tl.constexpr, GROUP: tl.constexpr, WHOLE_BLOCKS: tl.constexpr,
+               WANT_SAT: tl.constexpr, OUT_KIND: tl.constexpr):
     """GROUP blocks of BLOCK elements per program; FAMILY 0 = MX, 1 = NVFP4 (VARIANT 0 default,
     1 one_level); OUT_KIND (the dtype of x and of the output) 0 fp32, 1 bf16, 2 fp16."""
     pid = tl.program_id(0)
@@ -117,7 +117,13 @@ def _fq_kernel(x_ptr, out_ptr, sat_ptr, amax_t_ptr, n_blocks, row_len, blocks_pe
     col = (bid % blocks_per_row) * BLOCK
     k = tl.arange(0, BLOCK_P2)
     cols = col[:, None] + k[None, :]
-    mask = (bid < n_blocks)[:, None] & (k < BLOCK)[None, :] & (cols < row_len)
+    # the mask is per block where it can be (whole blocks, BLOCK a power of two), so the
+    # compiler can vectorize loads and stores; per element only for padded lanes or ragged rows
+    mask = tl.broadcast_to((bid < n_blocks)[:, None], (GROUP, BLOCK_P2))
+    if BLOCK != BLOCK_P2:
+        mask = mask & (k < BLOCK)[None, :]
+    if not WHOLE_BLOCKS:
+        mask = mask & (cols < row_len)
     offs = row[:, None] * row_len + cols
     if OUT_KIND == 1:  # bf16 widened on the bits (exact everywhere, subnormals included)
         raw = tl.load(x_ptr.to(tl.pointer_type(tl.int16)) + offs, mask=mask, other=0)
@@ -228,7 +234,7 @@ def run(x: torch.Tensor, cfg: QuantConfig, layout: BlockLayout,
         EMIN=elem.emin, MBITS=elem.mbits, INV_STEP=1.0 / elem.step, STEP=elem.step,
         MAX_NORMAL=elem.max_normal, RNA=cfg.rounding == "rna", BLOCK=layout.block,
         BLOCK_P2=triton.next_power_of_2(layout.block), GROUP=BLOCKS_PER_PROGRAM,
-        WANT_SAT=want_sat, OUT_KIND=_DTYPES.index(x.dtype), enable_fp_fusion=False,
+        WHOLE_BLOCKS=row_len % layout.block == 0, WANT_SAT=want_sat, OUT_KIND=_DTYPES.index(x.dtype), enable_fp_fusion=False,
     )
     return (out.movedim(-1, layout.axis),
             None if sat is None else sat.movedim(-1, layout.axis))
