@@ -124,7 +124,8 @@ def _run(out: Path, final: Path, fmt: str, calib: list | None, options: dict[str
     """The demo's work, writing into the staging folder `out` that becomes `final`."""
     from qtransform.calibration import builtin_calibration
     from qtransform.models import load_model, load_tokenizer
-    from qtransform.scan.activations import resolve_policy, scan_activations
+    from qtransform.scan.activations import scan_activations
+    from qtransform.scan.setup import resolve_policy
     from qtransform.scan.weights import compare_formats, config_for, scan_weights
 
     config_for(fmt, options)  # a misspelt format or option fails now, not after loading the model

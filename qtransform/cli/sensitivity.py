@@ -78,18 +78,6 @@ def budget_args(args: argparse.Namespace) -> dict[str, Any] | None:
     return None
 
 
-def apply_budget(report: Any, budget: dict[str, Any], measure: Any = None) -> Any:
-    from qtransform.scan.recommend import budget_policy
-
-    try:
-        result = budget_policy(report, **budget)
-    except ValueError as exc:
-        raise UserError(str(exc)) from None
-    if measure is not None:
-        result.measured = measure(result.policy)
-    return result
-
-
 def budget_text(result: Any, measure: str) -> str:
     from qtransform.scan.sensitivity import measure_label
 
@@ -108,8 +96,8 @@ def run_sensitivity(args: argparse.Namespace) -> int:
     from qtransform.calibration import builtin_calibration, read_calibration
     from qtransform.core import io as qio
     from qtransform.models import input_paths, load_model, load_tokenizer
-    from qtransform.scan.activations import cli_policy
-    from qtransform.scan.sensitivity import measure_policy, site_sensitivity, timing_text
+    from qtransform.scan.sensitivity import measured_budget, site_sensitivity, timing_text
+    from qtransform.scan.setup import scan_policy
 
     if args.format is None and args.policy is None:
         raise UserError("give --format (e.g. --format mxfp4) or a --policy with quantize rules")
@@ -124,14 +112,8 @@ def run_sensitivity(args: argparse.Namespace) -> int:
                            protect=input_paths(args.model, args.policy, args.calib)) as staging:
         model = load_model(args.model)
         tokenizer = load_tokenizer(args.model)
-        policy = cli_policy(model, args.format, args.policy, format_options(args))
-        if args.activations:
-            from qtransform.schemas import dump_policy, load_policy
-
-            data = dump_policy(policy)
-            for rule in data["quantize"]:
-                rule["tensors"] = ["weight", "input"]
-            policy = load_policy(data)
+        policy = scan_policy(model, args.format, args.policy, options=format_options(args),
+                             activations=args.activations)
         kw = {"tokenizer": tokenizer, "batch_size": args.batch_size, "max_length": args.max_length}
         report = site_sensitivity(model, policy, calib, method=args.method, draws=args.draws,
                                   progress=progress(args), **kw)
@@ -140,7 +122,7 @@ def run_sensitivity(args: argparse.Namespace) -> int:
         files = list(report.save(staging).values())
         result = None
         if budget is not None:
-            result = apply_budget(report, budget, lambda pol: measure_policy(model, pol, calib, **kw))
+            result = measured_budget(report, budget, model, calib, **kw)
             files.append(qio.write_json(staging / "policy.json", result.policy))
             qio.write_json(staging / "budget.json", {k: v for k, v in result.to_dict().items()
                                                        if k != "policy"})
