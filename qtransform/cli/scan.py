@@ -170,13 +170,11 @@ def run_scan(args: argparse.Namespace) -> int:
 def _activation_scan(args: argparse.Namespace):
     """The --calib branch: run the model on calibration text or token ids (`--calib builtin`: the
     demo's sentences) and scan weights, activations and each site's output error."""
-    from qtransform.calibration import builtin_calibration, read_calibration
     from qtransform.models import load_model, load_tokenizer
     from qtransform.scan.activations import scan_activations
-    from qtransform.scan.setup import scan_policy
+    from qtransform.scan.setup import CalibrationSpec, read_source, scan_policy
 
-    builtin = args.calib == "builtin" and not Path(args.calib).exists()
-    calib = builtin_calibration() if builtin else read_calibration(args.calib)
+    samples = read_source(args.calib)
     if args.sequential:
         from qtransform.scan.sequential import scan_sequential, skeleton
 
@@ -185,15 +183,14 @@ def _activation_scan(args: argparse.Namespace):
                             "and safetensors)")
         policy = scan_policy(skeleton(Path(args.model)), args.format, args.policy,
                              options=format_options(args))
-        report = scan_sequential(args.model, policy, calib, tokenizer=load_tokenizer(args.model),
-                                 progress=progress(args))
+        calib = CalibrationSpec(samples, load_tokenizer(args.model), source=args.calib)
+        report = scan_sequential(args.model, policy, calib, progress=progress(args))
     else:
         model = load_model(args.model)
         policy = scan_policy(model, args.format, args.policy, options=format_options(args))
-        report = scan_activations(model, policy, calib, tokenizer=load_tokenizer(args.model),
-                                  progress=progress(args))
+        calib = CalibrationSpec(samples, load_tokenizer(args.model), source=args.calib)
+        report = scan_activations(model, policy, calib, progress=progress(args))
     report.meta["source"] = args.model
-    report.meta["calibration"]["file"] = "builtin" if builtin else args.calib
     report.thresholds.update(thresholds(args.threshold))
     report.flagging = flagging(args)
     return report
@@ -302,11 +299,11 @@ def run_guide(args: argparse.Namespace) -> int:
 def _budget_guide(args: argparse.Namespace, budget: dict[str, Any]) -> int:
     """guide with a budget (`qtransform.scan.sensitivity.budget_guide`, see EPILOG_GUIDE): the
     model and calibration data come from the options, else from the --sensitivity file."""
-    from qtransform.calibration import builtin_calibration, read_calibration
     from qtransform.core import io as qio
     from qtransform.models import load_model, load_tokenizer
     from qtransform.scan.report import ScanReport
     from qtransform.scan.sensitivity import SensitivityReport, budget_guide
+    from qtransform.scan.setup import CalibrationSpec
 
     with qio.output_file(args.out) as out:
         report = ScanReport.load(args.report)
@@ -318,12 +315,10 @@ def _budget_guide(args: argparse.Namespace, budget: dict[str, Any]) -> int:
         if model_spec is None or calib_spec is None:
             raise UserError("a budget needs the model and calibration data to measure the policy "
                             "on: give --model and --calib (or a --sensitivity file that names them)")
-        builtin = calib_spec == "builtin" and not Path(calib_spec).exists()
-        calib = builtin_calibration() if builtin else read_calibration(calib_spec)
+        calib = CalibrationSpec.read(calib_spec, tokenizer=load_tokenizer(model_spec),
+                                     batch_size=int(calibration.get("batch_size", 8)),
+                                     max_length=int(calibration.get("max_length", 128)))
         result, sens = budget_guide(report, budget, load_model(model_spec), calib, sensitivity=sens,
-                                    tokenizer=load_tokenizer(model_spec),
-                                    batch_size=int(calibration.get("batch_size", 8)),
-                                    max_length=int(calibration.get("max_length", 128)),
                                     progress=progress(args))
         qio.write_json(out, result.policy)
     print(("ranking read from " + args.sensitivity) if args.sensitivity else

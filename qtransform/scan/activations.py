@@ -40,20 +40,21 @@ from qtransform.scan.report import ScanReport
 from qtransform.scan.setup import CalibrationSpec, ScanSetup, eval_mode, prepare_scan
 
 
-def scan_activations(model: nn.Module, policy_or_format: Any, calib: Calibration, *,
+def scan_activations(model: nn.Module, policy_or_format: Any, calib: Calibration | CalibrationSpec, *,
                      tokenizer: Any = None, batch_size: int = 8, max_length: int = 128,
                      token_stride: int | None = None, progress: bool | None = False) -> ScanReport:
     """Scan a model's activations under a policy (or a bare format name) on calibration data.
 
     `model` is the full-precision model; it is left as it was (the scan transforms a copy and
     hooks the original only while it runs). `calib`: token ids (a [N, T] tensor or lists), text
-    (with `tokenizer`), or a float tensor of inputs for plain torch models. Rows: quantized
+    (with `tokenizer`), or a float tensor of inputs for plain torch models; or a
+    `CalibrationSpec`, which carries its own tokenizer, batch size and length. Rows: quantized
     weights and inputs, and each site's local (shadow) error at its output; `meta` adds the
     accumulated error per site and the end-to-end comparison. Activation metrics use every
     `token_stride`-th token (1: all), which divides the cost of measuring (docs/benchmarks.md);
     None measures every token of small sets and about 1/16 of large ones (`auto_stride`).
     """
-    spec = CalibrationSpec(calib, tokenizer, batch_size, max_length)
+    spec = CalibrationSpec.of(calib, tokenizer, batch_size, max_length)
     setup = prepare_scan(model, policy_or_format, spec)
     quant = setup.quant
     stride = setup.stride(token_stride)

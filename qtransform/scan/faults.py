@@ -136,12 +136,12 @@ class RunVariance(ForwardHooks):
                 "rel_std": math.sqrt(var_sum / signal) if signal else math.nan}
 
 
-def gain_scan(model: nn.Module, policy_or_format: Any, calib: Calibration, *, eps: float = 1e-3,
+def gain_scan(model: nn.Module, policy_or_format: Any, calib: Calibration | CalibrationSpec, *, eps: float = 1e-3,
               seed: int = 0, tokenizer: Any = None, batch_size: int = 8, max_length: int = 128,
               progress: bool | None = False) -> ScanReport:
     """Per-site gain_fp, gain_q and gain_ratio (see `GainProbe`); the row's error metrics compare
     the quantized site's response to the perturbation with the full-precision response."""
-    setup = prepare_scan(model, policy_or_format, CalibrationSpec(calib, tokenizer, batch_size, max_length))
+    setup = prepare_scan(model, policy_or_format, CalibrationSpec.of(calib, tokenizer, batch_size, max_length))
     program, quant, at = setup.program, setup.quant, setup.site_modules()
     with eval_mode(model), GainProbe(model, quant, list(dict.fromkeys(at.values())), eps, seed) as probe, \
             tapping(quant, False), torch.no_grad():
@@ -152,13 +152,13 @@ def gain_scan(model: nn.Module, policy_or_format: Any, calib: Calibration, *, ep
     return build_report("gain_scan", program, setup.policy, rows, eps=eps, seed=seed)
 
 
-def kurtosis_scan(model: nn.Module, policy_or_format: Any, calib: Calibration, *,
+def kurtosis_scan(model: nn.Module, policy_or_format: Any, calib: Calibration | CalibrationSpec, *,
                   tokenizer: Any = None, batch_size: int = 8, max_length: int = 128,
                   progress: bool | None = False) -> ScanReport:
     """Kurtosis (non-excess: 3 for a Gaussian) of each site's output in the full-precision and
     the quantized model and their ratio; clipping (saturation) flattens tails and lowers it.
     The row's error metrics are the site's accumulated error."""
-    setup = prepare_scan(model, policy_or_format, CalibrationSpec(calib, tokenizer, batch_size, max_length))
+    setup = prepare_scan(model, policy_or_format, CalibrationSpec.of(calib, tokenizer, batch_size, max_length))
     program, quant = setup.program, setup.quant
     with eval_mode(model), SitePairs(model, quant, setup.sites, modules=setup.site_modules()) as pairs, \
             tapping(quant, False), torch.no_grad():
@@ -186,7 +186,7 @@ def stochastic_policy(policy: Policy, seed: int) -> Policy:
     return load_policy(data)
 
 
-def instability_scan(model: nn.Module, policy_or_format: Any, calib: Calibration, *,
+def instability_scan(model: nn.Module, policy_or_format: Any, calib: Calibration | CalibrationSpec, *,
                      runs: int = 8, seed: int = 0, tokenizer: Any = None, batch_size: int = 8,
                      max_length: int = 128, progress: bool | None = False) -> ScanReport:
     """Run each batch `runs` times with stochastic rounding: per site, the output variance across
@@ -195,7 +195,7 @@ def instability_scan(model: nn.Module, policy_or_format: Any, calib: Calibration
     if runs < 2:
         raise UserError("instability_scan needs runs >= 2")
     policy = stochastic_policy(resolve_policy(model, policy_or_format), seed)
-    setup = prepare_scan(model, policy, CalibrationSpec(calib, tokenizer, batch_size, max_length))
+    setup = prepare_scan(model, policy, CalibrationSpec.of(calib, tokenizer, batch_size, max_length))
     program, quant, at = setup.program, setup.quant, setup.site_modules()
     with eval_mode(model), RunVariance(model, quant, list(dict.fromkeys(at.values()))) as var, \
             tapping(quant, False), torch.no_grad():

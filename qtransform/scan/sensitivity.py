@@ -103,14 +103,41 @@ class SensitivityReport:
         p = Path(path)
         if p.is_dir():
             p = p / FILES[0]
-        data = json.loads(qio.read_input_text(p, "sensitivity report"))
-        if data.get("schema") != SCHEMA or data.get("schema_version") != SCHEMA_VERSION:
-            raise UserError(f"{p}: not a qtransform sensitivity report of version {SCHEMA_VERSION}; "
-                            "re-run `qtransform sensitivity`")
-        decode = {"inf": math.inf, "-inf": -math.inf, "nan": math.nan}
-        rows = [SensitivityRow(**{k: decode.get(v, v) if isinstance(v, str) and k in ("exact", "estimate")
-                                  else v for k, v in r.items()}) for r in data["rows"]]
-        return cls(data["meta"], rows)
+        text = qio.read_input_text(p, "sensitivity report")
+        try:
+            data = json.loads(text)
+            if data.get("schema") != SCHEMA or data.get("schema_version") != SCHEMA_VERSION:
+                raise UserError(f"{p}: not a qtransform sensitivity report of version "
+                                f"{SCHEMA_VERSION}; re-run `qtransform sensitivity`")
+            decode = {"inf": math.inf, "-inf": -math.inf, "nan": math.nan}
+            rows = [SensitivityRow(**{k: decode.get(v, v) if isinstance(v, str) and k in ("exact", "estimate")
+                                      else v for k, v in r.items()}) for r in data["rows"]]
+            report = cls(dict(data["meta"]), rows)
+            report.check()
+        except UserError:
+            raise
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise UserError(f"{p}: not a sensitivity report this qtransform version can read "
+                            f"({type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}); "
+                            "re-run `qtransform sensitivity`") from None
+        return report
+
+    def check(self) -> None:
+        """Touch what budgets read (scores, sizes, formats, the rules, the calibration settings),
+        so a damaged file fails as the user's data when it is loaded."""
+        from qtransform.formats.expected import effective_bits
+        from qtransform.schemas import load_policy
+
+        measure_label(self.measure)
+        for row in self.rows:
+            float(row.score())
+            int(row.params)
+            effective_bits(row.format, row.options)
+        load_policy({"version": 1, "quantize": self.meta.get("quantize") or []})
+        calibration = self.meta.get("calibration") or {}
+        for key in ("batch_size", "max_length"):
+            if key in calibration and not (isinstance(calibration[key], int) and calibration[key] > 0):
+                raise ValueError(f"calibration.{key} {calibration[key]!r} is not a positive integer")
 
     def save(self, out_dir: str | os.PathLike[str]) -> dict[str, Path]:
         """sensitivity.json, .csv, .md and .png (sites by layer), each written atomically."""
@@ -396,7 +423,7 @@ def _ranks_desc(values: list[float]) -> list[int]:
 
 
 # -- public API ----------------------------------------------------------------------------------
-def site_sensitivity(model: nn.Module, policy_or_format: Any, calib: Calibration, *,
+def site_sensitivity(model: nn.Module, policy_or_format: Any, calib: Calibration | CalibrationSpec, *,
                      tokenizer: Any = None, method: str = "exact", activations: bool = False,
                      draws: int = 4, seed: int = 0, batch_size: int = 8, max_length: int = 128,
                      progress: bool | None = False) -> SensitivityReport:
@@ -410,7 +437,7 @@ def site_sensitivity(model: nn.Module, policy_or_format: Any, calib: Calibration
         raise UserError(f"method {method!r}: use one of {', '.join(METHODS)}")
     if draws < 1:
         raise UserError("draws must be at least 1")
-    spec = CalibrationSpec(calib, tokenizer, batch_size, max_length)
+    spec = CalibrationSpec.of(calib, tokenizer, batch_size, max_length)
     with eval_mode(model):
         setup = prepare_scan(model, policy_or_format, spec, instrument=False, activations=activations)
         policy, batches, causal = setup.policy, setup.batches, setup.causal
@@ -456,11 +483,11 @@ def site_sensitivity(model: nn.Module, policy_or_format: Any, calib: Calibration
     return SensitivityReport(meta, rows)
 
 
-def measure_policy(model: nn.Module, policy: Any, calib: Calibration, *, tokenizer: Any = None,
+def measure_policy(model: nn.Module, policy: Any, calib: Calibration | CalibrationSpec, *, tokenizer: Any = None,
                    batch_size: int = 8, max_length: int = 128) -> float:
     """The end-to-end measure (mean KL per token, or output nsr) of a whole policy at once: what
     a budgeted policy's prediction (the sum of its quantized sites' sensitivities) is checked by."""
-    spec = CalibrationSpec(calib, tokenizer, batch_size, max_length)
+    spec = CalibrationSpec.of(calib, tokenizer, batch_size, max_length)
     with eval_mode(model):
         setup = prepare_scan(model, policy, spec, instrument=False)
         q = _quantized(setup)
@@ -468,7 +495,7 @@ def measure_policy(model: nn.Module, policy: Any, calib: Calibration, *, tokeniz
 
 
 def measured_budget(sensitivity: SensitivityReport, budget: dict[str, float], model: nn.Module,
-                    calib: Calibration, *, tokenizer: Any = None, batch_size: int = 8,
+                    calib: Calibration | CalibrationSpec, *, tokenizer: Any = None, batch_size: int = 8,
                     max_length: int = 128) -> Budgeted:
     """`budget_policy` under one budget (`bits`, `keep`, `share` or `target`), its policy then run
     end to end on `model` (`measure_policy`), so the prediction is checked by a measurement."""
@@ -478,7 +505,7 @@ def measured_budget(sensitivity: SensitivityReport, budget: dict[str, float], mo
     return result
 
 
-def budget_guide(report: ScanReport, budget: dict[str, float], model: nn.Module, calib: Calibration, *,
+def budget_guide(report: ScanReport, budget: dict[str, float], model: nn.Module, calib: Calibration | CalibrationSpec, *,
                  sensitivity: SensitivityReport | None = None, tokenizer: Any = None,
                  batch_size: int = 8, max_length: int = 128,
                  progress: bool | None = False) -> tuple[Budgeted, SensitivityReport]:

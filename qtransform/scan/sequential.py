@@ -170,7 +170,7 @@ def tensor_names(files: dict[str, Path], prefix: str) -> list[str]:
     return [n for n in files if n.startswith(prefix)]
 
 
-def scan_sequential(checkpoint: str | os.PathLike, policy_or_format: Any, calib: Calibration, *,
+def scan_sequential(checkpoint: str | os.PathLike, policy_or_format: Any, calib: Calibration | CalibrationSpec, *,
                     tokenizer: Any = None, batch_size: int = 8, max_length: int = 128,
                     token_stride: int | None = None, progress: bool | None = False,
                     dtype: torch.dtype | None = None) -> ScanReport:
@@ -185,7 +185,7 @@ def scan_sequential(checkpoint: str | os.PathLike, policy_or_format: Any, calib:
     model = skeleton(folder)
     base, embed, layers, norm, head = decoder_parts(model)
     ckpt = Checkpoint(folder)
-    setup = prepare_scan(model, policy_or_format, CalibrationSpec(calib, tokenizer, batch_size, max_length))
+    setup = prepare_scan(model, policy_or_format, CalibrationSpec.of(calib, tokenizer, batch_size, max_length))
     program, sites, batches = setup.program, setup.sites, setup.batches
     quant = setup.quant
     _, _, q_layers, q_norm, q_head = decoder_parts(quant)

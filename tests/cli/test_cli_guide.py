@@ -48,3 +48,27 @@ def test_a_bug_in_guide_is_an_internal_error(scanned, tmp_path, capsys, monkeypa
     assert "re-run" not in err and not (tmp_path / "p.json").exists()
     with pytest.raises(TypeError):  # --debug: the exception itself, as for user errors
         main(["--debug", "guide", str(scanned), "--out", str(tmp_path / "p.json")])
+
+
+@pytest.mark.parametrize("damage", ["not json", "params", "batch size"])
+def test_a_damaged_sensitivity_file_is_a_user_error(scanned, tmp_path, capsys, damage):
+    from qtransform.scan.sensitivity import site_sensitivity
+    from tests.conftest import ids
+
+    sens = tmp_path / "sens"
+    site_sensitivity(build_tiny("qwen2"), "mxfp4", ids(2, 8)).save(sens)
+    path = sens / "sensitivity.json"
+    data = json.loads(path.read_text())
+    if damage == "not json":
+        path.write_text(path.read_text()[:100])
+    else:
+        if damage == "params":
+            data["rows"][3]["params"] = "many"
+        else:
+            data["meta"]["calibration"]["batch_size"] = "eight"
+        path.write_text(json.dumps(data))
+    argv = ["guide", str(scanned), "--out", str(tmp_path / "p.json"), "--keep", "2",
+            "--sensitivity", str(sens), "--model", "builtin:qwen2", "--calib", "builtin"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: {path}: not a sensitivity report"), err

@@ -70,3 +70,25 @@ def test_float_inputs_follow_the_model_dtype():
     report = scan_activations(model, "mxfp4", x, batch_size=4)
     assert {r.site for r in report.rows} == {"0", "2"}
     assert report.meta["end_to_end"]["sqnr_db"] > 10
+
+
+def test_a_calibration_source_is_read_once_and_recorded(tmp_path, monkeypatch):
+    """What `--calib` names ("builtin", else a file, even one called builtin) becomes a spec that
+    every scan takes as its `calib`, and the report records where the samples came from."""
+    from qtransform.calibration import builtin_calibration
+    from qtransform.scan.sensitivity import site_sensitivity
+
+    assert CalibrationSpec.read("builtin").data == builtin_calibration()
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "builtin").write_text("[[1, 2, 3], [4, 5, 6]]")
+    assert CalibrationSpec.read("builtin").data == ["[[1, 2, 3], [4, 5, 6]]"]  # a text file
+    data = tmp_path / "ids.json"
+    data.write_text("[[1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12]]")
+    spec = CalibrationSpec.read(str(data), batch_size=2)
+    model = build_tiny("qwen2")
+    report = scan_activations(model, "mxfp4", spec, batch_size=99)  # the spec's settings hold
+    assert report.meta["calibration"] == {"batches": 2, "samples": 3, "batch_size": 2, "max_length": 128,
+                                          "token_stride": 1, "file": str(data)}
+    sens = site_sensitivity(model, "mxfp4", spec).meta["calibration"]
+    assert sens == {"batches": 2, "samples": 3, "batch_size": 2, "max_length": 128, "tokens": 12,
+                    "file": str(data)}
