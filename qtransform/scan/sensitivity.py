@@ -338,7 +338,7 @@ def _estimate(q: _Quantized, batches: list[Tensor], ref: _Reference, draws: int,
             site = q.program.sites[name]
             w = getattr(modules[site.module_name], site.param or "weight")
             weights[name] = (w, (by_point["weight"].quantized_copy(w) - w.detach()))
-    gen = torch.Generator().manual_seed(seed)
+    gen: torch.Generator | None = None  # on the outputs' device (the model's): one stream
     captured: dict[str, tuple[Tensor, Tensor]] = {}
 
     def grab(site: str):
@@ -355,6 +355,8 @@ def _estimate(q: _Quantized, batches: list[Tensor], ref: _Reference, draws: int,
         for batch in Progress(batches, desc="sensitivity estimate", unit="batch", enabled=progress):
             captured.clear()
             out = primary_output(run_model(model, batch)).float()
+            if gen is None:
+                gen = torch.Generator(out.device).manual_seed(seed)
             for d in range(draws):
                 if ref.causal:
                     with torch.no_grad():
@@ -363,7 +365,7 @@ def _estimate(q: _Quantized, batches: list[Tensor], ref: _Reference, draws: int,
                     objective = torch.nn.functional.cross_entropy(
                         out.reshape(-1, out.shape[-1]), labels, reduction="sum")
                 else:
-                    z = torch.randn(out.shape, generator=gen, dtype=out.dtype)
+                    z = torch.randn(out.shape, generator=gen, dtype=out.dtype, device=out.device)
                     objective = (out * z).sum()
                 names = list(weights) + list(captured)
                 tensors = [weights[n][0] for n in weights] + [captured[n][0] for n in captured]
