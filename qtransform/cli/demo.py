@@ -106,8 +106,9 @@ def run_demo(out: str | Path = DEFAULT_OUT, *, fmt: str = DEFAULT_FORMAT,
              progress: bool | None = None, quiet: bool = False, force: bool = False) -> DemoResult:
     """Scan, compare and export the demo model; write every file under `out`.
 
-    `calib`: calibration samples (default: the built-in sentences). `progress`: tqdm bars (None:
-    only on a terminal); `quiet` drops the step lines as well. The files are written into a
+    `calib`: calibration samples (default: the built-in sentences). `progress`: None shows a bar on
+    a terminal and progress lines elsewhere, False nothing (`core.progress`); `quiet` drops the
+    step lines as well. The files are written into a
     staging folder and swapped in together (`qtransform.core.io.output_folder`): an interrupted demo
     leaves the previous output as it was; `out` must be new, empty or a previous output unless
     `force`.
