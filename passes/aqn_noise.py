@@ -119,9 +119,9 @@ class AQNNoise(nn.Module):
             self.z.copy_(self._step_z(self.z.shape, self.z.device))
 
     def _step_z(self, shape: torch.Size, device: torch.device) -> Tensor:
-        """The step's draw: fp32 normals from the (seed, site, step) generator, in z's dtype."""
-        gen = self.stream.generator(device, None)
-        return torch.randn(shape, generator=gen, device=device, dtype=torch.float32).to(self.z.dtype)
+        """The step's draw: fp32 normals from the (seed, site, step) generator, in z's dtype,
+        drawn on the CPU so that every device noises the weights with the same bits."""
+        return self.stream.normal(shape, self.z.new_empty(0, device=device), None, portable=True)
 
     def _held_z(self, weight: Tensor) -> Tensor:
         """The step's z for `weight`: the buffer, or (sharded: no buffer is kept) a fresh draw."""
@@ -148,7 +148,8 @@ class AQNNoise(nn.Module):
             return weight
         if z is None:
             if self.config.resample == "forward":
-                z = self.stream.normal(weight.shape, weight, self.stream.next_index(self.training))
+                z = self.stream.normal(weight.shape, weight, self.stream.next_index(self.training),
+                                       portable=True)
             else:
                 z = self._held_z(weight)
         return weight + scale * z.to(weight.dtype)

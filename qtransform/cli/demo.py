@@ -39,11 +39,12 @@ from qtransform.errors import UserError
 from qtransform.export.onnx import export_onnx
 from qtransform.models import load_model, load_tokenizer
 from qtransform.pipeline import transform
-from qtransform.scan.activations import resolve_policy, scan_activations
+from qtransform.scan.activations import scan_activations
 from qtransform.scan.recommend import recommend
 from qtransform.scan.render import format_metric as fm
 from qtransform.scan.report import expected_for
 from qtransform.scan.sensitivity import site_sensitivity
+from qtransform.scan.setup import resolve_policy
 from qtransform.scan.weights import compare_formats, config_for, scan_weights
 from qtransform.schemas import dump_policy
 
@@ -118,8 +119,9 @@ def run_demo(out: str | Path = DEFAULT_OUT, *, fmt: str = DEFAULT_FORMAT,
              progress: bool | None = None, quiet: bool = False, force: bool = False) -> DemoResult:
     """Scan, compare and export the demo model; write every file under `out`.
 
-    `calib`: calibration samples (default: the built-in sentences). `progress`: tqdm bars (None:
-    only on a terminal); `quiet` drops the step lines as well. The files are written into a
+    `calib`: calibration samples (default: the built-in sentences). `progress`: None shows a bar on
+    a terminal and progress lines elsewhere, False nothing (`core.progress`); `quiet` drops the
+    step lines as well. The files are written into a
     staging folder and swapped in together (`qtransform.core.io.output_folder`): an interrupted demo
     leaves the previous output as it was; `out` must be new, empty or a previous output unless
     `force`.

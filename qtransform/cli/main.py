@@ -1,7 +1,8 @@
 """The `qtransform` command: one argparse tree, one module per command group.
 
 Each command module exposes `register(subparsers)`, which adds its parser and sets
-`func(args) -> int`. User mistakes raise `UserError` (exit 2, no traceback unless --debug).
+`func(args) -> int`. User mistakes raise `UserError` (exit 2, no traceback unless --debug); any
+other exception is a bug of qtransform's own and says so (exit 3, with its traceback).
 """
 
 from __future__ import annotations
@@ -11,11 +12,13 @@ import importlib
 import os
 import signal
 import sys
+import traceback
 
 from qtransform.core.io import Interrupted, install_signal_handlers
 from qtransform.errors import UserError
 
 COMMAND_MODULES = ("model", "policy", "scan", "sensitivity", "export", "parity")
+INTERNAL_ERROR = 3
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -33,7 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Run one command. The error boundary: a UserError (or an OS error about the user's files,
     such as a full disk) is one line on stderr and exit 2; SIGINT/SIGTERM unwind through every
-    cleanup handler (temporary files are removed) and exit 128 + the signal number."""
+    cleanup handler (temporary files are removed) and exit 128 + the signal number; anything else
+    is an internal error: its traceback, a last line saying it is a bug to report, exit 3."""
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
@@ -52,6 +56,13 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt as exc:
         print("interrupted", file=sys.stderr)
         return 128 + (exc.signum if isinstance(exc, Interrupted) else signal.SIGINT)
+    except Exception as exc:
+        if args.debug:
+            raise
+        traceback.print_exc()
+        print(f"internal error: {type(exc).__name__} in qtransform itself, not a mistake in your "
+              "input; please report it with the traceback above", file=sys.stderr)
+        return INTERNAL_ERROR
 
 
 def quiet_transformers() -> None:

@@ -21,7 +21,7 @@ from qtransform.cli.options import (
     progress,
     thresholds,
 )
-from qtransform.cli.sensitivity import add_budget, apply_budget, budget_args, budget_text
+from qtransform.cli.sensitivity import add_budget, budget_args, budget_text
 from qtransform.errors import UserError
 
 MAX_TIER = 100.0  # an AQN sigma multiplier beyond this drowns the weights in noise
@@ -170,29 +170,27 @@ def run_scan(args: argparse.Namespace) -> int:
 def _activation_scan(args: argparse.Namespace):
     """The --calib branch: run the model on calibration text or token ids (`--calib builtin`: the
     demo's sentences) and scan weights, activations and each site's output error."""
-    from qtransform.calibration import builtin_calibration, read_calibration
     from qtransform.models import load_model, load_tokenizer
-    from qtransform.scan.activations import cli_policy, scan_activations
+    from qtransform.scan.activations import scan_activations
+    from qtransform.scan.setup import CalibrationSpec, read_source, scan_policy
 
-    builtin = args.calib == "builtin" and not Path(args.calib).exists()
-    calib = builtin_calibration() if builtin else read_calibration(args.calib)
+    samples = read_source(args.calib)
     if args.sequential:
         from qtransform.scan.sequential import scan_sequential, skeleton
 
         if not Path(args.model).is_dir():
             raise UserError(f"{args.model}: --sequential reads a checkpoint folder (config.json "
                             "and safetensors)")
-        policy = cli_policy(skeleton(Path(args.model)), args.format, args.policy,
-                            format_options(args))
-        report = scan_sequential(args.model, policy, calib, tokenizer=load_tokenizer(args.model),
-                                 progress=progress(args))
+        policy = scan_policy(skeleton(Path(args.model)), args.format, args.policy,
+                             options=format_options(args))
+        calib = CalibrationSpec(samples, load_tokenizer(args.model), source=args.calib)
+        report = scan_sequential(args.model, policy, calib, progress=progress(args))
     else:
         model = load_model(args.model)
-        policy = cli_policy(model, args.format, args.policy, format_options(args))
-        report = scan_activations(model, policy, calib, tokenizer=load_tokenizer(args.model),
-                                  progress=progress(args))
+        policy = scan_policy(model, args.format, args.policy, options=format_options(args))
+        calib = CalibrationSpec(samples, load_tokenizer(args.model), source=args.calib)
+        report = scan_activations(model, policy, calib, progress=progress(args))
     report.meta["source"] = args.model
-    report.meta["calibration"]["file"] = "builtin" if builtin else args.calib
     report.thresholds.update(thresholds(args.threshold))
     report.flagging = flagging(args)
     return report
@@ -289,15 +287,9 @@ def run_guide(args: argparse.Namespace) -> int:
     if not 1 <= args.total_steps <= MAX_STEPS:
         raise UserError(f"--total-steps {args.total_steps}: give a step count from 1 to {MAX_STEPS}")
     with qio.output_file(args.out) as out:
-        report = ScanReport.load(args.report)
-        try:
-            policy = guide(report, tiers, total_steps=args.total_steps, aqn=args.aqn)
-            advice = recommend(report, tiers, total_steps=args.total_steps).text
-        except (ValueError, KeyError, TypeError) as exc:
-            if isinstance(exc, UserError):
-                raise
-            raise UserError(f"{args.report}: the report does not fit this qtransform version "
-                            f"({type(exc).__name__}: {exc}); re-run `qtransform scan`") from None
+        report = ScanReport.load(args.report)  # the user's data is checked here, once
+        policy = guide(report, tiers, total_steps=args.total_steps, aqn=args.aqn)
+        advice = recommend(report, tiers, total_steps=args.total_steps).text
         qio.write_json(out, policy)
     print(advice, file=sys.stderr)
     print(f"wrote {args.out}", file=sys.stderr)
@@ -305,13 +297,13 @@ def run_guide(args: argparse.Namespace) -> int:
 
 
 def _budget_guide(args: argparse.Namespace, budget: dict[str, Any]) -> int:
-    """guide with a budget: the policy keeping the most sensitive sites within it (see EPILOG_GUIDE),
-    with its predicted and measured end-to-end effect."""
-    from qtransform.calibration import builtin_calibration, read_calibration
+    """guide with a budget (`qtransform.scan.sensitivity.budget_guide`, see EPILOG_GUIDE): the
+    model and calibration data come from the options, else from the --sensitivity file."""
     from qtransform.core import io as qio
     from qtransform.models import load_model, load_tokenizer
     from qtransform.scan.report import ScanReport
-    from qtransform.scan.sensitivity import SensitivityReport, measure_policy, site_sensitivity
+    from qtransform.scan.sensitivity import SensitivityReport, budget_guide
+    from qtransform.scan.setup import CalibrationSpec
 
     with qio.output_file(args.out) as out:
         report = ScanReport.load(args.report)
@@ -323,23 +315,11 @@ def _budget_guide(args: argparse.Namespace, budget: dict[str, Any]) -> int:
         if model_spec is None or calib_spec is None:
             raise UserError("a budget needs the model and calibration data to measure the policy "
                             "on: give --model and --calib (or a --sensitivity file that names them)")
-        rules = report.meta.get("quantize")
-        if not rules:
-            raise UserError(f"{args.report}: the report names no quantize rules; re-run `qtransform scan`")
-        formats = (meta.get("format"), report.meta.get("format"))
-        if sens is not None and "mixed" not in formats and formats[0] != formats[1]:
-            raise UserError(f"{args.sensitivity} ranks {meta.get('format')} sites but {args.report} "
-                            f"scanned {report.meta.get('format')}: give files of the same format")
-        builtin = calib_spec == "builtin" and not Path(calib_spec).exists()
-        calib = builtin_calibration() if builtin else read_calibration(calib_spec)
-        model = load_model(model_spec)
-        kw = {"tokenizer": load_tokenizer(model_spec),
-              "batch_size": int(calibration.get("batch_size", 8)),
-              "max_length": int(calibration.get("max_length", 128))}
-        if sens is None:
-            sens = site_sensitivity(model, {"version": 1, "quantize": rules}, calib,
-                                    progress=progress(args), **kw)
-        result = apply_budget(sens, budget, lambda pol: measure_policy(model, pol, calib, **kw))
+        calib = CalibrationSpec.read(calib_spec, tokenizer=load_tokenizer(model_spec),
+                                     batch_size=int(calibration.get("batch_size", 8)),
+                                     max_length=int(calibration.get("max_length", 128)))
+        result, sens = budget_guide(report, budget, load_model(model_spec), calib, sensitivity=sens,
+                                    progress=progress(args))
         qio.write_json(out, result.policy)
     print(("ranking read from " + args.sensitivity) if args.sensitivity else
           f"ranking computed: exact {sens.measure} of {len(sens.rows)} sites on {model_spec}", file=sys.stderr)

@@ -78,18 +78,6 @@ def budget_args(args: argparse.Namespace) -> dict[str, Any] | None:
     return None
 
 
-def apply_budget(report: Any, budget: dict[str, Any], measure: Any = None) -> Any:
-    from qtransform.scan.recommend import budget_policy
-
-    try:
-        result = budget_policy(report, **budget)
-    except ValueError as exc:
-        raise UserError(str(exc)) from None
-    if measure is not None:
-        result.measured = measure(result.policy)
-    return result
-
-
 def budget_text(result: Any, measure: str) -> str:
     from qtransform.scan.sensitivity import measure_label
 
@@ -105,11 +93,10 @@ def budget_text(result: Any, measure: str) -> str:
 
 
 def run_sensitivity(args: argparse.Namespace) -> int:
-    from qtransform.calibration import builtin_calibration, read_calibration
     from qtransform.core import io as qio
     from qtransform.models import input_paths, load_model, load_tokenizer
-    from qtransform.scan.activations import cli_policy
-    from qtransform.scan.sensitivity import measure_policy, site_sensitivity, timing_text
+    from qtransform.scan.sensitivity import measured_budget, site_sensitivity, timing_text
+    from qtransform.scan.setup import CalibrationSpec, read_source, scan_policy
 
     if args.format is None and args.policy is None:
         raise UserError("give --format (e.g. --format mxfp4) or a --policy with quantize rules")
@@ -118,29 +105,21 @@ def run_sensitivity(args: argparse.Namespace) -> int:
     if args.draws < 1 or args.batch_size < 1 or args.max_length < 1:
         raise UserError("--draws, --batch-size and --max-length must be positive")
     budget = budget_args(args)
-    builtin = args.calib == "builtin" and not Path(args.calib).exists()
-    calib = builtin_calibration() if builtin else read_calibration(args.calib)
+    samples = read_source(args.calib)
     with qio.output_folder(args.out, "sensitivity", force=args.force,
                            protect=input_paths(args.model, args.policy, args.calib)) as staging:
         model = load_model(args.model)
         tokenizer = load_tokenizer(args.model)
-        policy = cli_policy(model, args.format, args.policy, format_options(args))
-        if args.activations:
-            from qtransform.schemas import dump_policy, load_policy
-
-            data = dump_policy(policy)
-            for rule in data["quantize"]:
-                rule["tensors"] = ["weight", "input"]
-            policy = load_policy(data)
-        kw = {"tokenizer": tokenizer, "batch_size": args.batch_size, "max_length": args.max_length}
+        policy = scan_policy(model, args.format, args.policy, options=format_options(args),
+                             activations=args.activations)
+        calib = CalibrationSpec(samples, tokenizer, args.batch_size, args.max_length, source=args.calib)
         report = site_sensitivity(model, policy, calib, method=args.method, draws=args.draws,
-                                  progress=progress(args), **kw)
+                                  progress=progress(args))
         report.meta["source"] = args.model
-        report.meta["calibration"]["file"] = "builtin" if builtin else args.calib
         files = list(report.save(staging).values())
         result = None
         if budget is not None:
-            result = apply_budget(report, budget, lambda pol: measure_policy(model, pol, calib, **kw))
+            result = measured_budget(report, budget, model, calib)
             files.append(qio.write_json(staging / "policy.json", result.policy))
             qio.write_json(staging / "budget.json", {k: v for k, v in result.to_dict().items()
                                                        if k != "policy"})

@@ -167,25 +167,48 @@ def check_file_target(path: str | os.PathLike[str]) -> Path:
 
 @contextmanager
 def atomic_path(path: str | os.PathLike[str]) -> Iterator[Path]:
-    """Yield a temporary path next to `path`; on success it replaces `path`, on error it is removed.
+    """Yield a temporary path for `path` in a private folder beside it; on success it replaces
+    `path`, on error it is removed (`atomic_files` without companions).
 
-    The temporary name keeps the destination's suffix, so writers that pick the file type from the
+    The temporary file has the destination's name, so writers that pick the file type from the
     extension (matplotlib's `savefig`, `onnx.save`) behave as if they wrote `path` itself.
     """
+    with atomic_files(path) as folder:
+        yield folder / Path(path).name
+
+
+@contextmanager
+def atomic_files(path: str | os.PathLike[str], *companions: str) -> Iterator[Path]:
+    """`atomic_path` for a file that comes with companion files beside it (an ONNX model and its
+    external data, which the model names by file name): yield a private temporary folder beside
+    `path` in which the writer creates `path`'s name and any of the `companions` (file names).
+
+    On success the companions written are moved into place first and `path` last, so a reader
+    that opens `path` finds its companions; a companion not written is removed from the
+    destination (the stale companion of an older file). On error nothing at the destination
+    changes and the temporary folder is removed.
+    """
     dest = check_file_target(path)
+    for name in companions:
+        check_file_target(dest.parent / name)
     dest.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.stem}.", suffix=f".tmp{dest.suffix}")
-    os.close(fd)
-    tmp = Path(tmp_name)
+    tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=f".{dest.name}."))
     try:
         yield tmp
-        if tmp.exists():
-            os.chmod(tmp, 0o666 & ~current_umask())  # mkstemp creates 0600; match a plain open()
+        mode = 0o666 & ~current_umask()  # mkdtemp's folder is private; the files should not be
+        for written in tmp.iterdir():
+            os.chmod(written, mode)
+        written = [name for name in companions if (tmp / name).exists()]
+        for name in written:
+            check_file_target(dest.parent / name)
+            os.replace(tmp / name, dest.parent / name)
         check_file_target(dest)  # again: something may have appeared there during the work
-        os.replace(tmp, dest)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+        os.replace(tmp / dest.name, dest)
+        for name in companions:
+            if name not in written:
+                (dest.parent / name).unlink(missing_ok=True)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 @contextmanager

@@ -72,7 +72,14 @@ class DrawStream:
             gen = self._generators[device] = torch.Generator(device=device)
         return gen.manual_seed(self.seed_at(index))
 
-    def normal(self, shape: torch.Size, like: torch.Tensor, index: int | None) -> torch.Tensor:
-        """Standard normal draw in fp32, cast to `like`'s dtype on its device."""
-        gen = self.generator(like.device, index)
-        return torch.randn(shape, generator=gen, device=like.device, dtype=torch.float32).to(like.dtype)
+    def normal(self, shape: torch.Size, like: torch.Tensor, index: int | None,
+               portable: bool = False) -> torch.Tensor:
+        """Standard normal draw in fp32, cast to `like`'s dtype on its device.
+
+        `portable` draws on the CPU and moves the result, so every device gets the same bits
+        (CPU and CUDA generators are different streams): for weight-sized draws such as AQN's,
+        where the copy is cheap; activation-sized draws stay on their device."""
+        device = torch.device("cpu") if portable else like.device
+        z = torch.randn(shape, generator=self.generator(device, index), device=device,
+                        dtype=torch.float32)
+        return z.to(like.dtype).to(like.device)

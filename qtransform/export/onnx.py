@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
-import tempfile
 import warnings
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -30,7 +28,7 @@ from torch import nn
 import qtransform.core.ops  # noqa: F401 - registers the custom ops the translations refer to
 from qtransform.core.capture import normalize_inputs, with_attention_mask
 from qtransform.core.experts import traceable_experts
-from qtransform.core.io import check_file_target, current_umask
+from qtransform.core.io import atomic_files
 from qtransform.core.program import Program, insertion_log
 from qtransform.errors import UserError
 from qtransform.export.functions import DOMAIN, ExportError, UnsupportedExport, attributes
@@ -289,28 +287,16 @@ def _torch_export(module: nn.Module, signature_model: nn.Module, example_inputs:
 
 # -- saving --------------------------------------------------------------------------------------
 def save_model(model: ModelProto, path: str | os.PathLike, *, external_data_threshold: int = PROTO_LIMIT) -> Path:
-    """Write atomically: into a temporary folder beside `path`, then `os.replace`. A model larger
-    than `external_data_threshold` bytes keeps its tensors in `<name>.data` beside it."""
-    dest = check_file_target(path)
+    """Write atomically (`core.io.atomic_files`). A model larger than `external_data_threshold`
+    bytes keeps its tensors in `<name>.data` beside it; a smaller one removes a stale one."""
+    dest = Path(path)
     data_name = dest.name + ".data"
-    check_file_target(dest.parent / data_name)
-    dest.parent.mkdir(parents=True, exist_ok=True)
     external = model.ByteSize() > external_data_threshold
-    tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=f".{dest.name}."))
-    try:
+    with atomic_files(dest, data_name) as tmp:
         onnx.save_model(model, tmp / dest.name, save_as_external_data=external,
                         all_tensors_to_one_file=True, location=data_name, size_threshold=1024)
-        mode = 0o666 & ~current_umask()  # mkdtemp's folder is private; the files should not be
-        for written in tmp.iterdir():
-            os.chmod(written, mode)
         if external:
             onnx.checker.check_model(str(tmp / dest.name))
-            os.replace(tmp / data_name, dest.parent / data_name)
-        os.replace(tmp / dest.name, dest)
-        if not external:
-            (dest.parent / data_name).unlink(missing_ok=True)  # a stale companion of an old file
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return dest
 
 

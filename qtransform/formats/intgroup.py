@@ -32,9 +32,9 @@ def quantize_int(blocks: torch.Tensor, cfg: QuantConfig, u: torch.Tensor | None)
     q = round_signed(y, elem, cfg.rounding, u)
     bad_b = bad[:, None]
     q = torch.where(bad_b, CANONICAL_NAN, q)
-    return BlockQuant(
-        out=q * scale[:, None], q=q, sat=(y.abs() > elem.qmax) & ~bad_b, scales=scale
-    )
+    # NaN * NaN is the first operand's NaN on CPU but 0x7fffffff on CUDA: write the canonical one
+    out = torch.where(bad_b, CANONICAL_NAN, q * scale[:, None])
+    return BlockQuant(out=out, q=q, sat=(y.abs() > elem.qmax) & ~bad_b, scales=scale)
 
 
 INT = register_family(Family(

@@ -15,6 +15,8 @@ Why the results are the same bits as the reference:
 
 - every division is `div_rn` (correctly rounded; Triton's `/` on fp32 is an approximate
   division on GPUs) and kernels are compiled with `enable_fp_fusion=False` (no FMA contraction);
+  a division by an MX scale 2^e is the multiplication by 2^-e (exact for -127 <= e <= 127, so
+  both round the same real quotient), and NVFP4's reciprocal scale is divided once per block;
 - amaxes are maxima of the absolute *bit patterns* (integers order non-negative floats, and a
   NaN or Inf shows as a pattern >= 0x7f800000: the hardware float max drops NaNs);
 - exponents are read from bits (subnormals are scaled by 2^64 first), powers of two are built
@@ -42,7 +44,7 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _RULES = {"floor": 0, "ceil": 1, "rceil": 2, "even": 3}
 KERNEL_MX, KERNEL_NVFP4 = 0, 1  # the `Family.kernel_id`s these kernels implement
 BLOCKS_PER_PROGRAM = 64
-FLT_MAX = 3.4028234663852886e38
+FLT_MAX = tl.constexpr(3.4028234663852886e38)  # jit code may read globals that are constexprs only
 
 
 @triton.jit
@@ -105,8 +107,8 @@ def _fq_kernel(x_ptr, out_ptr, sat_ptr, amax_t_ptr, n_blocks, row_len, blocks_pe
                IS_FLOAT: tl.constexpr, EMAX: tl.constexpr, EMIN: tl.constexpr,
                MBITS: tl.constexpr, INV_STEP: tl.constexpr, STEP: tl.constexpr,
                MAX_NORMAL: tl.constexpr, RNA: tl.constexpr, BLOCK: tl.constexpr,
-               BLOCK_P2: tl.constexpr, GROUP: tl.constexpr, WANT_SAT: tl.constexpr,
-               OUT_KIND: tl.constexpr):
+               BLOCK_P2: tl.constexpr, GROUP: tl.constexpr, WHOLE_BLOCKS: tl.constexpr,
+               WANT_SAT: tl.constexpr, OUT_KIND: tl.constexpr):
     """GROUP blocks of BLOCK elements per program; FAMILY 0 = MX, 1 = NVFP4 (VARIANT 0 default,
     1 one_level); OUT_KIND (the dtype of x and of the output) 0 fp32, 1 bf16, 2 fp16."""
     pid = tl.program_id(0)
@@ -115,7 +117,13 @@ def _fq_kernel(x_ptr, out_ptr, sat_ptr, amax_t_ptr, n_blocks, row_len, blocks_pe
     col = (bid % blocks_per_row) * BLOCK
     k = tl.arange(0, BLOCK_P2)
     cols = col[:, None] + k[None, :]
-    mask = (bid < n_blocks)[:, None] & (k < BLOCK)[None, :] & (cols < row_len)
+    # the mask is per block where it can be (whole blocks, BLOCK a power of two), so the
+    # compiler can vectorize loads and stores; per element only for padded lanes or ragged rows
+    mask = tl.broadcast_to((bid < n_blocks)[:, None], (GROUP, BLOCK_P2))
+    if BLOCK != BLOCK_P2:
+        mask = mask & (k < BLOCK)[None, :]
+    if not WHOLE_BLOCKS:
+        mask = mask & (cols < row_len)
     offs = row[:, None] * row_len + cols
     if OUT_KIND == 1:  # bf16 widened on the bits (exact everywhere, subnormals included)
         raw = tl.load(x_ptr.to(tl.pointer_type(tl.int16)) + offs, mask=mask, other=0)
@@ -146,7 +154,7 @@ def _fq_kernel(x_ptr, out_ptr, sat_ptr, amax_t_ptr, n_blocks, row_len, blocks_pe
         e = tl.minimum(tl.maximum(e, -127), 127)
         e = tl.where(zero, -127, e)
         scale = _pow2(e)[:, None] + tl.zeros(x.shape, tl.float32)
-        y = tl.math.div_rn(x, scale)
+        y = x * _pow2(-e)[:, None]  # = div_rn(x, 2^e): 2^-e is exact for -127 <= e <= 127
         a = tl.abs(y)
         q = _copysign(_round_magnitude(a, IS_FLOAT, EMIN, MBITS, INV_STEP, STEP, MAX_NORMAL, RNA),
                       y)
@@ -163,11 +171,11 @@ def _fq_kernel(x_ptr, out_ptr, sat_ptr, amax_t_ptr, n_blocks, row_len, blocks_pe
             s = amax_b * (g * 0.16666667163372040)  # fl32(1/6)
             s = tl.where(s > FLT_MAX, FLT_MAX, s)
             s = _e4m3_rne(tl.where(s > 448.0, 448.0, s))
-            sd = (s * d)[:, None] + tl.zeros(x.shape, tl.float32)
-            enc = tl.math.div_rn(tl.full(x.shape, 1.0, tl.float32), sd)
+            sd = s * d
+            enc = tl.math.div_rn(tl.full(sd.shape, 1.0, tl.float32), sd)  # once per block
             enc = tl.where(enc > FLT_MAX, FLT_MAX, enc)
-            y = x * enc
-            scale = sd
+            y = x * enc[:, None]
+            scale = sd[:, None] + tl.zeros(x.shape, tl.float32)
         else:
             s = tl.math.div_rn(amax_b, tl.full(amax_b.shape, 6.0, tl.float32))
             s = _e4m3_rne(tl.where(s > 448.0, 448.0, s))
@@ -226,7 +234,7 @@ def run(x: torch.Tensor, cfg: QuantConfig, layout: BlockLayout,
         EMIN=elem.emin, MBITS=elem.mbits, INV_STEP=1.0 / elem.step, STEP=elem.step,
         MAX_NORMAL=elem.max_normal, RNA=cfg.rounding == "rna", BLOCK=layout.block,
         BLOCK_P2=triton.next_power_of_2(layout.block), GROUP=BLOCKS_PER_PROGRAM,
-        WANT_SAT=want_sat, OUT_KIND=_DTYPES.index(x.dtype), enable_fp_fusion=False,
+        WHOLE_BLOCKS=row_len % layout.block == 0, WANT_SAT=want_sat, OUT_KIND=_DTYPES.index(x.dtype), enable_fp_fusion=False,
     )
     return (out.movedim(-1, layout.axis),
             None if sat is None else sat.movedim(-1, layout.axis))

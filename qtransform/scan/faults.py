@@ -15,32 +15,16 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from qtransform.calibration import Calibration, calibration_batches, run_model
+from qtransform.calibration import Calibration, run_model
 from qtransform.core.metrics import ErrorStats
+from qtransform.core.progress import Progress
 from qtransform.core.streams import DrawStream
 from qtransform.errors import UserError
 from qtransform.passes.instrument import tapping
-from qtransform.scan.activations import (
-    ForwardHooks,
-    SitePairs,
-    build_report,
-    eval_mode,
-    progress_bar,
-    resolve_policy,
-    site_quantizer,
-    site_row,
-    transform_for_scan,
-)
+from qtransform.scan.measure import ForwardHooks, SitePairs, build_report, site_quantizer, site_row
 from qtransform.scan.report import ScanReport
+from qtransform.scan.setup import CalibrationSpec, eval_mode, prepare_scan, resolve_policy
 from qtransform.schemas import Policy, dump_policy, load_policy
-
-
-def measured_modules(program: Any, sites: list[str]) -> dict[str, str]:
-    """Where each site's output is measured: its own module, except that an experts site is
-    measured at its experts module. Both matmuls of an experts module run inside one forward
-    call, so its output is the combined effect of both its sites (the `gate_up` and `down` rows
-    of one module carry the same numbers); routing stays that of the full-precision model."""
-    return {s: program.sites[s].module_name for s in sites}
 
 
 def _main(output: Tensor | tuple) -> Tensor:
@@ -57,7 +41,8 @@ class GainProbe(ForwardHooks):
     gain_q < gain_fp; one whose rounding steps the perturbation crosses gives gain_q > gain_fp;
     an unquantized site gives exactly the same response, so the ratio is exactly 1.
 
-    Keyed by measured module (`measured_modules`): an experts module gets its hidden states
+    Keyed by measured module (`ScanSetup.site_modules`: an experts site is
+    measured at its experts module, both of its matmuls in one call): an experts module gets its hidden states
     perturbed while its routing arguments (expert ids, weights) stay as the full-precision model
     chose them, so the gain is that of the experts themselves, not of a routing change.
     """
@@ -95,7 +80,8 @@ class GainProbe(ForwardHooks):
 class RunVariance(ForwardHooks):
     """Repeated runs of each batch: per-site error against the full-precision output (every run)
     and the per-element variance across runs (Welford in float64). Only sums outlive a batch.
-    Keyed by measured module (`measured_modules`)."""
+    Keyed by measured module (`ScanSetup.site_modules`: an experts site is
+    measured at its experts module, both of its matmuls in one call)."""
 
     def __init__(self, fp: nn.Module, quant: nn.Module, paths: list[str]):
         super().__init__()
@@ -150,38 +136,33 @@ class RunVariance(ForwardHooks):
                 "rel_std": math.sqrt(var_sum / signal) if signal else math.nan}
 
 
-def gain_scan(model: nn.Module, policy_or_format: Any, calib: Calibration, *, eps: float = 1e-3,
+def gain_scan(model: nn.Module, policy_or_format: Any, calib: Calibration | CalibrationSpec, *, eps: float = 1e-3,
               seed: int = 0, tokenizer: Any = None, batch_size: int = 8, max_length: int = 128,
               progress: bool | None = False) -> ScanReport:
     """Per-site gain_fp, gain_q and gain_ratio (see `GainProbe`); the row's error metrics compare
     the quantized site's response to the perturbation with the full-precision response."""
-    program, policy, sites = transform_for_scan(model, policy_or_format)
-    quant = program.module()
-    batches = calibration_batches(calib, tokenizer=tokenizer, batch_size=batch_size,
-                                  max_length=max_length, model=model)
-    at = measured_modules(program, sites)
+    setup = prepare_scan(model, policy_or_format, CalibrationSpec.of(calib, tokenizer, batch_size, max_length))
+    program, quant, at = setup.program, setup.quant, setup.site_modules()
     with eval_mode(model), GainProbe(model, quant, list(dict.fromkeys(at.values())), eps, seed) as probe, \
             tapping(quant, False), torch.no_grad():
-        for batch in progress_bar(batches, progress, "gain scan"):
+        for batch in Progress(setup.batches, desc="gain scan", unit="batch", enabled=progress):
             run_model(model, batch)
     rows = [site_row(program.sites[s], "output", probe.stats[at[s]], site_quantizer(program, s),
-                     extra=probe.gains(at[s])) for s in sites]
-    return build_report("gain_scan", program, policy, rows, eps=eps, seed=seed)
+                     extra=probe.gains(at[s])) for s in setup.sites]
+    return build_report("gain_scan", program, setup.policy, rows, eps=eps, seed=seed)
 
 
-def kurtosis_scan(model: nn.Module, policy_or_format: Any, calib: Calibration, *,
+def kurtosis_scan(model: nn.Module, policy_or_format: Any, calib: Calibration | CalibrationSpec, *,
                   tokenizer: Any = None, batch_size: int = 8, max_length: int = 128,
                   progress: bool | None = False) -> ScanReport:
     """Kurtosis (non-excess: 3 for a Gaussian) of each site's output in the full-precision and
     the quantized model and their ratio; clipping (saturation) flattens tails and lowers it.
     The row's error metrics are the site's accumulated error."""
-    program, policy, sites = transform_for_scan(model, policy_or_format)
-    quant = program.module()
-    batches = calibration_batches(calib, tokenizer=tokenizer, batch_size=batch_size,
-                                  max_length=max_length, model=model)
-    with eval_mode(model), SitePairs(model, quant, sites, modules=measured_modules(program, sites)) as pairs, tapping(quant, False), \
-            torch.no_grad():
-        for batch in progress_bar(batches, progress, "kurtosis scan"):
+    setup = prepare_scan(model, policy_or_format, CalibrationSpec.of(calib, tokenizer, batch_size, max_length))
+    program, quant = setup.program, setup.quant
+    with eval_mode(model), SitePairs(model, quant, setup.sites, modules=setup.site_modules()) as pairs, \
+            tapping(quant, False), torch.no_grad():
+        for batch in Progress(setup.batches, desc="kurtosis scan", unit="batch", enabled=progress):
             run_model(model, batch)
             run_model(quant, batch)
             pairs.end_batch()
@@ -193,7 +174,7 @@ def kurtosis_scan(model: nn.Module, policy_or_format: Any, calib: Calibration, *
                  "kurtosis_ratio": k_q / k_fp if k_fp else math.nan}
         rows.append(site_row(program.sites[name], "output", stats, site_quantizer(program, name),
                              extra=extra))
-    return build_report("kurtosis_scan", program, policy, rows)
+    return build_report("kurtosis_scan", program, setup.policy, rows)
 
 
 def stochastic_policy(policy: Policy, seed: int) -> Policy:
@@ -205,7 +186,7 @@ def stochastic_policy(policy: Policy, seed: int) -> Policy:
     return load_policy(data)
 
 
-def instability_scan(model: nn.Module, policy_or_format: Any, calib: Calibration, *,
+def instability_scan(model: nn.Module, policy_or_format: Any, calib: Calibration | CalibrationSpec, *,
                      runs: int = 8, seed: int = 0, tokenizer: Any = None, batch_size: int = 8,
                      max_length: int = 128, progress: bool | None = False) -> ScanReport:
     """Run each batch `runs` times with stochastic rounding: per site, the output variance across
@@ -214,19 +195,16 @@ def instability_scan(model: nn.Module, policy_or_format: Any, calib: Calibration
     if runs < 2:
         raise UserError("instability_scan needs runs >= 2")
     policy = stochastic_policy(resolve_policy(model, policy_or_format), seed)
-    program, policy, sites = transform_for_scan(model, policy)
-    quant = program.module()
-    batches = calibration_batches(calib, tokenizer=tokenizer, batch_size=batch_size,
-                                  max_length=max_length, model=model)
-    at = measured_modules(program, sites)
+    setup = prepare_scan(model, policy, CalibrationSpec.of(calib, tokenizer, batch_size, max_length))
+    program, quant, at = setup.program, setup.quant, setup.site_modules()
     with eval_mode(model), RunVariance(model, quant, list(dict.fromkeys(at.values()))) as var, \
             tapping(quant, False), torch.no_grad():
-        for batch in progress_bar(batches, progress, "instability scan"):
+        for batch in Progress(setup.batches, desc="instability scan", unit="batch", enabled=progress):
             run_model(model, batch)
             for _ in range(runs):
                 run_model(quant, batch)
                 var.end_run()
             var.end_batch()
     rows = [site_row(program.sites[s], "output", var.stats[at[s]], site_quantizer(program, s),
-                     extra={**var.variance(at[s]), "runs": runs}) for s in sites]
-    return build_report("instability_scan", program, policy, rows, runs=runs, seed=seed)
+                     extra={**var.variance(at[s]), "runs": runs}) for s in setup.sites]
+    return build_report("instability_scan", program, setup.policy, rows, runs=runs, seed=seed)

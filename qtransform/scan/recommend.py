@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from qtransform import formats
+from qtransform.errors import UserError
 from qtransform.formats.expected import effective_bits
 from qtransform.formats.options import FORMAT_KEYS
 from qtransform.schemas import load_policy
@@ -51,7 +52,7 @@ def layer_tiers(layer_sqnr: dict[int, float], tiers: Sequence[float] = DEFAULT_T
     """Sigma multiplier per layer: layers ranked by SQNR split into len(tiers) equal groups,
     the worst group gets tiers[0] (ties keep layer order; NaN SQNR ranks as best)."""
     if not tiers or any(not (isinstance(t, int | float) and t > 0) for t in tiers):
-        raise ValueError(f"tiers must be positive multipliers, got {list(tiers)!r}")
+        raise UserError(f"tiers must be positive multipliers, got {list(tiers)!r}")
     order = sorted(layer_sqnr, key=lambda k: (_nan_last(layer_sqnr[k]), k))
     n = len(order)
     return {layer: float(tiers[rank * len(tiers) // n]) for rank, layer in enumerate(order)}
@@ -86,7 +87,8 @@ def _rules(report: ScanReport) -> list[dict[str, Any]]:
         return [dict(r) for r in rules]
     fmt = report.meta.get("format")
     if fmt not in formats.names():
-        raise ValueError(f"the report names no quantize rules and no single format (format {fmt!r})")
+        raise UserError(f"the report names no quantize rules and no single format (format {fmt!r}): "
+                        "re-run `qtransform scan`")
     return [{"name": "weights", "targets": ["Linear"], "format": fmt, "tensors": ["weight"]}]
 
 
@@ -165,7 +167,7 @@ def guide(
     rest = [k for k in report.layers() if k not in rec.kept_layers]
     sqnr = report.layer_sqnr()
     if not rest:
-        raise ValueError("the report has no decoder layers to put AQN on")
+        raise UserError("the report has no decoder layers to put AQN on: guide it without AQN")
     policy = {
         "version": 1,
         "quantize": _ignoring(_rules(report), rec.kept_sites),
@@ -219,7 +221,7 @@ def budget_policy(report: Any, *, bits: float | None = None, keep: int | None = 
     given = {k: v for k, v in (("bits", bits), ("keep", keep), ("share", share), ("target", target))
              if v is not None}
     if len(given) != 1:
-        raise ValueError("give exactly one budget: bits, keep, share or target")
+        raise UserError("give exactly one budget: bits, keep, share or target")
     rows = list(report.rows)
     score = {r.site: max(r.score(), 0.0) if not math.isnan(r.score()) else 0.0 for r in rows}
     qbits = {r.site: effective_bits(r.format, r.options, numel=r.params) for r in rows}
@@ -228,7 +230,7 @@ def budget_policy(report: Any, *, bits: float | None = None, keep: int | None = 
     if keep is not None or share is not None:
         n = int(keep) if keep is not None else math.floor(float(share) * len(rows) + 1e-9)
         if not 0 <= n <= len(rows):
-            raise ValueError(f"keep {n} sites: the report has {len(rows)}")
+            raise UserError(f"keep {n} sites: the report has {len(rows)}")
         kept, method = [r.site for r in by_score[:n]], "top-k"
     elif bits is not None:
         kept, method = _knapsack(rows, score, qbits, params, float(bits))
@@ -255,7 +257,7 @@ def _knapsack(rows: list[Any], score: dict[str, float], qbits: dict[str, float],
     base = sum(params[s] * qbits[s] for s in params)
     capacity_bits = bits * total - base
     if capacity_bits < -1e-9 * total:
-        raise ValueError(f"{bits:g} bits per weight is below what quantizing every site gives "
+        raise UserError(f"{bits:g} bits per weight is below what quantizing every site gives "
                          f"({base / total:.3f})")
     cost = {s: params[s] * (HIGH_PRECISION_BITS - qbits[s]) for s in params}
     unit = math.gcd(*params.values())

@@ -27,6 +27,7 @@ from qtransform.core.metrics import ErrorStats
 from qtransform.errors import UserError
 from qtransform.formats.expected import expected_error
 from qtransform.scan import render
+from qtransform.schemas import load_policy
 
 SCHEMA = "qtransform.scan_report"
 SCHEMA_VERSION = "1"
@@ -301,10 +302,18 @@ class ScanReport:
         text = qio.read_input_text(p, "report (give report.json or the folder `qtransform scan` wrote)")
         try:
             report = cls.from_dict(json.loads(text))
-            report.aggregate()  # touches every row's sums: a crafted row fails here, not later
+            # what recommendations read, touched here: a crafted report fails as the user's data
+            # now, and an error in `recommend` or `guide` later is a bug of qtransform's own
+            report.aggregate()
+            report.layer_summary()
+            report.problems()
+            rules = report.meta.get("quantize")
+            if rules is not None:
+                load_policy({"version": 1, "quantize": rules})
         except (ValueError, KeyError, TypeError, AttributeError, IndexError) as exc:
             raise UserError(f"{p}: not a scan report this qtransform version can read "
-                            f"({type(exc).__name__}: {str(exc)[:200]}); re-run `qtransform scan`") from None
+                            f"({type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}); "
+                            "re-run `qtransform scan`") from None
         return report
 
 

@@ -38,20 +38,22 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from qtransform.calibration import Calibration, calibration_batches, run_model
+from qtransform.calibration import Calibration, run_model
 from qtransform.core import io as qio
 from qtransform.core.io import encode_floats
+from qtransform.core.progress import Progress
 from qtransform.errors import UserError
-from qtransform.pipeline import transform
-from qtransform.scan.activations import (
+from qtransform.formats.expected import effective_bits
+from qtransform.scan.recommend import Budgeted, budget_policy
+from qtransform.scan.report import VERSION, ScanReport
+from qtransform.scan.setup import (
+    CalibrationSpec,
+    ScanSetup,
     eval_mode,
-    format_policy,
-    is_causal_lm,
+    prepare_scan,
     primary_output,
-    progress_bar,
 )
-from qtransform.scan.report import VERSION
-from qtransform.schemas import Policy, dump_policy, load_policy
+from qtransform.schemas import load_policy
 
 SCHEMA = "qtransform.sensitivity"
 SCHEMA_VERSION = "1"
@@ -103,14 +105,38 @@ class SensitivityReport:
         p = Path(path)
         if p.is_dir():
             p = p / FILES[0]
-        data = json.loads(qio.read_input_text(p, "sensitivity report"))
-        if data.get("schema") != SCHEMA or data.get("schema_version") != SCHEMA_VERSION:
-            raise UserError(f"{p}: not a qtransform sensitivity report of version {SCHEMA_VERSION}; "
-                            "re-run `qtransform sensitivity`")
-        decode = {"inf": math.inf, "-inf": -math.inf, "nan": math.nan}
-        rows = [SensitivityRow(**{k: decode.get(v, v) if isinstance(v, str) and k in ("exact", "estimate")
-                                  else v for k, v in r.items()}) for r in data["rows"]]
-        return cls(data["meta"], rows)
+        text = qio.read_input_text(p, "sensitivity report")
+        try:
+            data = json.loads(text)
+            if data.get("schema") != SCHEMA or data.get("schema_version") != SCHEMA_VERSION:
+                raise UserError(f"{p}: not a qtransform sensitivity report of version "
+                                f"{SCHEMA_VERSION}; re-run `qtransform sensitivity`")
+            decode = {"inf": math.inf, "-inf": -math.inf, "nan": math.nan}
+            rows = [SensitivityRow(**{k: decode.get(v, v) if isinstance(v, str) and k in ("exact", "estimate")
+                                      else v for k, v in r.items()}) for r in data["rows"]]
+            report = cls(dict(data["meta"]), rows)
+            report.check()
+        except UserError:
+            raise
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise UserError(f"{p}: not a sensitivity report this qtransform version can read "
+                            f"({type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}); "
+                            "re-run `qtransform sensitivity`") from None
+        return report
+
+    def check(self) -> None:
+        """Touch what budgets read (scores, sizes, formats, the rules, the calibration settings),
+        so a damaged file fails as the user's data when it is loaded."""
+        measure_label(self.measure)
+        for row in self.rows:
+            float(row.score())
+            int(row.params)
+            effective_bits(row.format, row.options)
+        load_policy({"version": 1, "quantize": self.meta.get("quantize") or []})
+        calibration = self.meta.get("calibration") or {}
+        for key in ("batch_size", "max_length"):
+            if key in calibration and not (isinstance(calibration[key], int) and calibration[key] > 0):
+                raise ValueError(f"calibration.{key} {calibration[key]!r} is not a positive integer")
 
     def save(self, out_dir: str | os.PathLike[str]) -> dict[str, Path]:
         """sensitivity.json, .csv, .md and .png (sites by layer), each written atomically."""
@@ -219,15 +245,24 @@ class _Quantized:
                 module.enabled = site in sites
 
 
-def _prepare(model: nn.Module, policy: Policy) -> _Quantized:
-    program = transform(model, policy, return_program=True)
-    quant = program.module()
+def _quantized(setup: ScanSetup) -> _Quantized:
+    program, quant = setup.program, setup.quant
     found: dict[str, dict[str, nn.Module]] = {}
     for ins in program.insertions(pass_name="fake_quant"):
         found.setdefault(ins.site, {})[ins.point] = quant.get_submodule(ins.module_path)
     if not found:
         raise UserError("the policy quantizes nothing: no site to measure")
+    quant.eval()
     return _Quantized(quant, program, found)
+
+
+def _reference(q: _Quantized, batches: list[Tensor], causal: bool) -> _Reference:
+    """The full-precision outputs: the transformed copy with every quantizer off."""
+    ref = _Reference(causal)
+    with _enabled(q, set()), torch.no_grad():
+        for batch in batches:
+            ref.add(primary_output(run_model(q.model, batch)))
+    return ref
 
 
 @contextmanager
@@ -289,19 +324,20 @@ def _run(model: nn.Module, batches: list[Tensor], ref: _Reference) -> tuple[floa
 
 # -- the estimate --------------------------------------------------------------------------------
 def _estimate(q: _Quantized, batches: list[Tensor], ref: _Reference, draws: int,
-              seed: int) -> dict[str, float]:
+              seed: int, progress: bool | None = False) -> dict[str, float]:
     """Σ over batches and draws of (g·Δ)² per site (see the module docstring), normalized."""
     model = q.model
     params = [p for p in model.parameters() if p.is_floating_point()]
     flags = [p.requires_grad for p in params]
     sums = dict.fromkeys(q.quantizers, 0.0)
     weights: dict[str, tuple[Tensor, Tensor]] = {}
-    sites = dict(model.named_modules())
+    modules = dict(model.named_modules())
     for name, by_point in q.quantizers.items():
-        if "weight" in by_point:
-            w = sites[name].weight
+        if "weight" in by_point:  # an experts site is a parameter of its experts module
+            site = q.program.sites[name]
+            w = getattr(modules[site.module_name], site.param or "weight")
             weights[name] = (w, (by_point["weight"].quantized_copy(w) - w.detach()))
-    gen = torch.Generator().manual_seed(seed)
+    gen: torch.Generator | None = None  # on the outputs' device (the model's): one stream
     captured: dict[str, tuple[Tensor, Tensor]] = {}
 
     def grab(site: str):
@@ -315,9 +351,11 @@ def _estimate(q: _Quantized, batches: list[Tensor], ref: _Reference, draws: int,
     try:
         for p in params:
             p.requires_grad_(True)
-        for batch in batches:
+        for batch in Progress(batches, desc="sensitivity estimate", unit="batch", enabled=progress):
             captured.clear()
             out = primary_output(run_model(model, batch)).float()
+            if gen is None:
+                gen = torch.Generator(out.device).manual_seed(seed)
             for d in range(draws):
                 if ref.causal:
                     with torch.no_grad():
@@ -326,7 +364,7 @@ def _estimate(q: _Quantized, batches: list[Tensor], ref: _Reference, draws: int,
                     objective = torch.nn.functional.cross_entropy(
                         out.reshape(-1, out.shape[-1]), labels, reduction="sum")
                 else:
-                    z = torch.randn(out.shape, generator=gen, dtype=out.dtype)
+                    z = torch.randn(out.shape, generator=gen, dtype=out.dtype, device=out.device)
                     objective = (out * z).sum()
                 names = list(weights) + list(captured)
                 tensors = [weights[n][0] for n in weights] + [captured[n][0] for n in captured]
@@ -386,41 +424,26 @@ def _ranks_desc(values: list[float]) -> list[int]:
 
 
 # -- public API ----------------------------------------------------------------------------------
-def sensitivity_policy(model: nn.Module, policy_or_format: Any, *, activations: bool = False,
-                       options: dict[str, Any] | None = None) -> Policy:
-    """A format name means W4A16 on every linear site but the LM head (`activations=True`: W4A4,
-    weight and input quantized); a policy is used as given."""
-    if isinstance(policy_or_format, str) and not Path(policy_or_format).exists():
-        policy = dump_policy(format_policy(model, policy_or_format, options))
-        if activations:
-            policy["quantize"][0]["tensors"] = ["weight", "input"]
-        return load_policy(policy)
-    return load_policy(policy_or_format)
-
-
-def site_sensitivity(model: nn.Module, policy_or_format: Any, calib: Calibration, *,
+def site_sensitivity(model: nn.Module, policy_or_format: Any, calib: Calibration | CalibrationSpec, *,
                      tokenizer: Any = None, method: str = "exact", activations: bool = False,
                      draws: int = 4, seed: int = 0, batch_size: int = 8, max_length: int = 128,
                      progress: bool | None = False) -> SensitivityReport:
     """Rank the policy's quantized sites by what quantizing each alone does to the model's output
     (see the module docstring for the measures). `method`: exact (one run per site), estimate
     (one forward and `draws` backward passes per batch for all sites) or both (then
-    `meta.spearman` records their agreement). `model` is left as it was."""
+    `meta.spearman` records their agreement). `activations`: W4A4, each site's input quantized
+    too, for a format name and a policy alike (`setup.scan_policy`). `progress`: see
+    `core.progress`. `model` is left as it was."""
     if method not in METHODS:
         raise UserError(f"method {method!r}: use one of {', '.join(METHODS)}")
     if draws < 1:
         raise UserError("draws must be at least 1")
-    policy = sensitivity_policy(model, policy_or_format, activations=activations)
-    batches = calibration_batches(calib, tokenizer=tokenizer, batch_size=batch_size,
-                                  max_length=max_length, model=model)
-    causal = is_causal_lm(model)
+    spec = CalibrationSpec.of(calib, tokenizer, batch_size, max_length)
     with eval_mode(model):
-        q = _prepare(model, policy)
-        q.model.eval()
-        ref = _Reference(causal)
-        with _enabled(q, set()), torch.no_grad():
-            for batch in batches:
-                ref.add(primary_output(run_model(q.model, batch)))
+        setup = prepare_scan(model, policy_or_format, spec, instrument=False, activations=activations)
+        policy, batches, causal = setup.policy, setup.batches, setup.causal
+        q = _quantized(setup)
+        ref = _reference(q, batches, causal)
         sites = q.program.sites
         rows = []
         for name, by_point in q.quantizers.items():
@@ -431,13 +454,13 @@ def site_sensitivity(model: nn.Module, policy_or_format: Any, calib: Calibration
         meta: dict[str, Any] = {}
         if method in ("exact", "both"):
             start = time.perf_counter()
-            for row in progress_bar(rows, progress, "sensitivity"):
+            for row in Progress(rows, desc="sensitivity", unit="site", enabled=progress):
                 with _enabled(q, {row.site}):
                     row.exact, row.extra = _run(q.model, batches, ref)
             meta["exact_seconds_per_site"] = (time.perf_counter() - start) / len(rows)
         if method in ("estimate", "both"):
             start = time.perf_counter()
-            est = _estimate(q, batches, ref, draws, seed)
+            est = _estimate(q, batches, ref, draws, seed, progress)
             meta["estimate_seconds"] = time.perf_counter() - start
             for row in rows:
                 row.estimate = est[row.site]
@@ -453,8 +476,7 @@ def site_sensitivity(model: nn.Module, policy_or_format: Any, calib: Calibration
         "measure": "kl" if causal else "nsr", "output": "logits" if causal else "final output",
         "draws": draws if method != "exact" else None, "seed": seed,
         "quantize": [r.model_dump(mode="json", exclude_defaults=True) for r in policy.quantize],
-        "calibration": {"batches": len(batches), "samples": sum(len(b) for b in batches),
-                        "tokens": ref.tokens, "batch_size": batch_size, "max_length": max_length},
+        "calibration": setup.calibration_meta(tokens=ref.tokens),
         "spearman": spearman([r.exact for r in rows], [r.estimate for r in rows])
         if method == "both" else None,
         **meta, "qtransform_version": VERSION,
@@ -462,17 +484,49 @@ def site_sensitivity(model: nn.Module, policy_or_format: Any, calib: Calibration
     return SensitivityReport(meta, rows)
 
 
-def measure_policy(model: nn.Module, policy: Any, calib: Calibration, *, tokenizer: Any = None,
+def measure_policy(model: nn.Module, policy: Any, calib: Calibration | CalibrationSpec, *, tokenizer: Any = None,
                    batch_size: int = 8, max_length: int = 128) -> float:
     """The end-to-end measure (mean KL per token, or output nsr) of a whole policy at once: what
     a budgeted policy's prediction (the sum of its quantized sites' sensitivities) is checked by."""
-    batches = calibration_batches(calib, tokenizer=tokenizer, batch_size=batch_size,
-                                  max_length=max_length, model=model)
+    spec = CalibrationSpec.of(calib, tokenizer, batch_size, max_length)
     with eval_mode(model):
-        q = _prepare(model, load_policy(policy))
-        q.model.eval()
-        ref = _Reference(is_causal_lm(model))
-        with _enabled(q, set()), torch.no_grad():
-            for batch in batches:
-                ref.add(primary_output(run_model(q.model, batch)))
-        return _run(q.model, batches, ref)[0]
+        setup = prepare_scan(model, policy, spec, instrument=False)
+        q = _quantized(setup)
+        return _run(q.model, setup.batches, _reference(q, setup.batches, setup.causal))[0]
+
+
+def measured_budget(sensitivity: SensitivityReport, budget: dict[str, float], model: nn.Module,
+                    calib: Calibration | CalibrationSpec, *, tokenizer: Any = None, batch_size: int = 8,
+                    max_length: int = 128) -> Budgeted:
+    """`budget_policy` under one budget (`bits`, `keep`, `share` or `target`), its policy then run
+    end to end on `model` (`measure_policy`), so the prediction is checked by a measurement."""
+    result = budget_policy(sensitivity, **budget)
+    result.measured = measure_policy(model, result.policy, calib, tokenizer=tokenizer,
+                                     batch_size=batch_size, max_length=max_length)
+    return result
+
+
+def budget_guide(report: ScanReport, budget: dict[str, float], model: nn.Module, calib: Calibration | CalibrationSpec, *,
+                 sensitivity: SensitivityReport | None = None, tokenizer: Any = None,
+                 batch_size: int = 8, max_length: int = 128,
+                 progress: bool | None = False) -> tuple[Budgeted, SensitivityReport]:
+    """A scan report's budgeted mixed precision: the policy that keeps the most sensitive of its
+    sites in high precision within `budget`, predicted and measured on `model` (`measured_budget`).
+
+    The ranking is `sensitivity` (a report of the same format) or, without one, the exact
+    sensitivity of the report's quantize rules, computed here (one run of `calib` per site).
+    Returns the budgeted policy and the ranking it read.
+    """
+    rules = report.meta.get("quantize")
+    if not rules:
+        raise UserError("the scan report names no quantize rules; re-run `qtransform scan`")
+    if sensitivity is not None:
+        formats = (sensitivity.meta.get("format"), report.meta.get("format"))
+        if "mixed" not in formats and formats[0] != formats[1]:
+            raise UserError(f"the sensitivity report ranks {formats[0]} sites but the scan report "
+                            f"scanned {formats[1]}: give reports of the same format")
+    kw = {"tokenizer": tokenizer, "batch_size": batch_size, "max_length": max_length}
+    if sensitivity is None:
+        sensitivity = site_sensitivity(model, {"version": 1, "quantize": rules}, calib,
+                                       progress=progress, **kw)
+    return measured_budget(sensitivity, budget, model, calib, **kw), sensitivity

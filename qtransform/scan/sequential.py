@@ -29,7 +29,6 @@ the model must call its layers with the hidden states as first argument and retu
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -39,55 +38,17 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from qtransform.calibration import Calibration, calibration_batches, run_model
+from qtransform.calibration import Calibration, run_model
+from qtransform.core.progress import Progress
 from qtransform.errors import UserError
 from qtransform.models import model_class, read_config
 from qtransform.passes.fake_quant import FakeQuantize
 from qtransform.passes.instrument import reset_taps, tapping
-from qtransform.scan.activations import (
-    EndToEnd,
-    SitePairs,
-    activation_report,
-    auto_stride,
-    progress_bar,
-    transform_for_scan,
-)
+from qtransform.scan.activations import activation_report
+from qtransform.scan.checkpoint import Checkpoint
+from qtransform.scan.measure import EndToEnd, SitePairs
 from qtransform.scan.report import ScanReport
-
-
-class Checkpoint:
-    """Tensor names of a safetensors checkpoint (one file or an indexed set of shards), read one
-    tensor at a time."""
-
-    def __init__(self, folder: Path):
-        index = folder / "model.safetensors.index.json"
-        if index.exists():
-            weight_map = json.loads(index.read_text())["weight_map"]
-            self.files = {name: folder / file for name, file in weight_map.items()}
-        else:
-            single = folder / "model.safetensors"
-            if not single.exists():
-                raise UserError(f"{folder}: no model.safetensors (or index): a sequential scan "
-                                "reads safetensors checkpoints")
-            from safetensors import safe_open
-
-            with safe_open(single, "pt") as f:
-                self.files = {name: single for name in f.keys()}  # noqa: SIM118 (not a dict)
-
-    def load(self, names: list[str], dtype: torch.dtype | None) -> dict[str, Tensor]:
-        """These tensors, read from their files (converted to `dtype` when given)."""
-        from safetensors import safe_open
-
-        by_file: dict[Path, list[str]] = {}
-        for name in names:
-            by_file.setdefault(self.files[name], []).append(name)
-        out = {}
-        for file, group in by_file.items():
-            with safe_open(file, "pt") as f:
-                for name in group:
-                    t = f.get_tensor(name)
-                    out[name] = t if dtype is None else t.to(dtype)
-        return out
+from qtransform.scan.setup import CalibrationSpec, prepare_scan
 
 
 @contextmanager
@@ -208,7 +169,7 @@ def tensor_names(files: dict[str, Path], prefix: str) -> list[str]:
     return [n for n in files if n.startswith(prefix)]
 
 
-def scan_sequential(checkpoint: str | os.PathLike, policy_or_format: Any, calib: Calibration, *,
+def scan_sequential(checkpoint: str | os.PathLike, policy_or_format: Any, calib: Calibration | CalibrationSpec, *,
                     tokenizer: Any = None, batch_size: int = 8, max_length: int = 128,
                     token_stride: int | None = None, progress: bool | None = False,
                     dtype: torch.dtype | None = None) -> ScanReport:
@@ -223,8 +184,9 @@ def scan_sequential(checkpoint: str | os.PathLike, policy_or_format: Any, calib:
     model = skeleton(folder)
     base, embed, layers, norm, head = decoder_parts(model)
     ckpt = Checkpoint(folder)
-    program, policy, sites = transform_for_scan(model, policy_or_format)
-    quant = program.module()
+    setup = prepare_scan(model, policy_or_format, CalibrationSpec.of(calib, tokenizer, batch_size, max_length))
+    program, sites, batches = setup.program, setup.sites, setup.batches
+    quant = setup.quant
     _, _, q_layers, q_norm, q_head = decoder_parts(quant)
     layers_prefix = f"{base}.layers."
     outside = [program.sites[s].module_name for s in program.sites
@@ -233,11 +195,7 @@ def scan_sequential(checkpoint: str | os.PathLike, policy_or_format: Any, calib:
     if any(not (m == f"{base}.norm" or m == "lm_head") for m in outside):
         raise UserError(f"the policy transforms {outside[0]}, outside the decoder layers, the "
                         "final norm and the LM head: scan this model in memory")
-
-    batches = calibration_batches(calib, tokenizer=tokenizer, batch_size=batch_size,
-                                  max_length=max_length, model=model)
-    if token_stride is None:
-        token_stride = auto_stride(sum(b.numel() for b in batches))
+    token_stride = setup.stride(token_stride)
 
     embed_name = f"{base}.embed_tokens.weight"
     assign(embed, f"{base}.embed_tokens.", ckpt.load([embed_name], dtype))
@@ -248,10 +206,9 @@ def scan_sequential(checkpoint: str | os.PathLike, policy_or_format: Any, calib:
 
     end = EndToEnd(True, token_stride)
     reset_taps(quant)
-    site_modules = {s: program.sites[s].module_name for s in sites}
-    with SitePairs(model, quant, sites, token_stride, site_modules) as pairs, \
+    with SitePairs(model, quant, sites, token_stride, setup.site_modules()) as pairs, \
             tapping(quant, True, stride=token_stride) as found, torch.no_grad():
-        for i in progress_bar(list(range(len(layers))), progress, "sequential scan"):
+        for i in Progress(range(len(layers)), desc="sequential scan", unit="layer", enabled=progress):
             prefix = f"{layers_prefix}{i}."
             tensors = ckpt.load(tensor_names(ckpt.files, prefix), dtype)
             assign(layers[i], prefix, tensors)
@@ -280,9 +237,7 @@ def scan_sequential(checkpoint: str | os.PathLike, policy_or_format: Any, calib:
             end.update(batch, fp_logits, q_logits)
         for module in (norm, q_norm, head, q_head):
             release(module)
-    report = activation_report(program, policy, found, pairs, end, batches,
-                               batch_size=batch_size, max_length=max_length,
-                               token_stride=token_stride)
+    report = activation_report(setup, found, pairs, end, token_stride)
     report.meta["source"] = str(checkpoint)
     report.meta["calibration"]["sequential"] = True
     return report

@@ -21,11 +21,9 @@ builds the same `ScanReport` from rows with point "input"/"output".
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import re
-import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -35,8 +33,8 @@ import torch
 from torch import nn
 
 from qtransform import formats
-from qtransform.core import io as qio
 from qtransform.core.metrics import BlockExponentHistogram, ErrorStats
+from qtransform.core.progress import Progress
 from qtransform.core.sites import (
     EXPERT_PARAMS,
     LINEAR_KINDS,
@@ -49,8 +47,8 @@ from qtransform.errors import UserError
 from qtransform.formats import QuantConfig
 from qtransform.formats.options import CHOICE_OPTIONS, FORMAT_KEYS
 from qtransform.formats.quantize import quantize_with_info
-from qtransform.models import check_safetensors, missing_source
 from qtransform.passes.fake_quant import first_weight_seed
+from qtransform.scan.checkpoint import Checkpoint
 from qtransform.scan.compare import Comparison
 from qtransform.scan.report import (
     DEFAULT_THRESHOLDS,
@@ -93,52 +91,6 @@ def is_embedding(name: str) -> bool:
     return "embed" in leaf or leaf in ("wte", "wpe")
 
 
-INDEX_FILE = "model.safetensors.index.json"
-
-
-def checkpoint_files(path: str | os.PathLike[str]) -> list[Path]:
-    """The safetensors files of one checkpoint, headers validated: the file itself, a folder's
-    only file, or the shards its `model.safetensors.index.json` lists. Several files without an
-    index are not one model (they may be a model and its adapter, or two models): refused."""
-    p = Path(path)
-    if not p.exists():
-        if p.is_symlink():
-            raise UserError(f"{p}: a dangling symlink (to {os.readlink(p)!r}); fix the link")
-        raise missing_source(str(p), "file or folder (expected a safetensors checkpoint or HF folder)")
-    if not p.is_dir():
-        if p.suffix != ".safetensors":
-            raise UserError(f"{p}: not a .safetensors file")
-        check_safetensors(p)
-        return [p]
-    files = sorted(p.glob("*.safetensors"))
-    index = p / INDEX_FILE
-    if index.exists() or index.is_symlink():
-        files = _shards(index)
-    elif len(files) > 1:
-        raise UserError(f"{p}: {len(files)} safetensors files ({', '.join(f.name for f in files[:3])}"
-                        f"{', ...' if len(files) > 3 else ''}) but no {INDEX_FILE}: not one sharded "
-                        "checkpoint; scan one file, or put each model in its own folder")
-    if not files:
-        found = ", ".join(sorted(f.name for f in p.iterdir())[:6]) or "nothing"
-        raise UserError(f"{p}: no .safetensors files in this folder (found: {found})")
-    for file in files:
-        check_safetensors(file)
-    return files
-
-
-def _shards(index: Path) -> list[Path]:
-    """The files a sharded checkpoint's index maps its tensors to (each must exist)."""
-    try:
-        weight_map = json.loads(qio.read_input_text(index, "checkpoint index"))["weight_map"]
-        names = sorted(set(weight_map.values()))
-    except (ValueError, KeyError, TypeError, AttributeError):
-        raise UserError(f"{index}: not a safetensors index (no weight_map of file names); "
-                        "re-save the checkpoint") from None
-    if not names or not all(isinstance(n, str) and "/" not in n for n in names):
-        raise UserError(f"{index}: its weight_map must name shard files in the same folder")
-    return [index.parent / n for n in names]
-
-
 _PER_EXPERT_KEY = re.compile(r"^(?P<module>.+\.experts)\.(?P<expert>\d+)\."
                              r"(?P<leaf>gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
 _PER_EXPERT_PART = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up",
@@ -165,7 +117,7 @@ def checkpoint_weights(path: str | os.PathLike[str]) -> list[WeightRef]:
     plain: list[tuple[Path, str, tuple[int, ...]]] = []
     fused: list[tuple[Path, str, tuple[int, ...]]] = []
     per_expert: dict[str, dict[int, dict[str, tuple[Path, str, tuple[int, ...]]]]] = {}
-    for file in checkpoint_files(path):
+    for file in Checkpoint(path).shards:
         with safe_open(file, framework="pt") as fh:
             for key in fh.keys():
                 info = fh.get_slice(key)
@@ -380,13 +332,10 @@ def measure_experts(
     return total, hist, [stats for stats, _, _ in per_expert]
 
 
-def _progress(refs: Sequence[WeightRef], progress: bool | None, desc: str):
-    """A tqdm bar in parameters on stderr; progress=None shows it only on a terminal."""
-    from tqdm.auto import tqdm
-
+def _progress(refs: Sequence[WeightRef], progress: bool | None, desc: str) -> Progress:
+    """Progress in parameters (`core.progress`: a bar on a terminal, lines elsewhere)."""
     total = sum(math.prod(r.site.weight_shape or ()) for r in refs)
-    return tqdm(total=total, unit="param", unit_scale=True, desc=desc, file=sys.stderr,
-                disable=None if progress is None else not progress, leave=False)
+    return Progress(total=total, desc=desc, unit="param", unit_scale=True, enabled=progress)
 
 
 def _select(refs: list[WeightRef], policy: Any) -> list[tuple[WeightRef, QuantConfig | None]]:

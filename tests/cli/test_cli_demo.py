@@ -102,7 +102,7 @@ def test_scan_usage_errors_exit_2_without_traceback(argv, message, tmp_path, cap
 
 def test_demo_onnx_export_on_a_tiny_bert(tmp_path, tiny):
     from qtransform.cli.demo import demo_policy, export_demo_onnx
-    from qtransform.scan.activations import resolve_policy
+    from qtransform.scan.setup import resolve_policy
 
     model = tiny("bert")
     policy = resolve_policy(model, demo_policy())

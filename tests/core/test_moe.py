@@ -204,8 +204,8 @@ def test_fault_scans_measure_experts_at_their_module(arch):
     experts module on the full-precision model's routing, its weights fake-quantized per expert."""
 
     from qtransform.passes.instrument import tapping
-    from qtransform.scan.activations import resolve_policy
     from qtransform.scan.faults import gain_scan, instability_scan, kurtosis_scan, stochastic_policy
+    from qtransform.scan.setup import resolve_policy
 
     model = build_tiny(arch, hidden=32, num_layers=1)
     ids = IDS[:1]

@@ -15,14 +15,10 @@ from qtransform import fake_quantize
 from qtransform.calibration import builtin_calibration, calibration_batches, read_calibration
 from qtransform.cli.main import main
 from qtransform.errors import UserError
-from qtransform.scan.activations import (
-    EndToEnd,
-    SitePairs,
-    auto_stride,
-    resolve_policy,
-    scan_activations,
-)
+from qtransform.scan.activations import scan_activations
 from qtransform.scan.faults import gain_scan, instability_scan, kurtosis_scan, stochastic_policy
+from qtransform.scan.measure import EndToEnd, SitePairs
+from qtransform.scan.setup import auto_stride, resolve_policy
 from tests.conftest import ids
 from tests.helpers import assert_untouched, snapshot
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -152,3 +153,58 @@ def test_cli_sequential_matches(tmp_path):
     assert outs["memory"]["meta"] == outs["sequential"]["meta"]
     assert main(["scan", folder, "--format", "mxfp4", "--sequential",
                  "--out", str(tmp_path / "x")]) == 2
+
+
+def _sharded(tmp_path) -> tuple[torch.nn.Module, str]:
+    model = build_tiny("qwen2", num_layers=3)
+    model.save_pretrained(tmp_path / "ckpt", max_shard_size="60KB")
+    assert len(list((tmp_path / "ckpt").glob("*.safetensors"))) > 2
+    return model, str(tmp_path / "ckpt")
+
+
+def test_sequential_scan_of_a_sharded_checkpoint_equals_in_memory(tmp_path):
+    model, folder = _sharded(tmp_path)
+    calib = ids(3, 10)
+    assert comparable(scan_sequential(folder, "mxfp4", calib)) == comparable(scan_activations(model, "mxfp4", calib))
+
+
+def _edit_index(folder: str, edit) -> None:
+    index = Path(folder) / "model.safetensors.index.json"
+    data = json.loads(index.read_text())
+    edit(data["weight_map"])
+    index.write_text(json.dumps(data))
+
+
+def _move_first(weight_map: dict) -> None:
+    name = next(iter(weight_map))
+    weight_map[name] = next(f for f in sorted(set(weight_map.values())) if f != weight_map[name])
+
+
+@pytest.mark.parametrize("damage", ["index maps a tensor to another shard", "truncated shard",
+                                    "no index", "tensor in two shards"])
+def test_both_checkpoint_scans_read_through_the_one_hardened_reader(tmp_path, damage):
+    """Each damage is refused with one clear error by the weight scan and the sequential scan
+    alike (the sequential scan had its own reader, which trusted the index and the headers)."""
+    from safetensors.torch import load_file, save_file
+
+    from qtransform.scan import scan_weights
+
+    _, folder = _sharded(tmp_path)
+    shards = sorted(Path(folder).glob("*.safetensors"))
+    if damage == "index maps a tensor to another shard":
+        _edit_index(folder, _move_first)
+        words = "does not match its shards"
+    elif damage == "truncated shard":
+        shards[1].write_bytes(shards[1].read_bytes()[:-100])
+        words = "truncated or corrupt"
+    elif damage == "no index":
+        (Path(folder) / "model.safetensors.index.json").unlink()
+        words = "not one sharded checkpoint"
+    else:
+        first, second = load_file(shards[0]), load_file(shards[1])
+        save_file({**second, **dict(list(first.items())[:1])}, str(shards[1]))
+        words = "is in two shards"
+    with pytest.raises(UserError, match=words):
+        scan_weights(folder, "mxfp4")
+    with pytest.raises(UserError, match=words):
+        scan_sequential(folder, "mxfp4", ids(2, 8))

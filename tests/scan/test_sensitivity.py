@@ -228,3 +228,111 @@ def test_flags_on_every_builtin_architecture():
         router.weight[:, [3, 17]] *= 50.0
     bad = {row.site for row, _ in scan_weights(model, "mxfp4").problems()}
     assert bad == {"model.layers.0.mlp.gate"}
+
+
+W4A16 = {"version": 1, "quantize": [{"targets": ["Linear"], "ignore": ["lm_head"], "format": "mxfp4"}]}
+
+
+def _one_site_kl(model: torch.nn.Module, site, ids: torch.Tensor) -> float:
+    """`reference_kl` for any site of the site table: a fused experts parameter [E, ...] is
+    quantized expert by expert (float64 MXFP4 along each matrix's rows)."""
+    quant = copy.deepcopy(model)
+    p = getattr(quant.get_submodule(site.module_name), site.param or "weight")
+    with torch.no_grad():
+        p.copy_(torch.stack([mxfp4_f64(m)[0] for m in p]) if p.ndim == 3 else mxfp4_f64(p)[0])
+        a = torch.log_softmax(model(ids).logits.double(), -1)
+        b = torch.log_softmax(quant(ids).logits.double(), -1)
+    return float((a.exp() * (a - b)).sum() / (a.numel() // a.shape[-1]))
+
+
+def test_sensitivity_of_a_moe_model_reaches_its_experts(tmp_path):
+    """Fused experts parameters are sites (not modules): the estimate measures them (it raised
+    KeyError 'model.layers.0.mlp.experts.gate_up_proj'), the exact KL equals a one-site
+    reference written here, and the CLI gives the library's numbers."""
+    from qtransform.core.sites import discover_sites
+
+    model = build_tiny("qwen2_moe")
+    ids = calib()
+    report = site_sensitivity(model, "mxfp4", ids, method="both", draws=2)
+    sites = discover_sites(model)
+    experts = [r for r in report.rows if sites[r.site].kind == "experts"]
+    assert {r.site for r in experts} == {f"model.layers.{i}.mlp.experts.{p}" for i in (0, 1)
+                                         for p in ("gate_up_proj", "down_proj")}
+    for r in report.rows:
+        assert r.exact == pytest.approx(_one_site_kl(model, sites[r.site], ids), rel=1e-6, abs=1e-12), r.site
+        assert math.isfinite(r.estimate) and r.estimate > 0, r.site
+    assert report.meta["spearman"] > 0.5
+
+    data = tmp_path / "ids.json"
+    data.write_text(json.dumps(ids.tolist()))
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "qtransform.cli.main", "sensitivity", "builtin:qwen2_moe",
+                           "--format", "mxfp4", "--calib", str(data), "--out", str(tmp_path / "sens"),
+                           "--method", "estimate", "--draws", "2", "--no-progress"],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    cli = {r.site: r.estimate for r in SensitivityReport.load(tmp_path / "sens").rows}
+    assert cli == {r.site: r.estimate for r in report.rows}
+
+
+def test_activations_quantize_the_inputs_of_a_given_policy():
+    """`activations=True` turns a policy's rules into W4A4 as it does a format name's (it was
+    ignored for a policy): the numbers are those of the W4A4 policy written out by hand."""
+    model = build_tiny("qwen2")
+    ids = calib()
+    by_hand = {"version": 1, "quantize": [{**W4A16["quantize"][0], "tensors": ["weight", "input"]}]}
+    weights = site_sensitivity(model, W4A16, ids)
+    w4a4 = site_sensitivity(model, W4A16, ids, activations=True)
+    want = site_sensitivity(model, by_hand, ids)
+    assert all(r.points == ["input", "weight"] for r in w4a4.rows)
+    assert [(r.site, r.exact) for r in w4a4.rows] == [(r.site, r.exact) for r in want.rows]
+    assert all(a.exact != b.exact for a, b in zip(w4a4.rows, weights.rows, strict=True))
+    assert site_sensitivity(model, "mxfp4", ids, activations=True).meta["points"] == ["input", "weight"]
+
+
+def test_cli_sensitivity_logs_progress_lines_without_a_terminal(tmp_path):
+    """stderr piped (no terminal, so no bar): the exact method says how far it is in plain lines,
+    at every tenth of the sites, and that it is done (it printed nothing for 12 minutes)."""
+    import re
+
+    data = tmp_path / "ids.json"
+    data.write_text(json.dumps(calib().tolist()))
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "qtransform.cli.main", "sensitivity", "builtin:qwen2",
+                           "--format", "mxfp4", "--calib", str(data), "--out", str(tmp_path / "sens")],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    steps = [tuple(map(int, m)) for m in re.findall(r"^sensitivity: (\d+) of (\d+) sites \((\d+) %\)",
+                                                    proc.stderr, re.M)]
+    # 14 sites: a line each time another tenth is done (2 sites), the end on its own line; more
+    # lines only if a site took 30 s (a line at least every 30 s)
+    assert {2, 4, 6, 8, 10, 12} <= {done for done, _, _ in steps}, proc.stderr
+    assert all(total == 14 and pct == round(100 * done / 14) for done, total, pct in steps)
+    assert [done for done, _, _ in steps] == sorted({done for done, _, _ in steps})
+    assert re.search(r"^sensitivity: done, 14 sites in \d+ s$", proc.stderr, re.M), proc.stderr
+    quiet = subprocess.run([sys.executable, "-m", "qtransform.cli.main", "sensitivity", "builtin:qwen2",
+                            "--format", "mxfp4", "--calib", str(data), "--out", str(tmp_path / "q"),
+                            "--no-progress"], capture_output=True, text=True, env=env, timeout=300)
+    assert quiet.returncode == 0 and "sensitivity:" not in quiet.stderr, quiet.stderr
+
+
+def test_budget_guide_from_python():
+    """What `qtransform guide --keep 2 --model --calib` does, as one library call: the ranking
+    computed from the report's rules (every Linear), the two most sensitive kept, the prediction
+    the sum of the others and the measurement the whole policy's KL (float64 references)."""
+    from qtransform.errors import UserError
+    from qtransform.scan import budget_guide
+
+    model = build_tiny("qwen2")
+    ids = calib()
+    result, sens = budget_guide(scan_weights(model, "mxfp4"), {"keep": 2}, model, ids)
+    ref = {name: reference_kl(model, name, ids) for name, m in model.named_modules()
+           if isinstance(m, torch.nn.Linear)}
+    top = sorted(ref, key=ref.get, reverse=True)[:2]
+    assert {r.site for r in sens.rows} == set(ref) and sorted(result.kept_sites) == sorted(top)
+    assert result.predicted == pytest.approx(sum(v for k, v in ref.items() if k not in top), rel=1e-6)
+    assert result.measured == pytest.approx(_whole_policy_kl(model, set(top), ids), rel=1e-6)
+    with pytest.raises(UserError, match="same format"):
+        budget_guide(scan_weights(model, "nvfp4"), {"keep": 2}, model, ids, sensitivity=sens)
+    with pytest.raises(UserError, match="report has 15"):
+        budget_guide(scan_weights(model, "mxfp4"), {"keep": 20}, model, ids, sensitivity=sens)
