@@ -13,6 +13,7 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
+from qtransform.cli.demo import run_from_args
 from qtransform.cli.options import (
     add_common,
     add_flagging,
@@ -22,7 +23,19 @@ from qtransform.cli.options import (
     thresholds,
 )
 from qtransform.cli.sensitivity import add_budget, budget_args, budget_text
+from qtransform.core import io as qio
 from qtransform.errors import UserError
+from qtransform.models import input_paths, load_model, load_tokenizer, missing_source
+from qtransform.scan import compare_formats
+from qtransform.scan.activations import scan_activations
+from qtransform.scan.recommend import guide, recommend
+from qtransform.scan.render import end_to_end_text
+from qtransform.scan.render import format_metric as fm
+from qtransform.scan.report import ScanReport
+from qtransform.scan.sensitivity import SensitivityReport, budget_guide
+from qtransform.scan.sequential import scan_sequential, skeleton
+from qtransform.scan.setup import CalibrationSpec, read_source, scan_policy
+from qtransform.scan.weights import scan_weights
 
 MAX_TIER = 100.0  # an AQN sigma multiplier beyond this drowns the weights in noise
 MAX_STEPS = 10**9
@@ -123,24 +136,14 @@ def register(sub: argparse._SubParsersAction) -> None:
 def _source(model: str) -> Any:
     """A module for builtin/demo models, else the checkpoint path (scanned tensor by tensor)."""
     if model.startswith("builtin:") or model == "demo":
-        from qtransform.models import load_model
-
         return load_model(model)
     if not Path(model).exists():
-        from qtransform.models import missing_source
-
         raise missing_source(model, "file or folder")
     return model
 
 
 def run_scan(args: argparse.Namespace) -> int:
-    from qtransform.core import io as qio
-    from qtransform.models import input_paths
-    from qtransform.scan.weights import scan_weights
-
     if args.model is None:
-        from qtransform.cli.demo import run_from_args
-
         return run_from_args(args)
     if args.out is None:
         raise UserError("give --out FOLDER for the report files")
@@ -170,14 +173,8 @@ def run_scan(args: argparse.Namespace) -> int:
 def _activation_scan(args: argparse.Namespace):
     """The --calib branch: run the model on calibration text or token ids (`--calib builtin`: the
     demo's sentences) and scan weights, activations and each site's output error."""
-    from qtransform.models import load_model, load_tokenizer
-    from qtransform.scan.activations import scan_activations
-    from qtransform.scan.setup import CalibrationSpec, read_source, scan_policy
-
     samples = read_source(args.calib)
     if args.sequential:
-        from qtransform.scan.sequential import scan_sequential, skeleton
-
         if not Path(args.model).is_dir():
             raise UserError(f"{args.model}: --sequential reads a checkpoint folder (config.json "
                             "and safetensors)")
@@ -198,9 +195,6 @@ def _activation_scan(args: argparse.Namespace):
 
 def scan_table(report) -> str:
     """The terminal view: one line per layer, then sites outside layers, problems, advice."""
-    from qtransform.scan.recommend import recommend
-    from qtransform.scan.render import format_metric as fm
-
     head = f"{'layer':>5} {'sites':>5} {'SQNR dB':>8} {'worst site':<28} {'worst':>7} " \
            f"{'rel_rmse':>9} {'deadzone':>9} {'satur.':>8} {'bad':>4}"
     lines = [f"{report.meta.get('format')} scan of {report.meta.get('source')} "
@@ -223,8 +217,6 @@ def scan_table(report) -> str:
         lines += [f"  {row.label}: {'; '.join(why)}" for row, why in problems[:20]]
         if len(problems) > 20:
             lines.append(f"  ... and {len(problems) - 20} more (report.md lists all)")
-    from qtransform.scan.render import end_to_end_text
-
     if end_to_end_text(report):
         lines += ["", "end to end: " + end_to_end_text(report)]
     lines += ["", f"flagging: {report.flagging}", "recommendation: " + recommend(report).text]
@@ -232,10 +224,6 @@ def scan_table(report) -> str:
 
 
 def run_compare(args: argparse.Namespace) -> int:
-    from qtransform.core import io as qio
-    from qtransform.models import input_paths
-    from qtransform.scan import compare_formats
-
     names = [f.strip() for f in args.formats.split(",") if f.strip()]
     if not names:
         raise UserError("--formats needs at least one format, e.g. --formats mxfp4,nvfp4")
@@ -270,10 +258,6 @@ def _tiers(text: str) -> tuple[float, ...]:
 
 
 def run_guide(args: argparse.Namespace) -> int:
-    from qtransform.core import io as qio
-    from qtransform.scan.recommend import guide, recommend
-    from qtransform.scan.report import ScanReport
-
     budget = budget_args(args)
     if budget is not None:
         if args.aqn:
@@ -299,12 +283,6 @@ def run_guide(args: argparse.Namespace) -> int:
 def _budget_guide(args: argparse.Namespace, budget: dict[str, Any]) -> int:
     """guide with a budget (`qtransform.scan.sensitivity.budget_guide`, see EPILOG_GUIDE): the
     model and calibration data come from the options, else from the --sensitivity file."""
-    from qtransform.core import io as qio
-    from qtransform.models import load_model, load_tokenizer
-    from qtransform.scan.report import ScanReport
-    from qtransform.scan.sensitivity import SensitivityReport, budget_guide
-    from qtransform.scan.setup import CalibrationSpec
-
     with qio.output_file(args.out) as out:
         report = ScanReport.load(args.report)
         sens = SensitivityReport.load(args.sensitivity) if args.sensitivity else None

@@ -10,7 +10,16 @@ from pathlib import Path
 from typing import Any
 
 from qtransform.cli.options import add_common, format_options, progress
+from qtransform.core import io as qio
 from qtransform.errors import UserError
+from qtransform.models import input_paths, load_model, load_tokenizer
+from qtransform.scan.sensitivity import (
+    measure_label,
+    measured_budget,
+    site_sensitivity,
+    timing_text,
+)
+from qtransform.scan.setup import CalibrationSpec, read_source, scan_policy
 
 EPILOG = """examples:
   qtransform sensitivity ./Qwen2.5-0.5B --format mxfp4 --calib calib.txt --out sens/mxfp4
@@ -79,8 +88,6 @@ def budget_args(args: argparse.Namespace) -> dict[str, Any] | None:
 
 
 def budget_text(result: Any, measure: str) -> str:
-    from qtransform.scan.sensitivity import measure_label
-
     label = measure_label(measure)
     kept = ", ".join(result.kept_sites[:8]) + (" ..." if len(result.kept_sites) > 8 else "")
     text = (f"budget {', '.join(f'{k}={v:g}' for k, v in result.budget.items())} ({result.method}): keep "
@@ -93,11 +100,6 @@ def budget_text(result: Any, measure: str) -> str:
 
 
 def run_sensitivity(args: argparse.Namespace) -> int:
-    from qtransform.core import io as qio
-    from qtransform.models import input_paths, load_model, load_tokenizer
-    from qtransform.scan.sensitivity import measured_budget, site_sensitivity, timing_text
-    from qtransform.scan.setup import CalibrationSpec, read_source, scan_policy
-
     if args.format is None and args.policy is None:
         raise UserError("give --format (e.g. --format mxfp4) or a --policy with quantize rules")
     if args.policy is not None and not Path(args.policy).exists():

@@ -39,8 +39,7 @@ def test_a_bug_in_guide_is_an_internal_error(scanned, tmp_path, capsys, monkeypa
     def broken(*args, **kwargs):
         raise TypeError("unsupported operand type(s) for +: 'int' and 'str'")
 
-    # the module (qtransform.scan.recommend is also the name of its function in qtransform.scan)
-    monkeypatch.setattr(sys.modules["qtransform.scan.recommend"], "guide", broken)
+    monkeypatch.setattr(sys.modules["qtransform.cli.scan"], "guide", broken)  # the name the CLI calls
     assert main(["guide", str(scanned), "--out", str(tmp_path / "p.json")]) == 3
     err = capsys.readouterr().err
     assert "Traceback" in err and "in broken" in err
