@@ -16,6 +16,8 @@ import time
 from collections.abc import Iterable, Iterator
 from typing import Any, TextIO
 
+from tqdm.auto import tqdm
+
 LINE_SECONDS = 30.0  # without a terminal: a line at least this often
 LINE_SHARE = 0.1  # ... and one each time this share of the work is done
 
@@ -60,8 +62,6 @@ class Progress:
         self._bar = None
         self._lines = False
         if enabled or (enabled is None and self.stream.isatty()):
-            from tqdm.auto import tqdm
-
             self._bar = tqdm(total=total, desc=desc, unit=unit, unit_scale=unit_scale,
                              file=self.stream, leave=False)
         elif enabled is None:

@@ -64,7 +64,7 @@ _OP_ATTRS = {  # every attribute an opaque node may carry, by op
 
 def _opaque(op_type: str, kind: str, inputs: list, attrs: dict[str, Any]):
     """Emit `qtransform.<op_type>` through the exporter's tracer, which wants an OpSchema."""
-    import onnxscript
+    import onnxscript  # 0.65 s to import: only when exporting
 
     if op_type not in _SCHEMAS:
         S = onnx.defs.OpSchema

@@ -16,6 +16,7 @@ import os
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from torch import Tensor
 
 from qtransform.core import io as qio
@@ -72,8 +73,6 @@ class Checkpoint:
     the file holding it; `load` reads tensors one file open at a time."""
 
     def __init__(self, path: str | os.PathLike[str]):
-        from safetensors import safe_open
-
         self.path = Path(path)
         self.shards = checkpoint_files(path)
         self.files: dict[str, Path] = {}
@@ -94,8 +93,6 @@ class Checkpoint:
 
     def load(self, names: list[str], dtype: torch.dtype | None = None) -> dict[str, Tensor]:
         """These tensors, read from their files (converted to `dtype` when given)."""
-        from safetensors import safe_open
-
         missing = [n for n in names if n not in self.files]
         if missing:
             raise UserError(f"{self.path}: the checkpoint has no tensor {missing[0]!r}; is it complete?")

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
 from torch import nn
 
 from qtransform import formats
@@ -112,8 +113,6 @@ def checkpoint_weights(path: str | os.PathLike[str]) -> list[WeightRef]:
     `w1`/`w3`/`w2`, the layout `save_pretrained` and hub checkpoints use) are merged as
     transformers merges them on loading: `gate_up_proj` [E, 2I, H] (each expert's gate rows, then
     its up rows) and `down_proj` [E, H, I]. A `gate` beside an `experts` module is its router."""
-    from safetensors import safe_open
-
     plain: list[tuple[Path, str, tuple[int, ...]]] = []
     fused: list[tuple[Path, str, tuple[int, ...]]] = []
     per_expert: dict[str, dict[int, dict[str, tuple[Path, str, tuple[int, ...]]]]] = {}
@@ -187,8 +186,6 @@ def _stacked_loader(entries: list[list[tuple[Path, str, tuple[int, ...]]]]) -> C
 
 def _loader(file: Path, key: str) -> Callable[[], torch.Tensor]:
     def load() -> torch.Tensor:
-        from safetensors import safe_open
-
         # Opened per tensor: a long-lived handle keeps every page it has read mapped (and counted
         # in RSS); reopening bounds memory by the current tensor for the price of a header parse.
         with safe_open(file, framework="pt") as fh:
