@@ -18,6 +18,7 @@ import onnx
 from onnx import FunctionProto, ModelProto, NodeProto, TensorProto, helper
 
 from qtransform import formats
+from qtransform.core.noise_kinds import DRAWS, noise_kind
 from qtransform.core.ops import split_expert_label
 from qtransform.export.functions import (
     DOMAIN,
@@ -30,6 +31,7 @@ from qtransform.export.functions import (
     overload,
 )
 from qtransform.formats.options import QuantConfig
+from qtransform.passes import FakeQuantPass
 
 
 # -- reading nodes --------------------------------------------------------------------------------
@@ -146,8 +148,8 @@ def finish_noise(model: ModelProto, mode: str, noise_inputs: list[str], opset: i
             seed = float(zlib.crc32(label.encode()) % 2**24)
             z = f"{label}/z"
             model.graph.node.insert(list(model.graph.node).index(node), helper.make_node(
-                "RandomNormalLike", [node.input[0]], [z], name=f"{label}/draw", dtype=onnx.TensorProto.FLOAT,
-                seed=seed))
+                RANDOM_OPS[noise_kind(attrs["kind"]).draw], [node.input[0]], [z], name=f"{label}/draw",
+                dtype=onnx.TensorProto.FLOAT, seed=seed))
             node.input[1] = z
         overload = f"{attrs['kind']}_{attrs['scale']!r}".replace(".", "p").replace("-", "m")
         node.overload = overload
@@ -191,7 +193,7 @@ def finish_fake_quant(model: ModelProto, opset: int) -> list[str]:
 def audit(labels: list[str], log: list[dict]) -> None:
     """Every quantized site tensor of the log appears as exactly one fake-quant node (a fused
     experts weight quantized expert by expert: one node per expert, `<label>.expert<e>`)."""
-    expected = Counter(f"{e['site']}/{e['point']}_fake_quant" for e in log if e["pass_name"] == "fake_quant")
+    expected = Counter(FakeQuantPass.label(e["site"], e["point"]) for e in log if e["pass_name"] == FakeQuantPass.name)
     found: Counter[str] = Counter()
     experts: dict[str, set[int]] = {}
     for label in labels:
@@ -230,22 +232,30 @@ def name_dims(model: ModelProto) -> None:
 
 
 # -- noise bodies ---------------------------------------------------------------------------------
+RANDOM_OPS = {"normal": "RandomNormalLike", "uniform": "RandomUniformLike"}  # a kind's draw, in ONNX
+if set(RANDOM_OPS) != set(DRAWS):
+    raise ImportError(f"export/graph.py: RANDOM_OPS covers {sorted(RANDOM_OPS)}, noise kinds draw {sorted(DRAWS)}")
+
+
+class NoiseBody(Body):
+    """The `OnnxBuilder` a noise kind writes its form with (`core/noise_kinds.py`)."""
+
+    def as_float(self, value: str) -> str:
+        return self.op("Cast", value, to=TensorProto.FLOAT)
+
+    def rounded(self, value: str) -> str:
+        """`value` rounded to X's dtype and carried on in fp32: PyTorch's arithmetic in x.dtype."""
+        return self.as_float(self.op("CastLike", value, "X"))
+
+
 def noise_function(kind: str, scale: float, opset: int, overload: str) -> FunctionProto:
-    """`x + scale*z` or `x * (1 + scale*z)`, each step rounded to x's dtype as in PyTorch."""
-    b = Body()
-    x, z = b.op("Cast", "X", to=TensorProto.FLOAT), b.op("Cast", "Z", to=TensorProto.FLOAT)
-    z = b.op("Cast", b.op("CastLike", z, "X"), to=TensorProto.FLOAT)  # z.to(x.dtype)
-
-    def rounded(v: str) -> str:
-        return b.op("Cast", b.op("CastLike", v, "X"), to=TensorProto.FLOAT)
-
-    sz = rounded(b.op("Mul", z, b.const(scale)))
-    if kind == "add":
-        out = b.op("Add", x, sz)
-    elif kind == "relative":
-        out = b.op("Mul", x, rounded(b.op("Add", sz, b.const(1.0))))
-    else:
-        raise UnsupportedExport(f"unknown noise kind {kind!r}; allowed: add, relative")
+    """The registered kind's formula (`NoiseKind.onnx`), its result cast to X's dtype."""
+    try:
+        form = noise_kind(kind).onnx
+    except ValueError as exc:
+        raise UnsupportedExport(str(exc)) from None
+    b = NoiseBody()
+    out = form(b, scale)
     b.nodes.append(helper.make_node("CastLike", [out, "X"], ["Y"]))
     return helper.make_function(
         DOMAIN, "Noise", ["X", "Z"], ["Y"], b.nodes, [helper.make_opsetid("", opset)],

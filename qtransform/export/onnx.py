@@ -31,6 +31,7 @@ import qtransform.core.ops  # noqa: F401 - registers the custom ops the translat
 from qtransform.core.capture import normalize_inputs
 from qtransform.core.experts import traceable_experts
 from qtransform.core.io import check_file_target, current_umask
+from qtransform.core.noise import NoiseModule
 from qtransform.core.program import Program, insertion_log
 from qtransform.errors import UserError
 from qtransform.export.functions import DOMAIN, ExportError, UnsupportedExport, attributes
@@ -44,7 +45,6 @@ from qtransform.export.graph import (
 )
 from qtransform.export.modes import inline_functions, to_qdq
 from qtransform.formats.options import CHOICE_OPTIONS, QuantConfig
-from qtransform.passes import AQNNoise, HWError
 
 FAKE_QUANT_MODES = ("function", "inline", "qdq")
 NOISE_MODES = ("input", "random", "off")
@@ -130,7 +130,7 @@ def _noise_modules(module: nn.Module, log: list[dict]) -> list[tuple[str, str, n
             mod = module.get_submodule(entry["module_path"])
         except AttributeError:
             continue
-        if isinstance(mod, (AQNNoise, HWError)):
+        if isinstance(mod, NoiseModule):
             found.append((entry, mod))
     counts = Counter((e["site"], e["point"]) for e, _ in found)
     named = []
@@ -346,7 +346,8 @@ def export_onnx(
     bodies, bit-exact in onnxruntime), "inline" (bodies expanded into the graph) or "qdq"
     (QuantizeLinear/DequantizeLinear, opset >= 24, for deployment toolchains; onnxruntime 1.31
     cannot run it). taps: graph outputs `tap:<site>:<point>`. noise: "input" (graph inputs
-    `noise:<site>/<point>`, zeros disable), "random" (seeded RandomNormalLike) or "off".
+    `noise:<site>/<point>`, each kind's neutral draw disables: zeros for additive and relative
+    noise), "random" (seeded draws of each kind's distribution) or "off".
     `example_inputs`: a dict of keyword tensors (`{"input_ids": ids}`), a tuple or one tensor.
     """
     if fake_quant not in FAKE_QUANT_MODES:

@@ -36,6 +36,7 @@ from qtransform.core.metrics import ErrorStats
 from qtransform.core.sites import Site, discover_sites
 from qtransform.errors import UserError
 from qtransform.formats import QuantConfig
+from qtransform.passes import FakeQuantPass
 from qtransform.passes.instrument import (
     Tap,
     next_offset,
@@ -44,7 +45,7 @@ from qtransform.passes.instrument import (
     sample_rows,
     tapping,
 )
-from qtransform.pipeline import plan, transform
+from qtransform.pipeline import plan, transform_program
 from qtransform.scan.report import ScanReport, SiteRow, build_meta
 from qtransform.scan.weights import (
     policy_rules,
@@ -93,7 +94,7 @@ def resolve_policy(model: nn.Module, policy_or_format: Any) -> Policy:
     policy = format_policy(model, policy_or_format) if known else load_policy(policy_or_format)
     if policy.instrument is not None:
         return policy
-    quantized = list(dict.fromkeys(r.site for r in plan(model, policy).rows if r.pass_name == "fake_quant"))
+    quantized = list(dict.fromkeys(r.site for r in plan(model, policy).rows if r.pass_name == FakeQuantPass.name))
     if not quantized:
         raise UserError("the policy quantizes nothing and has no instrument section: "
                         "nothing to scan")
@@ -306,7 +307,7 @@ def _pairs_table(program: Any, stats: dict[str, ErrorStats]) -> list[dict[str, A
 def transform_for_scan(model: nn.Module, policy_or_format: Any) -> tuple[Any, Policy, list[str]]:
     """(Program of the transformed copy, the policy used, instrumented site names in order)."""
     policy = resolve_policy(model, policy_or_format)
-    program = transform(model, policy, return_program=True)
+    program = transform_program(model, policy)
     sites = list(dict.fromkeys(i.site for i in program.insertions(pass_name="instrument")))
     return program, policy, sites
 

@@ -42,7 +42,8 @@ from qtransform.calibration import Calibration, calibration_batches, run_model
 from qtransform.core import io as qio
 from qtransform.core.io import encode_floats
 from qtransform.errors import UserError
-from qtransform.pipeline import transform
+from qtransform.passes import FakeQuantPass
+from qtransform.pipeline import transform_program
 from qtransform.scan.activations import (
     eval_mode,
     format_policy,
@@ -220,10 +221,10 @@ class _Quantized:
 
 
 def _prepare(model: nn.Module, policy: Policy) -> _Quantized:
-    program = transform(model, policy, return_program=True)
+    program = transform_program(model, policy)
     quant = program.module()
     found: dict[str, dict[str, nn.Module]] = {}
-    for ins in program.insertions(pass_name="fake_quant"):
+    for ins in program.insertions(pass_name=FakeQuantPass.name):
         found.setdefault(ins.site, {})[ins.point] = quant.get_submodule(ins.module_path)
     if not found:
         raise UserError("the policy quantizes nothing: no site to measure")

@@ -30,4 +30,5 @@ def summary(spec: ClampSpec) -> str:
     return f"clamp ({spec.point} to ±{spec.limit:g})"
 
 
-register_section(Section("clamp", ClampSpec | None, None, describe, summary, order=4))
+register_section(Section("clamp", ClampSpec | None, None, describe, summary, order=4,
+                         example={"targets": ["*.k_proj"], "limit": 2.0}))

@@ -41,4 +41,5 @@ def summary(h: HWErrorSpec) -> str:
     return f"hw_error ({h.error_type} {h.error_scale:g})"
 
 
-register_section(Section("hw_error", HWErrorSpec | None, None, describe, summary, order=3))
+register_section(Section("hw_error", HWErrorSpec | None, None, describe, summary, order=3,
+                         example={"targets": ["*.o_proj"], "error_scale": 0.05}))

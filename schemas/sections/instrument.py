@@ -79,4 +79,5 @@ def summary(spec: InstrumentSpec) -> str:
     return f"instrument ({join(spec.points)})"
 
 
-register_section(Section("instrument", InstrumentSpec | None, None, describe, summary, order=1))
+register_section(Section("instrument", InstrumentSpec | None, None, describe, summary, order=1,
+                         example={"targets": ["*.down_proj"], "points": ["input", "output"]}))

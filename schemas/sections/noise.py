@@ -256,4 +256,6 @@ def summary(n: NoiseSpec) -> str:
     return f"noise ({s.kind}, sigma_start {s.sigma_start:g}, {s.stages} stages)"
 
 
-register_section(Section("noise", NoiseSpec | None, None, describe_noise, summary, order=2))
+register_section(Section("noise", NoiseSpec | None, None, describe_noise, summary, order=2,
+                         example={"schedule": {"kind": "constant", "sigma_start": 0.01, "total_steps": 4,
+                                               "num_stages": 2}, "apply_during": "both"}))

@@ -192,4 +192,5 @@ def summary(rules: list[QuantRule]) -> str:
 
 register_section(Section(
     "quantize", Annotated[list[QuantRule], AfterValidator(_names_unique)], [], describe, summary,
-    order=0, description="later rules override earlier"))
+    order=0, description="later rules override earlier",
+    example=[{"targets": ["Linear"], "ignore": ["lm_head"], "format": "mxfp4"}]))
