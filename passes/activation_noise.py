@@ -76,7 +76,7 @@ class ActivationNoise(NoiseModule):
 class ActivationNoisePass(Pass[ActivationNoiseSpec, ActivationNoiseSpec]):
     """Inserts `ActivationNoise` at the section's point of every selected site."""
 
-    name = tag = section = "activation_noise"
+    name = tag = section = ActivationNoise.noise_pass
     provides = (name,)
 
     def select(self, program: Program, spec: ActivationNoiseSpec) -> list[Action[ActivationNoiseSpec]]:

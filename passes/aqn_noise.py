@@ -148,10 +148,9 @@ class AQNSite:
 class AQNNoisePass(Pass[NoiseSpec, AQNSite]):
     """Inserts `AQNNoise` on the weight of every site the policy's `noise` section selects."""
 
-    name = "aqn_noise"
-    tag = "aqn_noise"
+    name = tag = AQNNoise.noise_pass
     section = "noise"
-    provides = ("aqn_noise",)
+    provides = (name,)
 
     @classmethod
     def label(cls, site: str, point: str) -> str:

@@ -66,10 +66,8 @@ def matmul_sites(program: Program, spec: HWErrorSpec) -> list[Site]:
 class HWErrorPass(Pass[HWErrorSpec, HWErrorSpec]):
     """Inserts `HWError` at the policy's injection point of every selected site."""
 
-    name = "hw_error"
-    tag = "hw_error"
-    section = "hw_error"
-    provides = ("hw_error",)
+    name = tag = section = HWError.noise_pass
+    provides = (name,)
 
     def select(self, program: Program, spec: HWErrorSpec) -> list[Action]:
         kinds = LINEAR_KINDS + (("matmul",) if spec.include_matmuls else ())

@@ -16,7 +16,7 @@ import networkx as nx
 from qtransform.core.plan import PlanRow
 from qtransform.core.program import Program
 from qtransform.errors import UserError
-from qtransform.pipeline.base import Action, Pass
+from qtransform.pipeline.base import Action, Pass, payload_type
 from qtransform.schemas import Policy
 
 
@@ -62,7 +62,7 @@ class PassManager:
         if spec is None or spec == []:
             return []
         actions = self._guarded(p, "select", p.select, program, spec)
-        want = type(p).payload_type
+        want = type(p).payload_type or payload_type(type(p))  # unregistered passes too
         for action in actions:
             if want is not None and not isinstance(action.payload, want):
                 raise RuntimeError(f"pass {p.name!r} selected an action with a "

@@ -20,8 +20,9 @@ from torch import nn
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 import qtransform
+from qtransform.core.noise import NoiseModule
 from qtransform.errors import UserError
-from qtransform.passes import AQNNoise, FakeQuantize, HWError
+from qtransform.passes import FakeQuantize
 
 STEPS = 3
 VOCAB = 97  # odd: FSDP2 pads the embedding's shards (uneven dim 0)
@@ -63,7 +64,7 @@ def held_elements(model: nn.Module) -> int:
         if isinstance(value, (list, tuple)):
             return sum(count(v) for v in value)
         return 0
-    return sum(count(vars(m)) for m in model.modules() if isinstance(m, (FakeQuantize, AQNNoise, HWError)))
+    return sum(count(vars(m)) for m in model.modules() if isinstance(m, (FakeQuantize, NoiseModule)))
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
