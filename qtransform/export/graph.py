@@ -132,8 +132,9 @@ def _bypass(model: ModelProto, node: NodeProto) -> None:
 
 
 def finish_noise(model: ModelProto, mode: str, noise_inputs: list[str], opset: int) -> None:
-    """Noise nodes get their function; their draws stay graph inputs, become seeded
-    RandomNormalLike nodes (`random`) or disappear with the node (`off`)."""
+    """Noise nodes get their kind's function; their draws stay graph inputs (documented with the
+    kind's formula and neutral draw), become seeded draws of the kind's distribution (`random`)
+    or disappear with the node (`off`)."""
     functions: dict[str, onnx.FunctionProto] = {}
     for node in list(model.graph.node):
         if node.domain != DOMAIN or node.op_type != "Noise":
@@ -157,11 +158,24 @@ def finish_noise(model: ModelProto, mode: str, noise_inputs: list[str], opset: i
         functions.setdefault(overload, noise_function(attrs["kind"], attrs["scale"], opset, overload))
     if mode == "input":
         _noise_dims_like_x(model)
+        _document_draws(model)
     else:
         keep = [i for i in model.graph.input if i.name not in set(noise_inputs)]
         del model.graph.input[:]
         model.graph.input.extend(keep)
     model.functions.extend(functions.values())
+
+
+def _document_draws(model: ModelProto) -> None:
+    """Each draw input says what it feeds and which value switches the noise off."""
+    inputs = {i.name: i for i in model.graph.input}
+    for node in model.graph.node:
+        if node.domain == DOMAIN and node.op_type == "Noise" and node.input[1] in inputs:
+            kind = noise_kind(_decode(_attrs(node)["kind"]))
+            off = (f"all {kind.neutral:g} disables it" if kind.neutral is not None
+                   else "no draw disables it (export with noise='off')")
+            inputs[node.input[1]].doc_string = (f"draw z ({kind.draw}, fp32) of {node.name}: {kind.name} noise "
+                                                f"{kind.formula}; {off}")
 
 
 def _noise_dims_like_x(model: ModelProto) -> None:

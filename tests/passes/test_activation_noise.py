@@ -160,6 +160,9 @@ def test_onnx_takes_the_draw_as_an_input_and_equals_pytorch_bit_for_bit(tmp_path
     sess = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
     names = [i.name for i in sess.get_inputs()]
     assert names[1] == "noise:0/input"
+    assert proto.graph.input[1].doc_string == (
+        "draw z (uniform, fp32) of 0/input_activation_noise: dropout noise x*m/(1-p), m = (z >= p), "
+        "z ~ U[0, 1); no draw disables it (export with noise='off')")
     z = torch.rand(4, 64, generator=torch.Generator().manual_seed(7))
     noise = module_of(out)
     seen = {}
