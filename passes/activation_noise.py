@@ -27,6 +27,9 @@ KIND = {"dropout": "dropout", "gaussian": "relative"}  # distribution -> registe
 
 
 # -- the dropout kind: z ~ U[0, 1), an element is dropped where z < p ---------------------------
+# Written as (x * 1/(1-p)) * m with m in {0, 1}, as torch's own dropout multiplies by its mask: a
+# dropped element is x*0 (sign kept, NaN stays NaN). A select (`where`) would say the same in
+# PyTorch, but onnxruntime's Where drops the sign of -0, so the ONNX form could not equal it.
 def _fp32(value: float) -> float:
     """`value` rounded to fp32, so eager, op and ONNX constants are the same number."""
     return float(torch.tensor(value, dtype=torch.float32))
@@ -37,17 +40,16 @@ def _keep_scale(p: float) -> float:
 
 
 def _dropout(x: Tensor, z: Tensor, p: float) -> Tensor:
-    return torch.where(z >= _fp32(p), x * _keep_scale(p), 0.0)
+    return (x * _keep_scale(p)) * (z >= _fp32(p)).to(x.dtype)
 
 
 def _dropout_grad(grad: Tensor, z: Tensor, p: float) -> Tensor:
-    return torch.where(z >= _fp32(p), grad * _keep_scale(p), 0.0)
+    return (grad * (z >= _fp32(p)).to(grad.dtype)) * _keep_scale(p)
 
 
 def _dropout_onnx(b: OnnxBuilder, p: float) -> str:
-    keep = b.op("GreaterOrEqual", b.as_float("Z"), b.const(_fp32(p)))
-    kept = b.rounded(b.op("Mul", b.as_float("X"), b.const(_keep_scale(p))))
-    return b.op("Where", keep, kept, b.const(0.0))
+    keep = b.as_float(b.op("GreaterOrEqual", b.as_float("Z"), b.const(_fp32(p))))
+    return b.op("Mul", b.rounded(b.op("Mul", b.as_float("X"), b.const(_keep_scale(p)))), keep)
 
 
 register_noise_kind(NoiseKind("dropout", "x*m/(1-p), m = (z >= p), z ~ U[0, 1)", _dropout, _dropout_grad,
