@@ -114,9 +114,7 @@ class NoiseModule(nn.Module):
 
     def sample(self, shape: torch.Size, like: Tensor, index: int | None) -> Tensor:
         """Draw `index` of the current step in the kind's distribution, fp32, on like's device."""
-        gen = self.stream.generator(like.device, index)
-        sampler = torch.randn if noise_kind(self.kind).draw == "normal" else torch.rand
-        return sampler(shape, generator=gen, device=like.device, dtype=torch.float32)
+        return self.stream.sample(noise_kind(self.kind).draw, shape, like.device, index)
 
     def draw(self, x: Tensor) -> Tensor:
         """The eager draw for this forward: fresh each forward, replayed under recompute."""

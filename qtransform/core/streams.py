@@ -72,7 +72,8 @@ class DrawStream:
             gen = self._generators[device] = torch.Generator(device=device)
         return gen.manual_seed(self.seed_at(index))
 
-    def normal(self, shape: torch.Size, like: torch.Tensor, index: int | None) -> torch.Tensor:
-        """Standard normal draw in fp32, cast to `like`'s dtype on its device."""
-        gen = self.generator(like.device, index)
-        return torch.randn(shape, generator=gen, device=like.device, dtype=torch.float32).to(like.dtype)
+    def sample(self, distribution: str, shape: torch.Size, device: torch.device, index: int | None) -> torch.Tensor:
+        """Draw `index` of this step on `device`: standard normal or uniform on [0, 1), in fp32
+        whatever the default dtype (a noise kind casts it where its formula says)."""
+        sampler = {"normal": torch.randn, "uniform": torch.rand}[distribution]
+        return sampler(shape, generator=self.generator(device, index), device=device, dtype=torch.float32)
