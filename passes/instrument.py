@@ -78,7 +78,7 @@ class Tap(nn.Module):
         self.transposed = transposed  # experts stored [E, in, out]
         self.site = site
         self.point = point
-        self.label = f"{site}:{point}"
+        self.label = InstrumentPass.label(site, point)
         self.site_kind = site_kind
         self.quantizer = quantizer
         self.shadow = shadow and point == "output"
