@@ -136,9 +136,12 @@ def finish_noise(model: ModelProto, mode: str, noise_inputs: list[str], opset: i
     kind's formula and neutral draw), become seeded draws of the kind's distribution (`random`)
     or disappear with the node (`off`)."""
     functions: dict[str, onnx.FunctionProto] = {}
-    for node in list(model.graph.node):
-        if node.domain != DOMAIN or node.op_type != "Noise":
-            continue
+    nodes = [n for n in model.graph.node if n.domain == DOMAIN and n.op_type == "Noise"]
+    lost = [name for name in noise_inputs if name not in {n.input[1] for n in nodes}]
+    if lost:
+        raise ExportError(f"audit failed: {len(lost)} of {len(noise_inputs)} noise insertions have no noise "
+                          f"node in the exported graph (folded or dropped): {', '.join(lost[:5])}")
+    for node in nodes:
         attrs = {k: _decode(v) for k, v in _attrs(node).items()}
         label = attrs.pop("label")
         node.name = label

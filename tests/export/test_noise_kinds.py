@@ -2,7 +2,8 @@
 
 Parametrized over `noise_kinds()`, so a new kind is checked without an edit: random values
 (with zeros, signed zeros and large magnitudes), random draws of the kind's distribution and
-random scales, in fp32 and fp16, through the custom op and its ONNX function body.
+random scales, in fp32 and fp16, through the custom op and its ONNX function body. And the
+export's audit of noise nodes.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ from onnx import TensorProto, helper
 
 import qtransform  # noqa: F401 - registers every pass's noise kinds
 from qtransform.core.noise_kinds import noise_kinds
-from qtransform.export.graph import noise_function
+from qtransform.export.functions import DOMAIN, ExportError
+from qtransform.export.graph import finish_noise, noise_function
 
 DTYPES = {torch.float32: (TensorProto.FLOAT, np.float32), torch.float16: (TensorProto.FLOAT16, np.float16)}
 OPSET = 21
@@ -71,3 +73,20 @@ def test_the_op_gradient_is_the_kinds_gradient(kind):
     eager = x.detach().clone().requires_grad_()
     spec.apply(eager, z, 0.4).backward(torch.ones(32))  # autograd through the eager formula
     assert torch.equal(x.grad, eager.grad)
+
+
+def test_a_noise_insertion_without_its_node_fails_the_audit():
+    """The exporter names one graph input per noise module; an input no `Noise` node reads means
+    the node was folded or dropped, and the file would silently compute without that noise."""
+    noise = helper.make_node("Noise", ["x", "noise:a/output"], ["y"], domain=DOMAIN, label="a/output_hw_error",
+                             kind="relative", scale=0.5)
+    inputs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, [2]) for n in ("x", "noise:a/output",
+                                                                                  "noise:b/output")]
+    graph = helper.make_graph([noise], "g", inputs, [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])])
+    model = helper.make_model(graph)
+    with pytest.raises(ExportError) as info:
+        finish_noise(model, "input", ["noise:a/output", "noise:b/output"], OPSET)
+    assert str(info.value) == ("audit failed: 1 of 2 noise insertions have no noise node in the exported graph "
+                               "(folded or dropped): noise:b/output")
+    finish_noise(model, "input", ["noise:a/output"], OPSET)  # every input read: the node gets its body
+    assert model.graph.node[0].name == "a/output_hw_error" and [f.overload for f in model.functions] == ["relative_0p5"]
