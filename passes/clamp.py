@@ -35,13 +35,11 @@ class Clamp(nn.Module):
 class ClampPass(Pass[ClampSpec, ClampSpec]):
     """Inserts `Clamp` at the section's point of every selected site."""
 
-    name = "clamp"
-    tag = "clamp"
-    section = "clamp"
+    name = tag = section = "clamp"
     requires = (FakeQuantPass.name,)  # clamps what the (fake-quantized) site computes
-    provides = ("clamp",)
+    provides = (name,)
 
-    def select(self, program: Program, spec: ClampSpec) -> list[Action]:
+    def select(self, program: Program, spec: ClampSpec) -> list[Action[ClampSpec]]:
         return [Action(site, spec.point, "clamp", spec)
                 for site in select_sites(program, spec, "clamp", kinds=LINEAR_KINDS)]
 

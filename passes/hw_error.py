@@ -69,7 +69,7 @@ class HWErrorPass(Pass[HWErrorSpec, HWErrorSpec]):
     name = tag = section = HWError.noise_pass
     provides = (name,)
 
-    def select(self, program: Program, spec: HWErrorSpec) -> list[Action]:
+    def select(self, program: Program, spec: HWErrorSpec) -> list[Action[HWErrorSpec]]:
         kinds = LINEAR_KINDS + (("matmul",) if spec.include_matmuls else ())
         sites = select_sites(program, spec, "hw_error", kinds=kinds)
         actions = [Action(s, spec.injection_point if s.kind != "matmul" else "output", "hw_error", spec)

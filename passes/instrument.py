@@ -263,7 +263,7 @@ class InstrumentPass(Pass[InstrumentSpec, InstrumentSpec]):
     section = "instrument"
     provides = ("instrument",)
 
-    def select(self, program: Program, spec: InstrumentSpec) -> list[Action]:
+    def select(self, program: Program, spec: InstrumentSpec) -> list[Action[InstrumentSpec]]:
         actions = []
         points = [p for p in POINTS if p in spec.points]
         for site in select_sites(program, spec, "instrument", kinds=LINEAR_KINDS):
