@@ -25,7 +25,8 @@ import torch.multiprocessing as mp
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 import qtransform
-from qtransform.passes import AQNNoise, FakeQuantize, HWError
+from qtransform.core.noise import NoiseModule
+from qtransform.passes import FakeQuantize
 
 MIB = 2**20
 
@@ -51,7 +52,7 @@ def _bytes(value) -> int:
 def held(m: torch.nn.Module) -> tuple[float, float]:
     """(parameters' local bytes, inserted modules' tensors' bytes) in MiB."""
     params = sum(_bytes(p.to_local() if hasattr(p, "to_local") else p) for p in m.parameters())
-    inserted = sum(_bytes(vars(x)) for x in m.modules() if isinstance(x, (FakeQuantize, AQNNoise, HWError)))
+    inserted = sum(_bytes(vars(x)) for x in m.modules() if isinstance(x, (FakeQuantize, NoiseModule)))
     return params / MIB, inserted / MIB
 
 

@@ -1,12 +1,13 @@
 """The passes, one per file. Importing this package registers each of them (`register_pass`),
 in pipeline order: fake-quant first, then noise, then instrumentation (taps see what the model
-computes)."""
+computes). Each module also registers what it brings besides its pass (a noise kind)."""
 
 from qtransform.passes.aqn_noise import AQNNoise, AQNNoisePass  # noqa: I001 - registration order
 from qtransform.passes.fake_quant import FakeQuantize, FakeQuantPass
 from qtransform.passes.hw_error import HWError, HWErrorPass
+from qtransform.passes.activation_noise import ActivationNoise, ActivationNoisePass
 from qtransform.passes.clamp import Clamp, ClampPass
 from qtransform.passes.instrument import InstrumentPass, Tap
 
-__all__ = ["AQNNoise", "AQNNoisePass", "Clamp", "ClampPass", "FakeQuantPass", "FakeQuantize", "HWError", "HWErrorPass",
+__all__ = ["AQNNoise", "AQNNoisePass", "ActivationNoise", "ActivationNoisePass", "Clamp", "ClampPass", "FakeQuantPass", "FakeQuantize", "HWError", "HWErrorPass",
            "InstrumentPass", "Tap"]

@@ -3,25 +3,23 @@
 The weight a site computes with becomes gamma + sigma_t * m_site * z. The parameter is never
 written: the noise is an inserted module on the site's weight, so it cannot accumulate across
 steps (the bug of in-place `weight.add_(noise)` implementations) and switching it off gives the
-clean model back bit for bit. The schedule lives in `qtransform.core.schedule`, the controller
-in `qtransform.rl.noise`.
+clean model back bit for bit. The schedule lives in `core/schedule.py`, the noise contract (step, switch, counters, export
+form) in `core/noise.py`, the controller in `rl/noise.py`.
 """
 
 from __future__ import annotations
 
-import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 
 from qtransform.core import ops
-from qtransform.core.phase import active, in_sync
+from qtransform.core.noise import NoiseModule
 from qtransform.core.program import Program
 from qtransform.core.schedule import sigma_at
 from qtransform.core.sharding import sharded
 from qtransform.core.sites import LINEAR_KINDS, Site
-from qtransform.core.streams import DrawStream
 from qtransform.errors import UserError
 from qtransform.pipeline.base import Action, Pass, register_pass
 from qtransform.pipeline.selection import select_sites
@@ -41,41 +39,7 @@ class NoiseConfig:
     seed: int
 
 
-@dataclass
-class NoiseCounts:
-    """What an AQN module saw: forwards and rollout-weight syncs, and whether noise was in them.
-
-    Kept so that a run that configured AQN and never applied it can say why (`silent_reason`):
-    the step never reached a noisy interval, no call at a noisy step ran in the noise's phase,
-    or the noise was switched off."""
-
-    forwards: int = 0
-    syncs: int = 0
-    noised_forwards: int = 0
-    noised_syncs: int = 0
-    at_noisy_steps: int = 0  # calls while the schedule's sigma was > 0
-    in_phase_at_noisy_steps: int = 0  # ... of those, calls in the noise's phase
-    last_step: int = -1  # the highest step at which a call came
-    sigmas: dict[float, int] = field(default_factory=dict)  # sigma -> noised calls at it
-
-    def record(self, step: int, sigma: float, in_phase: bool, enabled: bool) -> None:
-        sync = in_sync()
-        self.syncs += sync
-        self.forwards += not sync
-        self.last_step = max(self.last_step, step)
-        if sigma > 0:
-            self.at_noisy_steps += 1
-            self.in_phase_at_noisy_steps += in_phase
-            if in_phase and enabled:
-                self.noised_syncs += sync
-                self.noised_forwards += not sync
-                self.sigmas[sigma] = self.sigmas.get(sigma, 0) + 1
-
-
-LIVE_AQN: weakref.WeakSet[AQNNoise] = weakref.WeakSet()  # for the end-of-run check of rl.noise
-
-
-class AQNNoise(nn.Module):
+class AQNNoise(NoiseModule):
     """Adds sigma * z to the weight it receives; z and sigma are state, never parameters.
 
     z is a non-persistent buffer (it follows `.to(device)` but stays out of `state_dict()`),
@@ -84,33 +48,33 @@ class AQNNoise(nn.Module):
     checkpointing). Under FSDP (`core.sharding.sharded`) the buffer is emptied and each forward
     draws the step's z again, so the module keeps no tensor the size of the unsharded weight
     (the same values: one generator seed per (seed, site, step)). `noise_override`, when set, is
-    used as z instead (the ONNX exporter feeds a graph input).
+    used as z instead (the ONNX exporter feeds a graph input). z is drawn on the CPU
+    (`portable_draws`), so a model on a GPU noises its norms with the CPU's bits.
     """
 
+    noise_pass = "aqn_noise"
+    portable_draws = True
+
     def __init__(self, site: str, multiplier: float, config: NoiseConfig, weight: Tensor):
-        super().__init__()
+        super().__init__("add", AQNNoisePass.label(site, "weight"), seed=config.seed, stream_key=site,
+                         apply_during=config.apply_during)
         self.site = site
-        self.label = f"{site}/weight_noise"
         self.multiplier = multiplier
         self.config = config
-        self.enabled = True
-        self.noise_override: Tensor | None = None
-        self.stream = DrawStream(config.seed, site)
-        self.counts = NoiseCounts()
-        self.step_index = 0
         self.sigma = 0.0
         self.register_buffer("z", torch.zeros_like(weight), persistent=False)
         self.set_step(0)
-        LIVE_AQN.add(self)
 
     def extra_repr(self) -> str:
         return (f"label={self.label!r}, multiplier={self.multiplier:g}, step={self.step_index}, "
                 f"sigma={self.sigma:.3g}, during={self.config.apply_during}")
 
+    def scale(self) -> float:
+        return self.sigma
+
     @torch.no_grad()
     def set_step(self, step: int, draws: int = 0) -> None:
         """Sigma for `step` from the schedule, and the step's draw of z."""
-        self.step_index = step
         self.sigma = sigma_at(step, self.config.schedule) * self.multiplier
         self.stream.set_step(step, draws)
         if sharded(self):
@@ -119,9 +83,8 @@ class AQNNoise(nn.Module):
             self.z.copy_(self._step_z(self.z.shape, self.z.device))
 
     def _step_z(self, shape: torch.Size, device: torch.device) -> Tensor:
-        """The step's draw: fp32 normals from the (seed, site, step) generator, in z's dtype,
-        drawn on the CPU so that every device noises the weights with the same bits."""
-        return self.stream.normal(shape, self.z.new_empty(0, device=device), None, portable=True)
+        """The step's draw: fp32 normals from the (seed, site, step) generator, in z's dtype."""
+        return self.sample(shape, self.z.new_empty(0, device=device), None).to(self.z.dtype)
 
     def _held_z(self, weight: Tensor) -> Tensor:
         """The step's z for `weight`: the buffer, or (sharded: no buffer is kept) a fresh draw."""
@@ -134,25 +97,18 @@ class AQNNoise(nn.Module):
         if self.z.numel():
             self.z = self.z.new_empty(0)  # stays a buffer: dtype and device follow .to()
 
+    def draw(self, x: Tensor) -> Tensor:
+        if self.config.resample == "forward":
+            return super().draw(x)
+        return self._held_z(x)
+
+    def traced_draw(self, x: Tensor) -> Tensor:
+        return self._held_z(x)
+
     def forward(self, weight: Tensor) -> Tensor:
-        in_phase = active(self.config.apply_during, self.training)
-        scale = self.sigma if in_phase and self.enabled else 0.0
-        z = self.noise_override
-        if ops.is_tracing(weight):
-            return torch.ops.qtransform.noise(weight, self._held_z(weight) if z is None else z, scale, "add",
-                                              self.label)
-        self.counts.record(self.step_index, self.sigma, in_phase, self.enabled)
-        if sharded(self):
+        if sharded(self) and not ops.is_tracing(weight):
             self._release_z()  # the model was sharded after the transform: keep no full-size z
-        if scale == 0.0:
-            return weight
-        if z is None:
-            if self.config.resample == "forward":
-                z = self.stream.normal(weight.shape, weight, self.stream.next_index(self.training),
-                                       portable=True)
-            else:
-                z = self._held_z(weight)
-        return weight + scale * z.to(weight.dtype)
+        return super().forward(weight)
 
 
 def site_multipliers(program: Program, spec: NoiseSpec, sites: list[Site]) -> dict[str, tuple[float, list[str]]]:
@@ -180,36 +136,47 @@ def site_multipliers(program: Program, spec: NoiseSpec, sites: list[Site]) -> di
     return out
 
 
+@dataclass(frozen=True)
+class AQNSite:
+    """What `build` needs for one noised site: the shared config and the site's factor."""
+
+    config: NoiseConfig
+    multiplier: float  # m_site
+    why: tuple[str, ...]  # where each factor of m_site comes from ("layer 14 x1.5", ...)
+
+
 @register_pass
-class AQNNoisePass(Pass[NoiseSpec]):
+class AQNNoisePass(Pass[NoiseSpec, AQNSite]):
     """Inserts `AQNNoise` on the weight of every site the policy's `noise` section selects."""
 
-    name = "aqn_noise"
-    tag = "aqn_noise"
+    name = tag = AQNNoise.noise_pass
     section = "noise"
-    provides = ("aqn_noise",)
+    provides = (name,)
 
-    def select(self, program: Program, spec: NoiseSpec) -> list[Action]:
+    @classmethod
+    def label(cls, site: str, point: str) -> str:
+        return f"{site}/{point}_noise"
+
+    def select(self, program: Program, spec: NoiseSpec) -> list[Action[AQNSite]]:
         sites = select_sites(program, spec, "noise", kinds=NOISE_KINDS)
         factors = site_multipliers(program, spec, sites)
         config = NoiseConfig(spec.schedule, spec.resample, spec.apply_during, spec.seed)
         return [
-            Action(site, "weight", "noise",
-                   {"config": config, "multiplier": factors[site.name][0], "why": factors[site.name][1]})
+            Action(site, "weight", "noise", AQNSite(config, factors[site.name][0], tuple(factors[site.name][1])))
             for site in sites
         ]
 
-    def build(self, program: Program, action: Action) -> nn.Module:
+    def build(self, program: Program, action: Action[AQNSite]) -> nn.Module:
         site = action.site
         weight = getattr(program.model.get_submodule(site.module_name), site.param or "weight")
-        module = AQNNoise(action.site.name, action.params["multiplier"], action.params["config"], weight)
+        module = AQNNoise(action.site.name, action.payload.multiplier, action.payload.config, weight)
         return module.train(program.model.training)
 
-    def describe(self, action: Action) -> str:
-        s = action.params["config"].schedule
+    def describe(self, action: Action[AQNSite]) -> str:
+        s = action.payload.config.schedule
         end = "" if s.sigma_end is None else f"->{s.sigma_end:g}"
-        why = action.params["why"]
+        why = action.payload.why
         reason = why[0].rsplit(" x", 1)[0] if len(why) == 1 else ", ".join(why)
-        during = action.params["config"].apply_during
-        return (f"{s.kind} {s.sigma_start:g}{end} K={s.stages}, sigma x{action.params['multiplier']:g}"
+        during = action.payload.config.apply_during
+        return (f"{s.kind} {s.sigma_start:g}{end} K={s.stages}, sigma x{action.payload.multiplier:g}"
                 + (f" ({reason})" if why else "") + f", during {during}")

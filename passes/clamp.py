@@ -11,6 +11,7 @@ from torch import Tensor, nn
 
 from qtransform.core.program import Program
 from qtransform.core.sites import LINEAR_KINDS
+from qtransform.passes.fake_quant import FakeQuantPass
 from qtransform.pipeline.base import Action, Pass, register_pass
 from qtransform.pipeline.selection import select_sites
 from qtransform.schemas.sections.clamp import ClampSpec
@@ -31,21 +32,19 @@ class Clamp(nn.Module):
 
 
 @register_pass
-class ClampPass(Pass[ClampSpec]):
+class ClampPass(Pass[ClampSpec, ClampSpec]):
     """Inserts `Clamp` at the section's point of every selected site."""
 
-    name = "clamp"
-    tag = "clamp"
-    section = "clamp"
-    requires = ("fake_quant",)  # clamps what the (fake-quantized) site computes
-    provides = ("clamp",)
+    name = tag = section = "clamp"
+    requires = (FakeQuantPass.name,)  # clamps what the (fake-quantized) site computes
+    provides = (name,)
 
-    def select(self, program: Program, spec: ClampSpec) -> list[Action]:
-        return [Action(site, spec.point, "clamp", {"limit": spec.limit})
+    def select(self, program: Program, spec: ClampSpec) -> list[Action[ClampSpec]]:
+        return [Action(site, spec.point, "clamp", spec)
                 for site in select_sites(program, spec, "clamp", kinds=LINEAR_KINDS)]
 
-    def build(self, program: Program, action: Action) -> nn.Module:
-        return Clamp(action.params["limit"])
+    def build(self, program: Program, action: Action[ClampSpec]) -> nn.Module:
+        return Clamp(action.payload.limit)
 
-    def describe(self, action: Action) -> str:
-        return f"±{action.params['limit']:g}"
+    def describe(self, action: Action[ClampSpec]) -> str:
+        return f"±{action.payload.limit:g}"

@@ -25,7 +25,7 @@ from qtransform.schemas import QuantRule
 
 def weight_label(site: str) -> str:
     """The label of a site's weight fake-quant (its stream key and its node name in exports)."""
-    return f"{site}/weight_fake_quant"
+    return FakeQuantPass.label(site, "weight")
 
 
 def expert_seed(seed: int, expert: int) -> int:
@@ -146,24 +146,22 @@ class FakeQuantize(nn.Module):
 
 
 @register_pass
-class FakeQuantPass(Pass[list[QuantRule]]):
+class FakeQuantPass(Pass[list[QuantRule], QuantRule]):
     """Inserts `FakeQuantize` on every (site, tensor) the policy's `quantize` rules select."""
 
-    name = "fake_quant"
-    tag = "fake_quant"
+    name = tag = "fake_quant"  # the one spelling: other modules read FakeQuantPass.name / .label
     section = "quantize"
-    provides = ("fake_quant",)
+    provides = (name,)
 
-    def select(self, program: Program, spec: list[QuantRule]) -> list[Action]:
+    def select(self, program: Program, spec: list[QuantRule]) -> list[Action[QuantRule]]:
         return resolve_quantize(program, spec)
 
-    def build(self, program: Program, action: Action) -> nn.Module:
-        rule, site = action.params["rule"], action.site
+    def build(self, program: Program, action: Action[QuantRule]) -> nn.Module:
+        site = action.site
         weight = action.point == "weight"
-        config = rule.config().bind(site.reduction_axis if weight else -1)
-        label = weight_label(site.name) if weight else f"{site.name}/{action.point}_fake_quant"
-        return FakeQuantize(config, label, cache=weight,
+        config = action.payload.config().bind(site.reduction_axis if weight else -1)
+        return FakeQuantize(config, self.label(site.name, action.point), cache=weight,
                             per_expert=site.kind == "experts" and weight)
 
-    def describe(self, action: Action) -> str:
-        return action.params["rule"].config().describe()
+    def describe(self, action: Action[QuantRule]) -> str:
+        return action.payload.config().describe()

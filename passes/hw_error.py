@@ -8,14 +8,11 @@ per-module generator seeded by (seed, site), so a run is reproducible.
 
 from __future__ import annotations
 
-import torch
-from torch import Tensor, nn
+from torch import nn
 
-from qtransform.core import ops
-from qtransform.core.phase import active
+from qtransform.core.noise import NoiseModule
 from qtransform.core.program import Program
 from qtransform.core.sites import LINEAR_KINDS, Site
-from qtransform.core.streams import DrawStream
 from qtransform.errors import UserError
 from qtransform.pipeline.base import Action, Pass, register_pass
 from qtransform.pipeline.selection import select_sites
@@ -24,7 +21,7 @@ from qtransform.schemas import HWErrorSpec
 OP_KIND = {"relative_gaussian": "relative", "absolute_gaussian": "add"}
 
 
-class HWError(nn.Module):
+class HWError(NoiseModule):
     """x*(1 + s*z) (relative) or x + s*z (absolute) with a fresh z each forward.
 
     z comes from the site's stream: draw k of step t is a function of (seed, site, t, k) only, so
@@ -34,33 +31,18 @@ class HWError(nn.Module):
     draws fresh noise each run.
     """
 
+    noise_pass = "hw_error"
+
     def __init__(self, error_type: str, scale: float, label: str, *, seed: int, apply_during: str):
-        super().__init__()
+        super().__init__(OP_KIND[error_type], label, seed=seed, stream_key=label, apply_during=apply_during)
         self.error_type = error_type
-        self.kind = OP_KIND[error_type]
-        self.scale = scale
-        self.label = label
-        self.apply_during = apply_during
-        self.enabled = True
-        self.noise_override: Tensor | None = None
-        self.stream = DrawStream(seed, label)
+        self.error_scale = scale
 
     def extra_repr(self) -> str:
-        return f"{self.error_type}, scale={self.scale:g}, label={self.label!r}, apply_during={self.apply_during}"
+        return f"{self.error_type}, scale={self.error_scale:g}, label={self.label!r}, apply_during={self.apply_during}"
 
-    def set_step(self, step: int, draws: int = 0) -> None:
-        self.stream.set_step(step, draws)
-
-    def forward(self, x: Tensor) -> Tensor:
-        scale = self.scale if self.enabled and active(self.apply_during, self.training) else 0.0
-        z = self.noise_override
-        if ops.is_tracing(x):
-            z = torch.randn_like(x, dtype=torch.float32) if z is None else z
-            return torch.ops.qtransform.noise(x, z, scale, self.kind, self.label)
-        if scale == 0.0:
-            return x
-        z = self.stream.normal(x.shape, x, self.stream.next_index(self.training)) if z is None else z.to(x.dtype)
-        return x * (1 + scale * z) if self.kind == "relative" else x + scale * z
+    def scale(self) -> float:
+        return self.error_scale
 
 
 def matmul_sites(program: Program, spec: HWErrorSpec) -> list[Site]:
@@ -81,32 +63,30 @@ def matmul_sites(program: Program, spec: HWErrorSpec) -> list[Site]:
 
 
 @register_pass
-class HWErrorPass(Pass[HWErrorSpec]):
+class HWErrorPass(Pass[HWErrorSpec, HWErrorSpec]):
     """Inserts `HWError` at the policy's injection point of every selected site."""
 
-    name = "hw_error"
-    tag = "hw_error"
-    section = "hw_error"
-    provides = ("hw_error",)
+    name = tag = section = HWError.noise_pass
+    provides = (name,)
 
-    def select(self, program: Program, spec: HWErrorSpec) -> list[Action]:
+    def select(self, program: Program, spec: HWErrorSpec) -> list[Action[HWErrorSpec]]:
         kinds = LINEAR_KINDS + (("matmul",) if spec.include_matmuls else ())
         sites = select_sites(program, spec, "hw_error", kinds=kinds)
-        actions = [Action(s, spec.injection_point if s.kind != "matmul" else "output", "hw_error", {"spec": spec})
+        actions = [Action(s, spec.injection_point if s.kind != "matmul" else "output", "hw_error", spec)
                    for s in sites]
         if spec.include_matmuls:
             chosen = {s.name for s in sites}
-            actions += [Action(s, "output", "hw_error", {"spec": spec})
+            actions += [Action(s, "output", "hw_error", spec)
                         for s in matmul_sites(program, spec) if s.name not in chosen]
         order = {name: i for i, name in enumerate(program.sites)}
         return sorted(actions, key=lambda a: order[a.site.name])
 
-    def build(self, program: Program, action: Action) -> nn.Module:
-        spec = action.params["spec"]
-        label = f"{action.site.name}/{action.point}_hw_error"
+    def build(self, program: Program, action: Action[HWErrorSpec]) -> nn.Module:
+        spec = action.payload
+        label = self.label(action.site.name, action.point)
         module = HWError(spec.error_type, spec.error_scale, label, seed=spec.seed, apply_during=spec.apply_during)
         return module.train(program.model.training)
 
-    def describe(self, action: Action) -> str:
-        spec = action.params["spec"]
+    def describe(self, action: Action[HWErrorSpec]) -> str:
+        spec = action.payload
         return f"{spec.error_type} s={spec.error_scale:g} during {spec.apply_during}"

@@ -42,6 +42,7 @@ from qtransform.core.program import Program
 from qtransform.core.sites import LINEAR_KINDS
 from qtransform.core.versions import content_key
 from qtransform.formats import QuantConfig
+from qtransform.passes.fake_quant import FakeQuantPass
 from qtransform.pipeline.base import Action, Pass, register_pass
 from qtransform.pipeline.selection import select_sites
 from qtransform.schemas import InstrumentSpec
@@ -77,7 +78,7 @@ class Tap(nn.Module):
         self.transposed = transposed  # experts stored [E, in, out]
         self.site = site
         self.point = point
-        self.label = f"{site}:{point}"
+        self.label = InstrumentPass.label(site, point)
         self.site_kind = site_kind
         self.quantizer = quantizer
         self.shadow = shadow and point == "output"
@@ -253,16 +254,16 @@ def tapping(model: nn.Module, enabled: bool = True, *, stride: int = 1) -> Itera
 
 # -- the pass ---------------------------------------------------------------------------------
 @register_pass
-class InstrumentPass(Pass[InstrumentSpec]):
+class InstrumentPass(Pass[InstrumentSpec, InstrumentSpec]):
     """Taps on the points the policy's `instrument` section selects; no section, no taps."""
 
     name = "instrument"
     tag = "tap"
-    requires = ("fake_quant",)
+    requires = (FakeQuantPass.name,)
     section = "instrument"
     provides = ("instrument",)
 
-    def select(self, program: Program, spec: InstrumentSpec) -> list[Action]:
+    def select(self, program: Program, spec: InstrumentSpec) -> list[Action[InstrumentSpec]]:
         actions = []
         points = [p for p in POINTS if p in spec.points]
         for site in select_sites(program, spec, "instrument", kinds=LINEAR_KINDS):
@@ -274,11 +275,11 @@ class InstrumentPass(Pass[InstrumentSpec]):
                     extra += ("raw:input", "raw:weight") + (("raw:bias",) if has_bias else ())
                 if experts and point != "weight":
                     extra += (f"raw:{COUNTS}",)
-                actions.append(Action(site, point, "instrument", {"spec": spec}, extra=extra))
+                actions.append(Action(site, point, "instrument", spec, extra=extra))
         return actions
 
-    def build(self, program: Program, action: Action) -> nn.Module:
-        spec = action.params["spec"]
+    def build(self, program: Program, action: Action[InstrumentSpec]) -> nn.Module:
+        spec = action.payload
         site = action.site
         others = [i for i in program.insertions(site=site.name) if i.pass_name != self.name]
         return Tap(site.name, action.point, site_kind=site.kind,
@@ -287,13 +288,17 @@ class InstrumentPass(Pass[InstrumentSpec]):
                    saturation=spec.saturation, block_exponents=spec.block_exponents,
                    transposed=site.weight_transposed)
 
-    def describe(self, action: Action) -> str:
+    @classmethod
+    def label(cls, site: str, point: str) -> str:
+        return f"{site}:{point}"
+
+    def describe(self, action: Action[InstrumentSpec]) -> str:
         return "tap + shadow" if action.point == "output" and "raw:weight" in action.extra else "tap"
 
 
 def quantizer(program: Program, site: str, point: str) -> QuantConfig | None:
     """The config of the fake-quant module on this point, read from the insertion log."""
-    for ins in program.insertions(site=site, pass_name="fake_quant"):
+    for ins in program.insertions(site=site, pass_name=FakeQuantPass.name):
         if ins.point == point:
             return program.module().get_submodule(ins.module_path).config
     return None

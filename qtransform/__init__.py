@@ -1,6 +1,6 @@
 """qtransform: fake quantization, instrumentation and noise for LLMs, as passes on torch.fx.
 
-The public API. Transform: `transform`, `plan`, `capture`, `noise_controller`,
+The public API. Transform: `transform`, `transform_program`, `plan`, `capture`, `noise_controller`,
 `save_transformed` / `load_transformed`. RL: `rollout_weights`, `rollout_filter`, `rollout`. Numerics: `fake_quantize`, `formats`. Policies:
 `Policy`, `load_policy`. Scans: `scan_weights`, `compare_formats`, `scan_activations`,
 `gain_scan`, `kurtosis_scan`, `instability_scan`, `ScanReport`, `guide`. Export: `export_onnx`.
@@ -16,7 +16,7 @@ from qtransform.core.sites import Site
 from qtransform.errors import UserError
 from qtransform.export import export_onnx
 from qtransform.formats import fake_quantize
-from qtransform.pipeline import Pass, PassManager, Plan, plan, transform
+from qtransform.pipeline import Pass, PassManager, Plan, plan, transform, transform_program
 from qtransform.pipeline.saving import load_transformed, save_transformed
 from qtransform.rl import (
     NoiseController,
@@ -72,4 +72,5 @@ __all__ = [
     "scan_activations",
     "scan_weights",
     "transform",
+    "transform_program",
 ]

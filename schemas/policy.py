@@ -40,9 +40,11 @@ class PolicyRoot(StrictModel):
 
 
 def _field(section: Any) -> tuple[Any, Any]:
+    """The root's field for a section; its example travels into the JSON Schema (`examples`)."""
+    text = {"description": section.description or None, "examples": [section.example]}
     if isinstance(section.default, list):
-        return section.annotation, Field(default_factory=list, description=section.description or None)
-    return section.annotation, Field(section.default, description=section.description or None)
+        return section.annotation, Field(default_factory=list, **text)
+    return section.annotation, Field(section.default, **text)
 
 
 Policy = create_model(  # type: ignore[call-overload]

@@ -14,6 +14,7 @@ from qtransform.core.program import insertion_log
 from qtransform.errors import UserError
 from qtransform.export.onnx import check_opset, export_onnx
 from qtransform.models import load_model
+from qtransform.passes import FakeQuantPass
 from qtransform.pipeline import transform
 from qtransform.schemas import load_policy
 
@@ -103,7 +104,7 @@ def run_export(args: argparse.Namespace) -> int:
     summary = {
         "out": str(path),
         "seconds": round(seconds, 2),
-        "fake_quant_nodes": sum(1 for e in log if e["pass_name"] == "fake_quant"),
+        "fake_quant_nodes": sum(1 for e in log if e["pass_name"] == FakeQuantPass.name),
         "inputs": [i.name for i in graph.input],
         "outputs": [o.name for o in graph.output],
         "fake_quant": args.fake_quant,

@@ -12,6 +12,7 @@ import torch
 from torch import Tensor
 
 from qtransform import formats
+from qtransform.core.noise_kinds import noise_kind
 from qtransform.formats import QuantConfig
 
 
@@ -58,17 +59,13 @@ tap.register_autograd(lambda ctx, grad: (grad, None), setup_context=lambda ctx, 
 
 @torch.library.custom_op("qtransform::noise", mutates_args=())
 def noise(x: Tensor, z: Tensor, scale: float, kind: str, label: str) -> Tensor:
-    """`x + scale*z` (kind "add") or `x * (1 + scale*z)` (kind "relative"), z given explicitly.
+    """The registered noise kind `kind` (`core/noise.py`: "add" is x + scale*z, "relative"
+    x*(1 + scale*z), ...) with the draw z given explicitly.
 
     The draw z is an input, not generated inside, so exported graphs can take it as a named
     graph input and reproduce PyTorch's run exactly.
     """
-    z = z.to(x.dtype)
-    if kind == "add":
-        return x + scale * z
-    if kind == "relative":
-        return x * (1 + scale * z)
-    raise ValueError(f"unknown noise kind {kind!r}; allowed: add, relative")
+    return noise_kind(kind).apply(x, z, scale)
 
 
 @noise.register_fake
@@ -84,9 +81,7 @@ def _noise_setup(ctx, inputs, output) -> None:
 
 def _noise_backward(ctx, grad: Tensor):
     (z,) = ctx.saved_tensors
-    if ctx.kind == "relative":
-        grad = grad * (1 + ctx.scale * z.to(grad.dtype))
-    return grad, None, None, None, None
+    return noise_kind(ctx.kind).grad(grad, z, ctx.scale), None, None, None, None
 
 
 noise.register_autograd(_noise_backward, setup_context=_noise_setup)

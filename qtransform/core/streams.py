@@ -72,14 +72,8 @@ class DrawStream:
             gen = self._generators[device] = torch.Generator(device=device)
         return gen.manual_seed(self.seed_at(index))
 
-    def normal(self, shape: torch.Size, like: torch.Tensor, index: int | None,
-               portable: bool = False) -> torch.Tensor:
-        """Standard normal draw in fp32, cast to `like`'s dtype on its device.
-
-        `portable` draws on the CPU and moves the result, so every device gets the same bits
-        (CPU and CUDA generators are different streams): for weight-sized draws such as AQN's,
-        where the copy is cheap; activation-sized draws stay on their device."""
-        device = torch.device("cpu") if portable else like.device
-        z = torch.randn(shape, generator=self.generator(device, index), device=device,
-                        dtype=torch.float32)
-        return z.to(like.dtype).to(like.device)
+    def sample(self, distribution: str, shape: torch.Size, device: torch.device, index: int | None) -> torch.Tensor:
+        """Draw `index` of this step on `device`: standard normal or uniform on [0, 1), in fp32
+        whatever the default dtype (a noise kind casts it where its formula says)."""
+        sampler = {"normal": torch.randn, "uniform": torch.rand}[distribution]
+        return sampler(shape, generator=self.generator(device, index), device=device, dtype=torch.float32)

@@ -110,6 +110,11 @@ def register_onnx_family(name: str, family: OnnxFamily) -> OnnxFamily:
     return family
 
 
+def onnx_family_names() -> tuple[str, ...]:
+    """The families that have an ONNX form."""
+    return tuple(_ONNX_FAMILIES)
+
+
 def onnx_family(cfg: QuantConfig) -> OnnxFamily:
     """The ONNX form of cfg's family; UnsupportedExport when it has none."""
     family = _ONNX_FAMILIES.get(cfg.family.name)

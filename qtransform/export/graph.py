@@ -18,6 +18,7 @@ import onnx
 from onnx import FunctionProto, ModelProto, NodeProto, TensorProto, helper
 
 from qtransform import formats
+from qtransform.core.noise_kinds import DRAWS, noise_kind
 from qtransform.core.ops import split_expert_label
 from qtransform.export.functions import (
     DOMAIN,
@@ -30,6 +31,7 @@ from qtransform.export.functions import (
     overload,
 )
 from qtransform.formats.options import QuantConfig
+from qtransform.passes import FakeQuantPass
 
 
 # -- reading nodes --------------------------------------------------------------------------------
@@ -130,12 +132,16 @@ def _bypass(model: ModelProto, node: NodeProto) -> None:
 
 
 def finish_noise(model: ModelProto, mode: str, noise_inputs: list[str], opset: int) -> None:
-    """Noise nodes get their function; their draws stay graph inputs, become seeded
-    RandomNormalLike nodes (`random`) or disappear with the node (`off`)."""
+    """Noise nodes get their kind's function; their draws stay graph inputs (documented with the
+    kind's formula and neutral draw), become seeded draws of the kind's distribution (`random`)
+    or disappear with the node (`off`)."""
     functions: dict[str, onnx.FunctionProto] = {}
-    for node in list(model.graph.node):
-        if node.domain != DOMAIN or node.op_type != "Noise":
-            continue
+    nodes = [n for n in model.graph.node if n.domain == DOMAIN and n.op_type == "Noise"]
+    lost = [name for name in noise_inputs if name not in {n.input[1] for n in nodes}]
+    if lost:
+        raise ExportError(f"audit failed: {len(lost)} of {len(noise_inputs)} noise insertions have no noise "
+                          f"node in the exported graph (folded or dropped): {', '.join(lost[:5])}")
+    for node in nodes:
         attrs = {k: _decode(v) for k, v in _attrs(node).items()}
         label = attrs.pop("label")
         node.name = label
@@ -146,8 +152,8 @@ def finish_noise(model: ModelProto, mode: str, noise_inputs: list[str], opset: i
             seed = float(zlib.crc32(label.encode()) % 2**24)
             z = f"{label}/z"
             model.graph.node.insert(list(model.graph.node).index(node), helper.make_node(
-                "RandomNormalLike", [node.input[0]], [z], name=f"{label}/draw", dtype=onnx.TensorProto.FLOAT,
-                seed=seed))
+                RANDOM_OPS[noise_kind(attrs["kind"]).draw], [node.input[0]], [z], name=f"{label}/draw",
+                dtype=onnx.TensorProto.FLOAT, seed=seed))
             node.input[1] = z
         overload = f"{attrs['kind']}_{attrs['scale']!r}".replace(".", "p").replace("-", "m")
         node.overload = overload
@@ -155,11 +161,24 @@ def finish_noise(model: ModelProto, mode: str, noise_inputs: list[str], opset: i
         functions.setdefault(overload, noise_function(attrs["kind"], attrs["scale"], opset, overload))
     if mode == "input":
         _noise_dims_like_x(model)
+        _document_draws(model)
     else:
         keep = [i for i in model.graph.input if i.name not in set(noise_inputs)]
         del model.graph.input[:]
         model.graph.input.extend(keep)
     model.functions.extend(functions.values())
+
+
+def _document_draws(model: ModelProto) -> None:
+    """Each draw input says what it feeds and which value switches the noise off."""
+    inputs = {i.name: i for i in model.graph.input}
+    for node in model.graph.node:
+        if node.domain == DOMAIN and node.op_type == "Noise" and node.input[1] in inputs:
+            kind = noise_kind(_decode(_attrs(node)["kind"]))
+            off = (f"all {kind.neutral:g} disables it" if kind.neutral is not None
+                   else "no draw disables it (export with noise='off')")
+            inputs[node.input[1]].doc_string = (f"draw z ({kind.draw}, fp32) of {node.name}: {kind.name} noise "
+                                                f"{kind.formula}; {off}")
 
 
 def _noise_dims_like_x(model: ModelProto) -> None:
@@ -191,7 +210,7 @@ def finish_fake_quant(model: ModelProto, opset: int) -> list[str]:
 def audit(labels: list[str], log: list[dict]) -> None:
     """Every quantized site tensor of the log appears as exactly one fake-quant node (a fused
     experts weight quantized expert by expert: one node per expert, `<label>.expert<e>`)."""
-    expected = Counter(f"{e['site']}/{e['point']}_fake_quant" for e in log if e["pass_name"] == "fake_quant")
+    expected = Counter(FakeQuantPass.label(e["site"], e["point"]) for e in log if e["pass_name"] == FakeQuantPass.name)
     found: Counter[str] = Counter()
     experts: dict[str, set[int]] = {}
     for label in labels:
@@ -230,22 +249,30 @@ def name_dims(model: ModelProto) -> None:
 
 
 # -- noise bodies ---------------------------------------------------------------------------------
+RANDOM_OPS = {"normal": "RandomNormalLike", "uniform": "RandomUniformLike"}  # a kind's draw, in ONNX
+if set(RANDOM_OPS) != set(DRAWS):
+    raise ImportError(f"export/graph.py: RANDOM_OPS covers {sorted(RANDOM_OPS)}, noise kinds draw {sorted(DRAWS)}")
+
+
+class NoiseBody(Body):
+    """The `OnnxBuilder` a noise kind writes its form with (`core/noise_kinds.py`)."""
+
+    def as_float(self, value: str) -> str:
+        return self.op("Cast", value, to=TensorProto.FLOAT)
+
+    def rounded(self, value: str) -> str:
+        """`value` rounded to X's dtype and carried on in fp32: PyTorch's arithmetic in x.dtype."""
+        return self.as_float(self.op("CastLike", value, "X"))
+
+
 def noise_function(kind: str, scale: float, opset: int, overload: str) -> FunctionProto:
-    """`x + scale*z` or `x * (1 + scale*z)`, each step rounded to x's dtype as in PyTorch."""
-    b = Body()
-    x, z = b.op("Cast", "X", to=TensorProto.FLOAT), b.op("Cast", "Z", to=TensorProto.FLOAT)
-    z = b.op("Cast", b.op("CastLike", z, "X"), to=TensorProto.FLOAT)  # z.to(x.dtype)
-
-    def rounded(v: str) -> str:
-        return b.op("Cast", b.op("CastLike", v, "X"), to=TensorProto.FLOAT)
-
-    sz = rounded(b.op("Mul", z, b.const(scale)))
-    if kind == "add":
-        out = b.op("Add", x, sz)
-    elif kind == "relative":
-        out = b.op("Mul", x, rounded(b.op("Add", sz, b.const(1.0))))
-    else:
-        raise UnsupportedExport(f"unknown noise kind {kind!r}; allowed: add, relative")
+    """The registered kind's formula (`NoiseKind.onnx`), its result cast to X's dtype."""
+    try:
+        form = noise_kind(kind).onnx
+    except ValueError as exc:
+        raise UnsupportedExport(str(exc)) from None
+    b = NoiseBody()
+    out = form(b, scale)
     b.nodes.append(helper.make_node("CastLike", [out, "X"], ["Y"]))
     return helper.make_function(
         DOMAIN, "Noise", ["X", "Z"], ["Y"], b.nodes, [helper.make_opsetid("", opset)],

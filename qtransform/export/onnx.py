@@ -29,6 +29,7 @@ import qtransform.core.ops  # noqa: F401 - registers the custom ops the translat
 from qtransform.core.capture import normalize_inputs, with_attention_mask
 from qtransform.core.experts import traceable_experts
 from qtransform.core.io import atomic_files
+from qtransform.core.noise import NoiseModule
 from qtransform.core.program import Program, insertion_log
 from qtransform.errors import UserError
 from qtransform.export.functions import DOMAIN, ExportError, UnsupportedExport, attributes
@@ -42,7 +43,6 @@ from qtransform.export.graph import (
 )
 from qtransform.export.modes import inline_functions, to_qdq
 from qtransform.formats.options import CHOICE_OPTIONS, QuantConfig
-from qtransform.passes import AQNNoise, HWError
 
 FAKE_QUANT_MODES = ("function", "inline", "qdq")
 NOISE_MODES = ("input", "random", "off")
@@ -128,7 +128,7 @@ def _noise_modules(module: nn.Module, log: list[dict]) -> list[tuple[str, str, n
             mod = module.get_submodule(entry["module_path"])
         except AttributeError:
             continue
-        if isinstance(mod, (AQNNoise, HWError)):
+        if isinstance(mod, NoiseModule):
             found.append((entry, mod))
     counts = Counter((e["site"], e["point"]) for e, _ in found)
     named = []
@@ -333,7 +333,8 @@ def export_onnx(
     bodies, bit-exact in onnxruntime), "inline" (bodies expanded into the graph) or "qdq"
     (QuantizeLinear/DequantizeLinear, opset >= 24, for deployment toolchains; onnxruntime 1.31
     cannot run it). taps: graph outputs `tap:<site>:<point>`. noise: "input" (graph inputs
-    `noise:<site>/<point>`, zeros disable), "random" (seeded RandomNormalLike) or "off".
+    `noise:<site>/<point>`, each kind's neutral draw disables: zeros for additive and relative
+    noise), "random" (seeded draws of each kind's distribution) or "off".
     `example_inputs`: a dict of keyword tensors (`{"input_ids": ids}`), a tuple or one tensor.
     attention_mask: add an `attention_mask` input (all ones in the example) beside `input_ids`,
     dynamic like it, so left- or right-padded batches run through the file.

@@ -5,7 +5,7 @@ themselves (`register_pass`) when `qtransform.passes` is imported, which `import
 from qtransform.core.plan import Plan, PlanRow
 from qtransform.pipeline.base import Action, Pass, register_pass, registered_passes
 from qtransform.pipeline.manager import PassManager
-from qtransform.pipeline.transform import plan, transform
+from qtransform.pipeline.transform import plan, transform, transform_program
 
 __all__ = ["Action", "Pass", "PassManager", "Plan", "PlanRow", "plan", "register_pass",
-           "registered_passes", "transform"]
+           "registered_passes", "transform", "transform_program"]

@@ -5,46 +5,54 @@ passes, the manager and `transform()` all import it at the top. A pass reads one
 policy, typed: `section` names it and `select` receives that section's spec object (or is not
 called when the policy has no such section).
 
+`select` hands `build` one typed payload per action (torchao's handler-receives-its-config
+shape): a pass is `Pass[SpecT, PayloadT]`, its actions are `Action[PayloadT]`, and the manager
+checks that every action a pass selects carries a `PayloadT` (the type argument, read when the
+pass registers), so a pass cannot hand itself a dict of loose keys.
+
 The smallest pass, in full (see docs/architecture.md for the files a new pass touches)::
 
     @register_pass
-    class ClampPass(Pass[ClampSpec]):
+    class ClampPass(Pass[ClampSpec, ClampSpec]):
         name = tag = section = "clamp"
 
         def select(self, program, spec):
-            return [Action(s, spec.point, "clamp", {"limit": spec.limit})
+            return [Action(s, spec.point, "clamp", spec)
                     for s in select_sites(program, spec, "clamp", kinds=LINEAR_KINDS)]
 
         def build(self, program, action):
-            return OutputClamp(action.params["limit"])
+            return Clamp(action.payload.limit)
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
-from typing import Any, ClassVar, Generic, TypeVar
+from dataclasses import dataclass
+from typing import ClassVar, Generic, TypeVar, get_args, get_origin
 
 from torch import nn
 
 from qtransform.core.program import Program
 from qtransform.core.sites import Site
+from qtransform.schemas.sections import SECTIONS
 
 SpecT = TypeVar("SpecT")
+PayloadT = TypeVar("PayloadT")
 
 
 @dataclass
-class Action:
-    """One thing a pass will do: insert at `point` of `site`, selected by `rule`."""
+class Action(Generic[PayloadT]):
+    """One thing a pass will do: insert at `point` of `site`, selected by `rule`, with the
+    pass's typed `payload` (what `build` and `describe` need, decided in `select`)."""
 
     site: Site
     point: str
     rule: str  # which policy entry selected it, e.g. "quantize[0] 'w4'"
-    params: dict[str, Any] = field(default_factory=dict)
+    payload: PayloadT = None  # type: ignore[assignment]  # a pass without data has none
     extra: tuple[str, ...] = ()  # other values the inserted module takes (see GraphSite.insert)
 
 
-class Pass(ABC, Generic[SpecT]):
+class Pass(ABC, Generic[SpecT, PayloadT]):
     """A transformation: selects actions from its policy section, builds the module for each."""
 
     name: ClassVar[str]
@@ -52,18 +60,36 @@ class Pass(ABC, Generic[SpecT]):
     section: ClassVar[str]  # the policy section this pass reads ("quantize", "noise", ...)
     requires: ClassVar[tuple[str, ...]] = ()
     provides: ClassVar[tuple[str, ...]] = ()
+    payload_type: ClassVar[type | None] = None  # PayloadT, set by register_pass
 
     @abstractmethod
-    def select(self, program: Program, spec: SpecT) -> list[Action]:
+    def select(self, program: Program, spec: SpecT) -> list[Action[PayloadT]]:
         """The actions the section asks for; an entry that selects nothing raises UserError."""
 
     @abstractmethod
-    def build(self, program: Program, action: Action) -> nn.Module:
+    def build(self, program: Program, action: Action[PayloadT]) -> nn.Module:
         """The module to insert for one action."""
 
-    def describe(self, action: Action) -> str:
+    def describe(self, action: Action[PayloadT]) -> str:
         """One line for plans: what the inserted module does ("mxfp4 block=32")."""
         return ""
+
+    @classmethod
+    def label(cls, site: str, point: str) -> str:
+        """The name of this pass's node at a site's point in exported graphs (and the key of its
+        random stream): `<site>/<point>_<tag>`. The export audit asks the pass, never rebuilds it."""
+        return f"{site}/{point}_{cls.tag}"
+
+
+def payload_type(cls: type[Pass]) -> type | None:
+    """The `PayloadT` a pass class was declared with (`Pass[Spec, Payload]`), if any."""
+    for klass in cls.__mro__:
+        for base in getattr(klass, "__orig_bases__", ()):
+            if get_origin(base) is Pass:
+                args = get_args(base)
+                if len(args) == 2 and isinstance(args[1], type):
+                    return args[1]
+    return None
 
 
 _REGISTRY: dict[str, type[Pass]] = {}
@@ -75,6 +101,13 @@ def register_pass(cls: type[Pass]) -> type[Pass]:
         raise ValueError(f"pass name {cls.name!r} must be a lower-case identifier")
     if _REGISTRY.get(cls.name, cls) is not cls:
         raise ValueError(f"a pass named {cls.name!r} is registered already ({_REGISTRY[cls.name]})")
+    if cls.section not in SECTIONS:
+        raise ValueError(f"pass {cls.name!r} reads the policy section {cls.section!r}, which no module of "
+                         f"qtransform/schemas/sections registers (sections: {', '.join(SECTIONS)})")
+    cls.payload_type = payload_type(cls)
+    if cls.payload_type is None:
+        raise ValueError(f"pass {cls.name!r} must declare its payload type: class "
+                         f"{cls.__name__}(Pass[<SectionSpec>, <Payload>])")
     _REGISTRY[cls.name] = cls
     return cls
 

@@ -16,7 +16,7 @@ import networkx as nx
 from qtransform.core.plan import PlanRow
 from qtransform.core.program import Program
 from qtransform.errors import UserError
-from qtransform.pipeline.base import Action, Pass
+from qtransform.pipeline.base import Action, Pass, payload_type
 from qtransform.schemas import Policy
 
 
@@ -61,7 +61,13 @@ class PassManager:
         spec = policy.section(p.section)
         if spec is None or spec == []:
             return []
-        return self._guarded(p, "select", p.select, program, spec)
+        actions = self._guarded(p, "select", p.select, program, spec)
+        want = type(p).payload_type or payload_type(type(p))  # unregistered passes too
+        for action in actions:
+            if want is not None and not isinstance(action.payload, want):
+                raise RuntimeError(f"pass {p.name!r} selected an action with a "
+                                   f"{type(action.payload).__name__} payload; it declares {want.__name__}")
+        return actions
 
     def select(self, program: Program, policy: Policy) -> list[tuple[Pass, Action]]:
         """Every (pass, action) the policy asks for, in pipeline order; nothing is changed."""

@@ -79,7 +79,7 @@ def rule_label(section: str, index: int, name: str | None) -> str:
     return f"{section}[{index}]" + (f" {name!r}" if name else "")
 
 
-def resolve_quantize(program: Program, rules: Sequence[QuantRule]) -> list[Action]:
+def resolve_quantize(program: Program, rules: Sequence[QuantRule]) -> list[Action[QuantRule]]:
     """One action per (site, tensor); a later rule overrides an earlier one for the same pair."""
     for i, rule in enumerate(rules):
         select_sites(program, rule, f"quantize[{i}]", kinds=LINEAR_KINDS)  # errors for dead entries
@@ -90,7 +90,7 @@ def resolve_quantize(program: Program, rules: Sequence[QuantRule]) -> list[Actio
     order = {name: k for k, name in enumerate(program.sites)}
     points = {"weight": 0, "input": 1, "output": 2}
     return [
-        Action(program.sites[name], tensor, rule_label("quantize", i, rule.name), {"rule": rule})
+        Action(program.sites[name], tensor, rule_label("quantize", i, rule.name), rule)
         for (name, tensor), (i, rule) in sorted(
             chosen.items(), key=lambda kv: (order[kv[0][0]], points[kv[0][1]]))
     ]

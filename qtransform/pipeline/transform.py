@@ -29,8 +29,7 @@ def transform(
     inplace: bool = False,
     mode: str = "module",
     passes: Iterable[Pass] | None = None,
-    return_program: bool = False,
-) -> nn.Module | Program:
+) -> nn.Module:
     """Apply a policy to a model and return the transformed model.
 
     Args:
@@ -44,13 +43,26 @@ def transform(
         mode: `"module"` keeps the user's model and class (each site module runs its own graph);
             `"graph"` returns the whole-model graph module.
         passes: the passes to run; default: every registered pass.
-        return_program: return the `Program` (site table, graphs, log) instead of the model.
 
     Example::
 
         model = qtransform.transform(model, {"version": 1, "quantize": [
             {"targets": ["Linear"], "ignore": ["lm_head"], "format": "mxfp4"}]})
     """
+    return transform_program(model, policy, example_inputs, inplace=inplace, mode=mode, passes=passes).module()
+
+
+def transform_program(
+    model: nn.Module,
+    policy: PolicyLike,
+    example_inputs: Any = None,
+    *,
+    inplace: bool = False,
+    mode: str = "module",
+    passes: Iterable[Pass] | None = None,
+) -> Program:
+    """`transform`, returning the `Program` (site table, graphs, insertion log, plan rows);
+    `.module()` of it is what `transform` returns. Arguments as for `transform`."""
     check_unwrapped(model)
     policy = load_policy(policy)
     manager = PassManager(list(passes) if passes is not None else registered_passes())
@@ -63,7 +75,7 @@ def transform(
         raise
     if mode == "module":
         mark_rollout_generate(work)
-    return program if return_program else program.module()
+    return program
 
 
 def plan(model: nn.Module, policy: PolicyLike, example_inputs: Any = None,

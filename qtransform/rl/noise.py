@@ -5,6 +5,9 @@ a checkpoint of the controller restores the exact noise. Stepping drives every r
 the model (AQN, hardware error, stochastic rounding), so each draw is a function of
 (seed, step, site) and ranks that step together draw the same noise.
 
+Every inserted noise module is a `core.noise.NoiseModule`, so the controller finds, steps and
+switches off the modules of any noise pass, including passes added after it was written.
+
 A run that configured AQN and never applied it (the controller never stepped past the noise-free
 first interval; no forward in the noise's phase) ends with a warning that says why.
 """
@@ -19,10 +22,11 @@ from typing import Any
 
 from torch import nn
 
+from qtransform.core.noise import LIVE_NOISE, NOISE_MODULES, NoiseCounts, NoiseModule, noise_modules
 from qtransform.core.schedule import sigma_at
 from qtransform.errors import UserError
-from qtransform.passes import AQNNoise, FakeQuantize, HWError
-from qtransform.passes.aqn_noise import LIVE_AQN
+from qtransform.passes import AQNNoise, AQNNoisePass, FakeQuantize
+from qtransform.pipeline import registered_passes
 from qtransform.schemas import Schedule
 
 
@@ -30,39 +34,43 @@ class NoiseController:
     """Drives the noise of one transformed model: the step, the schedule and switches.
 
     Call `step()` once per optimizer step. The state lives in the modules; this object is a view.
+    `noise` holds every noise module (`core.noise.NoiseModule`: AQN, hardware error, activation
+    noise, whatever pass inserted it); `modules` the AQN ones by site (their schedule and sigma);
+    `others` the stochastic-rounding fake-quants, whose streams are stepped too.
     """
 
-    def __init__(self, modules: dict[str, AQNNoise], others: list[nn.Module] | None = None):
-        others = others or []
-        if not modules and not any(isinstance(m, HWError) for m in others):
+    def __init__(self, noise: list[NoiseModule], others: list[nn.Module] | None = None):
+        if not noise:
             raise UserError(
-                "the model has no noise modules: transform it with a policy that has a 'noise' "
-                "or 'hw_error' section"
+                "the model has no noise modules: transform it with a policy that has a noise "
+                f"section ({', '.join(noise_sections())})"
             )
-        self.modules = modules
-        self.others = others  # hardware error and stochastic-rounding modules: stepped too
+        self.noise = noise
+        self.modules = {m.site: m for m in noise if m.noise_pass == AQNNoisePass.name}
+        self.others = others or []
 
     @property
     def config(self) -> Any:
         if not self.modules:
-            raise UserError("the model has no AQN noise (only hardware error): no schedule")
+            raise UserError("the model has no AQN noise (only other noise passes): no schedule")
         return next(iter(self.modules.values())).config
 
     @property
     def current_step(self) -> int:
-        if self.modules:
-            return next(iter(self.modules.values())).step_index
-        return self.others[0].stream.step
+        return self.noise[0].stream.step
 
     @property
     def schedule(self) -> Schedule:
         return self.config.schedule
 
+    def _stepped(self) -> list[Any]:
+        return [*self.noise, *(m for m in self.others if m.stream is not None)]
+
     def set_step(self, step: int) -> None:
         """Jump to a step: sigma follows the schedule and each site's draws are redone."""
         if step < 0:
             raise ValueError(f"step must be >= 0, got {step}")
-        for module in [*self.modules.values(), *self.others]:
+        for module in self._stepped():
             module.set_step(step)
 
     def step(self) -> None:
@@ -75,20 +83,20 @@ class NoiseController:
 
     @contextmanager
     def disabled(self) -> Iterator[None]:
-        """AQN and hardware-error noise off inside the block: outputs are exactly those of the
-        noise-free model (fake quantization stays)."""
-        switches = [*self.modules.values(), *(m for m in self.others if isinstance(m, HWError))]
-        before = [m.enabled for m in switches]
-        for module in switches:
+        """Every noise module off inside the block: outputs are exactly those of the noise-free
+        model (fake quantization stays)."""
+        before = [m.enabled for m in self.noise]
+        for module in self.noise:
             module.enabled = False
         try:
             yield
         finally:
-            for module, was in zip(switches, before, strict=True):
+            for module, was in zip(self.noise, before, strict=True):
                 module.enabled = was
 
     def report(self) -> dict[str, Any]:
-        """How many forwards and rollout-weight syncs saw AQN noise, and at which sigma."""
+        """How many forwards and rollout-weight syncs saw AQN noise, and at which sigma; under
+        `passes`, the same counters for every noise pass of the model (registry order)."""
         counts = [m.counts for m in self.modules.values()]
         sigmas: dict[float, int] = {}
         for c in counts:
@@ -96,24 +104,22 @@ class NoiseController:
                 sigmas[sigma] = sigmas.get(sigma, 0) + n
         return {
             "step": self.current_step,
-            "forwards": max((c.forwards for c in counts), default=0),
-            "noised_forwards": max((c.noised_forwards for c in counts), default=0),
-            "syncs": max((c.syncs for c in counts), default=0),
-            "noised_syncs": max((c.noised_syncs for c in counts), default=0),
+            **_totals(counts),
             "sigma_calls": dict(sorted(sigmas.items(), reverse=True)),
             "silent": silent_reason(list(self.modules.values())),
+            "passes": {name: {"modules": len(group), **_totals([m.counts for m in group])}
+                       for name in NOISE_MODULES
+                       if (group := [m for m in self.noise if m.noise_pass == name])},
         }
 
     def state_dict(self) -> dict[str, Any]:
         """Step and the draws taken in it per site: enough to resume the exact noise sequence."""
-        streams = {**{site: m.stream.count for site, m in self.modules.items()},
-                   **{m.stream.key: m.stream.count for m in self.others if m.stream is not None}}
+        streams = {m.stream.key: m.stream.count for m in self._stepped()}
         return {"step": self.current_step, "seed": self._seed(), "draws": streams}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         draws = state["draws"]
-        mine = {**{site: m for site, m in self.modules.items()},
-                **{m.stream.key: m for m in self.others if m.stream is not None}}
+        mine = {m.stream.key: m for m in self._stepped()}
         missing, extra = sorted(set(mine) - set(draws)), sorted(set(draws) - set(mine))
         if missing or extra or state["seed"] != self._seed():
             raise UserError(
@@ -127,12 +133,21 @@ class NoiseController:
         return self.config.seed if self.modules else None
 
 
+def _totals(counts: list[NoiseCounts]) -> dict[str, int]:
+    """Forwards and syncs of a group of modules (each module sees every forward: the maximum)."""
+    keys = ("forwards", "noised_forwards", "syncs", "noised_syncs")
+    return {key: max((getattr(c, key) for c in counts), default=0) for key in keys}
+
+
+def noise_sections() -> list[str]:
+    """The policy sections of the registered noise passes."""
+    return [p.section for p in registered_passes() if p.name in NOISE_MODULES]
+
+
 def noise_controller(model: nn.Module) -> NoiseController:
     """The controller of a transformed model's noise (found by walking its modules)."""
-    aqn = {m.site: m for m in model.modules() if isinstance(m, AQNNoise)}
-    others = [m for m in model.modules()
-              if isinstance(m, HWError) or (isinstance(m, FakeQuantize) and m.stream is not None)]
-    return NoiseController(aqn, others)
+    stochastic = [m for m in model.modules() if isinstance(m, FakeQuantize) and m.stream is not None]
+    return NoiseController(noise_modules(model), stochastic)
 
 
 def _first_noisy_step(schedule: Any) -> int | None:
@@ -166,8 +181,9 @@ def silent_reason(modules: list[AQNNoise]) -> str | None:
 
 def _warn_silent_at_exit() -> None:
     groups: dict[int, list[AQNNoise]] = {}
-    for module in list(LIVE_AQN):
-        groups.setdefault(id(module.config), []).append(module)
+    for module in list(LIVE_NOISE):
+        if module.noise_pass == AQNNoisePass.name:
+            groups.setdefault(id(module.config), []).append(module)
     for modules in groups.values():
         reason = silent_reason(modules)
         if reason:

@@ -25,9 +25,9 @@ from torch import Tensor, nn
 from qtransform.core.phase import syncing
 from qtransform.core.sites import ADAPTER_KEYS, hf_name
 from qtransform.core.tracing import module_graph
-from qtransform.passes import FakeQuantize
+from qtransform.passes import AQNNoisePass, FakeQuantize, FakeQuantPass
 
-_WEIGHT_PASSES = ("fake_quant", "aqn_noise")  # what changes a weight; taps only observe
+_WEIGHT_PASSES = (FakeQuantPass.name, AQNNoisePass.name)  # what changes a weight; taps only observe
 
 
 def _weight_chains(model: nn.Module) -> dict[str, list[nn.Module]]:

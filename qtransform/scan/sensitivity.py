@@ -44,6 +44,7 @@ from qtransform.core.io import encode_floats
 from qtransform.core.progress import Progress
 from qtransform.errors import UserError
 from qtransform.formats.expected import effective_bits
+from qtransform.passes import FakeQuantPass
 from qtransform.scan.recommend import Budgeted, budget_policy
 from qtransform.scan.report import VERSION, ScanReport
 from qtransform.scan.setup import (
@@ -248,7 +249,7 @@ class _Quantized:
 def _quantized(setup: ScanSetup) -> _Quantized:
     program, quant = setup.program, setup.quant
     found: dict[str, dict[str, nn.Module]] = {}
-    for ins in program.insertions(pass_name="fake_quant"):
+    for ins in program.insertions(pass_name=FakeQuantPass.name):
         found.setdefault(ins.site, {})[ins.point] = quant.get_submodule(ins.module_path)
     if not found:
         raise UserError("the policy quantizes nothing: no site to measure")

@@ -33,7 +33,8 @@ from qtransform.calibration import (
 from qtransform.core.program import Program
 from qtransform.core.sites import discover_sites
 from qtransform.errors import UserError
-from qtransform.pipeline import plan, transform
+from qtransform.passes import FakeQuantPass, InstrumentPass
+from qtransform.pipeline import plan, transform_program
 from qtransform.schemas import InstrumentSpec, Policy, dump_policy, load_policy
 
 MEASURED_TOKENS = 1024  # the automatic stride keeps at least this many tokens when it can
@@ -96,7 +97,7 @@ def resolve_policy(model: nn.Module, policy_or_format: Any) -> Policy:
     policy = as_policy(model, policy_or_format)
     if policy.instrument is not None:
         return policy
-    quantized = list(dict.fromkeys(r.site for r in plan(model, policy).rows if r.pass_name == "fake_quant"))
+    quantized = list(dict.fromkeys(r.site for r in plan(model, policy).rows if r.pass_name == FakeQuantPass.name))
     if not quantized:
         raise UserError("the policy quantizes nothing and has no instrument section: "
                         "nothing to scan")
@@ -260,8 +261,8 @@ def prepare_scan(model: nn.Module, policy_or_format: Any, calib: CalibrationSpec
     policy = as_policy(model, policy_or_format, activations=activations)
     if instrument:
         policy = resolve_policy(model, policy)
-    program = transform(model, policy, return_program=True)
-    kind = "instrument" if instrument else "fake_quant"
+    program = transform_program(model, policy)
+    kind = InstrumentPass.name if instrument else FakeQuantPass.name
     sites = list(dict.fromkeys(i.site for i in program.insertions(pass_name=kind)))
     device, dtype = placement(model)
     batches = spec.batches(model, device, dtype)

@@ -14,6 +14,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from pydantic import TypeAdapter, ValidationError
+
 
 @dataclass(frozen=True)
 class Section:
@@ -26,15 +28,28 @@ class Section:
     summary: Callable[[Any], str]  # a few words for `policy validate`
     order: int  # position in the file and in explanations (also the usual pipeline order)
     description: str = ""
+    example: Any = None  # a minimal valid value: docs, and the conformance test over every pass
+
+    def validate(self, value: Any) -> Any:
+        """`value` parsed as this section's value (pydantic errors for a bad one)."""
+        return TypeAdapter(self.annotation).validate_python(value)
 
 
 SECTIONS: dict[str, Section] = {}
 
 
 def register_section(section: Section) -> Section:
-    """Add a section to the policy; its name must be new."""
+    """Add a section to the policy; its name must be new and its example valid (checked at
+    import, so a section cannot ship without one)."""
     if section.name in SECTIONS or section.name == "version":
         raise ValueError(f"policy section {section.name!r} is registered already")
+    if section.example is None:
+        raise ValueError(f"policy section {section.name!r} needs an example (Section(..., example=...)): "
+                         "a minimal valid value")
+    try:
+        section.validate(section.example)
+    except ValidationError as exc:
+        raise ValueError(f"policy section {section.name!r}: its example is not valid: {exc}") from None
     SECTIONS[section.name] = section
     return section
 

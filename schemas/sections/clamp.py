@@ -31,4 +31,5 @@ def summary(spec: ClampSpec) -> str:
 
 
 register_section(Section("clamp", ClampSpec | None, None, describe, summary, order=4,
-                         description="saturate a point of the selected sites to ±limit"))
+                         description="saturate a point of the selected sites to ±limit",
+                         example={"targets": ["*.k_proj"], "limit": 2.0}))

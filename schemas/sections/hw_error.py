@@ -43,4 +43,5 @@ def summary(h: HWErrorSpec) -> str:
 
 
 register_section(Section("hw_error", HWErrorSpec | None, None, describe, summary, order=3,
-                         description="simulated hardware (matmul) error on the selected sites"))
+                         description="simulated hardware (matmul) error on the selected sites",
+                         example={"targets": ["*.o_proj"], "error_scale": 0.05}))

@@ -82,4 +82,5 @@ def summary(spec: InstrumentSpec) -> str:
 
 
 register_section(Section("instrument", InstrumentSpec | None, None, describe, summary, order=1,
-                         description="taps that measure quantization error (scans)"))
+                         description="taps that measure quantization error (scans)",
+                         example={"targets": ["*.down_proj"], "points": ["input", "output"]}))

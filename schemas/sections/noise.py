@@ -264,4 +264,6 @@ def summary(n: NoiseSpec) -> str:
 
 
 register_section(Section("noise", NoiseSpec | None, None, describe_noise, summary, order=2,
-                         description="QeRL's adaptive quantization noise (AQN) on a schedule"))
+                         description="QeRL's adaptive quantization noise (AQN) on a schedule",
+                         example={"schedule": {"kind": "constant", "sigma_start": 0.01, "total_steps": 4,
+                                               "num_stages": 2}, "apply_during": "both"}))

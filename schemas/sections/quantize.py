@@ -199,4 +199,5 @@ def summary(rules: list[QuantRule]) -> str:
 register_section(Section(
     "quantize", Annotated[list[QuantRule], AfterValidator(_names_unique)], [], describe, summary,
     order=0,
-    description="fake-quantize rules, in order: a later rule overrides an earlier one for the same site and tensor"))
+    description="fake-quantize rules, in order: a later rule overrides an earlier one for the same site and tensor",
+    example=[{"targets": ["Linear"], "ignore": ["lm_head"], "format": "mxfp4"}]))

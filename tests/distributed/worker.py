@@ -19,9 +19,10 @@ import torch.distributed as dist
 from torch import nn
 
 import qtransform
+from qtransform.core.noise import NoiseModule
 from qtransform.errors import UserError
 from qtransform.models import build_tiny
-from qtransform.passes import AQNNoise, FakeQuantize, HWError
+from qtransform.passes import FakeQuantize
 
 STEPS = 3
 VOCAB = 97  # odd: FSDP2 pads the embedding's shards (uneven dim 0)
@@ -60,7 +61,7 @@ def held_elements(model: nn.Module) -> int:
         if isinstance(value, (list, tuple)):
             return sum(count(v) for v in value)
         return 0
-    return sum(count(vars(m)) for m in model.modules() if isinstance(m, (FakeQuantize, AQNNoise, HWError)))
+    return sum(count(vars(m)) for m in model.modules() if isinstance(m, (FakeQuantize, NoiseModule)))
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:

@@ -177,6 +177,9 @@ def test_noise_inputs_zero_disable_and_a_draw_reproduces_pytorch(exported):
     graph_inputs = {i.name: [d.dim_param or d.dim_value for d in i.type.tensor_type.shape.dim]
                     for i in ex.proto.graph.input}
     assert graph_inputs[name] == ["batch", "sequence", 64]
+    doc = next(i.doc_string for i in ex.proto.graph.input if i.name == name)
+    assert doc == ("draw z (normal, fp32) of model.layers.0.self_attn.o_proj/output_hw_error: relative noise "
+                   "x*(1 + s*z); all 0 disables it")
     x = ids(2, 8, seed=3)
     module = ex.model.get_submodule("model.layers.0.self_attn.o_proj.output_hw_error")
     z = torch.randn(2, 8, 64, generator=torch.Generator().manual_seed(1))

@@ -113,7 +113,7 @@ def test_noise_modes(tmp_path):
 
 
 def test_a_graph_mode_program_exports_and_is_audited_against_its_log(tmp_path):
-    program = qtransform.transform(mlp(), W4A4, x(), mode="graph", return_program=True)
+    program = qtransform.transform_program(mlp(), W4A4, x(), mode="graph")
     path = export_onnx(program, tmp_path / "p.onnx", x())
     proto = onnx.load(path)
     labels = sorted(n.name for n in proto.graph.node if n.domain == DOMAIN)

@@ -106,7 +106,7 @@ def test_attention_matmuls_in_graph_mode(tiny):
     x = ids()
     policy = hw_policy(targets=["lm_head"], include_matmuls=True, ignore=["model.layers.0.*"])
     before = snapshot(model)
-    program = qtransform.transform(model, policy, {"input_ids": x}, mode="graph", return_program=True)
+    program = qtransform.transform_program(model, policy, {"input_ids": x}, mode="graph")
     assert_untouched(before, model)
     got = [(i.site, i.point) for i in program.insertions(pass_name="hw_error")]
     assert got == [("model.layers.1.self_attn.sdpa_0", "output"), ("lm_head", "output")]

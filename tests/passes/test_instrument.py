@@ -34,7 +34,7 @@ def _close(a: dict, b: dict, rel=1e-9):
 
 
 def test_no_instrument_section_inserts_no_taps(tiny):
-    program = qtransform.transform(tiny("qwen2"), _policy(W4), return_program=True)
+    program = qtransform.transform_program(tiny("qwen2"), _policy(W4))
     assert taps(program.module()) == [] and program.insertions(pass_name="instrument") == []
 
 
@@ -140,7 +140,7 @@ def test_graph_mode_taps_measure_what_module_mode_measures(tiny):
     model = tiny("qwen2")
     policy = _policy(W4A4, instrument={"targets": [SITE]})
     x = ids()
-    program = qtransform.transform(model, policy, {"input_ids": x}, mode="graph", return_program=True)
+    program = qtransform.transform_program(model, policy, {"input_ids": x}, mode="graph")
     module = qtransform.transform(model, policy)
     with torch.no_grad():
         program.module()(input_ids=x, use_cache=False)

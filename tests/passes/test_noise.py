@@ -296,17 +296,18 @@ def test_replay_memory_is_bounded_and_one_generator_per_device():
     assert stream.generator(cpu, 0) is stream.generator(cpu, 1)  # re-seeded, not re-allocated
 
 
-def test_stream_normal_is_a_float32_draw_cast_to_the_dtype_of_like():
+@pytest.mark.parametrize("distribution, sampler", [("normal", torch.randn), ("uniform", torch.rand)])
+def test_stream_draws_are_float32_from_the_draws_generator(distribution, sampler):
     stream = DrawStream(5, "w")
     stream.set_step(4)
-    like = torch.zeros(3, dtype=torch.bfloat16)
-    got = stream.normal(torch.Size([3, 8]), like, index=1)
-    want = torch.randn(3, 8, generator=torch.Generator().manual_seed(site_seed(5, "w", 4, 1)))
-    assert got.dtype == torch.bfloat16 and torch.equal(got, want.to(torch.bfloat16))
-    assert torch.equal(stream.normal(torch.Size([3, 8]), like, index=1), got)  # reseeded per draw
+    cpu = torch.device("cpu")
+    got = stream.sample(distribution, torch.Size([3, 8]), cpu, index=1)
+    want = sampler(3, 8, generator=torch.Generator().manual_seed(site_seed(5, "w", 4, 1)))
+    assert got.dtype == torch.float32 and torch.equal(got, want)
+    assert torch.equal(stream.sample(distribution, torch.Size([3, 8]), cpu, index=1), got)  # reseeded per draw
     default = torch.get_default_dtype()
     torch.set_default_dtype(torch.float64)  # models built under another default draw the same z
     try:
-        assert torch.equal(stream.normal(torch.Size([3, 8]), like, index=1), got)
+        assert torch.equal(stream.sample(distribution, torch.Size([3, 8]), cpu, index=1), got)
     finally:
         torch.set_default_dtype(default)

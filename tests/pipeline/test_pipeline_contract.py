@@ -30,7 +30,7 @@ from qtransform.pipeline.selection import check_axis, rule_label, select_sites
 from qtransform.schemas import QuantRule, load_policy
 from tests.conftest import ids
 
-STANDARD = ["aqn_noise", "fake_quant", "hw_error", "clamp", "instrument"]  # import order of passes/
+STANDARD = ["aqn_noise", "fake_quant", "hw_error", "activation_noise", "clamp", "instrument"]  # import order of passes/
 HINT_TAIL = "use -1 (the last axis, the default for activations) or -2, or drop axis (the reduction axis)"
 MXFP4_DETAIL = "mxfp4 block=32, scale_rule=floor, rounding=rne"
 
@@ -111,7 +111,7 @@ def registry() -> Iterator[dict]:
     base._REGISTRY.update(saved)
 
 
-class _Probe(Pass):
+class _Probe(Pass[object, dict]):
     """A pass configured per test: reads the clamp section, acts on one site, may fail on purpose."""
 
     tag = "probe"
@@ -153,7 +153,7 @@ def test_registered_passes_are_the_standard_pipeline_in_import_order():
     got = registered_passes()
     assert [p.name for p in got] == STANDARD
     assert [type(p).__name__ for p in got] == ["AQNNoisePass", "FakeQuantPass", "HWErrorPass",
-                                               "ClampPass", "InstrumentPass"]
+                                               "ActivationNoisePass", "ClampPass", "InstrumentPass"]
 
 
 def test_register_pass_adds_a_new_pass_last_and_accepts_the_same_class_twice(registry):
@@ -379,7 +379,7 @@ def test_plan_rows_run_in_site_order_then_weight_input_output(llama3):
             for site in (q, k) for point in ("weight", "input", "output")]
     want.append(PlanRow(k, "clamp", "output", "clamp", "±2"))
     assert qtransform.plan(llama3, policy).rows == want
-    program = qtransform.transform(llama3, policy, return_program=True)
+    program = qtransform.transform_program(llama3, policy)
     assert program.plan_rows == want  # the rows recorded while inserting: the same table
 
 
@@ -390,7 +390,7 @@ def test_plan_and_transform_run_only_the_passes_given(llama3):
     rows = qtransform.plan(llama3, policy, passes=(p for p in [ClampPass(), FakeQuantPass()])).rows
     assert rows == [PlanRow(site, "fake_quant", "weight", "quantize[0]", MXFP4_DETAIL),
                     PlanRow(site, "clamp", "output", "clamp", "±3")]
-    program = qtransform.transform(llama3, policy, passes=iter([FakeQuantPass()]), return_program=True)
+    program = qtransform.transform_program(llama3, policy, passes=iter([FakeQuantPass()]))
     assert program.plan_rows == [PlanRow(site, "fake_quant", "weight", "quantize[0]", MXFP4_DETAIL)]
 
 

@@ -161,7 +161,7 @@ def test_torch_export_shows_one_fake_quant_node_per_site(tiny):
 def test_graph_mode_runs_the_same_pass_on_the_whole_model_graph(tiny):
     model = tiny("qwen2")
     x = ids()
-    program = qtransform.transform(model, W4A16, {"input_ids": x}, mode="graph", return_program=True)
+    program = qtransform.transform_program(model, W4A16, {"input_ids": x}, mode="graph")
     gm = program.module()
     assert len(program.insertions(pass_name="fake_quant")) == 14
     with torch.no_grad():

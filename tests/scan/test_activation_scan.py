@@ -137,7 +137,7 @@ def test_perplexity_equals_exp_of_hf_loss(tiny):
 
 def test_streaming_state_is_constant_in_the_number_of_batches(tiny):
     model = tiny("qwen2")
-    program = qtransform.transform(model, resolve_policy(model, W4A16), return_program=True)
+    program = qtransform.transform_program(model, resolve_policy(model, W4A16))
     quant = program.module()
     sites = list(program.sites)[:-1]
     sizes = []

@@ -11,7 +11,8 @@ from qtransform.schemas import load_policy
 from qtransform.schemas.explain import explain, summary
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "schemas" / "examples"
-SECTIONS = {"instrument": "Instrumentation: ", "noise": "AQN noise: ", "hw_error": "Hardware error: "}
+SECTIONS = {"instrument": "Instrumentation: ", "noise": "AQN noise: ", "hw_error": "Hardware error: ",
+            "activation_noise": "Activation noise: "}
 
 
 def test_rule_sentence():
@@ -82,11 +83,11 @@ def test_every_example_explains(path):
     rules = raw.get("quantize", [])
     heads = [f"Rule '{r['name']}' quantizes " for r in rules]
     heads += ["A later rule overrides"] * (len(rules) > 1)
-    heads += [SECTIONS[k] for k in ("instrument", "noise", "hw_error") if k in raw]
+    heads += [SECTIONS[k] for k in SECTIONS if k in raw]
     paragraphs = [ln for ln in explain(load_policy(path)).splitlines() if not ln.startswith("  ")]
     assert len(paragraphs) == len(heads)
     assert all(p.startswith(h) for p, h in zip(paragraphs, heads, strict=True)), paragraphs
-    sections = list(rules) + [raw[k] for k in ("instrument", "noise", "hw_error") if k in raw]
+    sections = list(rules) + [raw[k] for k in SECTIONS if k in raw]
     for text, section in zip([p for p in paragraphs if not p.startswith("A later")], sections,
                              strict=True):
         assert all(f"class {t}" in text for t in section.get("targets", []))
