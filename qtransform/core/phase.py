@@ -16,6 +16,8 @@ from typing import Any
 
 from torch import nn
 
+from qtransform.core import versions
+
 PHASES = ("train", "eval", "both", "rollout")
 _ROLLOUT: contextvars.ContextVar[bool] = contextvars.ContextVar("qtransform_rollout", default=False)
 _SYNC: contextvars.ContextVar[bool] = contextvars.ContextVar("qtransform_sync", default=False)
@@ -23,7 +25,12 @@ _SYNC: contextvars.ContextVar[bool] = contextvars.ContextVar("qtransform_sync", 
 
 @contextmanager
 def rollout() -> Iterator[None]:
-    """Forwards inside this block are rollout forwards (noise with apply_during="rollout")."""
+    """Forwards inside this block are rollout forwards (noise with apply_during="rollout").
+
+    Its first forward checks every byte of the cached weights (`versions.recheck`), the
+    forwards after it only the weights' identity and version counters: a block is a point
+    where writes through `.data` are seen, and its decode steps read no weight twice."""
+    versions.recheck()
     token = _ROLLOUT.set(True)
     try:
         yield
