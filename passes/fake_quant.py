@@ -134,10 +134,10 @@ class FakeQuantize(nn.Module):
             return self.quantize(x.detach())
 
     def forward(self, x: Tensor) -> Tensor:
-        if not self.enabled and not ops.is_tracing(x):
-            return x
         if ops.is_tracing(x):
             return self._traced(x)
+        if not self.enabled:
+            return x
         if not self.cache or sharded(self):
             self.clear_cache()  # a copy cached before the model was sharded goes
             return self.quantize(x)

@@ -27,9 +27,10 @@ _SYNC: contextvars.ContextVar[bool] = contextvars.ContextVar("qtransform_sync", 
 def rollout() -> Iterator[None]:
     """Forwards inside this block are rollout forwards (noise with apply_during="rollout").
 
-    Its first forward checks every byte of the cached weights (`versions.recheck`), the
-    forwards after it only the weights' identity and version counters: a block is a point
-    where writes through `.data` are seen, and its decode steps read no weight twice."""
+    Its first forward compares a sample of every cached weight (`versions.recheck`: one
+    element per row), the forwards after it only the weights' identity and version counters,
+    so its decode steps cost no reading of the weights (docs/rl.md: which writes are seen
+    when)."""
     versions.recheck()
     token = _ROLLOUT.set(True)
     try:

@@ -15,15 +15,14 @@ decode step reads each weight once), so a `Watch` checks in three tiers, from fr
    other aliases (numpy views); such a write is seen here when it changes a sampled element,
    which any write that changes a whole row does (a merge changes every row its B touches, a
    copy of other weights every row).
-3. the content: an xxh3 hash of every byte on CPU (about 10 GB/s; a position-weighted integer
-   checksum on other devices), taken when tier 1 or 2 saw a difference (so a new tensor with the
-   same bytes, as accelerate's offload hooks give, costs no re-quantization), at the first call
-   after `recheck()` (the entry of every rollout block, hence of every `generate()` call) or
-   `Watch.recheck()` (the owning module's `train()` / `eval()`), and at every call of check
-   "content" (FSDP-managed modules).
+3. the content: an xxh3 hash of every byte on CPU (5-10 GB/s, most of a decode step's time on
+   a small model; a position-weighted integer checksum on other devices), taken when tier 1 or
+   2 saw a difference (so a new tensor with the same bytes, as accelerate's offload hooks give,
+   costs no re-quantization), at the first call after `Watch.recheck()` (the owning module's
+   `train()` / `eval()`), and at every call of check "content" (FSDP-managed modules).
 
-With check "identity" (inside a rollout block: generate's decode steps) only tier 1 runs: the
-block's entry read every byte.
+With check "identity" (inside a rollout block: generate's decode steps) tier 2 runs only at the
+first call after `recheck()` (the block's entry).
 
 The CPU bytes are read through a ctypes view of the tensor's memory, not `Tensor.numpy()`: a
 numpy view marks the storage as not resizable for the rest of its life, and FSDP2 frees and
@@ -50,8 +49,9 @@ _bytes_hashed = 0
 
 
 def recheck() -> None:
-    """Make every watch hash its tensor's whole content at its next call (a rollout block's
-    entry: whatever was written before it, through any alias, is seen by its first forward)."""
+    """Make every watch compare its sample at its next call, also with check "identity" (a
+    rollout block's entry: a whole-row write made before it through `.data` is seen by the
+    block's first forward)."""
     global _epoch
     _epoch += 1
 
@@ -107,31 +107,34 @@ class Watch:
         self._ref: weakref.ref | None = None
         self._ident: tuple | None = None
         self._digest: tuple | None = None
-        self._epoch = -1
+        self._full = True  # hash every byte at the next call
+        self._epoch = -1  # the `recheck()` count at the last sample
         self._where: tuple | None = None  # (shape, device) of `_positions`
         self._positions = torch.empty(0, dtype=torch.int64)
         self._sample: torch.Tensor | None = None
 
     def recheck(self) -> None:
-        """Hash the whole content at the next call (the owner's `train()` / `eval()`)."""
-        self._epoch = -1
+        """Hash every byte at the next call (the owner's `train()` / `eval()`)."""
+        self._full = True
 
     def changed(self, x: torch.Tensor, check: Check = "sample") -> bool:
         """Whether `x` differs from the tensor of the previous call (True at the first call).
-        `check` is the most done while `x` looks the same (tier 1 holds, no `recheck` since)."""
+        `check` is the most done while `x` looks the same (tier 1 holds); "identity" still
+        samples once after each `recheck()`."""
         ident = (x.data_ptr(), x.storage_offset(), x._version, x.shape, x.stride(), x.dtype,
                  x.device)
-        if (check != "content" and self._epoch == _epoch and ident == self._ident
+        if (check != "content" and not self._full and ident == self._ident
                 and self._ref is not None and self._ref() is x):
-            if check == "identity":
+            if check == "identity" and self._epoch == _epoch:
                 return False
+            self._epoch = _epoch
             sample = self._take(x)
             if sample is not None and torch.equal(sample, self._sample):
                 return False
         digest = (x.dtype, x.device, tuple(x.shape), content_hash(x))
         changed = digest != self._digest
-        self._ref, self._ident, self._digest, self._epoch = weakref.ref(x), ident, digest, _epoch
-        self._sample = self._take(x)
+        self._ref, self._ident, self._digest = weakref.ref(x), ident, digest
+        self._full, self._epoch, self._sample = False, _epoch, self._take(x)
         return changed
 
     def _take(self, x: torch.Tensor) -> torch.Tensor | None:
