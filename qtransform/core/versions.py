@@ -9,12 +9,13 @@ decode step reads each weight once), so a `Watch` checks in three tiers, from fr
    bumps the counter (optimizer steps, `load_state_dict`, `copy_` under no_grad, `nn.init`), and
    a new storage (`p.data = t`, a replaced Parameter, FSDP2 or accelerate putting a new tensor
    in the slot) changes the pointer or the object.
-2. a sample: one element of every row (at a column that moves from row to row), compared bit
-   for bit: reading it costs less than 1/columns of a token's matmul. The counter misses
-   in-place writes through `.data` (PEFT's `merge_and_unload`, `p.data.copy_(...)`) and through
-   other aliases (numpy views); such a write is seen here when it changes a sampled element,
-   which any write that changes a whole row does (a merge changes every row its B touches, a
-   copy of other weights every row).
+2. a sample: `SAMPLES` elements evenly spaced through the tensor, compared bit for bit (a few
+   microseconds; one element per row cost 3 % of a prefill forward in cache and TLB misses).
+   The counter misses in-place writes through `.data` (PEFT's `merge_and_unload`,
+   `p.data.copy_(...)`) and through other aliases (numpy views); such a write is seen here when
+   it changes a sampled element, which any write that changes every element of a 1/SAMPLES
+   run of the tensor does (a merge of a trained adapter changes every row, a copy of other
+   weights every element).
 3. the content: an xxh3 hash of every byte on CPU (5-10 GB/s, most of a decode step's time on
    a small model; a position-weighted integer checksum on other devices), taken when tier 1 or
    2 saw a difference (so a new tensor with the same bytes, as accelerate's offload hooks give,
@@ -32,7 +33,6 @@ re-allocates the storage of its unsharded parameters by resizing it.
 from __future__ import annotations
 
 import ctypes
-import math
 import weakref
 from typing import Literal
 
@@ -40,7 +40,7 @@ import torch
 import xxhash
 
 _INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-SAMPLES = 1024  # rows a 1-D tensor is cut into for tier 2
+SAMPLES = 64  # elements compared by tier 2, evenly spaced
 
 Check = Literal["identity", "sample", "content"]
 
@@ -79,15 +79,10 @@ def content_hash(x: torch.Tensor) -> int:
     return int((rows.sum(1) * weights_r).sum() + (rows.sum(0) * weights_c).sum())
 
 
-def sample_positions(shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    """Flat positions of one element in each row (the last axis; a 1-D tensor is cut into
-    `SAMPLES` rows), at a column that moves from row to row, so that a whole changed row is
-    always seen and a changed column is seen once there are as many rows as columns."""
-    numel = math.prod(shape)
-    cols = shape[-1] if len(shape) >= 2 else max(1, -(-numel // SAMPLES))
-    start = torch.arange(0, numel, cols, dtype=torch.int64)
-    length = (numel - start).clamp(max=cols)
-    return (start + (torch.arange(start.shape[0], dtype=torch.int64) * 2654435761) % length).to(device)
+def sample_stride(numel: int) -> int:
+    """The distance between sampled elements: every run of this many consecutive elements holds
+    one, and there are at most `SAMPLES` of them."""
+    return max(1, -(-numel // SAMPLES))
 
 
 class Watch:
@@ -109,8 +104,6 @@ class Watch:
         self._digest: tuple | None = None
         self._full = True  # hash every byte at the next call
         self._epoch = -1  # the `recheck()` count at the last sample
-        self._where: tuple | None = None  # (shape, device) of `_positions`
-        self._positions = torch.empty(0, dtype=torch.int64)
         self._sample: torch.Tensor | None = None
 
     def recheck(self) -> None:
@@ -134,16 +127,18 @@ class Watch:
         digest = (x.dtype, x.device, tuple(x.shape), content_hash(x))
         changed = digest != self._digest
         self._ref, self._ident, self._digest = weakref.ref(x), ident, digest
-        self._full, self._epoch, self._sample = False, _epoch, self._take(x)
+        sample = self._take(x)
+        self._full, self._epoch = False, _epoch
+        self._sample = None if sample is None else sample.clone()
         return changed
 
     def _take(self, x: torch.Tensor) -> torch.Tensor | None:
         """The sampled elements as integers (a bitwise comparison: -0.0 is not 0.0, NaN is
-        NaN); None where there is no cheap sample (non-contiguous, unusual element size)."""
-        if not x.is_contiguous() or x.element_size() not in _INT_VIEW or x.numel() == 0:
+        NaN), read through a strided view (one op, no index tensor); None where there is no
+        cheap sample (non-contiguous, unusual element size, empty)."""
+        n = x.numel()
+        if n == 0 or x.element_size() not in _INT_VIEW or not x.is_contiguous():
             return None
-        if self._where != (x.shape, x.device):
-            self._where = (x.shape, x.device)
-            self._positions = sample_positions(tuple(x.shape), x.device)
-        flat = x.detach().view(-1).view(_INT_VIEW[x.element_size()])
-        return torch.index_select(flat, 0, self._positions)
+        step = sample_stride(n)
+        ints = x.detach().view(_INT_VIEW[x.element_size()])
+        return ints.as_strided((-(-n // step),), (step,))

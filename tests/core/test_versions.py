@@ -50,18 +50,18 @@ def test_each_kind_of_write_is_seen_by_the_check_that_promises_it():
     with torch.no_grad():
         t[5, 7] += 1  # through torch: the version counter moves
     assert w.changed(t, "identity")
-    t.data[:, 3] *= 2  # a whole column through .data: no counter, but sampled elements change
+    t.data[:, 0] *= 2  # a column through .data: no counter, but sampled elements change
     assert not w.changed(t, "identity") and w.changed(t, "sample")
     t.data[:] = -t.data.flip(0)  # same values, other places
     versions.recheck()  # a rollout's entry: "identity" compares the sample once
     assert w.changed(t, "identity")
-    t.data[7] += 1  # a whole row
+    t.data[31:33] += 1  # two whole rows: 64 elements, the sample's stride
     assert not w.changed(t, "identity")
     versions.recheck()
     before = versions.bytes_hashed()
     assert w.changed(t, "identity") and not w.changed(t, "identity")
     assert versions.bytes_hashed() == before + t.numel() * 4  # the change is hashed, once
-    t.data.view(-1)[1] += 1  # one element, not in the sample (row 0's is at column 0)
+    t.data.view(-1)[1] += 1  # one element, not in the sample (every 32nd element)
     versions.recheck()
     assert not w.changed(t, "sample") and not w.changed(t, "identity")
     w.recheck()  # the owner's train()/eval(): every byte
@@ -88,32 +88,31 @@ def test_copies_of_a_watch_have_seen_nothing():
 @settings(max_examples=60, deadline=None)
 @given(shape=st.lists(st.integers(1, 300), min_size=1, max_size=3), where=st.floats(0, 1),
        delta=st.sampled_from([1.0, -3.5, 1e-30]))
-def test_a_write_of_any_whole_row_is_seen_by_the_sample(shape, where, delta):
-    """The sample holds one element of every row (a 1-D tensor: of every run of
-    numel/SAMPLES elements), so a write through `.data` that changes a whole row is seen."""
+def test_a_write_of_any_run_of_a_sample_stride_is_seen_by_the_sample(shape, where, delta):
+    """The sample holds one element in every `sample_stride(numel)` consecutive elements (at
+    most SAMPLES of them), so a write through `.data` that changes such a run is seen."""
     t, w = torch.randn(shape), Watch()
     w.changed(t)
     old = t.detach().clone().view(torch.int32).reshape(-1)
     numel = t.numel()
-    cols = shape[-1] if len(shape) >= 2 else -(-numel // SAMPLES)
-    start = min(int(where * numel) // cols * cols, numel - 1)
-    t.data.view(-1)[start:start + cols] += delta
+    run = versions.sample_stride(numel)
+    assert -(-numel // run) <= SAMPLES
+    start = int(where * (numel - run))
+    t.data.view(-1)[start:start + run] += delta
     differs = t.detach().view(torch.int32).reshape(-1) != old
-    if bool(differs[start:start + cols].all()):
+    if bool(differs[start:start + run].all()):
         assert w.changed(t, "sample")
     elif not bool(differs.any()):  # 1e-30 changes no bit: nothing to see
         assert not w.changed(t, "sample")
 
 
-def test_sample_positions_hold_one_element_of_every_row():
-    cpu = torch.device("cpu")
-    for shape in ((1,), (7,), (SAMPLES,), (SAMPLES + 1,), (3 * SAMPLES + 5,), (5, 3), (2, 6, 576)):
-        pos = versions.sample_positions(shape, cpu)
-        numel = torch.Size(shape).numel()
-        cols = shape[-1] if len(shape) >= 2 else -(-numel // SAMPLES)
-        assert torch.equal(pos // cols, torch.arange(-(-numel // cols))) and int(pos.max()) < numel
-    cols = versions.sample_positions((576, 576), cpu) % 576  # a column is seen: all are sampled
-    assert set(cols.tolist()) == set(range(576))
+def test_the_sample_is_compared_bit_for_bit():
+    t, w = torch.zeros(10), Watch()
+    w.changed(t)
+    t.data[0] = -0.0  # equal as floats, another bit pattern
+    assert w.changed(t, "sample")
+    t.data[0] = float("nan")
+    assert w.changed(t, "sample") and not w.changed(t, "sample")  # NaN is NaN: no change
 
 
 # -- a transformed model: bytes read per forward --------------------------------------------
