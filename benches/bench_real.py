@@ -50,6 +50,7 @@ import torch
 from torch import nn
 
 import qtransform
+from qtransform.scan.sensitivity import site_sensitivity
 
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 PROMPT = "Explain in two sentences why the sky is blue and why sunsets are red."
@@ -201,7 +202,7 @@ def run_case(case: str, model: nn.Module, ids: torch.Tensor, args: argparse.Name
         calib = torch.randint(0, vocab, (2, 32), generator=torch.Generator().manual_seed(3))
         one = statistics.median(timed(forward(model, calib)) for _ in range(5))
         start = time.perf_counter()
-        rep = qtransform.site_sensitivity(model, "mxfp4", calib, method="exact")
+        rep = site_sensitivity(model, "mxfp4", calib, method="exact")
         seconds = time.perf_counter() - start
         ratio = seconds / (len(rep.rows) * one)
         print(f"| exact sensitivity, {len(rep.rows)} sites, 2 x 32 tokens | {threads[-1]} | "
