@@ -9,8 +9,9 @@ decode step reads each weight once), so a `Watch` checks in three tiers, from fr
    bumps the counter (optimizer steps, `load_state_dict`, `copy_` under no_grad, `nn.init`), and
    a new storage (`p.data = t`, a replaced Parameter, FSDP2 or accelerate putting a new tensor
    in the slot) changes the pointer or the object.
-2. a sample: `SAMPLES` elements evenly spaced through the tensor, compared bit for bit (a few
-   microseconds; one element per row cost 3 % of a prefill forward in cache and TLB misses).
+2. a sample: `SAMPLES` elements evenly spaced through the tensor (CPU), compared bit for bit
+   (about a microsecond; one element per row, read through torch, cost 3 % of a prefill
+   forward). Other devices skip it (every byte is hashed instead).
    The counter misses in-place writes through `.data` (PEFT's `merge_and_unload`,
    `p.data.copy_(...)`) and through other aliases (numpy views); such a write is seen here when
    it changes a sampled element, which any write that changes every element of a 1/SAMPLES
@@ -36,11 +37,12 @@ import ctypes
 import weakref
 from typing import Literal
 
+import numpy as np
 import torch
 import xxhash
 
 _INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-SAMPLES = 64  # elements compared by tier 2, evenly spaced
+SAMPLES = 16  # elements compared by tier 2, evenly spaced
 
 Check = Literal["identity", "sample", "content"]
 
@@ -104,7 +106,9 @@ class Watch:
         self._digest: tuple | None = None
         self._full = True  # hash every byte at the next call
         self._epoch = -1  # the `recheck()` count at the last sample
-        self._sample: torch.Tensor | None = None
+        self._sample: bytes | None = None
+        self._where: tuple | None = None  # (address, numel, element size) of `_view`
+        self._view: np.ndarray | None = None
 
     def recheck(self) -> None:
         """Hash every byte at the next call (the owner's `train()` / `eval()`)."""
@@ -122,23 +126,26 @@ class Watch:
                 return False
             self._epoch = _epoch
             sample = self._take(x)
-            if sample is not None and torch.equal(sample, self._sample):
+            if sample is not None and sample == self._sample:
                 return False
         digest = (x.dtype, x.device, tuple(x.shape), content_hash(x))
         changed = digest != self._digest
         self._ref, self._ident, self._digest = weakref.ref(x), ident, digest
         sample = self._take(x)
-        self._full, self._epoch = False, _epoch
-        self._sample = None if sample is None else sample.clone()
+        self._full, self._epoch, self._sample = False, _epoch, sample
         return changed
 
-    def _take(self, x: torch.Tensor) -> torch.Tensor | None:
-        """The sampled elements as integers (a bitwise comparison: -0.0 is not 0.0, NaN is
-        NaN), read through a strided view (one op, no index tensor); None where there is no
-        cheap sample (non-contiguous, unusual element size, empty)."""
+    def _take(self, x: torch.Tensor) -> bytes | None:
+        """The sampled elements' bytes (a bitwise comparison: -0.0 is not 0.0, NaN is NaN);
+        None where there is no cheap sample (non-contiguous, empty, not on CPU). Read through a
+        numpy view of the raw memory made once per storage: one call, no torch dispatch. It is
+        read only after tier 1 held, i.e. while `x` is alive at that same address."""
         n = x.numel()
-        if n == 0 or x.element_size() not in _INT_VIEW or not x.is_contiguous():
+        if n == 0 or x.device.type != "cpu" or not x.is_contiguous():
             return None
-        step = sample_stride(n)
-        ints = x.detach().view(_INT_VIEW[x.element_size()])
-        return ints.as_strided((-(-n // step),), (step,))
+        where = (x.data_ptr(), n, x.element_size())
+        if self._where != where:
+            ptr, n, size = where
+            raw = np.frombuffer((ctypes.c_char * (n * size)).from_address(ptr), dtype=f"V{size}")
+            self._where, self._view = where, raw[::sample_stride(n)]
+        return self._view.tobytes()

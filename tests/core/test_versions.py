@@ -55,13 +55,13 @@ def test_each_kind_of_write_is_seen_by_the_check_that_promises_it():
     t.data[:] = -t.data.flip(0)  # same values, other places
     versions.recheck()  # a rollout's entry: "identity" compares the sample once
     assert w.changed(t, "identity")
-    t.data[31:33] += 1  # two whole rows: 64 elements, the sample's stride
+    t.data[28:36] += 1  # eight whole rows: 256 elements, twice the sample's stride
     assert not w.changed(t, "identity")
     versions.recheck()
     before = versions.bytes_hashed()
     assert w.changed(t, "identity") and not w.changed(t, "identity")
     assert versions.bytes_hashed() == before + t.numel() * 4  # the change is hashed, once
-    t.data.view(-1)[1] += 1  # one element, not in the sample (every 32nd element)
+    t.data.view(-1)[1] += 1  # one element, not in the sample (every 128th element)
     versions.recheck()
     assert not w.changed(t, "sample") and not w.changed(t, "identity")
     w.recheck()  # the owner's train()/eval(): every byte
@@ -75,6 +75,20 @@ def test_a_new_tensor_with_the_same_bytes_is_not_a_change_and_new_bytes_are():
     assert not w.changed(same, "identity")
     assert w.changed(torch.randn(16, 16), "identity")
     assert w.changed(torch.zeros(16, 16, dtype=torch.float16), "identity")
+
+
+def test_a_storage_freed_and_filled_again_is_read_safely_and_seen():
+    """FSDP2 frees an unsharded parameter's storage by resizing it to 0 and fills it again at
+    the next forward: the sample's view of the old memory must not be read in between."""
+    t, w = torch.randn(128, 64), Watch()
+    w.changed(t)
+    storage = t.untyped_storage()
+    nbytes = storage.nbytes()
+    storage.resize_(0)
+    assert t.data_ptr() == 0
+    storage.resize_(nbytes)
+    t.data.copy_(torch.ones(128, 64))
+    assert w.changed(t, "sample") and not w.changed(t, "sample")
 
 
 def test_copies_of_a_watch_have_seen_nothing():
