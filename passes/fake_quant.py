@@ -1,9 +1,10 @@
 """Fake-quant pass: quantize-dequantize the weights, inputs or outputs of selected sites.
 
 Driven by the policy's ordered `quantize` rules; a later rule overrides an earlier one for the
-same (site, tensor). Weights are quantized once and cached until the parameter's content
-changes, so a forward costs what the original model costs; under FSDP the weight is quantized
-in every forward and nothing is kept (a cached copy would be the unsharded weight on every rank).
+same (site, tensor). Weights are quantized once and cached until the parameter changes
+(`core.versions.Watch`: a forward with unchanged weights reads none of them), so a forward costs
+what the original model costs; under FSDP the weight is quantized in every forward and nothing
+is kept (a cached copy would be the unsharded weight on every rank).
 """
 
 from __future__ import annotations
@@ -13,10 +14,11 @@ from torch import Tensor, nn
 
 from qtransform import formats
 from qtransform.core import ops
+from qtransform.core.phase import in_rollout
 from qtransform.core.program import Program
 from qtransform.core.sharding import sharded
 from qtransform.core.streams import DrawStream
-from qtransform.core.versions import content_key
+from qtransform.core.versions import Watch
 from qtransform.formats import QuantConfig
 from qtransform.pipeline.base import Action, Pass, register_pass
 from qtransform.pipeline.selection import resolve_quantize
@@ -58,9 +60,10 @@ class _CachedSTE(torch.autograd.Function):
 class FakeQuantize(nn.Module):
     """Quantize-dequantize one tensor of a site in one format.
 
-    On a weight (`cache=True`) the quantized copy is kept and reused while the parameter's
-    content, dtype, device and shape are unchanged (`core.versions.content_key`: writes through
-    `.data`, merges and reused storage are all seen). Under FSDP (`core.sharding.sharded`) there
+    On a weight (`cache=True`) the quantized copy is kept and reused while the parameter is
+    unchanged (`core.versions.Watch`: a sample of the weight per forward outside rollouts, every
+    byte at a rollout's entry and after `train()` / `eval()`; docs/rl.md says which writes are
+    seen when). Under FSDP (`core.sharding.sharded`) there
     is no cache: the weight arrives all-gathered for this forward only, and a copy kept past the
     forward would be a full-size tensor on every rank. Under torch.export/compile the
     module emits the `qtransform::fake_quant` op, labelled `<site>/<tensor>_fake_quant`.
@@ -81,7 +84,7 @@ class FakeQuantize(nn.Module):
         self.cache = cache and not config.stochastic
         # stochastic rounding: one draw per forward from the stream of the config's seed
         self.stream = DrawStream(config.seed or 0, label) if config.stochastic else None
-        self._key: tuple | None = None
+        self._watch = Watch()
         self._cached: Tensor | None = None
         self.enabled = True  # eager only: off, the tensor passes unchanged (per-site sensitivity)
 
@@ -118,7 +121,12 @@ class FakeQuantize(nn.Module):
 
     def clear_cache(self) -> None:
         """Drop the cached quantized weight (a sequential scan frees each layer after use)."""
-        self._key, self._cached = None, None
+        self._watch.forget()
+        self._cached = None
+
+    def train(self, mode: bool = True) -> FakeQuantize:
+        self._watch.recheck()  # a change of mode is a point where every byte is checked
+        return super().train(mode)
 
     def quantized_copy(self, x: Tensor) -> Tensor:
         """The quantized copy of `x` without gradient, whether or not the module is enabled."""
@@ -126,18 +134,20 @@ class FakeQuantize(nn.Module):
             return self.quantize(x.detach())
 
     def forward(self, x: Tensor) -> Tensor:
-        if not self.enabled and not ops.is_tracing(x):
-            return x
         if ops.is_tracing(x):
             return self._traced(x)
+        if not self.enabled:
+            return x
         if not self.cache or sharded(self):
-            self._key = self._cached = None  # a copy cached before the model was sharded goes
+            self.clear_cache()  # a copy cached before the model was sharded goes
             return self.quantize(x)
-        key = content_key(x)
-        if key != self._key or self._cached is None:
-            with torch.no_grad():
-                self._cached = self.quantize(x.detach())
-            self._key = key
+        if self._watch.changed(x, "identity" if in_rollout() else "sample") or self._cached is None:
+            try:
+                with torch.no_grad():
+                    self._cached = self.quantize(x.detach())
+            except BaseException:
+                self.clear_cache()  # the watch has seen x, the cache has not
+                raise
         if torch.is_grad_enabled() and x.requires_grad:
             if self.config.zero_saturated_grad:
                 return self.quantize(x)

@@ -8,8 +8,9 @@ batches holds a constant amount of state per site; traced (torch.export, compile
 What each tap measures, comparing the value the model computes (the head) with the raw value the
 site had before any pass (see `GraphSite`):
 
-- weight: quantized weight against the original, once per weight version (optimizer steps bump
-  the version), not once per forward;
+- weight: quantized weight against the original, once per weight version (`core.versions.Watch`:
+  optimizer steps, merges and `.data` writes are seen as for the fake-quant cache; every byte is
+  read at each forward under FSDP), not once per forward;
 - input: quantized activation against the unquantized input (input quantization);
 - output: quantized output against the raw output (output quantization) and, in shadow mode,
   the site's *local* error: its output against the full-precision result of the same site on the
@@ -38,9 +39,11 @@ from qtransform.core import ops
 from qtransform.core.experts import COUNTS, grouped_linear
 from qtransform.core.graph import POINTS
 from qtransform.core.metrics import BlockExponentHistogram, ErrorStats
+from qtransform.core.phase import in_rollout
 from qtransform.core.program import Program
+from qtransform.core.sharding import sharded
 from qtransform.core.sites import LINEAR_KINDS
-from qtransform.core.versions import content_key
+from qtransform.core.versions import Watch
 from qtransform.formats import QuantConfig
 from qtransform.passes.fake_quant import FakeQuantPass
 from qtransform.pipeline.base import Action, Pass, register_pass
@@ -100,9 +103,13 @@ class Tap(nn.Module):
         self.exponents = BlockExponentHistogram() if self.block_exponents else None
         self.calls = 0
         self.rows_seen = 0
-        self._weight_key: tuple | None = None
+        self._weight_watch = Watch()
         self.expert_stats: list[ErrorStats] | None = None  # experts sites: one per expert
         self.expert_tokens: list[int] | None = None
+
+    def train(self, mode: bool = True) -> Tap:
+        self._weight_watch.recheck()  # a change of mode is a point where every byte is checked
+        return super().train(mode)
 
     def forward(self, head: Tensor, *extras: Tensor) -> Tensor:
         if not self.enabled:
@@ -135,10 +142,11 @@ class Tap(nn.Module):
         return sample_rows(formats.saturated(raw, cfg), offset, self.stride)
 
     def _observe_weight(self, head: Tensor, raw: Tensor) -> None:
-        key = content_key(raw)
-        if key == self._weight_key or head is raw:
+        if head is raw:
             return
-        self._weight_key = key
+        check = "content" if sharded(self) else "identity" if in_rollout() else "sample"
+        if not self._weight_watch.changed(raw, check):
+            return
         self.stats = ErrorStats().update(raw, head, self._saturated(raw, raw))  # this version only
         if self.site_kind == "experts":
             self.expert_stats = [ErrorStats().update(raw[e], head[e]) for e in range(raw.shape[0])]

@@ -16,6 +16,8 @@ from typing import Any
 
 from torch import nn
 
+from qtransform.core import versions
+
 PHASES = ("train", "eval", "both", "rollout")
 _ROLLOUT: contextvars.ContextVar[bool] = contextvars.ContextVar("qtransform_rollout", default=False)
 _SYNC: contextvars.ContextVar[bool] = contextvars.ContextVar("qtransform_sync", default=False)
@@ -23,7 +25,13 @@ _SYNC: contextvars.ContextVar[bool] = contextvars.ContextVar("qtransform_sync", 
 
 @contextmanager
 def rollout() -> Iterator[None]:
-    """Forwards inside this block are rollout forwards (noise with apply_during="rollout")."""
+    """Forwards inside this block are rollout forwards (noise with apply_during="rollout").
+
+    Its first forward compares a sample of every cached weight (`versions.recheck`: one
+    element per row), the forwards after it only the weights' identity and version counters,
+    so its decode steps cost no reading of the weights (docs/rl.md: which writes are seen
+    when)."""
+    versions.recheck()
     token = _ROLLOUT.set(True)
     try:
         yield

@@ -38,8 +38,10 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("qfast.c")
 BASE_FLAGS = ["-O3", "-std=gnu11", "-shared", "-fPIC", "-ffp-contract=off", "-fno-fast-math"]
-# tried in order: the first set that compiles is cached (no OpenMP runtime: single-threaded)
-FLAG_SETS = (["-march=native", "-fopenmp"], ["-fopenmp"], [])
+# tried in order: the first set that compiles is cached (no OpenMP runtime: single-threaded);
+# OpenMP only where torch runs GNU OpenMP itself (`torch_openmp`)
+FLAG_SETS = (["-march=native", "-fopenmp"], ["-fopenmp"], ["-march=native"], [])
+OPENMP_RUNTIMES = ("libgomp", "libiomp", "libomp")
 MIN_PARALLEL = 1 << 16  # elements; below this one thread beats the OpenMP fork/join
 
 _VARIANT = {"default": 0, "compressed-tensors": 1, "one_level": 2}
@@ -95,6 +97,24 @@ def _compiler() -> tuple[str, str] | None:
     return path, version.stdout.splitlines()[0] if version.stdout else ""
 
 
+def openmp_runtimes() -> set[str]:
+    """The OpenMP runtime libraries mapped into this process (Linux; empty elsewhere)."""
+    try:
+        lines = Path("/proc/self/maps").read_text().splitlines()
+    except OSError:
+        return set()
+    paths = {ln.split()[-1] for ln in lines if ln.count(" ") >= 5 and "/" in ln}
+    return {p for p in paths if Path(p).name.startswith(OPENMP_RUNTIMES)}
+
+
+def torch_openmp() -> bool:
+    """Whether the kernel may use OpenMP: only when torch's own runtime is GNU OpenMP
+    (`libgomp.so.1`). The kernel's `libgomp.so.1` then binds to that already loaded library, so
+    its threads are torch's intra-op pool (one pool, `torch.get_num_threads()` of them), never a
+    second pool beside it that would oversubscribe the cores."""
+    return any(Path(p).name.startswith("libgomp") for p in openmp_runtimes())
+
+
 def _digest(data: bytes) -> str:
     return f"{len(data)} {hashlib.sha256(data).hexdigest()}"
 
@@ -124,7 +144,7 @@ def build() -> Path | None:
     cc, version = found
     src = SOURCE.read_bytes()
     key = hashlib.sha256(
-        b"\0".join([src, version.encode(), repr((BASE_FLAGS, FLAG_SETS)).encode(),
+        b"\0".join([src, version.encode(), repr((BASE_FLAGS, FLAG_SETS, torch_openmp())).encode(),
                     _cpu_id().encode(), platform.machine().encode()])
     ).hexdigest()[:20]
     target = cache_dir() / key / "libqfast.so"
@@ -134,6 +154,8 @@ def build() -> Path | None:
         log.warning("fast path: cached %s failed its size/checksum check; rebuilding", target)
     target.parent.mkdir(parents=True, exist_ok=True)
     for extra in FLAG_SETS:
+        if "-fopenmp" in extra and not torch_openmp():
+            continue
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
         os.close(fd)
         cmd = [cc, *BASE_FLAGS, *extra, str(SOURCE), "-o", tmp]

@@ -1002,7 +1002,10 @@ int qf_quantize(const void *x, int dtype, void *out, uint8_t *sat, int32_t *exps
 #pragma omp atomic write
             failed = 1;
         }
-#pragma omp for schedule(static)
+        /* dynamic: on a busy machine a thread that gets no core leaves its tasks to the others
+         * instead of holding back its static share (tasks write disjoint outputs, and random
+         * draws are keyed by element position, so the result does not depend on who runs what) */
+#pragma omp for schedule(dynamic, 1)
         for (int64_t t = 0; t < rowsets * splits; t++) {
             if (!ok) continue; /* this thread's share is lost: the call fails */
             int64_t rs = t / splits, j0 = (t % splits) * span;

@@ -5,6 +5,8 @@ from __future__ import annotations
 import itertools
 import os
 import shutil
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -138,6 +140,36 @@ def test_multithreaded_and_other_dtypes(lib, fmt, opts, monkeypatch):
             xd = x[0].to(dtype)
             a, b = fake_quantize(xd, fmt, **opts), _reference(xd, fmt, monkeypatch, **opts)
             assert a.dtype == dtype and torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+
+def test_the_kernel_runs_on_torchs_openmp_runtime_not_a_second_one(lib):
+    """Two OpenMP runtimes in one process are two thread pools on the same cores: the kernel's
+    libgomp must be the one torch loaded, so its threads are torch's intra-op pool."""
+    if not sys.platform.startswith("linux"):
+        pytest.skip("reads /proc/self/maps")
+    prev = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        fake_quantize(torch.randn(512, 1024), "mxfp4")  # a parallel region of the kernel
+    finally:
+        torch.set_num_threads(prev)
+    runtimes = fastpath.openmp_runtimes()
+    assert len(runtimes) <= 1, runtimes
+    built_with_openmp = b"libgomp.so.1" in Path(lib._name).read_bytes()
+    assert built_with_openmp == fastpath.torch_openmp()  # GNU OpenMP in torch: the kernel uses it
+
+
+def test_no_openmp_in_the_kernel_where_torch_runs_another_runtime(monkeypatch, tmp_path):
+    if not HAS_CC:
+        pytest.skip("no C compiler")
+    monkeypatch.setattr(fastpath, "torch_openmp", lambda: False)  # e.g. a build on Intel's libiomp5
+    monkeypatch.setattr(fastpath, "_lib", None)
+    monkeypatch.setattr(fastpath, "_failed", False)
+    monkeypatch.setenv("QTRANSFORM_CACHE_DIR", str(tmp_path))
+    lib = fastpath.library()
+    assert lib is not None and b"libgomp.so.1" not in Path(lib._name).read_bytes()
+    x = torch.randn(300, 256)
+    assert _same(fake_quantize(x, "nvfp4"), _reference(x, "nvfp4", monkeypatch))
 
 
 def test_long_single_row_is_split_across_tasks(lib, monkeypatch):
