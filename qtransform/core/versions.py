@@ -11,7 +11,8 @@ decode step reads each weight once), so a `Watch` checks in three tiers, from fr
    in the slot) changes the pointer or the object.
 2. a sample: `SAMPLES` elements evenly spaced through the tensor (CPU), compared bit for bit
    (about a microsecond; one element per row, read through torch, cost 3 % of a prefill
-   forward). Other devices skip it (every byte is hashed instead).
+   forward). On a GPU the sampled elements are copied to the host (one small synchronizing
+   copy instead of a checksum of every byte).
    The counter misses in-place writes through `.data` (PEFT's `merge_and_unload`,
    `p.data.copy_(...)`) and through other aliases (numpy views); such a write is seen here when
    it changes a sampled element, which any write that changes every element of a 1/SAMPLES
@@ -21,7 +22,9 @@ decode step reads each weight once), so a `Watch` checks in three tiers, from fr
    a small model; a position-weighted integer checksum on other devices), taken when tier 1 or
    2 saw a difference (so a new tensor with the same bytes, as accelerate's offload hooks give,
    costs no re-quantization), at the first call after `Watch.recheck()` (the owning module's
-   `train()` / `eval()`), and at every call of check "content" (FSDP-managed modules).
+   `train()` / `eval()`), and at every call of check "content" (FSDP-managed modules). A bumped
+   version counter on the same storage (an optimizer step) is "changed" without a hash: the
+   caller recomputes from the current bytes anyway.
 
 With check "identity" (inside a rollout block: generate's decode steps) tier 2 runs only at the
 first call after `recheck()` (the block's entry).
@@ -74,11 +77,12 @@ def content_hash(x: torch.Tensor) -> int:
     if flat.device.type == "cpu":
         raw = (ctypes.c_char * (flat.numel() * flat.element_size())).from_address(flat.data_ptr())
         return xxhash.xxh3_64_intdigest(raw)  # `flat` stays referenced through the read
-    ints = flat.view(_INT_VIEW[flat.element_size()]).to(torch.int64)
-    rows = ints.reshape(-1, x.shape[-1]) if x.dim() else ints.reshape(1, -1)
+    ints = flat.view(_INT_VIEW[flat.element_size()])  # summed as int64 inside the reductions:
+    rows = ints.reshape(-1, x.shape[-1]) if x.dim() else ints.reshape(1, -1)  # no int64 copy
     weights_r = torch.arange(1, rows.shape[0] + 1, device=rows.device, dtype=torch.int64)
     weights_c = torch.arange(1, rows.shape[1] + 1, device=rows.device, dtype=torch.int64)
-    return int((rows.sum(1) * weights_r).sum() + (rows.sum(0) * weights_c).sum())
+    return int((rows.sum(1, dtype=torch.int64) * weights_r).sum()
+               + (rows.sum(0, dtype=torch.int64) * weights_c).sum())
 
 
 def sample_stride(numel: int) -> int:
@@ -120,8 +124,16 @@ class Watch:
         samples once after each `recheck()`."""
         ident = (x.data_ptr(), x.storage_offset(), x._version, x.shape, x.stride(), x.dtype,
                  x.device)
-        if (check != "content" and not self._full and ident == self._ident
-                and self._ref is not None and self._ref() is x):
+        same_tensor = self._ref is not None and self._ref() is x
+        if (check != "content" and same_tensor and self._ident is not None
+                and ident[:2] + ident[3:] == self._ident[:2] + self._ident[3:]
+                and ident[2] != self._ident[2]):
+            # written through torch in place (an optimizer step): the caller recomputes from
+            # the current bytes, so hashing them first would only cost a read
+            self._ident, self._digest, self._full = ident, None, False
+            self._epoch, self._sample = _epoch, self._take(x)
+            return True
+        if (check != "content" and not self._full and ident == self._ident and same_tensor):
             if check == "identity" and self._epoch == _epoch:
                 return False
             self._epoch = _epoch
@@ -137,12 +149,17 @@ class Watch:
 
     def _take(self, x: torch.Tensor) -> bytes | None:
         """The sampled elements' bytes (a bitwise comparison: -0.0 is not 0.0, NaN is NaN);
-        None where there is no cheap sample (non-contiguous, empty, not on CPU). Read through a
+        None where there is no cheap sample (non-contiguous, empty, meta). On CPU read through a
         numpy view of the raw memory made once per storage: one call, no torch dispatch. It is
         read only after tier 1 held, i.e. while `x` is alive at that same address."""
         n = x.numel()
-        if n == 0 or x.device.type != "cpu" or not x.is_contiguous():
+        if n == 0 or not x.is_contiguous() or x.device.type == "meta":
             return None
+        if x.device.type != "cpu":  # a GPU: the sampled elements copied over (one small sync),
+            if x.element_size() not in _INT_VIEW:  # far cheaper than a checksum of every byte
+                return None
+            picked = x.detach().reshape(-1)[::sample_stride(n)].view(_INT_VIEW[x.element_size()])
+            return picked.cpu().numpy().tobytes()
         where = (x.data_ptr(), n, x.element_size())
         if self._where != where:
             ptr, n, size = where

@@ -12,20 +12,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
-from transformers import Qwen2Config, Qwen2ForCausalLM
 
 import qtransform
 from qtransform.core import versions
 from qtransform.core.versions import SAMPLES, Watch
+from qtransform.models import build_tiny
 
 W4 = {"version": 1, "quantize": [{"targets": ["Linear"], "ignore": ["lm_head"], "format": "mxfp4"}]}
-
-
-def tiny_qwen2(seed: int = 0) -> Qwen2ForCausalLM:
-    torch.manual_seed(seed)
-    cfg = Qwen2Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
-    return Qwen2ForCausalLM(cfg).eval()
 
 
 def quantized_weight_bytes(model: nn.Module) -> int:
@@ -131,7 +124,7 @@ def test_the_sample_is_compared_bit_for_bit():
 
 # -- a transformed model: bytes read per forward --------------------------------------------
 def test_a_forward_with_unchanged_weights_reads_none_of_them():
-    model = qtransform.transform(tiny_qwen2(), W4)
+    model = qtransform.transform(build_tiny("qwen2", vocab=128), W4)
     ids = torch.randint(0, 128, (1, 6))
     with torch.no_grad():
         model(ids)  # fills the caches
@@ -210,7 +203,7 @@ def test_each_write_is_seen_in_each_context(write, context):
     sample can miss: it is seen after a train()/eval() call, which the training step makes."""
     if write == "one_element_through_data" and context != "train_step":
         pytest.skip("seen after the next train()/eval() call: test below")
-    model = qtransform.transform(tiny_qwen2(), W4)
+    model = qtransform.transform(build_tiny("qwen2", vocab=128), W4)
     ids = torch.randint(0, 128, (2, 5), generator=torch.Generator().manual_seed(1))
     run = CONTEXTS[context]
     first = run(model, ids)
@@ -221,7 +214,7 @@ def test_each_write_is_seen_in_each_context(write, context):
 
 
 def test_a_lone_element_written_through_data_is_seen_after_eval():
-    model = qtransform.transform(tiny_qwen2(), W4)
+    model = qtransform.transform(build_tiny("qwen2", vocab=128), W4)
     ids = torch.randint(0, 128, (2, 5))
     first = _eval_forward(model, ids)
     _write(model, "one_element_through_data")
@@ -232,7 +225,7 @@ def test_a_lone_element_written_through_data_is_seen_after_eval():
 
 def test_peft_merge_and_unload_between_generate_calls_is_seen():
     peft = pytest.importorskip("peft")
-    model = qtransform.transform(tiny_qwen2(), W4)
+    model = qtransform.transform(build_tiny("qwen2", vocab=128), W4)
     lora = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["q_proj", "down_proj"]))
     for name, p in lora.named_parameters():
         if "lora_B" in name:
@@ -247,3 +240,22 @@ def test_peft_merge_and_unload_between_generate_calls_is_seen():
     assert torch.equal(got, _fresh(merged)(ids).logits)
     assert torch.equal(_generate(merged, ids), _generate(_fresh(merged), ids))
     assert not torch.equal(_generate(merged, ids), stale)
+
+
+def test_an_optimizer_step_requantizes_without_reading_the_weights_first():
+    """A step writes through torch (version counters move): the next forward quantizes the new
+    weights, equal to a fresh transform of them, and hashes no byte on the way."""
+    model = qtransform.transform(build_tiny("qwen2", vocab=128), W4).train()
+    ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(0))
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    model(ids, use_cache=False).logits.square().mean().backward()
+    opt.step()
+    before = versions.bytes_hashed()
+    with torch.no_grad():
+        out = model(ids, use_cache=False).logits
+    assert versions.bytes_hashed() == before
+    plain = build_tiny("qwen2", vocab=128)
+    plain.load_state_dict(model.state_dict())
+    fresh = qtransform.transform(plain, W4)
+    with torch.no_grad():
+        assert torch.equal(out, fresh(ids, use_cache=False).logits)
