@@ -39,6 +39,7 @@ class NoiseCounts:
     in_phase_at_noisy_steps: int = 0  # ... of those, calls in the noise's phase
     last_step: int = -1  # the highest step at which a call came
     sigmas: dict[float, int] = field(default_factory=dict)  # scale -> noised calls at it
+    held: bool = False  # the step was fixed for a one-shot run: no loop was expected to step it
 
     def record(self, step: int, sigma: float, in_phase: bool, enabled: bool) -> None:
         sync = in_sync()

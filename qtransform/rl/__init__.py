@@ -4,9 +4,12 @@ phase. Sits above the passes: it drives the modules they insert."""
 from qtransform.core.phase import rollout
 from qtransform.rl.mismatch import mismatch_metrics
 from qtransform.rl.noise import NoiseController, noise_controller, silent_reason
-from qtransform.rl.parity import HFEngine, ParityReport, parity
+from qtransform.rl.parity import HFEngine, parity
+from qtransform.rl.parity_report import ParityReport
+from qtransform.rl.sampling import Sampling
 from qtransform.rl.weights import rollout_filter, rollout_weights
 
 __all__ = ["HFEngine", "NoiseController", "ParityReport", "noise_controller", "parity", "rollout",
            "rollout_filter", "rollout_weights", "silent_reason"]
 __all__ += ["mismatch_metrics"]
+__all__ += ["Sampling"]

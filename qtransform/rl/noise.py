@@ -73,6 +73,13 @@ class NoiseController:
         for module in self._stepped():
             module.set_step(step)
 
+    def hold(self, step: int) -> None:
+        """Fix the step for a one-shot run (a parity report, an evaluation): no training loop
+        steps this controller, so the end-of-run check does not ask for `step()`."""
+        self.set_step(step)
+        for module in self.noise:
+            module.counts.held = True
+
     def step(self) -> None:
         """Advance one step (resampling z when resample == "step")."""
         self.set_step(self.current_step + 1)
@@ -165,6 +172,8 @@ def silent_reason(modules: list[AQNNoise]) -> str | None:
         return None
     config = modules[0].config
     if not any(c.at_noisy_steps for c in counts):
+        if all(c.held for c in counts):
+            return None  # a step chosen for a one-shot run, not a loop that forgot to step
         last = max(c.last_step for c in counts)
         first = _first_noisy_step(config.schedule)
         return (f"AQN never applied noise: the noise controller never went past step {last}, and "
