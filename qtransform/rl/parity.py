@@ -111,7 +111,7 @@ class HFEngine:
         return hf_greedy(self.model, prompt, n)
 
     def sample(self, prompt: list[int], n: int, sampling: Sampling) -> tuple[list[int], None]:
-        """n tokens from generate with the sampler (the global torch RNG, seeded by parity)."""
+        """Up to n tokens from generate with the sampler (the torch RNG, seeded by parity)."""
         return hf_sample(self.model, prompt, n, sampling), None
 
 
@@ -123,9 +123,11 @@ def hf_greedy(model: nn.Module, prompt: list[int], n: int) -> list[int]:
 
 
 def hf_sample(model: nn.Module, prompt: list[int], n: int, sampling: Sampling) -> list[int]:
-    """n tokens sampled by a HF causal LM's `generate` with `sampling`'s parameters."""
-    out = model.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n,
-                         pad_token_id=0, **sampling.generate_kwargs())
+    """Up to n tokens sampled by a HF causal LM's `generate` with `sampling`'s parameters. No
+    minimum length: it would mask the end token out of the distribution sampled from, a step
+    the scoring does not replay."""
+    out = model.generate(torch.tensor([prompt]), max_new_tokens=n, pad_token_id=0,
+                         **sampling.generate_kwargs())
     return out[0, len(prompt):].tolist()
 
 
