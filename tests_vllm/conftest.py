@@ -26,4 +26,5 @@ def model_dir(tmp_path_factory):
 def llm(model_dir):
     vllm = pytest.importorskip("vllm")
     return vllm.LLM(str(model_dir), dtype="float32", enforce_eager=True, max_model_len=64,
-                    skip_tokenizer_init=True, seed=0, max_num_seqs=4)
+                    skip_tokenizer_init=True, seed=0, max_num_seqs=4,
+                    logprobs_mode="processed_logprobs")  # what TRL starts it with

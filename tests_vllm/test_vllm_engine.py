@@ -23,12 +23,13 @@ N = 8
 
 
 def hf_rollout(model: torch.nn.Module, prompt: list[int]) -> tuple[list[int], list[float]]:
-    """Greedy tokens of the transformed model's generate() and their log-probs (raw logits)."""
+    """Greedy tokens of the transformed model's generate() and their processed log-probs (the
+    minimum length masks the end token, as vLLM's min_tokens does in its processed log-probs)."""
     out = model.generate(torch.tensor([prompt]), max_new_tokens=N, min_new_tokens=N,
-                         do_sample=False, pad_token_id=0, output_logits=True,
+                         do_sample=False, pad_token_id=0, output_scores=True,
                          return_dict_in_generate=True)
     tokens = out.sequences[0, len(prompt):].tolist()
-    lps = [float(logits[0].float().log_softmax(-1)[t]) for logits, t in zip(out.logits, tokens, strict=True)]
+    lps = [float(scores[0].float().log_softmax(-1)[t]) for scores, t in zip(out.scores, tokens, strict=True)]
     return tokens, lps
 
 
@@ -111,6 +112,31 @@ def test_parity_report_on_vllm(llm, model, tmp_path):
     assert "max abs Δ log-prob" in paths["markdown"].read_text()
 
 
+@pytest.mark.parametrize("sampler", [dict(temperature=0.7, top_p=0.8), dict(top_k=20),
+                                     dict(temperature=0.8, top_k=40, top_p=0.9, min_p=0.02)],
+                         ids=lambda s: ",".join(f"{k}={v}" for k, v in s.items()))
+def test_parity_replays_vllms_sampler(llm, sampler):
+    from qtransform.rl import Sampling
+    from qtransform.rl.parity import compare, trainer_logprobs
+    from tests.rl.test_parity import peaked
+
+    model = qtransform.transform(peaked(), POLICY)  # a peaked lm_head: the sampler matters
+    qtransform.noise_controller(model).set_step(12)
+    push_weights(llm, qtransform.rollout_weights(model))
+    engine = VLLMEngine(llm, seed=3)
+    report = qtransform.rl.parity(model, engine, PROMPTS, max_new_tokens=N, phase="rollout", **sampler)
+    assert report.meta["sampler"]["order"] == "vllm" and report.outside_support == 0
+    assert abs(report.metrics["kl"]) < 1e-6 and report.metrics["k3_kl"] < 1e-10
+    assert report.max_abs_delta < 1e-5 and report.tokens >= len(PROMPTS)
+    # the trainer at temperature 1 over the full vocabulary sees a spurious gap on the same tokens
+    completions = [s["completion"] for s in report.samples]
+    raw = [trainer_logprobs(model, p, c, Sampling(), "rollout") for p, c in zip(PROMPTS, completions, strict=True)]
+    processed = [[e + d for e, d in zip(trainer_logprobs(model, p, c, Sampling(**sampler), "rollout"), deltas,
+                                         strict=True)]
+                 for p, c, deltas in zip(PROMPTS, completions, report.deltas, strict=True)]
+    assert compare(raw, processed)[0]["kl"] > 0.01
+
+
 def test_parity_cli_with_the_vllm_engine(model_dir, tmp_path, capsys):
     import json
 
@@ -121,7 +147,10 @@ def test_parity_cli_with_the_vllm_engine(model_dir, tmp_path, capsys):
     out = tmp_path / "parity"
     assert main(["parity", str(model_dir), "--policy", str(policy), "--engine", "vllm",
                  "--step", "12", "--phase", "rollout", "--num-prompts", "2",
-                 "--max-new-tokens", "6", "--out", str(out)]) == 0
+                 "--max-new-tokens", "6", "--temperature", "0.7", "--top-p", "0.8",
+                 "--out", str(out)]) == 0
     report = json.loads((out / "parity.json").read_text())
     assert report["max_abs_delta"] < 1e-5 and report["greedy_agreement"] == 1.0
+    assert abs(report["metrics"]["kl"]) < 1e-6 and report["meta"]["sampler"]["order"] == "vllm"
+    assert report["floor"]["k3_kl"] > report["metrics"]["k3_kl"]  # the original model vs the engine
     assert (out / "parity.png").exists() and "greedy agreement 1.0" in capsys.readouterr().out

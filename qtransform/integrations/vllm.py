@@ -19,6 +19,8 @@ from typing import Any
 
 from torch import Tensor
 
+from qtransform.errors import UserError
+
 
 def _load_weights(worker: Any, pairs: Iterable[tuple[str, Tensor]]) -> int:
     """Runs on a worker: the model's own loader; returns how many tensors it took."""
@@ -39,11 +41,26 @@ def push_weights(llm: Any, pairs: Iterable[tuple[str, Tensor]], *, via: str = "r
 
 
 class VLLMEngine:
-    """A `vllm.LLM` as a parity engine: log-probs of given tokens, greedy and sampled tokens."""
+    """A `vllm.LLM` as a parity engine: log-probs of given tokens, greedy and sampled tokens.
+
+    Sampled completions come with the log-probs vLLM's sampler reports for them: with a sampler
+    other than temperature 1 and no filter, the engine must be built with
+    `logprobs_mode="processed_logprobs"` (as TRL starts it), so they are the processed ones. vLLM's
+    sampler runs temperature, min-p, then top-k and top-p (`order = "vllm"`)."""
+
+    order = "vllm"
 
     def __init__(self, llm: Any, seed: int = 0):
         self.llm = llm
         self.seed = seed
+
+    def describe(self) -> str:
+        config = getattr(getattr(self.llm, "llm_engine", None), "model_config", None)
+        return f"vllm ({getattr(config, 'model', '?')}, logprobs_mode {self._logprobs_mode()})"
+
+    def _logprobs_mode(self) -> str:
+        config = getattr(getattr(self.llm, "llm_engine", None), "model_config", None)
+        return str(getattr(config, "logprobs_mode", "raw_logprobs"))
 
     def _run(self, prompt: list[int], **params: Any) -> Any:
         from vllm import SamplingParams  # the optional dependency, imported where it is used
@@ -53,8 +70,12 @@ class VLLMEngine:
                                 use_tqdm=False)
         return out[0]
 
-    def logprobs(self, prompt: list[int], completion: list[int]) -> list[float]:
-        """Prompt log-probs of the whole sequence (one prefill), read at the completion."""
+    def logprobs(self, prompt: list[int], completion: list[int], sampling: Any = None) -> list[float]:
+        """Prompt log-probs of the whole sequence (one prefill), read at the completion. vLLM
+        computes them from the raw logits, so only without a sampler."""
+        if sampling is not None and not sampling.is_identity:
+            raise UserError("vLLM's prompt log-probs are raw (no temperature, top-k, top-p): with a "
+                            "sampler let the engine sample the completions (completions=None)")
         seq = prompt + completion
         out = self._run(seq, max_tokens=1, prompt_logprobs=0, temperature=0.0)
         entries = out.prompt_logprobs[len(prompt):]
@@ -64,7 +85,15 @@ class VLLMEngine:
         out = self._run(prompt, max_tokens=n, min_tokens=n, temperature=0.0, ignore_eos=True)
         return list(out.outputs[0].token_ids)
 
-    def sample(self, prompt: list[int], n: int) -> list[int]:
-        out = self._run(prompt, max_tokens=n, min_tokens=n, temperature=1.0, ignore_eos=True,
-                        seed=self.seed)
-        return list(out.outputs[0].token_ids)
+    def sample(self, prompt: list[int], n: int, sampling: Any) -> tuple[list[int], list[float]]:
+        """Up to n tokens from vLLM's sampler and the log-probs it reports for them (no minimum
+        length: vLLM's min_tokens would mask the end token out of the processed distribution)."""
+        if not sampling.is_identity and self._logprobs_mode() != "processed_logprobs":
+            raise UserError(f"this vllm.LLM reports {self._logprobs_mode()}, not the processed "
+                            "log-probs its sampler used: build it with "
+                            "logprobs_mode=\"processed_logprobs\"")
+        out = self._run(prompt, max_tokens=n, temperature=sampling.temperature,
+                        top_k=max(sampling.top_k, 0), top_p=sampling.top_p, min_p=sampling.min_p,
+                        seed=self.seed, logprobs=0).outputs[0]
+        tokens = list(out.token_ids)
+        return tokens, [lp[t].logprob for lp, t in zip(out.logprobs, tokens, strict=True)]
