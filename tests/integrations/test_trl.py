@@ -82,7 +82,11 @@ def test_grpo_rollouts_see_the_scheduled_noise_and_the_loss_does_not(tmp_path):
     assert callback.noise.current_step == 3  # stepped once per optimizer step
 
     logged = [h for h in trainer.state.log_history if "loss" in h]  # one per optimizer step
-    assert [h["qtransform/sigma"] for h in logged] == pytest.approx([scheduled(s) for s in (1, 2, 3)])
+    measured = [next(s for step, s in decode if step == h["step"] - 1) for h in logged]
+    # each row's sigma is the one its rollouts were generated at (step k's row: sigma(k)),
+    # not the controller's after the step
+    assert [h["qtransform/sigma"] for h in logged] == pytest.approx(measured, rel=1e-3, abs=1e-6)
+    assert [h["qtransform/sigma"] for h in logged] == pytest.approx([scheduled(s) for s in (0, 1, 2)])
     last = logged[-1]
     assert last["qtransform/noised_forwards"] > 0 and last["qtransform/syncs"] == 0
 
