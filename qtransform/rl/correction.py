@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -198,3 +199,32 @@ class Correction:
             out = out * rejection_mask(trainer_logp, rollout_logp, mask, rollout_rs=self.rollout_rs,
                                        threshold=self.rollout_rs_threshold)
         return out
+
+    def to_verl(self) -> dict[str, Any]:
+        """The verl config overrides that apply this correction (keys read in verl's
+        `algorithm/rollout_correction.yaml` and `RolloutConfig.calculate_log_probs`, Jan 2026).
+
+        verl truncates weights above only and has no geometric weight level, so a masked, lower-
+        clamped or geometric `rollout_is` is refused; IcePop becomes verl's `token_k1` rejection,
+        whose bounds are on π_rollout / π_trainer: [1/high, 1/low]."""
+        if self.rollout_is == "geometric" or self.rollout_is_mode != "truncate" or self.rollout_is_lower:
+            raise UserError("verl's rollout_is is token or sequence, truncated above only: for a "
+                            "geometric filter use rollout_rs='seq_mean_k1', for masking a rollout_rs option")
+        options = _rs_options(self.rollout_rs) if self.rollout_rs else []
+        bounds = [_verl_bound(b) for b in _thresholds(options, self.rollout_rs_threshold)] if options else []
+        if self.icepop is not None:
+            low, high = self.icepop
+            options, bounds = [*options, "token_k1"], [*bounds, f"{1 / high:g}_{1 / low:g}"]
+        section: dict[str, Any] = {
+            "rollout_is": self.rollout_is, "rollout_is_threshold": self.rollout_is_threshold,
+            "rollout_is_batch_normalize": False,
+            "rollout_rs": ",".join(options) or None, "rollout_rs_threshold": ",".join(bounds) or None,
+            "bypass_mode": False,
+        }
+        return {"algorithm": {"rollout_correction": section},
+                "actor_rollout_ref": {"rollout": {"calculate_log_probs": True}}}
+
+
+def _verl_bound(bound: tuple[float | None, float]) -> str:
+    low, high = bound
+    return f"{high:g}" if low is None else f"{low:g}_{high:g}"

@@ -113,3 +113,33 @@ def test_bad_configurations_name_the_fix():
         Correction(rollout_is=None)
     with pytest.raises(UserError, match="IcePop"):
         Correction(icepop=(2.0, 3.0))
+
+
+def test_the_verl_config_carries_verls_names_and_icepop_as_token_k1():
+    c = Correction(rollout_is="sequence", rollout_is_threshold=5.0, icepop=(0.5, 4.0),
+                   rollout_rs="seq_mean_k3,token_k1", rollout_rs_threshold="0.01,2")
+    section = c.to_verl()["algorithm"]["rollout_correction"]
+    assert section == {"rollout_is": "sequence", "rollout_is_threshold": 5.0,
+                       "rollout_is_batch_normalize": False, "bypass_mode": False,
+                       "rollout_rs": "seq_mean_k3,token_k1,token_k1",
+                       "rollout_rs_threshold": "0.01,0.5_2,0.25_2"}
+    assert c.to_verl()["actor_rollout_ref"]["rollout"]["calculate_log_probs"] is True
+    # verl's token_k1 keeps 0.25 <= π_rollout/π_trainer <= 2: IcePop's [0.5, 4] on the inverse
+    t, r, m = batch(RATIOS, MASK)
+    assert torch.equal(rejection_mask(t, r, m, rollout_rs="token_k1", threshold="0.25_2"),
+                       icepop_mask(t, r, m, low=0.5, high=4.0))
+    for unsupported in (Correction(rollout_is="geometric"), Correction(rollout_is_mode="mask"),
+                        Correction(rollout_is_lower=0.5)):
+        with pytest.raises(UserError, match="verl"):
+            unsupported.to_verl()
+
+
+def test_the_verl_keys_exist_in_verls_config_schema():
+    algorithm = pytest.importorskip("verl.trainer.config.algorithm")  # verl is not installed here
+    rollout = pytest.importorskip("verl.workers.config.rollout")
+    import dataclasses
+
+    config = Correction(icepop=(0.5, 2.0)).to_verl()
+    fields = {f.name for f in dataclasses.fields(algorithm.RolloutCorrectionConfig)}
+    assert set(config["algorithm"]["rollout_correction"]) <= fields
+    assert "calculate_log_probs" in {f.name for f in dataclasses.fields(rollout.RolloutConfig)}
