@@ -143,3 +143,13 @@ def test_the_verl_keys_exist_in_verls_config_schema():
     fields = {f.name for f in dataclasses.fields(algorithm.RolloutCorrectionConfig)}
     assert set(config["algorithm"]["rollout_correction"]) <= fields
     assert "calculate_log_probs" in {f.name for f in dataclasses.fields(rollout.RolloutConfig)}
+
+
+def test_the_documented_verl_snippet_is_what_to_verl_returns():
+    yaml = pytest.importorskip("yaml")
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "rl.md").read_text()
+    block = text.split("# Correction(rollout_is=\"token\", rollout_is_threshold=2.0, icepop=(0.5, 2.0)).to_verl()\n")[1]
+    documented = yaml.safe_load(block.split("```")[0])
+    assert documented == Correction(rollout_is="token", rollout_is_threshold=2.0, icepop=(0.5, 2.0)).to_verl()
