@@ -200,21 +200,22 @@ class _Scoring:
     """Wraps GRPOTrainer._generate_and_score_completions: the mismatch metrics of the recorded
     rollout log-probs against the trainer's, and the correction's weights for the loss."""
 
-    def __init__(self, trainer: Any, correction: Correction | None, original: Callable[..., Any]):
-        self.trainer, self.correction, self.original = trainer, correction, original
+    def __init__(self, trainer: Any, correction: Correction | None, metrics: bool,
+                 original: Callable[..., Any]):
+        self.trainer, self.correction, self.metrics, self.original = trainer, correction, metrics, original
 
     def __call__(self, inputs: Any) -> dict[str, Any]:
         out = self.original(inputs)
         trainer = self.trainer
         rollout = out.get("sampling_per_token_logps")
-        if trainer.use_vllm or rollout is None:
+        if trainer.use_vllm or rollout is None or (self.correction is None and not self.metrics):
             return out
         mask = out["completion_mask"] if "tool_mask" not in out else out["completion_mask"] * out["tool_mask"]
         policy = out.get("old_per_token_logps")
         if policy is None:
             policy = self._trainer_logps(out)
         mode = "train" if trainer.model.training else "eval"
-        if mask.any():
+        if self.metrics and mask.any():
             for key, value in mismatch_metrics(policy, rollout, mask).items():
                 trainer._metrics[mode][f"{PREFIX}mismatch/{key}"].append(value)
         if self.correction is not None:
@@ -256,11 +257,12 @@ class _CorrectedLoss:
         return self.original(model, inputs)
 
 
-def attach(trainer: Any, *, correction: Correction | None = None,
+def attach(trainer: Any, *, correction: Correction | None = None, mismatch: bool = True,
            weight_stats_every: int = 50) -> QTransformCallback:
     """Hook a transformed model into a TRL trainer: the callback (first, so reporters log its
     values); with vLLM the weight sync through `rollout_filter`; with generate() the rollouts'
-    log-probs, the mismatch metrics and, given a `Correction`, the corrected loss."""
+    log-probs, the mismatch metrics (`mismatch=False` saves the no-grad trainer forward they
+    need when TRL computes none) and, given a `Correction`, the corrected loss."""
     callback = QTransformCallback(trainer.model, weight_stats_every=weight_stats_every)
     trainer.callback_handler.callbacks.insert(0, callback)
     use_vllm = getattr(trainer, "use_vllm", False)
@@ -284,7 +286,7 @@ def attach(trainer: Any, *, correction: Correction | None = None,
     if not isinstance(trainer.__dict__.get("_generate_single_turn"), _Generation):
         callback.records_rollouts = True
         trainer._generate_single_turn = _Generation(trainer, callback, trainer._generate_single_turn)
-        trainer._generate_and_score_completions = _Scoring(trainer, correction,
+        trainer._generate_and_score_completions = _Scoring(trainer, correction, mismatch,
                                                            trainer._generate_and_score_completions)
         trainer._compute_loss = _CorrectedLoss(trainer._compute_loss)
     return callback

@@ -32,7 +32,7 @@ THRESHOLD = 1.1
 def grpo(tmp_path, **config) -> tuple:
     model = qtransform.transform(tiny_qwen2(), POLICY)
     args = trl.GRPOConfig(
-        output_dir=str(tmp_path), use_cpu=True, report_to="none", max_steps=2,
+        output_dir=str(tmp_path), use_cpu=True, report_to="none", max_steps=config.pop("max_steps", 2),
         per_device_train_batch_size=4, num_generations=2, max_completion_length=6,
         logging_steps=1, learning_rate=1e-2, save_strategy="no", seed=0, temperature=TEMPERATURE,
         bf16=False,  # TRL defaults to bf16 autocast, which generate() and the scoring forward apply differently
@@ -130,3 +130,14 @@ def test_a_correction_on_the_vllm_path_points_to_trls_own(tmp_path):
     trainer.use_vllm = True
     with pytest.raises(UserError, match="vllm_importance_sampling_correction"):
         attach(trainer, correction=Correction())
+
+
+def test_without_mismatch_metrics_no_trainer_forward_is_added(tmp_path):
+    _, trainer = grpo(tmp_path, max_steps=1)
+    attach(trainer, mismatch=False)
+    forwards = []
+    trainer.model.register_forward_hook(lambda m, i, o: forwards.append(torch.is_grad_enabled()))
+    trainer.train()
+    row = next(h for h in trainer.state.log_history if "loss" in h)
+    assert not any(key.startswith("qtransform/mismatch/") for key in row)
+    assert forwards == [True]  # the loss forward only (generate() runs the inner model)
