@@ -42,6 +42,10 @@ from qtransform.rl import (
 )
 from qtransform.rl.tracking import PREFIX, noise_metrics, weight_stats
 
+# the correction's per-token factors in TRL's batch dict: a key of our own, so that TRL's own
+# `importance_sampling_ratio` (vLLM path) is never applied twice
+WEIGHTS = "qtransform_correction_weights"
+
 
 def _controller(model: nn.Module) -> NoiseController | None:
     """The model's noise controller, or None for a policy without noise (quantization only)."""
@@ -221,7 +225,7 @@ class _Scoring:
         if self.correction is not None:
             weights = self.correction.weights(policy, rollout, mask)
             out["old_per_token_logps"] = policy  # PPO's old policy: the trainer's, as TRL on vLLM
-            out["importance_sampling_ratio"] = weights
+            out[WEIGHTS] = weights
             real = mask.bool()
             trainer._metrics[mode][f"{PREFIX}correction/mean_weight"].append(float(weights[real].mean()))
             trainer._metrics[mode][f"{PREFIX}correction/zeroed_fraction"].append(
@@ -248,7 +252,7 @@ class _CorrectedLoss:
         self.original = original
 
     def __call__(self, model: nn.Module, inputs: dict[str, Any]) -> Any:
-        weights = inputs.get("importance_sampling_ratio")
+        weights = inputs.get(WEIGHTS)
         if weights is not None:
             advantages = inputs["advantages"]
             if advantages.dim() == 1:

@@ -19,7 +19,7 @@ trl = pytest.importorskip("trl")
 peft = pytest.importorskip("peft")
 datasets = pytest.importorskip("datasets")
 
-from qtransform.integrations.trl import attach  # noqa: E402
+from qtransform.integrations.trl import WEIGHTS, attach  # noqa: E402
 
 SCHEDULE = {"kind": "exponential", "sigma_start": 0.3, "sigma_end": 0.3, "num_stages": 3, "total_steps": 3}
 POLICY = {"version": 1,
@@ -101,7 +101,7 @@ def test_the_loss_applies_truncated_weights_from_the_recorded_rollout_logprobs(t
         recorded = out["sampling_per_token_logps"]
         torch.testing.assert_close(recorded[mask], rollout_lp[mask], rtol=0, atol=2e-5)
         torch.testing.assert_close(out["old_per_token_logps"][mask], trainer_lp[mask], rtol=0, atol=2e-5)
-        weights = out["importance_sampling_ratio"]
+        weights = out[WEIGHTS]
         for b, t in mask.nonzero().tolist():
             ratio = math.exp(float(trainer_lp[b, t]) - float(recorded[b, t]))
             assert float(weights[b, t]) == pytest.approx(min(ratio, THRESHOLD), rel=1e-4)
@@ -112,7 +112,7 @@ def test_the_loss_applies_truncated_weights_from_the_recorded_rollout_logprobs(t
 
     for (raw_args, _), (seen_args, _) in zip(outer.calls, inner.calls, strict=True):
         raw, seen = raw_args[1], seen_args[1]
-        expected = raw["advantages"].unsqueeze(1) * raw["importance_sampling_ratio"]
+        expected = raw["advantages"].unsqueeze(1) * raw[WEIGHTS]
         assert torch.equal(seen["advantages"], expected)
 
     rows = [h for h in trainer.state.log_history if "loss" in h]
@@ -141,3 +141,16 @@ def test_without_mismatch_metrics_no_trainer_forward_is_added(tmp_path):
     row = next(h for h in trainer.state.log_history if "loss" in h)
     assert not any(key.startswith("qtransform/mismatch/") for key in row)
     assert forwards == [True]  # the loss forward only (generate() runs the inner model)
+
+
+def test_trls_own_vllm_ratio_is_not_applied_a_second_time(tmp_path):
+    _, trainer = grpo(tmp_path)
+    attach(trainer)
+    trainer._compute_loss.original = lambda model, inputs: inputs  # see what TRL's loss receives
+    advantages = torch.tensor([1.0, -2.0])
+    trl_ratio = torch.full((2, 3), 0.5)  # TRL's vLLM correction, applied by TRL itself
+    seen = trainer._compute_loss(trainer.model, {"advantages": advantages, "importance_sampling_ratio": trl_ratio})
+    assert torch.equal(seen["advantages"], advantages)
+    ours = torch.tensor([[1.0, 0.0, 2.0], [0.5, 1.0, 0.0]])
+    seen = trainer._compute_loss(trainer.model, {"advantages": advantages, WEIGHTS: ours})
+    assert torch.equal(seen["advantages"], torch.tensor([[1.0, 0.0, 2.0], [-1.0, -2.0, 0.0]]))
