@@ -19,7 +19,10 @@ from qtransform.formats import fake_quantize
 from qtransform.pipeline import Pass, PassManager, Plan, plan, transform, transform_program
 from qtransform.pipeline.saving import load_transformed, save_transformed
 from qtransform.rl import (
+    Correction,
     NoiseController,
+    log_to,
+    mismatch_metrics,
     noise_controller,
     rollout,
     rollout_filter,
@@ -74,3 +77,4 @@ __all__ = [
     "transform",
     "transform_program",
 ]
+__all__ += ["Correction", "log_to", "mismatch_metrics"]

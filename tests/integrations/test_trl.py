@@ -42,12 +42,13 @@ def sigma_of_call(norm: torch.nn.Module, x: torch.Tensor, out: torch.Tensor, z: 
     return float((residual * basis).sum() / (basis * basis).sum())
 
 
-def grpo(tmp_path, max_steps: int) -> tuple:
+def grpo(tmp_path, max_steps: int, **config) -> tuple:
     model = qtransform.transform(tiny_qwen2(), POLICY)
     args = trl.GRPOConfig(
         output_dir=str(tmp_path), use_cpu=True, report_to="none", max_steps=max_steps,
         per_device_train_batch_size=2, num_generations=2, max_completion_length=4,
         logging_steps=1, learning_rate=1e-2, save_strategy="no", seed=0, temperature=1.0,
+        **config,
     )
     trainer = trl.GRPOTrainer(
         model=model, reward_funcs=lambda completions, **_: [float(len(c)) for c in completions],
@@ -82,9 +83,42 @@ def test_grpo_rollouts_see_the_scheduled_noise_and_the_loss_does_not(tmp_path):
     assert callback.noise.current_step == 3  # stepped once per optimizer step
 
     logged = [h for h in trainer.state.log_history if "loss" in h]  # one per optimizer step
-    assert [h["qtransform/sigma"] for h in logged] == pytest.approx([scheduled(s) for s in (1, 2, 3)])
+    measured = [next(s for step, s in decode if step == h["step"] - 1) for h in logged]
+    # each row's sigma is the one its rollouts were generated at (step k's row: sigma(k)),
+    # not the controller's after the step
+    assert [h["qtransform/sigma"] for h in logged] == pytest.approx(measured, rel=1e-3, abs=1e-6)
+    assert [h["qtransform/sigma"] for h in logged] == pytest.approx([scheduled(s) for s in (0, 1, 2)])
     last = logged[-1]
     assert last["qtransform/noised_forwards"] > 0 and last["qtransform/syncs"] == 0
+
+
+@pytest.mark.parametrize("hook", ["attach", "callbacks"])
+def test_each_row_logs_the_sigma_its_rollouts_were_generated_at(tmp_path, hook):
+    # two optimizer steps per generation with attach: rows 1 and 2 train on step 0's rollouts;
+    # the plain callback sees no generation and reports the sigma at the start of each step
+    model, trainer = grpo(tmp_path, max_steps=3, steps_per_generation=2 if hook == "attach" else 1)
+    if hook == "attach":
+        attach(trainer, weight_stats_every=0)
+    else:
+        trainer.add_callback(QTransformCallback(model, weight_stats_every=0))
+    norm, generated = model.model.norm, []
+
+    def record(module, inputs, output):
+        if inputs[0].shape[1] == 1 and not torch.is_grad_enabled():  # a decoding step
+            step = trainer.state.global_step
+            z = documented_z(5, "model.norm", step, module.weight.shape)
+            generated.append((step, sigma_of_call(module, inputs[0], output, z)))
+
+    norm.register_forward_hook(record)
+    trainer.train()
+    rows = [h for h in trainer.state.log_history if "loss" in h]
+    steps = sorted({step for step, _ in generated})
+    assert steps == ([0, 2] if hook == "attach" else [0, 1, 2])
+    for row in rows:  # the latest generation at or before the row's step
+        source = max(s for s in steps if s <= row["step"] - 1)
+        used = [s for step, s in generated if step == source]
+        assert row["qtransform/sigma"] == pytest.approx(used[0], rel=1e-3, abs=1e-6)
+        assert row["qtransform/sigma"] == pytest.approx(scheduled(source))
 
 
 def test_a_policy_without_noise_logs_nothing_and_a_resumed_run_continues_the_schedule():
