@@ -153,4 +153,4 @@ def test_parity_cli_with_the_vllm_engine(model_dir, tmp_path, capsys):
     assert report["max_abs_delta"] < 1e-5 and report["greedy_agreement"] == 1.0
     assert abs(report["metrics"]["kl"]) < 1e-6 and report["meta"]["sampler"]["order"] == "vllm"
     assert report["floor"]["k3_kl"] > report["metrics"]["k3_kl"]  # the original model vs the engine
-    assert (out / "parity.png").exists() and "greedy agreement 1.0" in capsys.readouterr().out
+    assert (out / "parity.png").exists() and "greedy agreement 1.0000" in capsys.readouterr().out

@@ -143,8 +143,9 @@ def run_parity(args: argparse.Namespace) -> int:
     if args.json:
         print((Path(args.out) / "parity.json").read_text(), end="")
     else:
+        agree = "n/a" if report.greedy_agreement is None else f"{report.greedy_agreement:.4f}"
         print(f"mean |Δ log-prob| {report.mean_abs_delta:.3e}  max {report.max_abs_delta:.3e}  "
-              f"greedy agreement {report.greedy_agreement}")
+              f"greedy agreement {agree}")
         print("\n".join(report.summary()))
         print(f"wrote {', '.join(str(Path(args.out) / n) for n in names)}")
     return 0
