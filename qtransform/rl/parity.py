@@ -220,29 +220,7 @@ def parity(model: nn.Module, engine: Engine | LogProbs, prompts: Sequence[list[i
         raise UserError(f"phase must be 'train' or 'rollout', got {phase!r}")
     sampling = Sampling(temperature, top_k, top_p, min_p, order=getattr(engine, "order", "vllm"))
     tokenizer, ids = _encode(model, prompts, tokenizer)
-    score = engine if callable(engine) and not hasattr(engine, "logprobs") else engine.logprobs
-    sampled: list[list[float] | None] = [None] * len(ids)
-    if completions is None:
-        torch.manual_seed(seed)
-        sample = getattr(engine, "sample", None)
-        if sample is not None:
-            pairs = [sample(p, max_new_tokens, sampling) for p in ids]
-            completions = [list(tokens) for tokens, _ in pairs]
-            sampled = [None if lps is None else [float(v) for v in lps] for _, lps in pairs]
-        else:
-            completions = [hf_sample(model, p, max_new_tokens, sampling) for p in ids]
-    if len(completions) != len(ids):
-        raise UserError(f"{len(ids)} prompts but {len(completions)} completions")
-    if not any(completions):
-        raise UserError("the completions are empty: give max_new_tokens >= 1")
-    engine_lps = []
-    for prompt, completion, got in zip(ids, completions, sampled, strict=True):
-        if got is None:
-            got = ([float(v) for v in score(prompt, completion)] if score is engine
-                   else [float(v) for v in score(prompt, completion, sampling)])
-        if len(got) != len(completion):
-            raise UserError(f"the engine returned {len(got)} log-probs for {len(completion)} tokens")
-        engine_lps.append(got)
+    completions, engine_lps = _rollouts(model, engine, ids, completions, max_new_tokens, sampling, seed)
 
     def scored() -> list[list[float]]:
         return [trainer_logprobs(model, p, c, sampling, phase) for p, c in zip(ids, completions, strict=True)]
@@ -264,6 +242,36 @@ def parity(model: nn.Module, engine: Engine | LogProbs, prompts: Sequence[list[i
         metrics=metrics, outside_support=outside, floor=floor_metrics, attribution=ranked,
         greedy_agreement=agreement, first_divergence=divergence, top=top, tokenizer=tokenizer,
         meta=meta)
+
+
+def _rollouts(model: nn.Module, engine: Any, ids: list[list[int]],
+              completions: list[list[int]] | None, n: int, sampling: Sampling,
+              seed: int) -> tuple[list[list[int]], list[list[float]]]:
+    """The completions (given, or sampled by the engine, else by the model's rollout) and the
+    engine's processed log-probs of them (those it reported while sampling, else scored)."""
+    sampled: list[Sequence[float] | None] = [None] * len(ids)
+    if completions is None:
+        torch.manual_seed(seed)
+        sample = getattr(engine, "sample", None)
+        if sample is not None:
+            pairs = [sample(p, n, sampling) for p in ids]
+            completions, sampled = [list(t) for t, _ in pairs], [lps for _, lps in pairs]
+        else:
+            completions = [hf_sample(model, p, n, sampling) for p in ids]
+    if len(completions) != len(ids):
+        raise UserError(f"{len(ids)} prompts but {len(completions)} completions")
+    if not any(completions):
+        raise UserError("the completions are empty: give max_new_tokens >= 1")
+    plain = callable(engine) and not hasattr(engine, "logprobs")  # engine(prompt, completion)
+    scored = []
+    for prompt, completion, got in zip(ids, completions, sampled, strict=True):
+        if got is None:
+            got = engine(prompt, completion) if plain else engine.logprobs(prompt, completion, sampling)
+        got = [float(v) for v in got]
+        if len(got) != len(completion):
+            raise UserError(f"the engine returned {len(got)} log-probs for {len(completion)} tokens")
+        scored.append(got)
+    return completions, scored
 
 
 def _attribution(switches: dict[str, list[nn.Module]], scored: Callable[[], list[list[float]]],
