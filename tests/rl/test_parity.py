@@ -307,3 +307,31 @@ def test_a_loop_that_never_steps_still_gets_the_advice(tmp_path):
     run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
     assert "step() once per optimizer step" in run.stderr
+
+
+def test_hold_fixes_a_step_without_the_never_stepped_advice():
+    held = qtransform.transform(tiny_qwen2(), POLICY)
+    qtransform.noise_controller(held).hold(0)
+    looped = qtransform.transform(tiny_qwen2(), POLICY)
+    for model in (held, looped):
+        model.generate(torch.tensor([PROMPTS[0]]), max_new_tokens=2, do_sample=False, pad_token_id=0)
+    assert qtransform.noise_controller(held).report()["silent"] is None
+    assert "once per optimizer step" in qtransform.noise_controller(looped).report()["silent"]
+
+
+def test_parity_cli_refuses_bad_sampler_and_prompts(tmp_path, capsys):
+    policy = tmp_path / "policy.json"
+    policy.write_text(json.dumps(POLICY))
+    base = ["parity", "builtin:qwen2", "--policy", str(policy), "--max-new-tokens", "2",
+            "--num-prompts", "1"]
+    assert main([*base, "--top-p", "0", "--out", str(tmp_path / "a")]) == 2
+    assert "top_p must be in (0, 1]" in capsys.readouterr().err
+    ids = tmp_path / "ids.json"
+    ids.write_text("[1, 2]")
+    assert main([*base, "--prompts", str(ids), "--out", str(tmp_path / "b")]) == 2
+    assert "JSON list of non-empty token-id lists" in capsys.readouterr().err
+    texts = tmp_path / "texts.txt"
+    texts.write_text("What is 7 + 5?\n")
+    assert main([*base, "--prompts", str(texts), "--out", str(tmp_path / "c")]) == 2
+    assert "text prompts need a tokenizer" in capsys.readouterr().err
+    assert not any((tmp_path / d).exists() for d in "abc")
