@@ -10,6 +10,7 @@ from typing import Any
 from torch import nn
 
 from qtransform.core.capture import capture
+from qtransform.core.lora import watch_lora
 from qtransform.core.phase import mark_rollout_generate
 from qtransform.core.plan import Plan, PlanRow
 from qtransform.core.program import Program
@@ -75,6 +76,7 @@ def transform_program(
         raise
     if mode == "module":
         mark_rollout_generate(work)
+        watch_lora(work)
     return program
 
 

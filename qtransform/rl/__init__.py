@@ -2,9 +2,9 @@
 phase. Sits above the passes: it drives the modules they insert."""
 
 from qtransform.core.phase import rollout
-from qtransform.rl.noise import NoiseController, noise_controller, silent_reason
+from qtransform.rl.noise import NoiseController, evaluation, noise_controller, silent_reason
 from qtransform.rl.parity import HFEngine, ParityReport, parity
 from qtransform.rl.weights import rollout_filter, rollout_weights
 
 __all__ = ["HFEngine", "NoiseController", "ParityReport", "noise_controller", "parity", "rollout",
-           "rollout_filter", "rollout_weights", "silent_reason"]
+           "rollout_filter", "rollout_weights", "silent_reason", "evaluation"]
