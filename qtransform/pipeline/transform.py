@@ -86,5 +86,7 @@ def plan(model: nn.Module, policy: PolicyLike, example_inputs: Any = None,
     policy = load_policy(policy)
     manager = PassManager(list(passes) if passes is not None else registered_passes())
     program = capture(model, example_inputs)
-    rows = [PlanRow(a.site.name, p.name, a.point, a.rule, p.describe(a)) for p, a in manager.select(program, policy)]
-    return Plan(list(program.sites.values()), rows)
+    selected = manager.select(program, policy)
+    rows = [PlanRow(a.site.name, p.name, a.point, a.rule, p.describe(a)) for p, a in selected]
+    notes = [line for p in manager.order for line in p.notes([a for q, a in selected if q is p])]
+    return Plan(list(program.sites.values()), rows, notes)
