@@ -5,7 +5,7 @@ PEFT wraps a transformed linear (`lora.Linear`, the site as its `base_layer`) an
 while an engine loaded with dense weights computes (quant(W) + s B A) x: the two are the same
 model but not the same floats (the sums are rounded in another order), so a rollout computed by
 one and scored by the other is off by rounding at every LoRA layer. The semantics is a choice of
-the quantize rule (`lora`, `LORA_MODES`):
+the quantize rule (`lora`, described by `LORA_HELP`):
 
 - "beside" (default; QeRL trains this way): adapters in full precision beside the quantized base.
   Training forwards run PEFT's own forward. Rollout forwards (`generate()`, `qtransform.rollout()`)
@@ -41,7 +41,6 @@ from qtransform.core.tracing import module_graph
 from qtransform.core.versions import Watch
 from qtransform.errors import UserError
 
-LORA_MODES = ("beside", "merged")
 LORA_HELP = ("how a LoRA adapter on a quantized weight combines with it: 'beside' = quant(W) x + "
              "s B A x in training, adapters in full precision (QeRL), rollouts and rollout weights "
              "computed with the dense quant(W) + s B A; 'merged' = quant(W + s B A) in every "
@@ -69,9 +68,13 @@ def weight_chain(module: nn.Module) -> list[tuple[str, nn.Module]]:
 
 
 def apply_chain(chain: list[tuple[str, nn.Module]], tensor: Tensor) -> Tensor:
-    """`tensor` through a weight chain, without caches (gradients straight through)."""
+    """`tensor` through a weight chain, without caches (gradients straight through); a fake
+    quantizer switched off (`enabled`, as sensitivity scans do) passes it unchanged."""
     for _, module in chain:
-        tensor = module.quantize(tensor) if hasattr(module, "quantize") else module(tensor)
+        if not hasattr(module, "quantize"):
+            tensor = module(tensor)  # a noise module: its phase and switch apply
+        elif getattr(module, "enabled", True):
+            tensor = module.quantize(tensor)
     return tensor
 
 

@@ -55,8 +55,12 @@ def _weight_param(module: nn.Module, site: str) -> str:
 
 
 def _apply(chain: list[nn.Module], tensor: Tensor) -> Tensor:
+    """What the site's forward does to its weight (a fake quantizer switched off passes it)."""
     for module in chain:
-        tensor = module.quantize(tensor) if isinstance(module, FakeQuantize) else module(tensor)
+        if not isinstance(module, FakeQuantize):
+            tensor = module(tensor)
+        elif module.enabled:
+            tensor = module.quantize(tensor)
     return tensor
 
 

@@ -195,3 +195,19 @@ def test_aqn_draws_are_keyed_on_the_base_model_name():
     assert torch.equal(rollout_logits(first), rollout_logits(second))
     assert (qtransform.noise_controller(first).state_dict()
             == qtransform.noise_controller(second).state_dict())
+
+
+def test_a_fake_quantizer_switched_off_is_off_in_the_stream_too():
+    """Sensitivity scans switch one site's fake quantization off (`enabled`): the dense weight
+    and the stream follow, with and without LoRA on the site."""
+    model = lora_model("transform_first", policy())
+    train(model)
+    for name, module in model.named_modules():
+        if name.endswith(("layers.0.self_attn.q_proj.base_layer.weight_fake_quant",
+                          "layers.1.mlp.up_proj.base_layer.weight_fake_quant")):
+            module.enabled = False
+    layer = model.base_model.model.model.layers[0].self_attn.q_proj
+    stream = dict(qtransform.rollout_weights(model))
+    w, delta = layer.base_layer.weight.detach(), layer.get_delta_weight("default").detach()
+    assert torch.equal(stream["model.layers.0.self_attn.q_proj.weight"], w + delta)  # unquantized
+    assert torch.equal(rollout_logits(model), engine_logits(stream.items()))
