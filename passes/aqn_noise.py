@@ -143,6 +143,24 @@ class AQNSite:
     config: NoiseConfig
     multiplier: float  # m_site
     why: tuple[str, ...]  # where each factor of m_site comes from ("layer 14 x1.5", ...)
+    weight_scale: float  # mean |w| of the site's clean weight (float64)
+    relative: bool  # sigma_scale "mean_abs": sigma is a fraction of weight_scale
+
+    @property
+    def scale(self) -> float:
+        """What sigma_t is multiplied by at this site: m_site, times mean |w| when relative."""
+        return self.multiplier * (self.weight_scale if self.relative else 1.0)
+
+
+def _weight(program: Program, site: Site) -> Tensor:
+    weight = getattr(program.model.get_submodule(site.module_name), site.param or "weight")
+    return weight.full_tensor() if hasattr(weight, "full_tensor") else weight
+
+
+def mean_abs(weight: Tensor) -> float:
+    """mean |w| in float64: the scale AQN's sigma is compared with (or a fraction of)."""
+    with torch.no_grad():
+        return float(weight.detach().double().abs().mean())
 
 
 @register_pass
@@ -161,15 +179,21 @@ class AQNNoisePass(Pass[NoiseSpec, AQNSite]):
         sites = select_sites(program, spec, "noise", kinds=NOISE_KINDS)
         factors = site_multipliers(program, spec, sites)
         config = NoiseConfig(spec.schedule, spec.resample, spec.apply_during, spec.seed)
-        return [
-            Action(site, "weight", "noise", AQNSite(config, factors[site.name][0], tuple(factors[site.name][1])))
-            for site in sites
-        ]
+        relative = spec.sigma_scale == "mean_abs"
+        actions = []
+        for site in sites:
+            scale = mean_abs(_weight(program, site))
+            if relative and not scale > 0:
+                raise UserError(f"noise.sigma_scale 'mean_abs': {site.name} has mean |w| {scale:g}, "
+                                "so its noise would be 0; leave it out (ignore) or use 'absolute'")
+            payload = AQNSite(config, factors[site.name][0], tuple(factors[site.name][1]), scale, relative)
+            actions.append(Action(site, "weight", "noise", payload))
+        return actions
 
     def build(self, program: Program, action: Action[AQNSite]) -> nn.Module:
         site = action.site
         weight = getattr(program.model.get_submodule(site.module_name), site.param or "weight")
-        module = AQNNoise(action.site.name, action.payload.multiplier, action.payload.config, weight)
+        module = AQNNoise(action.site.name, action.payload.scale, action.payload.config, weight)
         return module.train(program.model.training)
 
     def describe(self, action: Action[AQNSite]) -> str:
@@ -179,4 +203,29 @@ class AQNNoisePass(Pass[NoiseSpec, AQNSite]):
         reason = why[0].rsplit(" x", 1)[0] if len(why) == 1 else ", ".join(why)
         during = action.payload.config.apply_during
         return (f"{s.kind} {s.sigma_start:g}{end} K={s.stages}, sigma x{action.payload.multiplier:g}"
-                + (f" ({reason})" if why else "") + f", during {during}")
+                + (f" ({reason})" if why else "") + f", during {during}; " + _relative(action.payload))
+
+    def notes(self, actions: list[Action[AQNSite]]) -> list[str]:
+        """The extremes of sigma_start relative to each site's mean |w| (and absolute)."""
+        if not actions:
+            return []
+        start = actions[0].payload.config.schedule.sigma_start
+        rel = sorted(((start * a.payload.scale / a.payload.weight_scale, a) for a in actions
+                      if a.payload.weight_scale > 0), key=lambda t: t[0])
+        if not rel:
+            return []
+        (low, a_low), (high, a_high) = rel[0], rel[-1]
+        median = rel[len(rel) // 2][0]
+        return [f"AQN sigma_start relative to each site's mean |w|: min {low:.3g} at {a_low.site.name} "
+                f"(mean |w| {a_low.payload.weight_scale:.3g}), median {median:.3g}, max {high:.3g} at "
+                f"{a_high.site.name} (mean |w| {a_high.payload.weight_scale:.3g}); over {len(rel)} sites"]
+
+
+def _relative(site: AQNSite) -> str:
+    """sigma_start at a site, absolute and as a fraction of the site's mean |w|."""
+    start = site.config.schedule.sigma_start
+    absolute = start * site.scale
+    if not site.weight_scale > 0:
+        return f"sigma_start {absolute:.3g} (mean |w| 0)"
+    return (f"sigma_start {absolute:.3g} = {absolute / site.weight_scale:.3g} x mean |w| "
+            f"{site.weight_scale:.3g}")

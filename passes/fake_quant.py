@@ -76,8 +76,9 @@ class FakeQuantize(nn.Module):
     """
 
     def __init__(self, config: QuantConfig, label: str, *, cache: bool = False,
-                 per_expert: bool = False):
+                 per_expert: bool = False, lora: str = "beside"):
         super().__init__()
+        self.lora = lora  # how a LoRA adapter on this weight combines with it (core/lora.py)
         self.per_expert = per_expert
         self.config = config.bind(-1)  # an unbound axis means the last dim, as in fake_quantize
         self.label = label
@@ -171,7 +172,7 @@ class FakeQuantPass(Pass[list[QuantRule], QuantRule]):
         weight = action.point == "weight"
         config = action.payload.config().bind(site.reduction_axis if weight else -1)
         return FakeQuantize(config, self.label(site.name, action.point), cache=weight,
-                            per_expert=site.kind == "experts" and weight)
+                            per_expert=site.kind == "experts" and weight, lora=action.payload.lora)
 
     def describe(self, action: Action[QuantRule]) -> str:
         return action.payload.config().describe()

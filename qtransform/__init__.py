@@ -1,7 +1,7 @@
 """qtransform: fake quantization, instrumentation and noise for LLMs, as passes on torch.fx.
 
 The public API. Transform: `transform`, `transform_program`, `plan`, `capture`, `noise_controller`,
-`save_transformed` / `load_transformed`. RL: `rollout_weights`, `rollout_filter`, `rollout`. Numerics: `fake_quantize`, `formats`. Policies:
+`save_transformed` / `load_transformed`. RL: `rollout_weights`, `rollout_filter`, `rollout`, `evaluation`. Numerics: `fake_quantize`, `formats`. Policies:
 `Policy`, `load_policy`. Scans: `scan_weights`, `compare_formats`, `scan_activations`,
 `gain_scan`, `kurtosis_scan`, `instability_scan`, `ScanReport`, `guide`. Export: `export_onnx`.
 
@@ -21,6 +21,7 @@ from qtransform.pipeline.saving import load_transformed, save_transformed
 from qtransform.rl import (
     Correction,
     NoiseController,
+    evaluation,
     log_to,
     mismatch_metrics,
     noise_controller,
@@ -76,5 +77,6 @@ __all__ = [
     "scan_weights",
     "transform",
     "transform_program",
+    "evaluation",
 ]
 __all__ += ["Correction", "log_to", "mismatch_metrics"]

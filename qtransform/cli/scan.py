@@ -276,6 +276,10 @@ def run_guide(args: argparse.Namespace) -> int:
         advice = recommend(report, tiers, total_steps=args.total_steps).text
         qio.write_json(out, policy)
     print(advice, file=sys.stderr)
+    if "noise" in policy:
+        print("AQN's sigma is absolute: `qtransform plan MODEL POLICY` shows it against each norm's "
+              'mean |w| (and its extremes); "sigma_scale": "mean_abs" makes it relative',
+              file=sys.stderr)
     print(f"wrote {args.out}", file=sys.stderr)
     return 0
 

@@ -6,7 +6,7 @@ transform and `Program.plan()` after it print the same table.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from qtransform.core.sites import Site
 
@@ -28,6 +28,7 @@ class Plan:
 
     sites: list[Site]
     rows: list[PlanRow]
+    notes: list[str] = field(default_factory=list)  # each pass's lines about all its actions
 
     def for_site(self, name: str) -> list[PlanRow]:
         return [r for r in self.rows if r.site == name]
@@ -36,7 +37,8 @@ class Plan:
         return {
             "sites": [
                 {**s.to_dict(), "actions": [r.__dict__ for r in self.for_site(s.name)]} for s in self.sites
-            ]
+            ],
+            "notes": list(self.notes),
         }
 
     def to_text(self) -> str:
@@ -49,4 +51,4 @@ class Plan:
             lines.append(f"{s.name:<{width}}  {s.kind:<6} {layer:>5}  {s.role:<7} {acts or '(none)'}")
         selected = sum(1 for s in self.sites if self.for_site(s.name))
         lines.append(f"{selected} of {len(self.sites)} sites selected, {len(self.rows)} insertions")
-        return "\n".join(lines)
+        return "\n".join(lines + self.notes)

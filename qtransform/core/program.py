@@ -67,6 +67,7 @@ class Program:
     example_inputs: Any = None
     log: list[Insertion] = field(default_factory=list)
     plan_rows: list[PlanRow] = field(default_factory=list)  # filled by the pass manager
+    plan_notes: list[str] = field(default_factory=list)  # each pass's notes, by the manager
     _graphs: dict[str, GraphSite] = field(default_factory=dict, repr=False)
     _trace: SiteTracer = field(default_factory=SiteTracer, repr=False)
     _states: dict[str, ModuleGraph] = field(default_factory=dict, repr=False)  # by module path
@@ -109,6 +110,7 @@ class Program:
         self._states.clear()
         self.log.clear()
         self.plan_rows.clear()
+        self.plan_notes.clear()
 
     def record(self, insertion: Insertion) -> None:
         self.log.append(insertion)
@@ -130,7 +132,7 @@ class Program:
 
     def plan(self) -> Plan:
         """Every site with what each pass did to it (or nothing)."""
-        return Plan(list(self.sites.values()), list(self.plan_rows))
+        return Plan(list(self.sites.values()), list(self.plan_rows), list(self.plan_notes))
 
 
 def insertion_log(model: nn.Module) -> list[Insertion]:

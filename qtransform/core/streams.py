@@ -17,6 +17,8 @@ from collections import deque
 
 import torch
 
+from qtransform.core.sites import hf_name
+
 REPLAYABLE = 4096  # forwards of one step a checkpointed backward may still replay
 
 
@@ -33,12 +35,21 @@ def in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
+def base_key(key: str) -> str:
+    """A stream key under the base model's names (`<site>` or `<site>/<point>_<pass>`): PEFT's
+    prefix and `base_layer` removed, so a model draws the same noise whichever order PEFT and
+    the transform ran in."""
+    site, sep, rest = key.partition("/")
+    return hf_name(site) + sep + rest
+
+
 class DrawStream:
-    """The draws of one site: `seed(…)` / `normal(…)` for the next forward of the current step."""
+    """The draws of one site: `seed(…)` / `normal(…)` for the next forward of the current step.
+    Keyed on the base model's name of the site (`base_key`)."""
 
     def __init__(self, seed: int, key: str):
         self.seed = seed
-        self.key = key
+        self.key = base_key(key)
         self.step = 0
         self.count = 0  # draws taken by forwards of this step
         self._replay: deque[int] = deque(maxlen=REPLAYABLE)  # forwards a recompute may replay

@@ -13,8 +13,9 @@ log-probs, corrects the loss for them, and logs through the trainer's own report
   sampler's log-probs, the ones vLLM returns on the vLLM path. With `use_vllm=True` (colocate or
   server) TRL streams the policy's parameters, LoRA merged, under Hugging Face names
   (`VLLMGeneration._iter_named_params`, read in trl 1.16.0); `attach` wraps that stream in
-  `rollout_filter`, so vLLM loads the fake-quantized, AQN-noised weights and nothing is gathered
-  twice.
+  `rollout_filter`, so vLLM loads the weights the rollout computes with (a LoRA layer as
+  quant(W) + s B A under the default `lora: "beside"`, quant(W + s B A) under `"merged"`; norms
+  AQN-noised) and nothing is gathered twice.
 - Correction (generate() path): the trainer's log-probs come from a noise-free no-grad forward
   (TRL's `old_per_token_logps`, computed as TRL does when it corrects vLLM rollouts), the weights
   from `qtransform.rl.Correction`, and the loss multiplies each token's term by its weight, as TRL

@@ -74,6 +74,10 @@ class Pass(ABC, Generic[SpecT, PayloadT]):
         """One line for plans: what the inserted module does ("mxfp4 block=32")."""
         return ""
 
+    def notes(self, actions: list[Action[PayloadT]]) -> list[str]:
+        """Lines for the end of a plan about all of this pass's actions together (extremes)."""
+        return []
+
     @classmethod
     def label(cls, site: str, point: str) -> str:
         """The name of this pass's node at a site's point in exported graphs (and the key of its

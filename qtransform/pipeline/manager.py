@@ -78,6 +78,7 @@ class PassManager:
         mistakes surface), then insert; so a bad policy fails before the first change."""
         selected = {p.name: self._actions(p, program, policy) for p in self.order}
         for p in self.order:
+            program.plan_notes += p.notes(selected[p.name])
             touched = {}
             for action in selected[p.name]:
                 gsite = program.site_graph(action.site.name)

@@ -10,6 +10,7 @@ from typing import Any
 from torch import nn
 
 from qtransform.core.capture import capture
+from qtransform.core.lora import watch_lora
 from qtransform.core.phase import mark_rollout_generate
 from qtransform.core.plan import Plan, PlanRow
 from qtransform.core.program import Program
@@ -75,6 +76,7 @@ def transform_program(
         raise
     if mode == "module":
         mark_rollout_generate(work)
+        watch_lora(work)
     return program
 
 
@@ -84,5 +86,7 @@ def plan(model: nn.Module, policy: PolicyLike, example_inputs: Any = None,
     policy = load_policy(policy)
     manager = PassManager(list(passes) if passes is not None else registered_passes())
     program = capture(model, example_inputs)
-    rows = [PlanRow(a.site.name, p.name, a.point, a.rule, p.describe(a)) for p, a in manager.select(program, policy)]
-    return Plan(list(program.sites.values()), rows)
+    selected = manager.select(program, policy)
+    rows = [PlanRow(a.site.name, p.name, a.point, a.rule, p.describe(a)) for p, a in selected]
+    notes = [line for p in manager.order for line in p.notes([a for q, a in selected if q is p])]
+    return Plan(list(program.sites.values()), rows, notes)

@@ -8,6 +8,8 @@ the model (AQN, hardware error, stochastic rounding), so each draw is a function
 Every inserted noise module is a `core.noise.NoiseModule`, so the controller finds, steps and
 switches off the modules of any noise pass, including passes added after it was written.
 
+`evaluation(model)` is the model as deployed: noise off, fake quantization kept.
+
 A run that configured AQN and never applied it (the controller never stepped past the noise-free
 first interval; no forward in the noise's phase) ends with a warning that says why.
 """
@@ -23,6 +25,7 @@ from typing import Any
 from torch import nn
 
 from qtransform.core.noise import LIVE_NOISE, NOISE_MODULES, NoiseCounts, NoiseModule, noise_modules
+from qtransform.core.phase import rollout
 from qtransform.core.schedule import sigma_at
 from qtransform.errors import UserError
 from qtransform.passes import AQNNoise, AQNNoisePass, FakeQuantize
@@ -155,6 +158,30 @@ def noise_controller(model: nn.Module) -> NoiseController:
     """The controller of a transformed model's noise (found by walking its modules)."""
     stochastic = [m for m in model.modules() if isinstance(m, FakeQuantize) and m.stream is not None]
     return NoiseController(noise_modules(model), stochastic)
+
+
+@contextmanager
+def evaluation(model: nn.Module) -> Iterator[None]:
+    """Forwards and `generate()` of `model` as the deployed model computes them: every noise
+    module off (AQN, hardware error, activation noise), fake quantization kept, and computed as
+    the rollout engine computes (LoRA layers with their dense weight: `core/lora.py`). Use it for
+    evaluation after or during training: `generate()` alone is a rollout, noised.
+
+    Example::
+
+        with qtransform.evaluation(model):
+            answers = model.generate(prompts, do_sample=False)
+    """
+    noise = noise_modules(model)
+    before = [m.enabled for m in noise]
+    for module in noise:
+        module.enabled = False
+    try:
+        with rollout():
+            yield
+    finally:
+        for module, was in zip(noise, before, strict=True):
+            module.enabled = was
 
 
 def _first_noisy_step(schedule: Any) -> int | None:

@@ -22,9 +22,11 @@ from collections.abc import Iterable, Iterator
 import torch
 from torch import Tensor, nn
 
+from qtransform.core.lora import deltas, dense_weight, lora_layers, lora_mode, unmerge
 from qtransform.core.phase import syncing
 from qtransform.core.sites import ADAPTER_KEYS, hf_name
 from qtransform.core.tracing import module_graph
+from qtransform.errors import UserError
 from qtransform.passes import AQNNoisePass, FakeQuantize, FakeQuantPass
 
 _WEIGHT_PASSES = (FakeQuantPass.name, AQNNoisePass.name)  # what changes a weight; taps only observe
@@ -53,8 +55,12 @@ def _weight_param(module: nn.Module, site: str) -> str:
 
 
 def _apply(chain: list[nn.Module], tensor: Tensor) -> Tensor:
+    """What the site's forward does to its weight (a fake quantizer switched off passes it)."""
     for module in chain:
-        tensor = module.quantize(tensor) if isinstance(module, FakeQuantize) else module(tensor)
+        if not isinstance(module, FakeQuantize):
+            tensor = module(tensor)
+        elif module.enabled:
+            tensor = module.quantize(tensor)
     return tensor
 
 
@@ -70,54 +76,72 @@ def _is_adapter(name: str) -> bool:
     return _ADAPTER.search(name) is not None
 
 
-def rollout_filter(model: nn.Module, pairs: Iterable[tuple[str, Tensor]]) -> Iterator[tuple[str, Tensor]]:
+def _lora_by_weight(model: nn.Module) -> dict[str, nn.Module]:
+    """HF weight name of each LoRA layer's base weight -> the layer (bound to its semantics)."""
+    return {hf_name(f"{name}.base_layer.weight"): layer for name, layer in lora_layers(model)}
+
+
+def _check_lora_stream(layer: nn.Module, key: str, merge_lora: bool) -> None:
+    if not merge_lora and lora_mode(layer.base_layer) == "merged":
+        raise UserError(f"{key}: its quantize rule has lora='merged' (the trainer computes "
+                        "quant(W + s B A)), so its rollout weight is the merged one: an engine "
+                        "that applies the adapters itself cannot run it; use merge_lora=True")
+
+
+def rollout_filter(model: nn.Module, pairs: Iterable[tuple[str, Tensor]], *,
+                   merge_lora: bool = True) -> Iterator[tuple[str, Tensor]]:
     """Transform a stream of `(name, tensor)` pairs as the rollout of `model` sees them.
 
     Names may be the base model's or PEFT's (`base_model.model.…base_layer.weight`); they come
-    out as the base model's. Adapter tensors (`lora_A`, `lora_B`, ...) are dropped: a stream that
-    should carry LoRA must carry it merged (TRL and verl's `merge` mode do).
+    out as the base model's. Adapter tensors (`lora_A`, `lora_B`, ...) are dropped. The base
+    weight of a LoRA layer leaves as its rollout weight (`core.lora.dense_weight`: quant(W) +
+    s B A, or quant(W + s B A) with the rule's lora="merged"), computed with the model's own
+    adapters from the W the stream carries; where PEFT has merged the adapters at this moment
+    (TRL's sync and verl's `lora.merge=True` stream W + s B A), W is what PEFT's unmerge will
+    leave, so the stream equals the trainer's model after the sync bit for bit. With
+    `merge_lora=False` the base weight leaves quantized alone, for an engine that applies the
+    adapters itself (verl without merge; the adapters travel on their own, untouched).
     """
-    chains = _weight_chains(_unwrapped(model))
+    model = _unwrapped(model)
+    chains = _weight_chains(model)
+    layers = _lora_by_weight(model)
     with torch.no_grad(), syncing():
         for name, tensor in pairs:
             if _is_adapter(name):
                 continue
             key = hf_name(name)
+            layer = layers.get(key)
+            if layer is not None:
+                _check_lora_stream(layer, key, merge_lora)
+                base = unmerge(tensor, deltas(layer)) if layer.merged else tensor
+                if merge_lora:
+                    yield key, dense_weight(layer, base)
+                    continue
+                tensor = base
             chain = chains.get(key)
             yield key, (_apply(chain, tensor) if chain else tensor)
 
 
-def _merged_delta(model: nn.Module, param_name: str) -> Tensor | None:
-    """W's LoRA delta (B A times scaling, summed over active adapters) for a `base_layer` weight."""
-    if not param_name.endswith(".base_layer.weight"):
-        return None
-    layer = model.get_submodule(param_name[: -len(".base_layer.weight")])
-    adapters = [a for a in getattr(layer, "active_adapters", []) if a in getattr(layer, "lora_A", {})]
-    if not adapters or getattr(layer, "merged", False):
-        return None
-    return sum(layer.get_delta_weight(a) for a in adapters)
-
-
-def _own_tensors(model: nn.Module, merge_lora: bool) -> Iterator[tuple[str, Tensor]]:
+def _own_tensors(model: nn.Module) -> Iterator[tuple[str, Tensor]]:
     """The model's state, one tensor at a time (a sharded tensor gathered alone)."""
     for name, tensor in model.state_dict().items():
-        if _is_adapter(name):
-            continue
-        tensor = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
-        delta = _merged_delta(model, name) if merge_lora else None
-        yield name, (tensor + delta.to(tensor.dtype) if delta is not None else tensor)
+        if not _is_adapter(name):
+            yield name, (tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor)
 
 
 def rollout_weights(model: nn.Module, *, merge_lora: bool = True) -> Iterator[tuple[str, Tensor]]:
     """`(HF name, tensor)` pairs of `model` as its rollout sees them, one tensor at a time.
 
     Loading them into the plain original architecture (`load_state_dict`, or an engine's
-    `load_weights`) reproduces the transformed model's rollout outputs for weight-side
-    transforms. With `merge_lora=False`, LoRA layers contribute their base weight only.
+    `load_weights`) reproduces the transformed model's rollout outputs bit for bit for
+    weight-side transforms, LoRA included (a LoRA layer's rollout computes with the dense weight
+    it sends: `core.lora`). With `merge_lora=False` LoRA layers send their quantized base weight
+    alone, for an engine that applies the adapters itself (they are
+    `peft.get_peft_model_state_dict(model)`, in full precision; lora="beside" only).
 
     On a model sharded with FSDP2 every rank must iterate the pairs in step: each DTensor is
     gathered (`full_tensor()`, a collective) when its pair is produced, and only it, so the
     extra memory is one full tensor and its transformed copy. A DDP wrapper is looked through.
     """
     model = _unwrapped(model)
-    yield from rollout_filter(model, _own_tensors(model, merge_lora))
+    yield from rollout_filter(model, _own_tensors(model), merge_lora=merge_lora)

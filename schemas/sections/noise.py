@@ -172,6 +172,10 @@ class NoiseSpec(Selected):
         "step", description="a new draw every step (all forwards of a step alike) or every forward")
     apply_during: Phase = Field("rollout", description="rollout (QeRL: generate() and rollout weights only), train, eval or both")
     seed: Int = Field(0, description="seed of the draws (with the site and step: reproducible)")
+    sigma_scale: Literal["absolute", "mean_abs"] = Field(
+        "absolute", description="absolute: sigma is added as is, whatever a weight's scale (QeRL); "
+        "mean_abs: sigma is a fraction of each site's mean |w| (its clean weight at transform "
+        "time), so sigma 0.04 is 4 % noise on every norm")
 
     @field_validator("layer_multipliers", mode="before")
     @classmethod
@@ -244,6 +248,10 @@ def describe_noise(n: NoiseSpec) -> list[str]:
         f"AQN noise: Gaussian noise on the weights of {describe_selector(n).rstrip(',')}, resampled every "
         f"{n.resample}, {PHASES[n.apply_during]}, seed {n.seed}.",
         "  Schedule: " + describe_schedule(n.schedule),
+        ("  Sigma is a fraction of each site's mean |w| (sigma_scale mean_abs)."
+         if n.sigma_scale == "mean_abs" else
+         "  Sigma is absolute (added as is, whatever a weight's scale): `qtransform plan` shows it "
+         "relative to each site's mean |w|."),
     ]
     by_value: dict[float, list[int]] = {}
     for layer, value in n.layer_multipliers.items():

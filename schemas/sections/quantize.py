@@ -6,10 +6,11 @@ here. A later rule overrides an earlier one for the same (site, tensor).
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, Field, StrictBool, StrictStr, field_validator, model_validator
 
+from qtransform.core.lora import LORA_HELP
 from qtransform.formats import registry
 from qtransform.formats.options import CHOICE_OPTIONS, QuantConfig
 
@@ -60,6 +61,7 @@ class QuantRule(Selected):
         False, description="no gradient through saturated elements (straight-through otherwise)")
     axis: Int | None = Field(None, description="blocking axis; null = the reduction axis")
     seed: Int | None = Field(None, description="seed of stochastic rounding")
+    lora: Literal["beside", "merged"] = Field("beside", description=LORA_HELP)
 
     @field_validator("format", mode="before")
     @classmethod
@@ -85,6 +87,9 @@ class QuantRule(Selected):
     def _options_fit_format(self) -> QuantRule:
         spec = registry.get(self.format)
         issues = _option_issues(self, spec) + _block_issues(self, spec)
+        if self.lora != "beside" and "weight" not in self.tensors:
+            issues.append(Issue(("lora",), "only used when the rule quantizes weights "
+                                '(tensors must include "weight")', self.lora))
         if self.seed is not None and self.rounding != "stochastic":
             issues.append(Issue(("seed",), "only used with rounding 'stochastic'", self.seed))
         if issues:
@@ -178,9 +183,12 @@ def _names_unique(rules: list[QuantRule]) -> list[QuantRule]:
 
 def describe_rule(index: int, rule: QuantRule) -> str:
     label = f"Rule {rule.name!r}" if rule.name else f"Rule quantize[{index}]"
+    merged = (" LoRA adapters on these weights are merged before quantization: every forward "
+              "and the rollout weights compute quant(W + s B A) (lora: merged)."
+              if rule.lora == "merged" else "")
     return (
         f"{label} quantizes {tensor_words(rule)} of {describe_selector(rule)} "
-        f"to {describe_format(rule)}."
+        f"to {describe_format(rule)}.{merged}"
     )
 
 

@@ -65,4 +65,5 @@ def test_rl_rollout_loop(capsys):
 
 def test_verl_rollout_sync_filters_the_stream_merged_and_not():
     result = example("verl_rollout_sync").main(["--tiny"])
-    assert result == {"max_abs_diff_merged": 0.0, "max_abs_diff_unmerged": 0.0}
+    assert result["max_abs_diff_merged"] == 0.0  # the engine gets the rollout's own dense weights
+    assert 0.0 <= result["max_abs_diff_unmerged"] < 1e-5  # the engine adds the adapters itself

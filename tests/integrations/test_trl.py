@@ -155,9 +155,11 @@ def test_trls_vllm_sync_stream_carries_the_rollout_weights(tmp_path):
 
     layer = trainer.model.base_model.model.model.layers[1].self_attn.q_proj
     a, b = layer.lora_A["default"].weight, layer.lora_B["default"].weight
-    merged = layer.base_layer.weight + (b @ a) * layer.scaling["default"]
-    torch.testing.assert_close(synced["model.layers.1.self_attn.q_proj.weight"],
-                               fake_quantize(merged.detach(), "nvfp4", axis=-1), rtol=0, atol=1e-6)
+    dense = fake_quantize(layer.base_layer.weight.detach(), "nvfp4", axis=-1) + (b @ a * layer.scaling["default"]).detach()
+    torch.testing.assert_close(synced["model.layers.1.self_attn.q_proj.weight"], dense, rtol=0, atol=1e-6)
+    # TRL merged W + s B A into the base and unmerged it after: the stream is the model after the sync
+    direct = dict(qtransform.rollout_weights(model))
+    assert all(torch.equal(synced[k], direct[k]) for k in synced)
     w = model.model.norm.weight.detach()
     torch.testing.assert_close(synced["model.norm.weight"],
                                w + scheduled(2) * documented_z(5, "model.norm", 2, w.shape),

@@ -9,9 +9,11 @@ import pytest
 import torch
 
 import qtransform
+from qtransform.core.schedule import sigma_at
 from qtransform.core.streams import REPLAYABLE, DrawStream, in_backward, site_seed
 from qtransform.errors import UserError
 from qtransform.passes.aqn_noise import AQNNoise
+from qtransform.schemas.sections.noise import describe_noise
 from tests.conftest import ids
 from tests.helpers import assert_untouched, snapshot
 
@@ -162,8 +164,8 @@ def test_plan_lists_every_noised_site_with_its_multiplier(tiny):
     plan = qtransform.plan(tiny("qwen2"), policy)
     rows = {r.site: r.detail for r in plan.rows}
     assert len(rows) == 5
-    assert rows["model.layers.1.post_attention_layernorm"].endswith("sigma x1.5 (layer 1), during rollout")
-    assert rows["model.layers.0.input_layernorm"].endswith("sigma x1.2 (multipliers[0]), during rollout")
+    assert "sigma x1.5 (layer 1), during rollout;" in rows["model.layers.1.post_attention_layernorm"]
+    assert "sigma x1.2 (multipliers[0]), during rollout;" in rows["model.layers.0.input_layernorm"]
     assert "sigma x1.8 (layer 1 x1.5, multipliers[0] x1.2)" in rows["model.layers.1.input_layernorm"]
     assert rows["model.norm"].startswith("exponential 0.01->0.0001 K=10, sigma x1")
 
@@ -311,3 +313,58 @@ def test_stream_draws_are_float32_from_the_draws_generator(distribution, sampler
         assert torch.equal(stream.sample(distribution, torch.Size([3, 8]), cpu, index=1), got)
     finally:
         torch.set_default_dtype(default)
+
+
+def scaled_norms(model) -> torch.nn.Module:
+    """Norm weights at SmolLM2-like scales: 0.027 on layer 0's input norm, 0.25 elsewhere."""
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if name.endswith("norm"):
+                module.weight.fill_(0.027 if name == "model.layers.0.input_layernorm" else 0.25)
+    return model
+
+
+def test_plan_shows_sigma_relative_to_each_norms_mean_abs_weight(tiny):
+    plan = qtransform.plan(scaled_norms(tiny("qwen2")), noise_policy())
+    rows = {r.site: r.detail for r in plan.rows}
+    ratio = 0.01 / torch.tensor(0.027, dtype=torch.float32).double().item()  # the fp32 weight
+    assert rows["model.layers.0.input_layernorm"].endswith(
+        f"sigma_start 0.01 = {ratio:.3g} x mean |w| 0.027")
+    assert rows["model.norm"].endswith("sigma_start 0.01 = 0.04 x mean |w| 0.25")
+    assert plan.notes == [
+        f"AQN sigma_start relative to each site's mean |w|: min 0.04 at "
+        f"model.layers.0.post_attention_layernorm (mean |w| 0.25), median 0.04, max {ratio:.3g} at "
+        "model.layers.0.input_layernorm (mean |w| 0.027); over 5 sites"]
+    assert plan.to_text().endswith(plan.notes[0])
+    transformed = qtransform.transform_program(scaled_norms(tiny("qwen2")), noise_policy())
+    assert transformed.plan().notes == plan.notes  # the same after the transform
+
+
+def test_relative_sigma_is_a_fraction_of_each_sites_mean_abs_weight(tiny):
+    model = scaled_norms(tiny("qwen2"))
+    policy = noise_policy(sigma_scale="mean_abs", layer_multipliers={"1": 2.0})
+    out = qtransform.transform(model, policy)
+    controller = qtransform.noise_controller(out)
+    controller.set_step(50)
+    sigma_t = sigma_at(50, qtransform.load_policy(policy).noise.schedule)
+    weights = dict(qtransform.rollout_weights(out))
+    for site, m_site in (("model.layers.0.input_layernorm", 1.0), ("model.norm", 1.0),
+                         ("model.layers.1.input_layernorm", 2.0)):
+        w = model.get_submodule(site).weight.detach()
+        sigma = sigma_t * (m_site * w.double().abs().mean().item())
+        assert controller.sigma()[site] == sigma
+        digest = hashlib.blake2b(f"0/{site}/50".encode(), digest_size=8).digest()  # docs/noise.md
+        z = torch.randn(w.shape, generator=torch.Generator().manual_seed(int.from_bytes(digest, "little") >> 1))
+        torch.testing.assert_close(weights[f"{site}.weight"], w + sigma * z, rtol=0, atol=1e-9)
+    rows = {r.site: r.detail for r in qtransform.plan(model, noise_policy(sigma_scale="mean_abs")).rows}
+    assert rows["model.layers.0.input_layernorm"].endswith("= 0.01 x mean |w| 0.027")
+    explained = describe_noise(qtransform.load_policy(policy).noise)
+    assert "  Sigma is a fraction of each site's mean |w| (sigma_scale mean_abs)." in explained
+
+
+def test_relative_sigma_refuses_a_zero_weight(tiny):
+    model = tiny("qwen2")
+    with torch.no_grad():
+        model.model.norm.weight.zero_()
+    with pytest.raises(UserError, match="model.norm has mean \\|w\\| 0"):
+        qtransform.transform(model, noise_policy(sigma_scale="mean_abs"))

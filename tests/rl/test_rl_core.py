@@ -130,7 +130,8 @@ def test_rollout_weights_merge_lora_under_hugging_face_names():
     layer = model.base_model.model.model.layers[1].self_attn.q_proj
     a, b = layer.lora_A["default"].weight, layer.lora_B["default"].weight
     w = layer.base_layer.weight
-    want = fake_quantize((w + (b @ a) * layer.scaling["default"]).detach(), "nvfp4", axis=-1)
+    delta = ((b @ a) * layer.scaling["default"]).detach()
+    want = fake_quantize(w.detach(), "nvfp4", axis=-1) + delta  # lora="beside": quant(W) + s B A
     assert torch.equal(merged["model.layers.1.self_attn.q_proj.weight"], want)
     assert torch.equal(unmerged["model.layers.1.self_attn.q_proj.weight"],
                        fake_quantize(w.detach(), "nvfp4", axis=-1))

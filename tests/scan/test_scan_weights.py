@@ -231,7 +231,8 @@ def test_cli_scan_writes_reports_and_fails_on_problems(tmp_path, capsys):
     assert ScanReport.load(out).rows[0].site == "model.layers.0.self_attn.q_proj"
 
     assert main(["guide", str(out), "--out", str(tmp_path / "policy.json"), "--aqn", "--total-steps", "174"]) == 0
-    assert "wrote" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "wrote" in err and "AQN's sigma is absolute: `qtransform plan MODEL POLICY`" in err
     policy = load_policy(tmp_path / "policy.json")
     assert policy.noise is not None and policy.noise.schedule.total_steps == 174
     assert set(policy.noise.layer_multipliers.values()) == {1.5, 1.2, 1.0}
