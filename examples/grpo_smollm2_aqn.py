@@ -261,7 +261,7 @@ def main(argv: list[str] | None = None) -> dict:
                         help="output path without extension: writes OUT.json and OUT.png")
     parser.add_argument("--runs", default="no_aqn,aqn", help="comma list of no_aqn, aqn")
     parser.add_argument("--threads", type=int, default=1,
-                        help="torch CPU threads (on shared cores 2 threads ran 7x slower than 1)")
+                        help="torch CPU threads (on busy shared cores 1 ran generate() 5-8x faster than 2)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--prompts-per-step", type=int, default=4)
     parser.add_argument("--generations", type=int, default=4, help="completions per prompt (GRPO group)")
