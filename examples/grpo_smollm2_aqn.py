@@ -274,6 +274,9 @@ def main(argv: list[str] | None = None) -> dict:
                         help="no training: redraw OUT.png from the rows in OUT.json")
     args = parser.parse_args(argv)
     if args.replot:
+        if not args.out.with_suffix(".json").is_file():
+            parser.error(f"--replot reads {args.out.with_suffix('.json')}, which does not exist: "
+                         "give the --out of an earlier run")
         result = json.loads(args.out.with_suffix(".json").read_text())
         plot(result, args.out.with_suffix(".png"))
         print(table(result))
@@ -283,6 +286,9 @@ def main(argv: list[str] | None = None) -> dict:
         parser.error(f"--runs takes a comma list of {', '.join(RUNS)}, got {args.runs!r}")
     if args.steps < 1 or args.prompts_per_step < 1 or args.generations < 2:
         parser.error("--steps and --prompts-per-step must be >= 1 and --generations >= 2")
+    if "aqn" in runs and not 3 <= args.stages <= args.steps:
+        parser.error(f"--stages must be between 3 (QeRL's schedule: a noise-free stage, then "
+                     f"K-1 sigmas) and --steps ({args.steps}), got {args.stages}")
     torch.set_num_threads(args.threads)
     base, tokenizer = smollm2()
     prompts, answers = arithmetic(args.steps * args.prompts_per_step, args.seed)

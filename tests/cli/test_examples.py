@@ -120,3 +120,14 @@ def test_grpo_smollm2_aqn_core_logs_the_mismatch_of_both_runs(tmp_path):
     out.with_suffix(".png").unlink()
     assert grpo.main(["--replot", "--out", str(out)])["summary"] == saved["summary"]
     assert out.with_suffix(".png").read_bytes().startswith(b"\x89PNG")
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--runs", "aqn,fp8"], "--runs takes a comma list"),
+    (["--steps", "2"], "--stages must be between 3"),
+    (["--replot", "--out", "nowhere/grpo"], "does not exist"),
+])
+def test_grpo_smollm2_aqn_refuses_bad_flags_before_loading_the_model(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        example("grpo_smollm2_aqn").main(argv)
+    assert message in capsys.readouterr().err
