@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import importlib.util
+import json
+import re
 from types import ModuleType
 
 import onnx
@@ -22,7 +24,8 @@ def example(name: str) -> ModuleType:
 
 
 def test_every_example_is_tested():
-    tested = {"train_w4a16_aqn", "scan_model", "export_onnx", "rl_rollout_loop", "verl_rollout_sync"}
+    tested = {"train_w4a16_aqn", "scan_model", "export_onnx", "rl_rollout_loop", "verl_rollout_sync",
+              "grpo_smollm2_aqn"}
     assert {p.stem for p in EXAMPLES.glob("*.py")} == tested
 
 
@@ -67,3 +70,64 @@ def test_verl_rollout_sync_filters_the_stream_merged_and_not():
     result = example("verl_rollout_sync").main(["--tiny"])
     assert result["max_abs_diff_merged"] == 0.0  # the engine gets the rollout's own dense weights
     assert 0.0 <= result["max_abs_diff_unmerged"] < 1e-5  # the engine adds the adapters itself
+
+def test_grpo_smollm2_aqn_rewards_check_the_exact_sum_and_the_format():
+    grpo = example("grpo_smollm2_aqn")
+    completions = ["12", "5 + 7 = 12", "12 apples, or 13", "twelve", [{"role": "assistant", "content": " 12\n"}]]
+    assert grpo.correct(completions, answer=[12] * 5) == [1.0, 1.0, 0.0, 0.0, 1.0]
+    assert grpo.number_only(completions) == [0.2, 0.0, 0.0, 0.0, 0.2]
+    prompts, answers = grpo.arithmetic(3, seed=1)
+    for prompt, answer in zip(prompts, answers, strict=True):
+        a, b = (int(x) for x in re.findall(r"\d+", prompt))
+        assert a + b == answer
+
+
+def test_grpo_smollm2_aqn_core_logs_the_mismatch_of_both_runs(tmp_path):
+    """The experiment's core on a tiny Llama with a real GRPOTrainer: both runs are identical
+    while AQN's schedule is noise-free, and the noisy step's rollouts drift from the trainer."""
+    pytest.importorskip("trl")
+    from qtransform.models import build_tiny
+    from tests.tiny_rl import prompts, tiny_tokenizer
+
+    grpo = example("grpo_smollm2_aqn")
+    out = tmp_path / "figs" / "grpo"
+    result = grpo.experiment(
+        build_tiny("llama"), tiny_tokenizer(), prompts(6), [5, 6, 7, 8, 9, 10], out, chat=False,
+        model_name="builtin:llama", steps=3, prompts_per_step=2, generations=2, completion_tokens=4,
+        learning_rate=1e-2, sigma_start=0.05, sigma_end=0.005, stages=3, seed=0)
+
+    saved = json.loads(out.with_suffix(".json").read_text())
+    assert saved["setup"]["steps"] == 3 and set(saved["runs"]) == {"no_aqn", "aqn"}
+    plain, noised = saved["runs"]["no_aqn"]["rows"], saved["runs"]["aqn"]["rows"]
+    metrics = [f"qtransform/mismatch/{k}" for k in ("kl", "k3_kl", "ppl_ratio", "chi2_token", "ess")]
+    for rows in (plain, noised):
+        assert [row["step"] for row in rows] == [1, 2, 3]
+        assert all(key in row for row in rows for key in (*metrics, "reward"))
+    assert [row["qtransform/sigma"] for row in noised] == pytest.approx([0.0, 0.05, 0.005])
+    for key in metrics:  # step 1 is AQN's noise-free stage: the same samples, the same metrics
+        assert noised[0][key] == plain[0][key]
+    assert noised[1]["qtransform/mismatch/k3_kl"] > 1e3 * plain[1]["qtransform/mismatch/k3_kl"]
+    assert all(abs(row["qtransform/mismatch/kl"]) < 1e-5 for row in plain)  # no noise: only rounding
+    stage = saved["summary"]["aqn"]["by_sigma"]["0.05"]
+    assert stage["steps"] == [2, 2] and stage["k3_kl"] == noised[1]["qtransform/mismatch/k3_kl"]
+    assert saved["summary"]["aqn"]["reward_mean"] == pytest.approx(
+        sum(row["reward"] for row in noised) / 3)
+    assert result["summary"] == saved["summary"]
+
+    png = out.with_suffix(".png").read_bytes()
+    assert png.startswith(b"\x89PNG") and len(png) < 200_000
+    assert "| aqn |" in grpo.table(result)
+    out.with_suffix(".png").unlink()
+    assert grpo.main(["--replot", "--out", str(out)])["summary"] == saved["summary"]
+    assert out.with_suffix(".png").read_bytes().startswith(b"\x89PNG")
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--runs", "aqn,fp8"], "--runs takes a comma list"),
+    (["--steps", "2"], "--stages must be between 3"),
+    (["--replot", "--out", "nowhere/grpo"], "does not exist"),
+])
+def test_grpo_smollm2_aqn_refuses_bad_flags_before_loading_the_model(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        example("grpo_smollm2_aqn").main(argv)
+    assert message in capsys.readouterr().err
