@@ -33,6 +33,10 @@ median times. Cases (goal of issue 36 in brackets):
   export of the original model alone [<= 1 s]
 - sensitivity: exact per-site sensitivity (MXFP4) on 2 x 32 tokens against sites x one
   forward of the original over the same tokens (one run) [<= 1.2x]
+- sites: where the prefill's extra time goes (not in the default run): the W4A16 NVFP4 model
+  with every site's forward swapped for a bare `F.linear` (on the cached quantized weight, or on
+  its own weight), with fake quantization switched off, and as transformed, against the original
+  and a deepcopy of it, all interleaved in one process
 """
 
 from __future__ import annotations
@@ -68,7 +72,7 @@ POLICIES = {
     "hw_error": {"hw_error": {"targets": ["Linear"], "error_type": "relative_gaussian",
                               "error_scale": 0.05, "injection_point": "output", "seed": 0}},
 }
-CASES = ("generate", "prefill", "w4a4", "aqn", "hw_error", "lora", "onnx", "sensitivity")
+CASES = ("generate", "prefill", "w4a4", "aqn", "hw_error", "lora", "onnx", "sensitivity", "sites")
 
 
 def smollm2(dtype: torch.dtype) -> tuple[nn.Module, torch.Tensor]:
@@ -147,6 +151,56 @@ def plain_onnx(model: nn.Module, ids: torch.Tensor):
     auto = torch.export.Dim.AUTO
     return torch.onnx.export(Logits(model).eval(), (ids.repeat(2, 1),), dynamo=True, verbose=False,
                              dynamic_shapes=({0: auto, 1: auto},))
+
+
+def site_variants(model: nn.Module, ids: torch.Tensor, n: int) -> dict[str, float]:
+    """Median ratio to the original's prefill of variants that take qtransform's per-site code
+    out of the path step by step (each site's forward swapped for the round, then restored)."""
+    import torch.nn.functional as F  # noqa: N812
+
+    from qtransform.core.tracing import GraphForward
+    from qtransform.passes.fake_quant import FakeQuantize
+
+    q = transformed(model, "w4a16_nvfp4")
+    sites = [m for m in q.modules() if isinstance(m.__dict__.get("forward"), GraphForward)]
+    quantizers = [m for m in q.modules() if isinstance(m, FakeQuantize)]
+    forward(q, ids)()  # fills the caches
+
+    def swapped(make: Callable[[nn.Module], Callable]) -> Callable[[], object]:
+        def run():
+            saved = [m.__dict__["forward"] for m in sites]
+            for m in sites:
+                m.__dict__["forward"] = make(m)
+            forward(q, ids)()
+            for m, f in zip(sites, saved, strict=True):
+                m.__dict__["forward"] = f
+        return run
+
+    def switched_off():
+        for m in quantizers:
+            m.enabled = False
+        forward(q, ids)()
+        for m in quantizers:
+            m.enabled = True
+
+    cases = {
+        "original": forward(model, ids),
+        "deepcopy of the original (control)": forward(copy.deepcopy(model), ids),
+        "sites as F.linear on the cached quantized weight":
+            swapped(lambda m: lambda x: F.linear(x, m.weight_fake_quant._cached)),
+        "sites as F.linear on their own weight": swapped(lambda m: lambda x: F.linear(x, m.weight)),
+        "fake quantization switched off": switched_off,
+        "as transformed": forward(q, ids),
+    }
+    times: dict[str, list[float]] = {k: [] for k in cases}
+    for fn in cases.values():
+        fn()
+    for r in range(n):
+        for name, fn in (list(cases.items()) if r % 2 else list(reversed(cases.items()))):
+            times[name].append(timed(fn))
+    base = times["original"]
+    return {k: statistics.median(o / b for o, b in zip(v, base, strict=True))
+            for k, v in times.items() if k != "original"}
 
 
 def draws_alone(q: nn.Module, ids: torch.Tensor, threads: list[int]) -> None:
@@ -232,6 +286,11 @@ def run_case(case: str, model: nn.Module, ids: torch.Tensor, args: argparse.Name
         other = lora_step(transformed(model, "w4a16_nvfp4"), vocab)
         report("LoRA training step (4 x 128 tokens), w4a16_nvfp4", 1.1,
                rounds(base, other, threads, args.rounds))
+    elif case == "sites":
+        for t in threads:
+            torch.set_num_threads(t)
+            for name, ratio in site_variants(model, ids, args.rounds).items():
+                print(f"| prefill forward, {name} | {t} | | | **{ratio:.3f}x** | | | |", flush=True)
     elif case == "onnx":
         torch.set_num_threads(threads[-1])
         q = transformed(model, "w4a16_mxfp4")
