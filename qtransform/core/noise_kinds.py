@@ -43,7 +43,9 @@ class NoiseKind:
     scale)` is dy/dx times the incoming gradient; `onnx(builder, scale)` writes the same
     arithmetic as ONNX ops, bit for bit; `draw` is the distribution of z; `neutral` is a draw
     value that leaves x unchanged at any scale (a graph input filled with it disables the
-    noise), or None when no draw does (then only scale 0 or `noise="off"` does)."""
+    noise), or None when no draw does (then only scale 0 or `noise="off"` does).
+    `apply_fresh`, where given, is `apply` bit for bit that may overwrite z (a fresh draw no one
+    else holds): a forward then allocates one tensor instead of one per operation."""
 
     name: str
     formula: str  # in words, for docs and errors: "x + s*z"
@@ -52,6 +54,7 @@ class NoiseKind:
     onnx: Callable[[OnnxBuilder, float], str]
     draw: Draw
     neutral: float | None
+    apply_fresh: Callable[[Tensor, Tensor, float], Tensor] | None = None
 
     def __post_init__(self) -> None:
         missing = [part for part in ("apply", "grad", "onnx") if not callable(getattr(self, part))]
@@ -94,6 +97,16 @@ def _relative(x: Tensor, z: Tensor, scale: float) -> Tensor:
     return x * (1 + scale * z.to(x.dtype))
 
 
+def _add_fresh(x: Tensor, z: Tensor, scale: float) -> Tensor:
+    z = z.to(x.dtype)  # a copy when the dtypes differ: z is fresh either way
+    return x + z.mul_(scale)
+
+
+def _relative_fresh(x: Tensor, z: Tensor, scale: float) -> Tensor:
+    z = z.to(x.dtype)
+    return x * z.mul_(scale).add_(1)
+
+
 def _relative_grad(grad: Tensor, z: Tensor, scale: float) -> Tensor:
     return grad * (1 + scale * z.to(grad.dtype))
 
@@ -112,6 +125,6 @@ def _relative_onnx(b: OnnxBuilder, scale: float) -> str:
 
 
 register_noise_kind(NoiseKind("add", "x + s*z", _add, lambda grad, z, scale: grad, _add_onnx,
-                              draw="normal", neutral=0.0))
+                              draw="normal", neutral=0.0, apply_fresh=_add_fresh))
 register_noise_kind(NoiseKind("relative", "x*(1 + s*z)", _relative, _relative_grad, _relative_onnx,
-                              draw="normal", neutral=0.0))
+                              draw="normal", neutral=0.0, apply_fresh=_relative_fresh))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
+from torch._subclasses.fake_tensor import FakeTensor
 
 from qtransform import formats
 from qtransform.core.noise_kinds import noise_kind
@@ -87,16 +88,15 @@ def _noise_backward(ctx, grad: Tensor):
 noise.register_autograd(_noise_backward, setup_context=_noise_setup)
 
 
+_TRACED = (torch.fx.Proxy, FakeTensor)  # what a traced forward sees instead of a tensor
+
+
 def is_tracing(x: object) -> bool:
     """True under torch.export, torch.compile or fx symbolic tracing, where eager caches and
     Python-side accumulators must not run and the custom ops above must appear instead."""
-    if isinstance(x, torch.fx.Proxy):
-        return True
     if torch.compiler.is_compiling() or torch.compiler.is_exporting():
         return True
-    from torch._subclasses.fake_tensor import FakeTensor
-
-    return isinstance(x, FakeTensor)
+    return isinstance(x, _TRACED)
 
 
 EXPERT_SUFFIX = ".expert"  # fused experts quantized expert by expert: `<label>.expert<e>` nodes

@@ -124,8 +124,16 @@ class Watch:
         samples once after each `recheck()`."""
         ident = (x.data_ptr(), x.storage_offset(), x._version, x.shape, x.stride(), x.dtype,
                  x.device)
-        same_tensor = self._ref is not None and self._ref() is x
-        if (check != "content" and same_tensor and self._ident is not None
+        same_tensor = check != "content" and self._ref is not None and self._ref() is x
+        if same_tensor and not self._full and ident == self._ident:
+            if check == "identity" and self._epoch == _epoch:
+                return False
+            self._epoch = _epoch
+            # tier 1 held, so `_view` (set by `_take` for this very tensor) still points at it
+            sample = self._view.tobytes() if self._view is not None else self._take(x)
+            if sample is not None and sample == self._sample:
+                return False
+        elif (same_tensor and self._ident is not None
                 and ident[:2] + ident[3:] == self._ident[:2] + self._ident[3:]
                 and ident[2] != self._ident[2]):
             # written through torch in place (an optimizer step): the caller recomputes from
@@ -133,13 +141,6 @@ class Watch:
             self._ident, self._digest, self._full = ident, None, False
             self._epoch, self._sample = _epoch, self._take(x)
             return True
-        if (check != "content" and not self._full and ident == self._ident and same_tensor):
-            if check == "identity" and self._epoch == _epoch:
-                return False
-            self._epoch = _epoch
-            sample = self._take(x)
-            if sample is not None and sample == self._sample:
-                return False
         digest = (x.dtype, x.device, tuple(x.shape), content_hash(x))
         changed = digest != self._digest
         self._ref, self._ident, self._digest = weakref.ref(x), ident, digest
@@ -153,11 +154,12 @@ class Watch:
         numpy view of the raw memory made once per storage: one call, no torch dispatch. It is
         read only after tier 1 held, i.e. while `x` is alive at that same address."""
         n = x.numel()
-        if n == 0 or not x.is_contiguous() or x.device.type == "meta":
-            return None
-        if x.device.type != "cpu":  # a GPU: the sampled elements copied over (one small sync),
-            if x.element_size() not in _INT_VIEW:  # far cheaper than a checksum of every byte
+        if n == 0 or not x.is_contiguous() or x.device.type != "cpu":
+            self._where = self._view = None  # `changed` reads `_view` only for this tensor
+            if n == 0 or not x.is_contiguous() or x.device.type == "meta":
                 return None
+            if x.element_size() not in _INT_VIEW:  # a GPU: the sampled elements copied over
+                return None  # (one small sync), far cheaper than a checksum of every byte
             picked = x.detach().reshape(-1)[::sample_stride(n)].view(_INT_VIEW[x.element_size()])
             return picked.cpu().numpy().tobytes()
         where = (x.data_ptr(), n, x.element_size())

@@ -276,18 +276,29 @@ def _enabled(q: _Quantized, sites: set[str]) -> Iterator[None]:
 
 
 class _Reference:
-    """Full-precision outputs per batch and the end-to-end measure of a run against them."""
+    """Full-precision outputs per batch and the end-to-end measure of a run against them.
+
+    Causal LMs keep, per batch, the reference probabilities p and Σ_v p·log p per row, so a run
+    costs one log-sum-exp and one dot product per row: Σ_v p(log p − log q) with
+    log q = x − lse(x) is Σ p·log p − Σ p·x + lse(x)·Σ p, all in float64 (the same value as the
+    float64 `log_softmax` form to rounding, at a sixth of its time: torch's float64
+    `log_softmax` is not vectorized on CPUs).
+    """
 
     def __init__(self, causal: bool):
         self.causal = causal
         self.outputs: list[Tensor] = []
+        self.terms: list[tuple[Tensor, Tensor]] = []  # causal: (Σ p·log p, Σ p) per row
         self.signal = 0.0
         self.tokens = 0
 
     def add(self, out: Tensor) -> None:
         out = out.detach().double()
         if self.causal:
-            out = torch.log_softmax(out, dim=-1)
+            out = out.reshape(-1, out.shape[-1])
+            logp = out - torch.logsumexp(out, dim=-1, keepdim=True)
+            out = logp.exp()
+            self.terms.append((torch.linalg.vecdot(out, logp), out.sum(-1)))
         else:
             self.signal += float((out**2).sum())
         self.tokens += out.numel() // out.shape[-1]
@@ -298,9 +309,10 @@ class _Reference:
         ref = self.outputs[index]
         out = out.detach().double()
         if self.causal:
-            logq = torch.log_softmax(out, dim=-1)
-            kl = float((ref.exp() * (ref - logq)).sum())
-            return kl, math.nan
+            x = out.reshape(-1, out.shape[-1])
+            plogp, psum = self.terms[index]
+            kl = plogp - torch.linalg.vecdot(ref, x) + torch.logsumexp(x, dim=-1) * psum
+            return float(kl.sum()), math.nan
         a, b = ref.reshape(-1, ref.shape[-1]), out.reshape(-1, out.shape[-1])
         cos = float(((a * b).sum(-1) / (a.norm(dim=-1) * b.norm(dim=-1))).sum())
         return float(((a - b) ** 2).sum()), cos

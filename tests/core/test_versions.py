@@ -122,6 +122,23 @@ def test_the_sample_is_compared_bit_for_bit():
     assert w.changed(t, "sample") and not w.changed(t, "sample")  # NaN is NaN: no change
 
 
+def test_a_tensor_without_a_sample_is_hashed_at_each_sample_check():
+    """A non-contiguous tensor has no cheap sample (the fast path's view is of another tensor or
+    none): the sample check hashes it, so a lone element written through `.data` is seen."""
+    base, w = torch.randn(32, 48), Watch()
+    t = base.t()
+    w.changed(base)  # a contiguous tensor first: its sample view must not serve `t`
+    w.changed(t)
+    before = versions.bytes_hashed()
+    assert not w.changed(t, "sample")
+    assert versions.bytes_hashed() == before + t.numel() * 4
+    t.data[3, 5] += 1
+    assert w.changed(t, "sample") and not w.changed(t, "identity")
+    assert w.changed(base, "sample")  # back to the contiguous one: a new look, hashed
+    base.data.view(-1)[: versions.sample_stride(base.numel())] += 1  # a run of the sample's stride
+    assert w.changed(base, "sample") and not w.changed(base, "sample")
+
+
 # -- a transformed model: bytes read per forward --------------------------------------------
 def test_a_forward_with_unchanged_weights_reads_none_of_them():
     model = qtransform.transform(build_tiny("qwen2", vocab=128), W4)

@@ -53,6 +53,40 @@ def test_onnx_form_equals_the_op_bit_for_bit(kind, dtype, seed, scale):
                        want.view(torch.int16 if dtype == torch.float16 else torch.int32))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("kind", [k.name for k in noise_kinds() if k.apply_fresh is not None])
+@settings(max_examples=15, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), scale=st.floats(0.0, 0.95, allow_subnormal=False))
+def test_apply_on_a_fresh_draw_equals_apply_bit_for_bit(kind, dtype, seed, scale):
+    """A module's own draw goes through `apply_fresh`, which overwrites it: the same bits as
+    `apply` (what the op, the gradient and the ONNX form are checked against)."""
+    spec = next(k for k in noise_kinds() if k.name == kind)
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(4, 33, generator=g) * 10 ** torch.randint(-3, 4, (4, 33), generator=g)).to(dtype)
+    z = torch.randn(4, 33, generator=g)
+    want = spec.apply(x, z, scale)
+    got = spec.apply_fresh(x, z.clone(), scale)
+    assert got.dtype == want.dtype == dtype
+    assert torch.equal(got.view(torch.int16 if dtype != torch.float32 else torch.int32),
+                       want.view(torch.int16 if dtype != torch.float32 else torch.int32))
+
+
+def test_a_hardware_error_forward_equals_the_kinds_apply_on_its_stream_draw():
+    """The module's forward (which overwrites its own draw) gives the kind's formula on draw 0 of
+    step 0 of its stream, bit for bit, and keeps the gradient of that formula."""
+    from qtransform.passes.hw_error import HWError
+
+    for error_type in ("relative_gaussian", "absolute_gaussian"):
+        module = HWError(error_type, 0.05, "probe/output_hw_error", seed=3, apply_during="both")
+        x = torch.randn(8, 16, requires_grad=True)
+        y = module(x)
+        z = module.stream.sample("normal", x.shape, x.device, 0)
+        spec = next(k for k in noise_kinds() if k.name == module.kind)
+        assert torch.equal(y, spec.apply(x.detach(), z, 0.05))
+        y.sum().backward()
+        assert torch.equal(x.grad, spec.grad(torch.ones(8, 16), z, 0.05))
+
+
 @pytest.mark.parametrize("kind", [k.name for k in noise_kinds()])
 def test_the_neutral_draw_and_scale_zero_leave_x_unchanged(kind):
     spec = next(k for k in noise_kinds() if k.name == kind)

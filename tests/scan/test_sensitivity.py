@@ -14,13 +14,20 @@ import sys
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from scipy.stats import spearmanr
 
 from qtransform.formats.expected import expected_error
 from qtransform.models import build_tiny
 from qtransform.scan import scan_weights
 from qtransform.scan.recommend import budget_policy
-from qtransform.scan.sensitivity import SensitivityReport, SensitivityRow, site_sensitivity
+from qtransform.scan.sensitivity import (
+    SensitivityReport,
+    SensitivityRow,
+    _Reference,
+    site_sensitivity,
+)
 from tests.helpers import mxfp4_f64
 
 OUTLIER = "model.layers.1.self_attn.o_proj"
@@ -85,6 +92,24 @@ def reference_kl(model: torch.nn.Module, site: str, ids: torch.Tensor) -> float:
         p = torch.log_softmax(model(ids).logits.double(), -1)
         q = torch.log_softmax(quant(ids).logits.double(), -1)
     return float((p.exp() * (p - q)).sum() / (p.numel() // p.shape[-1]))
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), spread=st.floats(0.01, 40.0), shift=st.floats(-1e3, 1e3),
+       change=st.floats(1e-6, 1.0), vocab=st.integers(2, 3000))
+def test_the_kl_of_the_cached_reference_equals_the_float64_log_softmax_form(seed, spread, shift,
+                                                                           change, vocab):
+    """The exact measure's KL (cached p, Σ p·log p, one log-sum-exp per row) is the float64
+    log_softmax form of docs/metrics.md to rounding, on flat and peaked rows, with offsets."""
+    gen = torch.Generator().manual_seed(seed)
+    fp = torch.randn(2, 3, vocab, generator=gen) * spread + shift
+    quant = fp + torch.randn(fp.shape, generator=gen) * change * spread
+    ref = _Reference(causal=True)
+    ref.add(fp)
+    got, _ = ref.compare(0, quant)
+    p, q = torch.log_softmax(fp.double(), -1), torch.log_softmax(quant.double(), -1)
+    want = float((p.exp() * (p - q)).sum())
+    assert got == pytest.approx(want, rel=1e-9, abs=1e-12 * (abs(shift) + spread))
 
 
 def test_sensitivity_ranks_like_an_independent_one_site_kl():
