@@ -66,6 +66,14 @@ def grid(items: Sequence[Any], layer: Any, role: Any, value: Any) -> tuple[list[
     return [layer_label(x) for x in layers], roles, values
 
 
+def link_to(target: str | os.PathLike[str], page: str | os.PathLike[str], text: str) -> list[tuple[str, str]]:
+    """[(text, target relative to the page's folder)] when `target` exists, else []."""
+    t = Path(target)
+    if not t.is_file():
+        return []
+    return [(text, Path(os.path.relpath(t.resolve(), Path(page).resolve().parent)).as_posix())]
+
+
 def link_section(page: Page, links: Links) -> None:
     """The run's other pages, as links at the end of a page."""
     if links:

@@ -124,6 +124,7 @@ def test_scan_page_flags_and_histograms_match_the_report(runs, tmp_path):
 
 def test_guide_and_export_pages_beside_their_files(runs):
     guide = (runs / "policy.html").read_text()
+    assert '<a href="weights/report.html">the scan this policy comes from</a>' in guide
     policy = json.loads((runs / "policy.json").read_text())
     assert json.dumps(policy, indent=2).replace('"', "&quot;") in guide
     export = (runs / "model.html").read_text()
