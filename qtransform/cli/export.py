@@ -92,6 +92,7 @@ def example_input_ids(model, batch: int, seq_len: int):
 
 def run_export(args: argparse.Namespace) -> int:
     check_opset(args.fake_quant, args.opset)
+    qio.check_file_target(page_beside(args.out))  # the page beside the model, before any work
     with qio.output_file(args.out):
         policy = load_policy(args.policy)
         model = load_model(args.model)

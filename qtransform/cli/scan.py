@@ -279,6 +279,7 @@ def scan_link(report: str, out: str) -> list[tuple[str, str]]:
 
 
 def run_guide(args: argparse.Namespace) -> int:
+    qio.check_file_target(page_beside(args.out))  # the page beside the policy, before any work
     budget = budget_args(args)
     if budget is not None:
         if args.aqn:
