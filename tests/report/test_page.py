@@ -6,6 +6,7 @@ import base64
 import gzip
 import math
 import re
+from pathlib import Path
 
 import plotly.graph_objects as go
 from hypothesis import given
@@ -96,3 +97,9 @@ def test_sorting_and_filtering_run_in_chromium(tmp_path):
     shown = re.findall(r'<tr( style="[^"]*")?><td>(s\d)</td>', dom)
     assert [s for style, s in shown if "none" not in style] == ["s3"]
     assert ">1 shown<" in dom
+
+
+def test_ci_installs_chromium_before_the_tests_and_stops_when_it_cannot():
+    ci = (Path(__file__).resolve().parents[2] / ".ci" / "run").read_text()
+    install = ci.index("apt-get install -y -q chromium")
+    assert install < ci.index("&& pytest") and "exit 1" in ci[install:ci.index("&& pytest")]
