@@ -4,6 +4,7 @@ The public API. Transform: `transform`, `transform_program`, `plan`, `capture`, 
 `save_transformed` / `load_transformed`. RL: `rollout_weights`, `rollout_filter`, `rollout`, `evaluation`. Numerics: `fake_quantize`, `formats`. Policies:
 `Policy`, `load_policy`. Scans: `scan_weights`, `compare_formats`, `scan_activations`,
 `gain_scan`, `kurtosis_scan`, `instability_scan`, `ScanReport`, `guide`. Export: `export_onnx`.
+Pages: `Page`, `scan_page`, `write_scan_page` (one self-contained HTML page per result).
 
 This façade is the top of the layers (docs/architecture.md): it imports every stage, which also
 registers the passes of `qtransform.passes` with the pipeline.
@@ -18,6 +19,7 @@ from qtransform.export import export_onnx
 from qtransform.formats import fake_quantize
 from qtransform.pipeline import Pass, PassManager, Plan, plan, transform, transform_program
 from qtransform.pipeline.saving import load_transformed, save_transformed
+from qtransform.report import Page, scan_page, write_scan_page
 from qtransform.rl import (
     Correction,
     NoiseController,
@@ -80,3 +82,4 @@ __all__ = [
     "evaluation",
 ]
 __all__ += ["Correction", "log_to", "mismatch_metrics"]
+__all__ += ["Page", "scan_page", "write_scan_page"]

@@ -10,7 +10,8 @@ calibration sentences:
 3. the format against MXFP4 / NVFP4 on the same weights;
 4. per-site end-to-end sensitivity (the one-backward-pass estimate: each site's share of the
    final output's error), the ranking a mixed-precision budget reads;
-5. the W4A16 model, instrumented, as ONNX that plain onnxruntime runs.
+5. one HTML page per result and an index.html linking them (docs/reports.md);
+6. the W4A16 model, instrumented, as ONNX that plain onnxruntime runs.
 
 BERT has no LM head, so the policy quantizes every Linear and ignores nothing. Everything lands in
 one folder (default ./qtransform-demo), each file written atomically.
@@ -39,8 +40,17 @@ from qtransform.errors import UserError
 from qtransform.export.onnx import export_onnx
 from qtransform.models import load_model, load_tokenizer
 from qtransform.pipeline import transform
+from qtransform.report.run_pages import export_page, export_summary, index_page
+from qtransform.report.scan_pages import (
+    command_line,
+    compare_page,
+    run_metadata,
+    sensitivity_page,
+    write_scan_page,
+)
 from qtransform.scan.activations import scan_activations
 from qtransform.scan.recommend import recommend
+from qtransform.scan.render import end_to_end_text
 from qtransform.scan.render import format_metric as fm
 from qtransform.scan.report import expected_for
 from qtransform.scan.sensitivity import site_sensitivity
@@ -137,7 +147,7 @@ def _run(out: Path, final: Path, fmt: str, calib: list | None, options: dict[str
     """The demo's work, writing into the staging folder `out` that becomes `final`."""
     config_for(fmt, options)  # a misspelt format or option fails now, not after loading the model
     samples = list(calib) if calib is not None else builtin_calibration()
-    steps = _Steps(6 if onnx else 5, quiet)
+    steps = _Steps(7 if onnx else 6, quiet)
     model, tokenizer = steps.run("load", f"loading {MODEL_NAME} (pretrained weights, CPU)",
                                  lambda: (load_model("demo"), load_tokenizer("demo")))
     policy = resolve_policy(model, demo_policy(fmt, options))
@@ -166,15 +176,57 @@ def _run(out: Path, final: Path, fmt: str, calib: list | None, options: dict[str
     files += [qio.write_json(out / "comparison.json", comparison.to_dict()),
               qio.write_text(out / "comparison.md", comparison.to_markdown())]
     files.append(qio.write_json(out / "policy.json", dump_policy(policy)))
+    files += steps.run("pages", "writing the HTML pages (index.html links them all)",
+                       lambda: write_demo_pages(out, model, weights, activations, comparison,
+                                                sensitivity, onnx))
     if onnx:  # last: the slowest step, and the reports above stand without it
-        files.append(steps.run("onnx_export", "exporting the instrumented W4A16 model to ONNX",
-                               lambda: export_demo_onnx(model, policy, tokenizer, samples,
-                                                        out / "model.onnx")))
+        quantized = transform(model, policy).eval()
+        path = steps.run("onnx_export", "exporting the instrumented W4A16 model to ONNX",
+                         lambda: _export(quantized, _example(tokenizer, samples), out / "model.onnx"))
+        summary, log = export_summary(path, quantized, "function")
+        summary["out"] = "model.onnx"
+        files += [path, export_page(summary, log, command=command_line(),
+                                    links=[("index of this run", "index.html")]).write(out / "model.html")]
     files.append(out / "summary.json")
     result = DemoResult(MODEL_NAME, fmt, len(samples), weights, activations, comparison, sensitivity,
                         [final / p.relative_to(out) for p in files], final, steps.seconds)
     qio.write_json(out / "summary.json", result.to_dict())
     return result
+
+
+DEMO_PAGES = (  # (title, file, what it shows): the index page's list
+    ("weight scan", "weights/report.html", "weight SQNR by layer and role, per-site histograms"),
+    ("activation scan", "activations/report.html",
+     "weights, inputs and local output error, end to end"),
+    ("format comparison", "comparison.html", "the formats side by side, per layer and site"),
+    ("sensitivity", "sensitivity/sensitivity.html", "sites ranked by their end-to-end effect"),
+)
+
+
+EXPORT_PAGE = ("ONNX export", "model.html", "what model.onnx holds: inserted modules, taps")
+
+
+def write_demo_pages(out: Path, model: Any, weights: Any, activations: Any, comparison: Any,
+                     sensitivity: Any, onnx: bool) -> list[Path]:
+    """One HTML page per result, each linking back to index.html, which links them all."""
+    command = command_line()
+    up = [("index of this run", "../index.html")]
+    paths = [write_scan_page(weights, out / DEMO_PAGES[0][1], source=model, command=command, links=up),
+             write_scan_page(activations, out / DEMO_PAGES[1][1], source=model, command=command,
+                             links=up),
+             compare_page(comparison, command=command, links=[("index of this run", "index.html")])
+             .write(out / DEMO_PAGES[2][1]),
+             sensitivity_page(sensitivity, command=command, links=up).write(out / DEMO_PAGES[3][1])]
+    end = end_to_end_text(activations)
+    summary = (f"{MODEL_NAME}, {weights.meta.get('format')} W4A16: {len(weights.rows)} Linear "
+               f"weights, {len(weights.problems())} flagged in the weight scan and "
+               f"{len(activations.problems())} in the activation scan"
+               + (f"; end to end: {end}." if end else "."))
+    meta = {k: v for k, v in run_metadata(weights.meta, command).items() if k != "kind"}
+    pages = [*DEMO_PAGES, *([EXPORT_PAGE] if onnx else [])]
+    paths.append(index_page(f"qtransform demo: {MODEL_NAME}", meta, pages, summary)
+                 .write(out / "index.html"))
+    return paths
 
 
 def _save(report: Any, folder: Path) -> list[Path]:
@@ -184,12 +236,19 @@ def _save(report: Any, folder: Path) -> list[Path]:
 def export_demo_onnx(model: Any, policy: Any, tokenizer: Any, samples: list, path: Path) -> Path:
     """The transformed model as instrumented ONNX (taps as graph outputs, dynamic batch and
     sequence), traced on the first calibration sentences."""
+    return _export(transform(model, policy).eval(), _example(tokenizer, samples), path)
+
+
+def _example(tokenizer: Any, samples: list) -> dict[str, Any]:
+    """The example batch the export traces: the first calibration sentences."""
     if all(isinstance(s, str) for s in samples):
         batch = tokenizer(samples[:EXPORT_SAMPLES], padding=True, return_tensors="pt")
-        example = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
-    else:
-        example = {"input_ids": calibration_batches(samples[:1], max_length=128)[0]}
-    quantized = transform(model, policy).eval()
+        return {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+    return {"input_ids": calibration_batches(samples[:1], max_length=128)[0]}
+
+
+def _export(quantized: Any, example: dict[str, Any], path: Path) -> Path:
+    """Export quietly: the exporter's chatter is not the demo's output."""
     exporter_log = logging.getLogger("torch.onnx")
     level = exporter_log.level
     exporter_log.setLevel(logging.ERROR)  # "torchvision is not installed" and similar chatter
