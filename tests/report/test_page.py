@@ -9,6 +9,7 @@ import re
 from pathlib import Path
 
 import plotly.graph_objects as go
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -99,7 +100,23 @@ def test_sorting_and_filtering_run_in_chromium(tmp_path):
     assert ">1 shown<" in dom
 
 
-def test_ci_installs_chromium_before_the_tests_and_stops_when_it_cannot():
+def test_ci_installs_chromium_before_the_tests_and_names_why_when_it_cannot():
     ci = (Path(__file__).resolve().parents[2] / ".ci" / "run").read_text()
     install = ci.index("apt-get install -y -q chromium")
-    assert install < ci.index("&& pytest") and "exit 1" in ci[install:ci.index("&& pytest")]
+    before_tests = ci[install:ci.index("&& pytest")]
+    assert "export QTRANSFORM_NO_CHROMIUM=" in before_tests  # the skip reason the tests print
+
+
+def test_without_chromium_ci_fails_unless_ci_said_why(monkeypatch):
+    """Under CI=true a missing chromium fails the browser tests, unless .ci/run tried to
+    install it and recorded why it could not: then they skip with that reason."""
+    from tests.report import browser
+
+    monkeypatch.setattr(browser.shutil, "which", lambda name: None)
+    monkeypatch.setenv("CI", "true")
+    monkeypatch.delenv("QTRANSFORM_NO_CHROMIUM", raising=False)
+    with pytest.raises(pytest.fail.Exception, match="CI must run the browser tests"):
+        browser.chromium()
+    monkeypatch.setenv("QTRANSFORM_NO_CHROMIUM", "no mirror")
+    with pytest.raises(pytest.skip.Exception, match="no mirror"):
+        browser.chromium()
