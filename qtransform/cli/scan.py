@@ -195,19 +195,19 @@ def _activation_scan(args: argparse.Namespace):
 
 def scan_table(report) -> str:
     """The terminal view: one line per layer, then sites outside layers, problems, advice."""
-    head = f"{'layer':>5} {'sites':>5} {'SQNR dB':>8} {'worst site':<28} {'worst':>7} " \
+    head = f"{'layer':>5} {'point':<6} {'sites':>5} {'SQNR dB':>8} {'worst site':<28} {'worst':>7} " \
            f"{'rel_rmse':>9} {'deadzone':>9} {'satur.':>8} {'bad':>4}"
     lines = [f"{report.meta.get('format')} scan of {report.meta.get('source')} "
              f"({len(report.rows)} sites)", head, "-" * len(head)]
-    for e in report.layer_summary():
+    for e in report.layer_summary():  # one line per layer and point kind: never pooled
         worst = e["worst_site"].partition(f".{e['layer']}.")[2] or e["worst_site"]
-        lines.append(f"{e['layer']:>5} {e['sites']:>5} {fm('sqnr_db', e['sqnr_db']):>8} {worst[-28:]:<28} "
-                     f"{fm('sqnr_db', e['worst_sqnr_db']):>7} {fm('rel_rmse', e['rel_rmse']):>9} "
-                     f"{fm('deadzone', e['deadzone']):>9} {fm('saturation', e['saturation']):>8} "
-                     f"{e['problem_sites'] or '':>4}")
+        lines.append(f"{e['layer']:>5} {e['point']:<6} {e['sites']:>5} {fm('sqnr_db', e['sqnr_db']):>8} "
+                     f"{worst[-28:]:<28} {fm('sqnr_db', e['worst_sqnr_db']):>7} "
+                     f"{fm('rel_rmse', e['rel_rmse']):>9} {fm('deadzone', e['deadzone']):>9} "
+                     f"{fm('saturation', e['saturation']):>8} {e['problem_sites'] or '':>4}")
     for row in (r for r in report.rows if r.layer is None):
         m = row.metrics
-        lines.append(f"{'-':>5} {1:>5} {fm('sqnr_db', m['sqnr_db']):>8} {row.label[-28:]:<28} "
+        lines.append(f"{'-':>5} {row.point:<6} {1:>5} {fm('sqnr_db', m['sqnr_db']):>8} {row.site[-28:]:<28} "
                      f"{fm('sqnr_db', m['sqnr_db']):>7} {fm('rel_rmse', m['rel_rmse']):>9} "
                      f"{fm('deadzone', m['deadzone']):>9} {fm('saturation', m['saturation']):>8} "
                      f"{1 if report.row_problems(row) else '':>4}")

@@ -113,26 +113,30 @@ def to_markdown(report: ScanReport) -> str:
         f"{_ranges(report.problematic_layers()) or 'none'}",
     ]
     if total:
-        lines.append("- whole model: " + ", ".join(
-            f"{k} {format_metric(k, total[k])}" for k in ("sqnr_db", "rel_rmse", "cosine", "deadzone", "saturation")))
+        for point in report.points():
+            mine = report.aggregate([r for r in report.rows if r.point == point])
+            lines.append(f"- whole model, {point} points: " + ", ".join(
+                f"{k} {format_metric(k, mine[k])}" for k in ("sqnr_db", "rel_rmse", "cosine", "deadzone", "saturation")))
     end = end_to_end_text(report)
     if end:
         lines.append(f"- end to end: {end}")
     lines += ["", "## Recommendation", "", rec.text, "", "```json",
               json.dumps(rec.policy, indent=2), "```", "", "## Layers", ""]
+    lines += ["One row per layer and point kind (weight, input, output): their errors are never "
+              "pooled.", ""]
     lines += _md_table(
-        ["layer", "sites", "SQNR dB", "worst site", "worst SQNR dB", "rel_rmse", "deadzone",
+        ["layer", "point", "sites", "SQNR dB", "worst site", "worst SQNR dB", "rel_rmse", "deadzone",
          "saturation", "problem sites"],
-        [[e["layer"], e["sites"], format_metric("sqnr_db", e["sqnr_db"]), e["worst_site"],
+        [[e["layer"], e["point"], e["sites"], format_metric("sqnr_db", e["sqnr_db"]), e["worst_site"],
           format_metric("sqnr_db", e["worst_sqnr_db"]), format_metric("rel_rmse", e["rel_rmse"]),
           format_metric("deadzone", e["deadzone"]), format_metric("saturation", e["saturation"]), e["problem_sites"]]
          for e in report.layer_summary()],
     )
     lines += ["", "## Sites", ""]
     lines += _md_table(
-        ["site", "layer", "role", "shape", "SQNR dB", "rel_rmse", "cosine", "max err",
+        ["site", "point", "layer", "role", "shape", "SQNR dB", "rel_rmse", "cosine", "max err",
          "deadzone", "saturation", "mean rel err*", "problems"],
-        [[r.label, "" if r.layer is None else r.layer, r.role, "x".join(map(str, r.shape)),
+        [[r.site, r.point, "" if r.layer is None else r.layer, r.role, "x".join(map(str, r.shape)),
           *(format_metric(k, r.metrics[k]) for k in ("sqnr_db", "rel_rmse", "cosine", "max_abs_error",
                                               "deadzone", "saturation", "mean_rel_error")),
           "; ".join(report.row_problems(r))] for r in report.rows],

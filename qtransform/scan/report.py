@@ -221,18 +221,26 @@ class ScanReport:
             total.merge(row.stats())
         return total.result()
 
+    def points(self) -> list[str]:
+        """The measured point kinds (weight, input, output), in that order."""
+        return sorted({r.point for r in self.rows}, key=lambda p: (_POINT_ORDER.get(p, 3), p))
+
     def layer_summary(self) -> list[dict[str, Any]]:
-        """One entry per layer: summed metrics, worst site, number of problematic sites."""
+        """One entry per (layer, point kind): summed metrics, worst site, problematic sites.
+        Point kinds are never pooled: a layer's output error says nothing of its weights'."""
         bad = {id(row) for row, _ in self.problems()}
         out = []
         for layer in self.layers():
-            rows = [r for r in self.rows if r.layer == layer]
-            worst = min(rows, key=lambda r: _sort_key(r.metrics["sqnr_db"]))
-            out.append({
-                "layer": layer, "sites": len(rows), **_pick(self.aggregate(rows)),
-                "worst_site": worst.label, "worst_sqnr_db": worst.metrics["sqnr_db"],
-                "problem_sites": sum(id(r) in bad for r in rows),
-            })
+            for point in self.points():
+                rows = [r for r in self.rows if r.layer == layer and r.point == point]
+                if not rows:
+                    continue
+                worst = min(rows, key=lambda r: _sort_key(r.metrics["sqnr_db"]))
+                out.append({
+                    "layer": layer, "point": point, "sites": len(rows), **_pick(self.aggregate(rows)),
+                    "worst_site": worst.site, "worst_sqnr_db": worst.metrics["sqnr_db"],
+                    "problem_sites": sum(id(r) in bad for r in rows),
+                })
         return out
 
     def expert_summary(self) -> list[dict[str, Any]]:
@@ -257,7 +265,9 @@ class ScanReport:
                     kv[0][0] is None, kv[0][0] or 0, _POINT_ORDER.get(kv[0][1], 3), kv[0][1], kv[0][2]))]
 
     def layer_sqnr(self) -> dict[int, float]:
-        return {e["layer"]: e["sqnr_db"] for e in self.layer_summary()}
+        """Per layer, the SQNR of all its measured errors merged (what AQN tiers rank)."""
+        return {layer: self.aggregate([r for r in self.rows if r.layer == layer])["sqnr_db"]
+                for layer in self.layers()}
 
     # -- serialisation ------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
