@@ -24,6 +24,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("pipeline", ("qtransform.pipeline",)),
     ("passes", ("qtransform.passes",)),
     ("outputs", ("qtransform.scan", "qtransform.export", "qtransform.rl")),
+    ("reports", ("qtransform.report",)),
     ("integrations", ("qtransform.integrations",)),
     ("cli", ("qtransform.cli",)),
 ]

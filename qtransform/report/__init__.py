@@ -1,0 +1,1 @@
+"""Result pages: one self-contained HTML page per result (docs/reports.md)."""
