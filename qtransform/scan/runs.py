@@ -264,12 +264,12 @@ def _read(path: Path, label: str) -> Run:
         for row in report.rows:
             sites[_key(row.site, row.point)] = {
                 **{m: row.metrics[m] for m in SCAN_METRICS}, "shape": row.shape,
-                "flags": report.row_problems(row)}
+                "layer": row.layer, "role": row.role, "flags": report.row_problems(row)}
         return Run(kind, file, label, dict(report.meta), sites)
     if kind == "sensitivity":
         sens = SensitivityReport.load(file)
         sites = {r.site: {"score": r.score(), "score_db": _db(r.score()), "rank": r.rank,
-                          "shape": None} for r in sens.rows}
+                          "shape": None, "layer": r.layer, "role": r.role} for r in sens.rows}
         return Run(kind, file, label, dict(sens.meta), sites)
     return _read_parity(file, label)
 
@@ -279,7 +279,7 @@ def _read_parity(file: Path, label: str) -> Run:
         data = json.loads(qio.read_input_text(file, "parity report"))
         metrics = {k: float(v) for k, v in data["metrics"].items()}
         sites = {a["site"]: {"score": float(a["added"]), "score_db": _db(float(a["added"])),
-                             "rank": int(a["rank"]), "shape": None}
+                             "rank": int(a["rank"]), "shape": None, "layer": None, "role": None}
                  for a in data.get("attribution") or []}
         meta = dict(data.get("meta") or {})
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
