@@ -200,6 +200,17 @@ class ScanReport:
             self._cache = (key, {k: v for k, v in found.items() if v})
         return self._cache[1]
 
+    def flag_limit(self, row: SiteRow, metric: str) -> float | None:
+        """The value beyond which `metric` flags `row` under this report's rule: the absolute
+        threshold, or (flagging="expected") the format's Gaussian baseline for the row's block
+        structure moved by the margin; None where the rule has no limit for the row (an output
+        point under "expected": flagged as a robust outlier only). Plots draw this very value."""
+        check = next(c for c in CHECKS if c.metric == metric)
+        t = {**DEFAULT_THRESHOLDS, **self.thresholds}
+        if self.flagging == "absolute":
+            return t[check.threshold]
+        return _expected_limit(row, check, t)
+
     def problems(self) -> list[tuple[SiteRow, list[str]]]:
         """Every problematic row with its reasons, in row order."""
         found = self._problems()
@@ -363,6 +374,16 @@ def sampling_noise(metric: str, expected: float, n: float) -> float:
     return NOISE_Z * math.sqrt(max(expected * (1 - expected), 0.0) / n)
 
 
+def _expected_limit(row: SiteRow, c: Check, t: dict[str, float]) -> float | None:
+    """flagging="expected": the format's baseline for the row moved by the margin (at least the
+    sampling noise of the row's element count); None without a baseline or margin."""
+    expected = expected_for(row)
+    if expected is None or c.margin is None:
+        return None
+    base = expected[c.metric]
+    return c.limit(base, max(t[c.margin], sampling_noise(c.metric, base, row.metrics.get("n", 0))))
+
+
 def _against_expected(row: SiteRow, t: dict[str, float], outlier: str | None) -> list[str]:
     """flagging="expected": worse than the format does to Gaussian data of the same block
     structure by the margins, or a robust outlier among the model's sites; with the likely cause."""
@@ -370,11 +391,11 @@ def _against_expected(row: SiteRow, t: dict[str, float], outlier: str | None) ->
     expected = expected_for(row)
     if expected is not None:
         for c in CHECKS:
-            if c.margin is None:
+            limit = _expected_limit(row, c, t)
+            if limit is None:
                 continue
             value, base = row.metrics[c.metric], expected[c.metric]
-            margin = max(t[c.margin], sampling_noise(c.metric, base, row.metrics.get("n", 0)))
-            if c.worse(value, c.limit(base, margin)):
+            if c.worse(value, limit):
                 gap = (f"{base - value:.1f} dB below" if c.higher_is_better
                        else f"{100 * (value - base):.1f} points above")
                 out.append(f"{c.label} {c.text(value)}, {gap} the {c.text(base)} {row.format} gives "
