@@ -62,6 +62,10 @@ whose one-at-a-time end-to-end sensitivity is largest within the budget, and pri
 token, or output nsr for encoders. The ranking is read from --sensitivity (sensitivity.json, as
 `qtransform sensitivity` writes it) or, without it, computed here: the exact measure, one run of the
 calibration set per site of the report's quantize rules, on --model with --calib.
+
+Without a budget, a sensitivity measurement of the same run (--sensitivity, or sensitivity.json
+in the report's folder) makes the recommendation keep the sites it ranks highest (as many as the
+weight scan would keep) and say where the weight-error view disagrees.
 """
 
 
@@ -122,7 +126,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--sensitivity", metavar="FILE",
                    help="sensitivity.json (or its folder) written by `qtransform sensitivity`: the "
                         "site ranking the budget reads; without it the exact ranking is computed "
-                        "from the report's quantize rules on --model with --calib")
+                        "from the report's quantize rules on --model with --calib. Without a "
+                        "budget: the ranking the recommendation follows (default: "
+                        "sensitivity.json in the report's folder)")
     b.add_argument("--model", help="the scanned model (HF folder, builtin:<arch>, demo): computes the "
                                    "ranking and measures the chosen policy (default: the model "
                                    "the --sensitivity file names)")
@@ -264,17 +270,21 @@ def run_guide(args: argparse.Namespace) -> int:
             raise UserError("--aqn and a budget (--bits/--keep/--kl-target) are two different "
                             "policies: give one of them")
         return _budget_guide(args, budget)
-    if args.sensitivity or args.model or args.calib:
-        raise UserError("--sensitivity, --model and --calib go with a budget: add --bits B, "
-                        "--keep N|P% or --kl-target T")
+    if args.model or args.calib:
+        raise UserError("--model and --calib go with a budget: add --bits B, --keep N|P% or "
+                        "--kl-target T")
     tiers = _tiers(args.tiers)
     if not 1 <= args.total_steps <= MAX_STEPS:
         raise UserError(f"--total-steps {args.total_steps}: give a step count from 1 to {MAX_STEPS}")
     with qio.output_file(args.out) as out:
         report = ScanReport.load(args.report)  # the user's data is checked here, once
-        policy = guide(report, tiers, total_steps=args.total_steps, aqn=args.aqn)
-        advice = recommend(report, tiers, total_steps=args.total_steps).text
+        found = args.sensitivity or beside(args.report)
+        sens = SensitivityReport.load(found) if found else None
+        policy = guide(report, tiers, total_steps=args.total_steps, aqn=args.aqn, sensitivity=sens)
+        advice = recommend(report, tiers, total_steps=args.total_steps, sensitivity=sens).text
         qio.write_json(out, policy)
+    if found:
+        print(f"sites ranked by the sensitivity in {found}", file=sys.stderr)
     print(advice, file=sys.stderr)
     if "noise" in policy:
         print("AQN's sigma is absolute: `qtransform plan MODEL POLICY` shows it against each norm's "
@@ -282,6 +292,13 @@ def run_guide(args: argparse.Namespace) -> int:
               file=sys.stderr)
     print(f"wrote {args.out}", file=sys.stderr)
     return 0
+
+
+def beside(report: str) -> str | None:
+    """sensitivity.json in the scan report's folder (the same run), if there is one."""
+    folder = Path(report) if Path(report).is_dir() else Path(report).parent
+    path = folder / "sensitivity.json"
+    return str(path) if path.is_file() else None
 
 
 def _budget_guide(args: argparse.Namespace, budget: dict[str, Any]) -> int:

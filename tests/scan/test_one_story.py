@@ -3,12 +3,22 @@ recommendations follow a sensitivity measurement where one exists (docs/reports.
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
+import torch
 
 from qtransform.cli.scan import scan_table
 from qtransform.models import build_tiny
+from qtransform.scan import (
+    ScanReport,
+    SensitivityReport,
+    guide,
+    recommend,
+    scan_weights,
+    site_sensitivity,
+)
 from qtransform.scan.activations import scan_activations
 from qtransform.scan.render import format_metric, to_markdown
 from tests.conftest import ids
@@ -53,3 +63,56 @@ def test_whole_model_line_and_terminal_table_split_point_kinds(activation_report
     weight0 = next(line.split() for line in lines if line.split()[:2] == ["0", "weight"])
     want = report.aggregate([r for r in report.rows if r.layer == 0 and r.point == "weight"])["sqnr_db"]
     assert weight0[3] == format_metric("sqnr_db", want)
+
+
+@pytest.fixture(scope="module")
+def disagreeing(tmp_path_factory):
+    """12 layers (one bad layer is under 10 %: keep it). Layer 0's v_proj gets an outlier input
+    channel (the weight scan flags its deadzone) while layer 0's o_proj is zero, so nothing v_proj
+    computes reaches the output: its exact sensitivity is 0 by construction."""
+    model = build_tiny("qwen2", num_layers=12)
+    with torch.no_grad():
+        attn = model.model.layers[0].self_attn
+        attn.v_proj.weight[:, 3] *= 100.0
+        attn.o_proj.weight.zero_()
+    root = tmp_path_factory.mktemp("run")
+    scan_weights(model, "mxfp4").save(root)
+    site_sensitivity(model, "mxfp4", ids(2, 8)).save(root)  # the same folder: one run
+    return root
+
+
+V0 = "model.layers.0.self_attn.v_proj"
+
+
+def test_recommendation_follows_sensitivity_and_says_where_the_views_disagree(disagreeing):
+    report = ScanReport.load(disagreeing)
+    sens = SensitivityReport.load(disagreeing)
+    assert [row.site for row, _ in report.problems()] == [V0]
+    by_error = recommend(report)
+    assert by_error.kind == "keep_high_precision" and V0 in by_error.kept_sites
+    rec = recommend(report, sensitivity=sens)
+    top = [r.site for r in sens.ranked()[:len(by_error.kept_sites)]]
+    assert rec.kept_sites == top and V0 not in rec.kept_sites and rec.ranking == "exact"
+    rank = next(r.rank for r in sens.rows if r.site == V0)
+    assert sens.rows[0].exact >= 0 and next(r.exact for r in sens.rows if r.site == V0) == 0.0
+    assert rank >= len(sens.rows) - 1  # last, tied with the zero o_proj
+    note = (f"weight scan flags {V0} for deadzone, but exact sensitivity ranks it "
+            f"{rank}{'rd' if rank % 10 == 3 and rank % 100 != 13 else 'th'} of {len(sens.rows)}: "
+            "keeping it in high precision buys little")
+    assert rec.disagreements[0] == note and note in rec.text
+    assert rec.policy["quantize"][0]["ignore"] == top
+    assert guide(report, sensitivity=sens) == rec.policy
+
+
+def test_guide_cli_reads_the_sensitivity_of_the_same_folder(disagreeing, tmp_path):
+    import subprocess
+    import sys
+
+    res = subprocess.run([sys.executable, "-m", "qtransform.cli.main", "guide", str(disagreeing),
+                          "--out", str(tmp_path / "p.json")], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    sens = SensitivityReport.load(disagreeing)
+    want = recommend(ScanReport.load(disagreeing), sensitivity=sens)
+    assert json.loads((tmp_path / "p.json").read_text()) == want.policy
+    assert f"sites ranked by the sensitivity in {disagreeing / 'sensitivity.json'}" in res.stderr
+    assert f"weight scan flags {V0} for deadzone" in res.stderr
