@@ -188,7 +188,7 @@ def report_figure(report: ScanReport) -> Any:
     from matplotlib.ticker import MaxNLocator
 
     grid = role_grid(report)
-    fig = Figure(figsize=(10, 9.5 if grid else 6.5), layout="constrained")
+    fig = Figure(figsize=(13, 9.5 if grid else 6.5), layout="constrained")
     FigureCanvasAgg(fig)  # render with Agg without touching pyplot's global backend
     if grid:
         top, bottom, heat = fig.subplots(3, 1, height_ratios=[3, 2, 2.2])
@@ -226,11 +226,12 @@ def report_figure(report: ScanReport) -> Any:
                            marker="_", s=120, color=line["color"], label=line["label"])
         ax.set_ylabel(unit)
         ax.grid(alpha=0.3)
-        ax.legend(loc="best", fontsize=7)
+        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=7)  # beside: no mark hidden
     bottom.set_xlabel("layer index" if layered else "site")
     bottom.xaxis.set_major_locator(MaxNLocator(integer=True))
     skipped = len(report.rows) - len(rows)
-    top.set_title(plot_title(report) + (f" ({skipped} site(s) outside layers not shown)" if skipped else ""))
+    top.set_title(plot_title(report) + (f" ({skipped} site(s) outside layers not shown)" if skipped else ""),
+                  loc="left", fontsize=10)
     if grid:
         layers, roles, values = grid
         image = heat.imshow(values, aspect="auto", cmap="RdYlGn", interpolation="nearest")
@@ -270,9 +271,11 @@ def flag_rule_lines(report: ScanReport, metric: str, rows: list[Any]) -> list[di
     for point in dict.fromkeys(r.point for r in rows):
         mine = [(r, report.flag_limit(r, metric)) for r in rows if r.point == point]
         mine = [(r, v) for r, v in mine if v is not None]
-        if not mine:
-            continue
         color = POINT_STYLE.get(point, _OTHER_STYLE)[1]
+        if not mine:  # a legend entry that says why no line is drawn
+            out.append({"value": math.nan, "rows": [], "values": [], "color": color,
+                        "label": f"{point}: no expected baseline, flagged only as a robust outlier"})
+            continue
         values = [v for _, v in mine]
         how = "below" if metric == "sqnr_db" else "above"
         rule = f"{point} flag rule: {how} the format's expected {check[0]} by the margin"

@@ -48,6 +48,8 @@ def test_activation_plot_draws_the_limits_the_flags_use(activation_report):
             (label, y), = [(k, v) for k, v in lines.items() if k.startswith(f"{point} flag rule")]
             assert y == limits.pop() * scale
         assert not any(k.startswith("output flag rule") for k in lines)  # outputs: outliers only
+        assert "output: no expected baseline, flagged only as a robust outlier" in [
+            c.get_label() for c in ax.collections]
         assert all(abs(y - 20.0) > 1 for y in lines.values())  # not the absolute 20 dB line
     # the drawn SQNR limit is the one that flags: a row just below it is flagged, just above not
     row = next(r for r in report.rows if r.point == "input")
