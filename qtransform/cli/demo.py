@@ -10,7 +10,8 @@ calibration sentences:
 3. the format against MXFP4 / NVFP4 on the same weights;
 4. per-site end-to-end sensitivity (the one-backward-pass estimate: each site's share of the
    final output's error), the ranking a mixed-precision budget reads;
-5. the W4A16 model, instrumented, as ONNX that plain onnxruntime runs.
+5. one HTML page per result and an index.html linking them (docs/reports.md);
+6. the W4A16 model, instrumented, as ONNX that plain onnxruntime runs.
 
 BERT has no LM head, so the policy quantizes every Linear and ignores nothing. Everything lands in
 one folder (default ./qtransform-demo), each file written atomically.
@@ -39,8 +40,17 @@ from qtransform.errors import UserError
 from qtransform.export.onnx import export_onnx
 from qtransform.models import load_model, load_tokenizer
 from qtransform.pipeline import transform
+from qtransform.report.run_pages import index_page
+from qtransform.report.scan_pages import (
+    command_line,
+    compare_page,
+    run_metadata,
+    sensitivity_page,
+    write_scan_page,
+)
 from qtransform.scan.activations import scan_activations
 from qtransform.scan.recommend import recommend
+from qtransform.scan.render import end_to_end_text
 from qtransform.scan.render import format_metric as fm
 from qtransform.scan.report import expected_for
 from qtransform.scan.sensitivity import site_sensitivity
@@ -137,7 +147,7 @@ def _run(out: Path, final: Path, fmt: str, calib: list | None, options: dict[str
     """The demo's work, writing into the staging folder `out` that becomes `final`."""
     config_for(fmt, options)  # a misspelt format or option fails now, not after loading the model
     samples = list(calib) if calib is not None else builtin_calibration()
-    steps = _Steps(6 if onnx else 5, quiet)
+    steps = _Steps(7 if onnx else 6, quiet)
     model, tokenizer = steps.run("load", f"loading {MODEL_NAME} (pretrained weights, CPU)",
                                  lambda: (load_model("demo"), load_tokenizer("demo")))
     policy = resolve_policy(model, demo_policy(fmt, options))
@@ -166,6 +176,9 @@ def _run(out: Path, final: Path, fmt: str, calib: list | None, options: dict[str
     files += [qio.write_json(out / "comparison.json", comparison.to_dict()),
               qio.write_text(out / "comparison.md", comparison.to_markdown())]
     files.append(qio.write_json(out / "policy.json", dump_policy(policy)))
+    files += steps.run("pages", "writing the HTML pages (index.html links them all)",
+                       lambda: write_demo_pages(out, model, weights, activations, comparison,
+                                                sensitivity))
     if onnx:  # last: the slowest step, and the reports above stand without it
         files.append(steps.run("onnx_export", "exporting the instrumented W4A16 model to ONNX",
                                lambda: export_demo_onnx(model, policy, tokenizer, samples,
@@ -175,6 +188,37 @@ def _run(out: Path, final: Path, fmt: str, calib: list | None, options: dict[str
                         [final / p.relative_to(out) for p in files], final, steps.seconds)
     qio.write_json(out / "summary.json", result.to_dict())
     return result
+
+
+DEMO_PAGES = (  # (title, file, what it shows): the index page's list
+    ("weight scan", "weights/report.html", "weight SQNR by layer and role, per-site histograms"),
+    ("activation scan", "activations/report.html",
+     "weights, inputs and local output error, end to end"),
+    ("format comparison", "comparison.html", "the formats side by side, per layer and site"),
+    ("sensitivity", "sensitivity/sensitivity.html", "sites ranked by their end-to-end effect"),
+)
+
+
+def write_demo_pages(out: Path, model: Any, weights: Any, activations: Any, comparison: Any,
+                     sensitivity: Any) -> list[Path]:
+    """One HTML page per result, each linking back to index.html, which links them all."""
+    command = command_line()
+    up = [("index of this run", "../index.html")]
+    paths = [write_scan_page(weights, out / DEMO_PAGES[0][1], source=model, command=command, links=up),
+             write_scan_page(activations, out / DEMO_PAGES[1][1], source=model, command=command,
+                             links=up),
+             compare_page(comparison, command=command, links=[("index of this run", "index.html")])
+             .write(out / DEMO_PAGES[2][1]),
+             sensitivity_page(sensitivity, command=command, links=up).write(out / DEMO_PAGES[3][1])]
+    end = end_to_end_text(activations)
+    summary = (f"{MODEL_NAME}, {weights.meta.get('format')} W4A16: {len(weights.rows)} Linear "
+               f"weights, {len(weights.problems())} flagged in the weight scan and "
+               f"{len(activations.problems())} in the activation scan"
+               + (f"; end to end: {end}." if end else "."))
+    meta = {k: v for k, v in run_metadata(weights.meta, command).items() if k != "kind"}
+    paths.append(index_page(f"qtransform demo: {MODEL_NAME}", meta, DEMO_PAGES, summary)
+                 .write(out / "index.html"))
+    return paths
 
 
 def _save(report: Any, folder: Path) -> list[Path]:

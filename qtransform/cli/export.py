@@ -16,6 +16,9 @@ from qtransform.export.onnx import check_opset, export_onnx
 from qtransform.models import load_model
 from qtransform.passes import FakeQuantPass
 from qtransform.pipeline import transform
+from qtransform.report.page import page_beside
+from qtransform.report.run_pages import export_page
+from qtransform.report.scan_pages import command_line
 from qtransform.schemas import load_policy
 
 EPILOG = """\
@@ -109,6 +112,7 @@ def run_export(args: argparse.Namespace) -> int:
         "outputs": [o.name for o in graph.output],
         "fake_quant": args.fake_quant,
     }
+    export_page(summary, log, command=command_line()).write(page_beside(path))
     if args.json:
         print(json.dumps(summary, indent=2))
     else:

@@ -18,6 +18,8 @@ from qtransform.core.noise import noise_modules
 from qtransform.errors import UserError
 from qtransform.models import input_paths, load_model, load_tokenizer
 from qtransform.pipeline import transform
+from qtransform.report.run_pages import parity_page
+from qtransform.report.scan_pages import command_line
 from qtransform.rl import HFEngine, noise_controller, parity, rollout_weights
 from qtransform.schemas import load_policy
 
@@ -140,6 +142,7 @@ def run_parity(args: argparse.Namespace) -> int:
                               **_policy_meta(args.policy)})
     with output_folder(args.out, "parity", force=args.force, protect=protect) as staging:
         names = [path.name for path in report.write(staging).values()]
+        names.append(parity_page(report, command=command_line()).write(staging / "parity.html").name)
     if args.json:
         print((Path(args.out) / "parity.json").read_text(), end="")
     else:

@@ -26,6 +26,8 @@ from qtransform.cli.sensitivity import add_budget, budget_args, budget_text
 from qtransform.core import io as qio
 from qtransform.errors import UserError
 from qtransform.models import input_paths, load_model, load_tokenizer, missing_source
+from qtransform.report.page import page_beside
+from qtransform.report.scan_pages import command_line, compare_page, guide_page, write_scan_page
 from qtransform.scan import compare_formats
 from qtransform.scan.activations import scan_activations
 from qtransform.scan.recommend import guide, recommend
@@ -163,11 +165,17 @@ def run_scan(args: argparse.Namespace) -> int:
             raise UserError("--sequential is a mode of the activation scan: give --calib too")
         if args.calib is not None:
             report = _activation_scan(args)
+            # the weights again, for the page's histograms: cheap for a checkpoint or builtin
+            source = _source(args.model) if Path(args.model).exists() or \
+                args.model.startswith("builtin:") else None
         else:
-            report = scan_weights(_source(args.model), args.format, policy=args.policy,
+            source = _source(args.model)
+            report = scan_weights(source, args.format, policy=args.policy,
                                   options=format_options(args), thresholds=thresholds(args.threshold),
                                   flagging=flagging(args), progress=progress(args))
         files = report.save(staging)
+        files["html"] = write_scan_page(report, staging / "report.html", source=source,
+                                        command=command_line())
     if args.json:
         print(report.to_json())
     else:
@@ -243,6 +251,7 @@ def run_compare(args: argparse.Namespace) -> int:
         if staging is not None:
             qio.write_json(staging / "comparison.json", result.to_dict())
             qio.write_text(staging / "comparison.md", result.to_markdown())
+            compare_page(result, command=command_line()).write(staging / "comparison.html")
     if args.json:
         print(json.dumps(result.to_dict(), indent=2))
     else:
@@ -283,6 +292,7 @@ def run_guide(args: argparse.Namespace) -> int:
         policy = guide(report, tiers, total_steps=args.total_steps, aqn=args.aqn, sensitivity=sens)
         advice = recommend(report, tiers, total_steps=args.total_steps, sensitivity=sens).text
         qio.write_json(out, policy)
+        guide_page(report, policy, advice, command=command_line()).write(page_beside(args.out))
     if found:
         print(f"sites ranked by the sensitivity in {found}", file=sys.stderr)
     print(advice, file=sys.stderr)
@@ -320,6 +330,8 @@ def _budget_guide(args: argparse.Namespace, budget: dict[str, Any]) -> int:
         result, sens = budget_guide(report, budget, load_model(model_spec), calib, sensitivity=sens,
                                     progress=progress(args))
         qio.write_json(out, result.policy)
+        guide_page(report, result.policy, budget_text(result, sens.measure),
+                   command=command_line()).write(page_beside(args.out))
     print(("ranking read from " + args.sensitivity) if args.sensitivity else
           f"ranking computed: exact {sens.measure} of {len(sens.rows)} sites on {model_spec}", file=sys.stderr)
     print(budget_text(result, sens.measure), file=sys.stderr)

@@ -13,6 +13,7 @@ from qtransform.cli.options import add_common, format_options, progress
 from qtransform.core import io as qio
 from qtransform.errors import UserError
 from qtransform.models import input_paths, load_model, load_tokenizer
+from qtransform.report.scan_pages import command_line, sensitivity_page
 from qtransform.scan.sensitivity import (
     measure_label,
     measured_budget,
@@ -119,6 +120,7 @@ def run_sensitivity(args: argparse.Namespace) -> int:
                                   progress=progress(args))
         report.meta["source"] = args.model
         files = list(report.save(staging).values())
+        files.append(sensitivity_page(report, command=command_line()).write(staging / "sensitivity.html"))
         result = None
         if budget is not None:
             result = measured_budget(report, budget, model, calib)

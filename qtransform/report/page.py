@@ -18,7 +18,7 @@ filters tables and switches the detail view; everything drawn is drawn by Plotly
     page.link("activation scan", "../activations/report.html")
     page.write("out/report.html")
 
-`table` takes rows as dicts (columns: the keys in first-seen order unless given); numbers are
+`code` shows preformatted text. `table` takes rows as dicts (columns: the keys in first-seen order unless given); numbers are
 shown with 4 significant digits and sorted as numbers. `flags` takes (site, reason in words)
 pairs. `write` is atomic (qtransform.core.io). Blocks appear in the order they were added.
 """
@@ -49,7 +49,7 @@ table.data td.num{text-align:right;font-variant-numeric:tabular-nums}
 table.data tr.flagged td{background:#fde8e8}
 input.filter{margin:4px 0;padding:3px 6px;width:320px}
 ul.flags li{margin:2px 0}ul.flags code{color:#a00}
-.qt-figure{min-height:360px}.count{color:#666;margin-left:8px}
+.qt-figure{min-height:200px}pre{background:#f6f6f6;padding:8px;overflow:auto}.count{color:#666;margin-left:8px}
 """
 
 # Sorting and filtering of tables, the detail selector, and the start of plotly.js: the page's
@@ -93,6 +93,8 @@ def _json(text: str) -> str:
 
 def _figure_json(fig: Any) -> str:
     """A Plotly figure (or its dict) as JSON, through plotly's own encoder (numpy arrays)."""
+    if isinstance(fig, dict):  # already plain data: plotly.py's encoder would only slow it down
+        return _json(json.dumps(fig, allow_nan=False))
     import plotly.io as pio
 
     return _json(pio.to_json(fig, validate=False, remove_uids=True))
@@ -133,6 +135,11 @@ class Page:
     def text(self, text: str) -> Page:
         """A paragraph."""
         self._blocks.append(f"<p>{html.escape(text)}</p>")
+        return self
+
+    def code(self, text: str) -> Page:
+        """Preformatted text (a policy, a command)."""
+        self._blocks.append(f"<pre>{html.escape(text)}</pre>")
         return self
 
     def table(self, rows: list[dict[str, Any]], columns: list[str] | None = None, *,
@@ -233,3 +240,10 @@ def _meta_text(value: Any) -> str:
     if isinstance(value, list | tuple):
         return " ".join(map(str, value))
     return str(value)
+
+
+def page_beside(path: str | os.PathLike[str]) -> Path:
+    """Where the page of a single-file result goes: `policy.json` -> `policy.html`."""
+    p = Path(path)
+    page = p.with_suffix(".html")
+    return page if page != p else p.with_name(p.name + ".page.html")

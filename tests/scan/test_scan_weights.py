@@ -226,7 +226,7 @@ def test_cli_scan_writes_reports_and_fails_on_problems(tmp_path, capsys):
     assert proc.returncode == 1, proc.stderr  # MXFP4 weights sit below 20 dB
     data = json.loads(proc.stdout, parse_constant=lambda c: pytest.fail(f"non-strict JSON {c}"))
     assert data["schema_version"] == "1" and data["summary"]["sites"] == 13
-    assert sorted(p.name for p in out.iterdir()) == sorted([*FILES, ".qtransform-output.json"])
+    assert sorted(p.name for p in out.iterdir()) == sorted([*FILES, "report.html", ".qtransform-output.json"])
     assert (out / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert ScanReport.load(out).rows[0].site == "model.layers.0.self_attn.q_proj"
 
