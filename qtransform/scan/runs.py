@@ -233,8 +233,12 @@ def _find(path: Path) -> tuple[Path, str]:
         if found:
             raise UserError(f"{path}: holds several results ({', '.join(p.name for p, _ in found)}); "
                             "give the JSON file of the one to compare")
-        raise UserError(f"{path}: not a result folder (it holds none of {', '.join(RESULT_FILES)}); "
-                        "give a folder written by `qtransform scan`, `sensitivity` or `parity`")
+        inside = sorted(p.name for p in path.iterdir() if p.is_dir()
+                        and any((p / name).is_file() for name in RESULT_FILES))
+        hint = (f"; its subfolders {', '.join(inside)} are (give one of them)" if inside else
+                "; give a folder written by `qtransform scan`, `sensitivity` or `parity`")
+        raise UserError(f"{path}: not a result folder (it holds none of {', '.join(RESULT_FILES)})"
+                        + hint)
     if path.name in RESULT_FILES and path.is_file():
         return path, RESULT_FILES[path.name]
     if path.is_file():

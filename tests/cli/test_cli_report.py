@@ -117,3 +117,22 @@ def test_mixed_result_kinds_cannot_be_compared(scans, tmp_path):
     err = _one_line_error(_cli("report", str(scans / "mxfp4"), str(tmp_path / "sens"),
                                "--out", str(tmp_path / "o")))
     assert "cannot be compared" in err and "is a scan result" in err and "is a sensitivity result" in err
+
+
+def test_a_run_against_itself_changes_nothing(scans):
+    from qtransform import compare_runs
+
+    result = compare_runs([scans / "mxfp4", scans / "mxfp4" / "report.json"])
+    data = result.to_dict()
+    assert [r["label"] for r in data["runs"]] == ["mxfp4#1", "mxfp4#2"]
+    assert all(v == 0.0 for e in data["sites"] for v in e["deltas"][0].values())
+    assert all(e["changes"][0] == {"change": "", "flags_appeared": [], "flags_disappeared": []}
+               for e in data["sites"])
+
+
+def test_a_folder_of_results_names_its_result_subfolders(scans, tmp_path):
+    from qtransform import compare_runs
+    from qtransform.errors import UserError
+
+    with pytest.raises(UserError, match=r"its subfolders mxfp4, nvfp4 are \(give one of them\)"):
+        compare_runs([scans, scans / "nvfp4"])
