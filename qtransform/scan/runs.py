@@ -38,6 +38,7 @@ RESULT_FILES = {"report.json": "scan", "sensitivity.json": "sensitivity", "parit
 SCAN_METRICS = ("sqnr_db", "rel_rmse", "deadzone", "saturation")
 DEFAULT_THRESHOLD_DB = 1.0
 _SHOWN = 5  # site names quoted in an error message
+LISTED = 20  # sites named per change in the Markdown summary
 
 
 @dataclass
@@ -146,10 +147,8 @@ class RunComparison:
         better = [k for k in self.keys if self.change(k, run) == "better"]
         measure = "SQNR" if self.kind == "scan" else "sensitivity"
         lines = [f"## {label} against {first}", "",
-                 f"- worse ({measure}, beyond {self.threshold_db:g} dB): {len(worse)}"
-                 + (": " + ", ".join(self._named(k, run) for k in worse) if worse else ""),
-                 f"- better: {len(better)}" + (": " + ", ".join(self._named(k, run) for k in better)
-                                                if better else "")]
+                 f"- worse ({measure}, beyond {self.threshold_db:g} dB): {len(worse)}{self._list(worse, run)}",
+                 f"- better: {len(better)}{self._list(better, run)}"]
         if self.kind == "scan":
             appeared = [(k, self.flags(k, run)[0]) for k in self.keys if self.flags(k, run)[0]]
             gone = [(k, self.flags(k, run)[1]) for k in self.keys if self.flags(k, run)[1]]
@@ -158,6 +157,13 @@ class RunComparison:
             lines.append(f"- flags that disappear: {len(gone)}")
             lines += [f"  - {k}: {'; '.join(f)}" for k, f in gone]
         return lines + [""]
+
+    def _list(self, keys: list[str], run: int) -> str:
+        """": a (+1.2 dB), b (...)", the largest moves first, at most LISTED (the table has all)."""
+        metric = "sqnr_db" if self.kind == "scan" else "score_db"
+        order = sorted(keys, key=lambda k: -abs(_finite(self.delta(k, metric, run))))
+        more = f" and {len(keys) - LISTED} more (the table below lists every site)" if len(keys) > LISTED else ""
+        return (": " + ", ".join(self._named(k, run) for k in order[:LISTED]) + more) if keys else ""
 
     def _named(self, key: str, run: int) -> str:
         metric = "sqnr_db" if self.kind == "scan" else "score_db"
@@ -273,7 +279,7 @@ def _read(path: Path, label: str) -> Run:
     if kind == "sensitivity":
         sens = SensitivityReport.load(file)
         sites = {r.site: {"score": r.score(), "score_db": _db(r.score()), "rank": r.rank,
-                          "shape": None, "layer": r.layer, "role": r.role} for r in sens.rows}
+                          "shape": [r.params], "layer": r.layer, "role": r.role} for r in sens.rows}
         return Run(kind, file, label, dict(sens.meta), sites)
     return _read_parity(file, label)
 
@@ -290,6 +296,10 @@ def _read_parity(file: Path, label: str) -> Run:
         raise UserError(f"{file}: not a parity report this qtransform version can read "
                         f"({type(exc).__name__}: {exc}); re-run `qtransform parity`") from None
     return Run("parity", file, label, meta, sites, metrics)
+
+
+def _finite(value: float) -> float:
+    return value if math.isfinite(value) else 0.0
 
 
 def _key(site: str, point: str) -> str:
@@ -310,8 +320,8 @@ def _check_same_model(runs: list[Run]) -> None:
         reshaped = [k for k in shared if first.sites[k]["shape"] != run.sites[k]["shape"]]
         if reshaped:
             raise UserError(f"{first.label} and {run.label} are results of different models: "
-                            + ", ".join(f"{k} is {_shape(first.sites[k])} in {first.label} but "
-                                        f"{_shape(run.sites[k])} in {run.label}"
+                            + ", ".join(f"{k} is {_size(first, k)} in {first.label} but "
+                                        f"{_size(run, k)} in {run.label}"
                                         for k in reshaped[:_SHOWN])
                             + _more(reshaped) + "; compare results of one model")
         if not shared and (first.sites or run.sites):
@@ -323,8 +333,10 @@ def _check_same_model(runs: list[Run]) -> None:
                             "compare results of one model")
 
 
-def _shape(values: dict[str, Any]) -> str:
-    return "x".join(map(str, values["shape"]))
+def _size(run: Run, key: str) -> str:
+    """"64x64" (scans: the tensor's shape) or "4096 weights" (sensitivity: the site's size)."""
+    shape = run.sites[key]["shape"]
+    return "x".join(map(str, shape)) if run.kind == "scan" else f"{shape[0]} weights"
 
 
 def _more(items: list[str]) -> str:

@@ -136,3 +136,14 @@ def test_a_folder_of_results_names_its_result_subfolders(scans, tmp_path):
 
     with pytest.raises(UserError, match=r"its subfolders mxfp4, nvfp4 are \(give one of them\)"):
         compare_runs([scans, scans / "nvfp4"])
+
+
+def test_sensitivity_of_different_models_names_the_sites(tmp_path):
+    from qtransform import compare_runs
+    from qtransform.errors import UserError
+
+    site_sensitivity(build_tiny("qwen2"), "mxfp4", ids(2, 8)).save(tmp_path / "big")
+    site_sensitivity(build_tiny("qwen2", hidden=32), "mxfp4", ids(2, 8)).save(tmp_path / "small")
+    with pytest.raises(UserError, match=r"big and small are results of different models: "
+                                        r"model\.layers\.0\.self_attn\.v_proj is 2048 weights in big but 512 weights in small"):
+        compare_runs([tmp_path / "big", tmp_path / "small"])
