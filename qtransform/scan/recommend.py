@@ -205,6 +205,10 @@ def follow_sensitivity(report: ScanReport, rec: Recommendation, sensitivity: Any
     if rec.kind == "change_format":
         return Recommendation(rec.kind, rec.share, rec.problematic_layers, [], [],
                               rec.text + _agree_text(notes), rec.policy, method, notes)
+    if not count:  # nothing flagged, nothing kept: the ranking only says where to look first
+        return Recommendation(rec.kind, rec.share, rec.problematic_layers, [], [],
+                              f"{rec.text} The {method} sensitivity ranks {ranked[0].site} first "
+                              f"of {total}: the site to keep if one must be.", rec.policy, method, [])
     kept_layers = sorted({report_layer for report_layer in (
         next(r.layer for r in report.rows if r.site == s) for s in kept) if report_layer is not None})
     policy: dict[str, Any] = {"version": 1, "quantize": _ignoring(_rules(report), kept)}

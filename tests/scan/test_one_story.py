@@ -116,3 +116,14 @@ def test_guide_cli_reads_the_sensitivity_of_the_same_folder(disagreeing, tmp_pat
     assert json.loads((tmp_path / "p.json").read_text()) == want.policy
     assert f"sites ranked by the sensitivity in {disagreeing / 'sensitivity.json'}" in res.stderr
     assert f"weight scan flags {V0} for deadzone" in res.stderr
+
+
+def test_nothing_flagged_keeps_nothing_and_names_the_most_sensitive_site():
+    model = build_tiny("qwen2")
+    report = scan_weights(model, "mxfp4")
+    sens = site_sensitivity(model, "mxfp4", ids(2, 8))
+    assert not report.problems()
+    rec = recommend(report, sensitivity=sens)
+    assert rec.kept_sites == [] and rec.policy == recommend(report).policy
+    assert rec.text.endswith(f"The exact sensitivity ranks {sens.ranked()[0].site} first of "
+                             f"{len(sens.rows)}: the site to keep if one must be.")
