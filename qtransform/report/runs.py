@@ -15,10 +15,11 @@ from qtransform.scan.runs import DEFAULT_THRESHOLD_DB, RunComparison, compare_ru
 PAGE = "comparison.html"
 
 
-def comparison_page(comparison: RunComparison) -> Page:
+def comparison_page(comparison: RunComparison, out: str | os.PathLike[str] | None = None) -> Page:
     """Per later run: what got worse or better and the flags that moved (in words), a layer ×
     role heatmap of the main metric's delta where the sites have layers and roles, and the
-    sortable table of every aligned site (rows that got worse are marked)."""
+    sortable table of every aligned site (rows that got worse are marked); with `out` (the folder
+    the page goes to), links to each run's own page."""
     c = comparison
     first = c.runs[0]
     main = "sqnr_db" if c.kind == "scan" else "score_db"
@@ -34,6 +35,11 @@ def comparison_page(comparison: RunComparison) -> Page:
                  + ("" if c.kind == "scan" else " of the score as 10·log10 (a ratio in dB)")
                  + f". A site got worse when its {unit} moved the wrong way by more than "
                  f"{c.threshold_db:g} dB.")
+    if out is not None:  # each run's own page, where the command that wrote it left one
+        for run in c.runs:
+            own = run.path.with_suffix(".html")
+            if own.is_file():
+                page.link(f"{run.label}: its own page", os.path.relpath(own.resolve(), Path(out).resolve()))
     for i in range(1, len(c.runs)):
         run = c.runs[i]
         page.section(f"{run.label} against {first.label}")
@@ -109,5 +115,5 @@ def report_runs(paths: list[str | os.PathLike[str]], out: str | os.PathLike[str]
     comparison = compare_runs(paths, labels=labels, threshold_db=threshold_db)
     with qio.output_folder(out, "report", force=force, protect=[str(p) for p in paths]) as staging:
         comparison.save(staging)
-        comparison_page(comparison).write(Path(staging) / PAGE)
+        comparison_page(comparison, out).write(Path(staging) / PAGE)
     return comparison

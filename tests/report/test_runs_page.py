@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
+import sys
 
 import pytest
 
@@ -53,11 +55,16 @@ def test_parity_runs_side_by_side(tmp_path):
 
 
 def test_chromium_renders_the_comparison_page(tmp_path):
-    model = build_tiny("qwen2")
-    for fmt in ("mxfp4", "nvfp4"):
-        scan_weights(model, fmt).save(tmp_path / fmt)
+    model = build_tiny("qwen2")  # what builtin:qwen2 is
+    for fmt in ("mxfp4", "nvfp4"):  # the CLI writes each scan's own page beside its JSON
+        res = subprocess.run([sys.executable, "-m", "qtransform.cli.main", "scan", "builtin:qwen2",
+                              "--format", fmt, "--out", str(tmp_path / fmt)],
+                             capture_output=True, text=True, timeout=300)
+        assert res.returncode == 0, res.stderr
     qtransform.report_runs([tmp_path / "mxfp4", tmp_path / "nvfp4"], tmp_path / "cmp")
     page = tmp_path / "cmp" / "comparison.html"
+    html = page.read_text()
+    assert 'href="../mxfp4/report.html"' in html and 'href="../nvfp4/report.html"' in html
     dom = dump_dom(page, tmp_path)
     assert 'data-figures="drawn"' in dom and dom.count('class="main-svg"') >= 2
     for row in scan_weights(model, "mxfp4").rows:
