@@ -147,3 +147,17 @@ def test_sensitivity_of_different_models_names_the_sites(tmp_path):
     with pytest.raises(UserError, match=r"big and small are results of different models: "
                                         r"model\.layers\.0\.self_attn\.v_proj is 2048 weights in big but 512 weights in small"):
         compare_runs([tmp_path / "big", tmp_path / "small"])
+
+
+def test_bad_options_are_one_clear_error(scans, tmp_path):
+    from qtransform import compare_runs
+    from qtransform.errors import UserError
+
+    with pytest.raises(UserError, match=r"give one distinct label per result folder"):
+        compare_runs([scans / "mxfp4", scans / "nvfp4"], labels=["a"])
+    with pytest.raises(UserError, match=r"give at least two result folders"):
+        compare_runs([scans / "mxfp4"])
+    with pytest.raises(UserError, match=r"threshold -1: give a non-negative number of dB"):
+        compare_runs([scans / "mxfp4", scans / "nvfp4"], threshold_db=-1)
+    with pytest.raises(UserError, match=r"no such result folder or file"):
+        compare_runs([scans / "mxfp4", tmp_path / "missing"])
