@@ -187,10 +187,11 @@ def follow_sensitivity(report: ScanReport, rec: Recommendation, sensitivity: Any
     method = "exact" if any(not math.isnan(r.exact) for r in ranked) else "estimate"
     rank = {r.site: r.rank for r in ranked}
     count = len([s for s in rec.kept_sites if s in rank])
-    kept = [r.site for r in ranked[:count]] if rec.kind != "change_format" else []
+    unjudged = [s for s in rec.kept_sites if s not in rank]  # not measured: weight error decides
+    kept = [r.site for r in ranked[:count]] + unjudged if rec.kind != "change_format" else []
     flagged = {row.site: why for row, why in report.problems() if row.site in rank}
     low = [s for s in dict.fromkeys(flagged) if s not in kept]
-    high = [s for s in kept if s not in flagged]
+    high = [s for s in kept[:count] if s not in flagged]
     notes = [f"weight scan flags {s} for {_reason(flagged[s])}, but {method} sensitivity ranks it "
              f"{_ordinal(rank[s])} of {total}: keeping it in high precision buys little"
              for s in low[:SHOWN_DISAGREEMENTS]]
@@ -200,12 +201,14 @@ def follow_sensitivity(report: ScanReport, rec: Recommendation, sensitivity: Any
         named = ", ".join(f"{s} {_ordinal(rank[s])}" for s in high[:SHOWN_DISAGREEMENTS])
         more = f" and {len(high) - SHOWN_DISAGREEMENTS} more" if len(high) > SHOWN_DISAGREEMENTS else ""
         notes.append(f"{method} sensitivity ranks {len(high)} sites the weight scan does not flag "
-                     f"among the {len(kept)} most sensitive of {total} ({named}{more}): the model's "
+                     f"among the {count} most sensitive of {total} ({named}{more}): the model's "
                      "output depends on them more than their weight error shows")
     if rec.kind == "change_format":
         return Recommendation(rec.kind, rec.share, rec.problematic_layers, [], [],
                               rec.text + _agree_text(notes), rec.policy, method, notes)
-    if not count:  # nothing flagged, nothing kept: the ranking only says where to look first
+    if unjudged:
+        notes.append(f"the sensitivity did not measure {', '.join(unjudged)}: kept by weight error")
+    if not kept:  # nothing flagged, nothing kept: the ranking only says where to look first
         return Recommendation(rec.kind, rec.share, rec.problematic_layers, [], [],
                               f"{rec.text} The {method} sensitivity ranks {ranked[0].site} first "
                               f"of {total}: the site to keep if one must be.", rec.policy, method, [])
@@ -218,9 +221,10 @@ def follow_sensitivity(report: ScanReport, rec: Recommendation, sensitivity: Any
         if rest:
             policy["noise"] = aqn_section({k: sqnr[k] for k in rest}, tiers, total_steps=total_steps,
                                           layers=rest)
-    what = (f"keep the {len(kept)} sites {method} sensitivity ranks highest in high precision "
-            f"({', '.join(kept[:SHOWN_DISAGREEMENTS])}{' ...' if len(kept) > SHOWN_DISAGREEMENTS else ''}), "
-            f"as many as the weight scan would keep" if kept else "keep no site in high precision")
+    top = kept[:count]
+    what = (f"keep the {count} sites {method} sensitivity ranks highest in high precision "
+            f"({', '.join(top[:SHOWN_DISAGREEMENTS])}{' ...' if count > SHOWN_DISAGREEMENTS else ''}), "
+            "as many as the weight scan would keep" if count else "keep no site by sensitivity")
     text = (f"{rec.text} Following the {method} sensitivity ranking instead: {what}"
             + (" and train the others with SRDD-guided AQN." if "noise" in policy else ".")
             + _agree_text(notes))

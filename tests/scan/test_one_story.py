@@ -65,16 +65,21 @@ def test_whole_model_line_and_terminal_table_split_point_kinds(activation_report
     assert weight0[3] == format_metric("sqnr_db", want)
 
 
-@pytest.fixture(scope="module")
-def disagreeing(tmp_path_factory):
-    """12 layers (one bad layer is under 10 %: keep it). Layer 0's v_proj gets an outlier input
-    channel (the weight scan flags its deadzone) while layer 0's o_proj is zero, so nothing v_proj
-    computes reaches the output: its exact sensitivity is 0 by construction."""
+def _disagreeing_model() -> torch.nn.Module:
     model = build_tiny("qwen2", num_layers=12)
     with torch.no_grad():
         attn = model.model.layers[0].self_attn
         attn.v_proj.weight[:, 3] *= 100.0
         attn.o_proj.weight.zero_()
+    return model
+
+
+@pytest.fixture(scope="module")
+def disagreeing(tmp_path_factory):
+    """12 layers (one bad layer is under 10 %: keep it). Layer 0's v_proj gets an outlier input
+    channel (the weight scan flags its deadzone) while layer 0's o_proj is zero, so nothing v_proj
+    computes reaches the output: its exact sensitivity is 0 by construction."""
+    model = _disagreeing_model()
     root = tmp_path_factory.mktemp("run")
     scan_weights(model, "mxfp4").save(root)
     site_sensitivity(model, "mxfp4", ids(2, 8)).save(root)  # the same folder: one run
@@ -127,3 +132,14 @@ def test_nothing_flagged_keeps_nothing_and_names_the_most_sensitive_site():
     assert rec.kept_sites == [] and rec.policy == recommend(report).policy
     assert rec.text.endswith(f"The exact sensitivity ranks {sens.ranked()[0].site} first of "
                              f"{len(sens.rows)}: the site to keep if one must be.")
+
+
+def test_a_flagged_site_the_sensitivity_did_not_measure_stays_kept(disagreeing):
+    report = ScanReport.load(disagreeing)
+    policy = {"version": 1, "quantize": [{"targets": ["Linear"], "ignore": ["lm_head", V0],
+                                          "format": "mxfp4"}]}
+    sens = site_sensitivity(_disagreeing_model(), policy, ids(2, 8))
+    rec = recommend(report, sensitivity=sens)
+    count = len(recommend(report).kept_sites) - 1
+    assert rec.kept_sites == [r.site for r in sens.ranked()[:count]] + [V0]
+    assert f"the sensitivity did not measure {V0}: kept by weight error" in rec.disagreements
