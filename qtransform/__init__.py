@@ -4,7 +4,8 @@ The public API. Transform: `transform`, `transform_program`, `plan`, `capture`, 
 `save_transformed` / `load_transformed`. RL: `rollout_weights`, `rollout_filter`, `rollout`, `evaluation`. Numerics: `fake_quantize`, `formats`. Policies:
 `Policy`, `load_policy`. Scans: `scan_weights`, `compare_formats`, `scan_activations`,
 `gain_scan`, `kurtosis_scan`, `instability_scan`, `ScanReport`, `guide`. Runs side by side:
-`compare_runs`, `report_runs`. Export: `export_onnx`.
+`compare_runs`, `report_runs`. Export: `export_onnx`. Pages: `Page`, `scan_page`,
+`write_scan_page` (one self-contained HTML page per result).
 
 This façade is the top of the layers (docs/architecture.md): it imports every stage, which also
 registers the passes of `qtransform.passes` with the pipeline.
@@ -19,6 +20,7 @@ from qtransform.export import export_onnx
 from qtransform.formats import fake_quantize
 from qtransform.pipeline import Pass, PassManager, Plan, plan, transform, transform_program
 from qtransform.pipeline.saving import load_transformed, save_transformed
+from qtransform.report import Page, scan_page, write_scan_page
 from qtransform.report.runs import report_runs
 from qtransform.rl import (
     Correction,
@@ -84,3 +86,4 @@ __all__ = [
 ]
 __all__ += ["Correction", "log_to", "mismatch_metrics"]
 __all__ += ["compare_runs", "report_runs"]
+__all__ += ["Page", "scan_page", "write_scan_page"]

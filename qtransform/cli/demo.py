@@ -40,7 +40,7 @@ from qtransform.errors import UserError
 from qtransform.export.onnx import export_onnx
 from qtransform.models import load_model, load_tokenizer
 from qtransform.pipeline import transform
-from qtransform.report.run_pages import index_page
+from qtransform.report.run_pages import export_page, export_summary, index_page
 from qtransform.report.scan_pages import (
     command_line,
     compare_page,
@@ -178,11 +178,15 @@ def _run(out: Path, final: Path, fmt: str, calib: list | None, options: dict[str
     files.append(qio.write_json(out / "policy.json", dump_policy(policy)))
     files += steps.run("pages", "writing the HTML pages (index.html links them all)",
                        lambda: write_demo_pages(out, model, weights, activations, comparison,
-                                                sensitivity))
+                                                sensitivity, onnx))
     if onnx:  # last: the slowest step, and the reports above stand without it
-        files.append(steps.run("onnx_export", "exporting the instrumented W4A16 model to ONNX",
-                               lambda: export_demo_onnx(model, policy, tokenizer, samples,
-                                                        out / "model.onnx")))
+        quantized = transform(model, policy).eval()
+        path = steps.run("onnx_export", "exporting the instrumented W4A16 model to ONNX",
+                         lambda: _export(quantized, _example(tokenizer, samples), out / "model.onnx"))
+        summary, log = export_summary(path, quantized, "function")
+        summary["out"] = "model.onnx"
+        files += [path, export_page(summary, log, command=command_line(),
+                                    links=[("index of this run", "index.html")]).write(out / "model.html")]
     files.append(out / "summary.json")
     result = DemoResult(MODEL_NAME, fmt, len(samples), weights, activations, comparison, sensitivity,
                         [final / p.relative_to(out) for p in files], final, steps.seconds)
@@ -199,8 +203,11 @@ DEMO_PAGES = (  # (title, file, what it shows): the index page's list
 )
 
 
+EXPORT_PAGE = ("ONNX export", "model.html", "what model.onnx holds: inserted modules, taps")
+
+
 def write_demo_pages(out: Path, model: Any, weights: Any, activations: Any, comparison: Any,
-                     sensitivity: Any) -> list[Path]:
+                     sensitivity: Any, onnx: bool) -> list[Path]:
     """One HTML page per result, each linking back to index.html, which links them all."""
     command = command_line()
     up = [("index of this run", "../index.html")]
@@ -216,7 +223,8 @@ def write_demo_pages(out: Path, model: Any, weights: Any, activations: Any, comp
                f"{len(activations.problems())} in the activation scan"
                + (f"; end to end: {end}." if end else "."))
     meta = {k: v for k, v in run_metadata(weights.meta, command).items() if k != "kind"}
-    paths.append(index_page(f"qtransform demo: {MODEL_NAME}", meta, DEMO_PAGES, summary)
+    pages = [*DEMO_PAGES, *([EXPORT_PAGE] if onnx else [])]
+    paths.append(index_page(f"qtransform demo: {MODEL_NAME}", meta, pages, summary)
                  .write(out / "index.html"))
     return paths
 
@@ -228,12 +236,19 @@ def _save(report: Any, folder: Path) -> list[Path]:
 def export_demo_onnx(model: Any, policy: Any, tokenizer: Any, samples: list, path: Path) -> Path:
     """The transformed model as instrumented ONNX (taps as graph outputs, dynamic batch and
     sequence), traced on the first calibration sentences."""
+    return _export(transform(model, policy).eval(), _example(tokenizer, samples), path)
+
+
+def _example(tokenizer: Any, samples: list) -> dict[str, Any]:
+    """The example batch the export traces: the first calibration sentences."""
     if all(isinstance(s, str) for s in samples):
         batch = tokenizer(samples[:EXPORT_SAMPLES], padding=True, return_tensors="pt")
-        example = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
-    else:
-        example = {"input_ids": calibration_batches(samples[:1], max_length=128)[0]}
-    quantized = transform(model, policy).eval()
+        return {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+    return {"input_ids": calibration_batches(samples[:1], max_length=128)[0]}
+
+
+def _export(quantized: Any, example: dict[str, Any], path: Path) -> Path:
+    """Export quietly: the exporter's chatter is not the demo's output."""
     exporter_log = logging.getLogger("torch.onnx")
     level = exporter_log.level
     exporter_log.setLevel(logging.ERROR)  # "torchvision is not installed" and similar chatter

@@ -6,18 +6,15 @@ import argparse
 import json
 import time
 
-import onnx
 import torch
 
 from qtransform.core import io as qio
-from qtransform.core.program import insertion_log
 from qtransform.errors import UserError
 from qtransform.export.onnx import check_opset, export_onnx
 from qtransform.models import load_model
-from qtransform.passes import FakeQuantPass
 from qtransform.pipeline import transform
 from qtransform.report.page import page_beside
-from qtransform.report.run_pages import export_page
+from qtransform.report.run_pages import export_page, export_summary
 from qtransform.report.scan_pages import command_line
 from qtransform.schemas import load_policy
 
@@ -92,6 +89,7 @@ def example_input_ids(model, batch: int, seq_len: int):
 
 def run_export(args: argparse.Namespace) -> int:
     check_opset(args.fake_quant, args.opset)
+    qio.check_file_target(page_beside(args.out))  # the page beside the model, before any work
     with qio.output_file(args.out):
         policy = load_policy(args.policy)
         model = load_model(args.model)
@@ -102,16 +100,8 @@ def run_export(args: argparse.Namespace) -> int:
                            fake_quant=args.fake_quant, taps=not args.no_taps, noise=args.noise,
                            opset=args.opset, attention_mask=args.attention_mask)
     seconds = time.perf_counter() - start
-    log = [i.to_dict() for i in insertion_log(model)]
-    graph = onnx.load(str(path), load_external_data=False).graph
-    summary = {
-        "out": str(path),
-        "seconds": round(seconds, 2),
-        "fake_quant_nodes": sum(1 for e in log if e["pass_name"] == FakeQuantPass.name),
-        "inputs": [i.name for i in graph.input],
-        "outputs": [o.name for o in graph.output],
-        "fake_quant": args.fake_quant,
-    }
+    summary, log = export_summary(path, model, args.fake_quant)
+    summary = {"out": summary["out"], "seconds": round(seconds, 2), **summary}
     export_page(summary, log, command=command_line()).write(page_beside(path))
     if args.json:
         print(json.dumps(summary, indent=2))

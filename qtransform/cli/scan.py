@@ -27,7 +27,13 @@ from qtransform.core import io as qio
 from qtransform.errors import UserError
 from qtransform.models import input_paths, load_model, load_tokenizer, missing_source
 from qtransform.report.page import page_beside
-from qtransform.report.scan_pages import command_line, compare_page, guide_page, write_scan_page
+from qtransform.report.scan_pages import (
+    command_line,
+    compare_page,
+    guide_page,
+    link_to,
+    write_scan_page,
+)
 from qtransform.scan import compare_formats
 from qtransform.scan.activations import scan_activations
 from qtransform.scan.recommend import guide, recommend
@@ -272,7 +278,14 @@ def _tiers(text: str) -> tuple[float, ...]:
     return tiers
 
 
+def scan_link(report: str, out: str) -> list[tuple[str, str]]:
+    """The guide page's link to the page of the scan it read (when that page exists)."""
+    folder = Path(report) if Path(report).is_dir() else Path(report).parent
+    return link_to(folder / "report.html", page_beside(out), "the scan this policy comes from")
+
+
 def run_guide(args: argparse.Namespace) -> int:
+    qio.check_file_target(page_beside(args.out))  # the page beside the policy, before any work
     budget = budget_args(args)
     if budget is not None:
         if args.aqn:
@@ -292,7 +305,8 @@ def run_guide(args: argparse.Namespace) -> int:
         policy = guide(report, tiers, total_steps=args.total_steps, aqn=args.aqn, sensitivity=sens)
         advice = recommend(report, tiers, total_steps=args.total_steps, sensitivity=sens).text
         qio.write_json(out, policy)
-        guide_page(report, policy, advice, command=command_line()).write(page_beside(args.out))
+        guide_page(report, policy, advice, command=command_line(),
+                   links=scan_link(args.report, args.out)).write(page_beside(args.out))
     if found:
         print(f"sites ranked by the sensitivity in {found}", file=sys.stderr)
     print(advice, file=sys.stderr)
@@ -330,8 +344,8 @@ def _budget_guide(args: argparse.Namespace, budget: dict[str, Any]) -> int:
         result, sens = budget_guide(report, budget, load_model(model_spec), calib, sensitivity=sens,
                                     progress=progress(args))
         qio.write_json(out, result.policy)
-        guide_page(report, result.policy, budget_text(result, sens.measure),
-                   command=command_line()).write(page_beside(args.out))
+        guide_page(report, result.policy, budget_text(result, sens.measure), command=command_line(),
+                   links=scan_link(args.report, args.out)).write(page_beside(args.out))
     print(("ranking read from " + args.sensitivity) if args.sensitivity else
           f"ranking computed: exact {sens.measure} of {len(sens.rows)} sites on {model_spec}", file=sys.stderr)
     print(budget_text(result, sens.measure), file=sys.stderr)

@@ -173,14 +173,26 @@ class Page:
         return self
 
     def heatmap(self, layers: list[Any], roles: list[str], values: list[list[float | None]],
-                title: str, colorbar_title: str, *, reverse: bool = False) -> Page:
+                title: str, colorbar_title: str, *, reverse: bool = False,
+                center: float | None = None, span: float | None = None) -> Page:
         """A layer × role grid: `values[i][j]` is role i at layer j (None: no such site).
-        Higher is better unless `reverse` (then the color scale is flipped)."""
+        Higher is better unless `reverse` (then the color scale is flipped). `span` keeps the
+        colors honest: the scale covers at least center ± span (center: the middle of the
+        values unless given, e.g. the format's expected SQNR), so a 0.5 dB spread is not drawn
+        as red against green."""
         import plotly.graph_objects as go
 
         z = [[None if v is None or not math.isfinite(v) else v for v in row] for row in values]
+        finite = [v for row in z for v in row if v is not None]
+        scale: dict[str, float] = {}
+        if span is not None and finite:
+            lo, hi = min(finite), max(finite)
+            mid = (lo + hi) / 2 if center is None else center
+            half = max(span, hi - mid, mid - lo) if center is None else span
+            scale = {"zmin": mid - half, "zmax": mid + half}
         fig = go.Figure(go.Heatmap(
             z=z, x=[str(x) for x in layers], y=list(roles), colorscale="RdYlGn", reversescale=reverse,
+            **scale,
             colorbar={"title": {"text": colorbar_title}}, hoverongaps=False,
             hovertemplate="layer %{x}, %{y}: %{z:.4g}<extra></extra>"))
         fig.update_layout(title=title, xaxis={"title": "layer", "type": "category"},

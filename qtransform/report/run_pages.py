@@ -4,10 +4,13 @@ page that links every page of one run (docs/reports.md)."""
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Sequence
 from typing import Any
 
+from qtransform.core.program import insertion_log
 from qtransform.core.sites import layer_index
+from qtransform.passes import FakeQuantPass
 from qtransform.report.page import Page
 from qtransform.report.scan_pages import Links, grid, link_section, run_metadata
 from qtransform.rl.parity_report import ATTRIBUTION_KEY, MEANING, ParityReport
@@ -67,6 +70,19 @@ def parity_page(report: ParityReport, *, command: str | None = None, links: Link
                  "Δ": t["delta"]} for t in report.largest], id="largest")
     link_section(page, links)
     return page
+
+
+def export_summary(path: str | os.PathLike[str], model: Any, fake_quant: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """What `export_page` shows of an exported model: the file's graph inputs and outputs and
+    the transformed model's insertion log."""
+    import onnx
+
+    log = [i.to_dict() for i in insertion_log(model)]
+    graph = onnx.load(str(path), load_external_data=False).graph
+    return {"out": str(path),
+            "fake_quant_nodes": sum(1 for e in log if e["pass_name"] == FakeQuantPass.name),
+            "inputs": [i.name for i in graph.input], "outputs": [o.name for o in graph.output],
+            "fake_quant": fake_quant}, log
 
 
 def export_page(summary: dict[str, Any], insertions: Sequence[dict[str, Any]], *,

@@ -25,6 +25,7 @@ from qtransform.scan.render import end_to_end_text, plot_title
 from qtransform.scan.report import ScanReport, SiteRow, expected_for
 from qtransform.scan.sensitivity import SensitivityReport, measure_label
 
+SPAN_DB = 6.0  # SQNR heatmaps: colors cover at least ±6 dB (one bit), so noise is not drawn red
 Links = Sequence[tuple[str, str]]  # (text, relative href) of the run's other pages
 POINT_TITLE = {"weight": "weights", "input": "inputs (activations)", "output": "outputs (local error)"}
 
@@ -65,6 +66,14 @@ def grid(items: Sequence[Any], layer: Any, role: Any, value: Any) -> tuple[list[
     return [layer_label(x) for x in layers], roles, values
 
 
+def link_to(target: str | os.PathLike[str], page: str | os.PathLike[str], text: str) -> list[tuple[str, str]]:
+    """[(text, target relative to the page's folder)] when `target` exists, else []."""
+    t = Path(target)
+    if not t.is_file():
+        return []
+    return [(text, Path(os.path.relpath(t.resolve(), Path(page).resolve().parent)).as_posix())]
+
+
 def link_section(page: Page, links: Links) -> None:
     """The run's other pages, as links at the end of a page."""
     if links:
@@ -102,8 +111,9 @@ def _detail_figure(row: SiteRow, hists: dict[str, Any] | None) -> dict[str, Any]
         for title, h, color in (("weight value", hists["weight"], "#4c72b0"),
                                 ("quantization error (q - w)", hists["error"], "#dd8452")):
             e = h["edges"]
-            panels.append((title, "count", color, [(a + b) / 2 for a, b in zip(e, e[1:], strict=False)],
-                           h["counts"], [b - a for a, b in zip(e, e[1:], strict=False)]))
+            panels.append((title, "count", color,
+                           [_short((a + b) / 2) for a, b in zip(e, e[1:], strict=False)], h["counts"],
+                           [_short(b - a) for a, b in zip(e, e[1:], strict=False)]))
     counts = (row.block_exponents or {}).get("counts") or {}
     if counts:
         exps = sorted(counts, key=int)
@@ -147,8 +157,11 @@ def scan_page(report: ScanReport, *, histograms: dict[str, dict[str, Any]] | Non
         mine = [r for r in report.rows if r.point == point]
         layers, roles, values = grid(mine, lambda r: r.layer, lambda r: r.role,
                                      lambda rs: report.aggregate(rs)["sqnr_db"])
+        expected = [e["sqnr_db"] for e in map(expected_for, mine) if e is not None]
+        centered = f", centered on the format's expected {expected[0]:.1f} dB" if expected else ""
         page.heatmap(layers, roles, values, f"SQNR of the {POINT_TITLE.get(point, point)} by layer "
-                     "and role (dB, higher is better)", "dB")
+                     f"and role (dB, higher is better{centered})", "dB",
+                     center=sorted(expected)[len(expected) // 2] if expected else None, span=SPAN_DB)
     page.section("Flagged sites", "Each flagged row with the reasons in words.")
     page.flags([(r.label, "; ".join(why)) for r, why in problems])
     page.section("Sites", "One row per measured (site, point); click a column to sort, type to "
@@ -204,7 +217,8 @@ def compare_page(comparison: Comparison, *, command: str | None = None, links: L
     for fmt, rep in comparison.reports.items():
         lay, roles, values = grid(rep.rows, lambda r: r.layer, lambda r: r.role,
                                   lambda rs, rep=rep: rep.aggregate(rs)["sqnr_db"])
-        page.heatmap(lay, roles, values, f"{fmt}: weight SQNR by layer and role (dB)", "dB")
+        page.heatmap(lay, roles, values, f"{fmt}: weight SQNR by layer and role (dB)", "dB",
+                     span=SPAN_DB)
     page.section("Where the formats differ", f"Layers where another format than {overall} (the "
                  "whole model's winner) has the higher SQNR.")
     page.flags([(f"layer {layer_label(e['layer'])}", f"{e['winner']} is better here "
@@ -269,11 +283,17 @@ def guide_page(report: ScanReport, policy: dict[str, Any], advice: str, *,
     weights = [r for r in report.rows if r.point == "weight"] or report.rows
     layers, roles, values = grid(weights, lambda r: r.layer, lambda r: r.role,
                                  lambda rs: report.aggregate(rs)["sqnr_db"])
-    page.heatmap(layers, roles, values, "SQNR of the scanned sites by layer and role (dB)", "dB")
+    page.heatmap(layers, roles, values, "SQNR of the scanned sites by layer and role (dB)", "dB",
+                 span=SPAN_DB)
     page.section("Flagged sites of the scan")
     page.flags([(r.label, "; ".join(why)) for r, why in report.problems()])
     link_section(page, links)
     return page
+
+
+def _short(v: float) -> float:
+    """4 significant digits: what a histogram axis needs, a third of the page's bytes saved."""
+    return float(f"{v:.4g}")
 
 
 def _db_list(sqnr: dict[str, float]) -> str:

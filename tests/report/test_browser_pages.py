@@ -124,7 +124,19 @@ def test_scan_page_flags_and_histograms_match_the_report(runs, tmp_path):
 
 def test_guide_and_export_pages_beside_their_files(runs):
     guide = (runs / "policy.html").read_text()
+    assert '<a href="weights/report.html">the scan this policy comes from</a>' in guide
     policy = json.loads((runs / "policy.json").read_text())
     assert json.dumps(policy, indent=2).replace('"', "&quot;") in guide
     export = (runs / "model.html").read_text()
     assert export.count("weight_fake_quant") >= 14  # every inserted fake-quant module listed
+
+
+def test_a_page_path_taken_by_a_folder_is_a_clear_error_before_any_work(runs, tmp_path):
+    (tmp_path / "p.html").mkdir()
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "qtransform.cli.main", "guide",
+                           str(runs / "weights"), "--out", str(tmp_path / "p.json")],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "p.html: is a folder" in proc.stderr and not (tmp_path / "p.json").exists()
+

@@ -6,6 +6,7 @@ import base64
 import gzip
 import math
 import re
+from pathlib import Path
 
 import plotly.graph_objects as go
 from hypothesis import given
@@ -75,3 +76,30 @@ def test_chromium_draws_the_figures_and_keeps_every_row(tmp_path):
     rows = re.findall(r"<tr[^>]*>\s*<td>(model\.layers\.[^<]*)</td>", dom)
     assert sorted(rows) == ["model.layers.0.k_proj", "model.layers.0.q_proj", "model.layers.1.q_proj"]
     assert pixel_std(screenshot(path, tmp_path)) > 0.02
+
+
+def test_sorting_and_filtering_run_in_chromium(tmp_path):
+    """The page's own scripts, driven in the browser: sort a numeric column twice, then filter."""
+    page = Page("sort and filter", {})
+    page.table([{"site": f"s{i}", "v": v} for i, v in enumerate([3.0, -1.0, math.nan, 10.0, 2.5])],
+               id="t")
+    drive = ("<script>const th=document.querySelectorAll('#t th')[1];qtSort(th);"
+             "document.body.dataset.asc=[...document.querySelectorAll('#t tbody tr')]"
+             ".map(r=>r.cells[0].textContent).join(',');qtSort(th);"
+             "document.body.dataset.desc=[...document.querySelectorAll('#t tbody tr')]"
+             ".map(r=>r.cells[0].textContent).join(',');const f=document.querySelector('input.filter');"
+             "f.value='S3';qtFilter(f);</script></body>")
+    path = tmp_path / "page.html"
+    path.write_text(page.html().replace("</body>", drive))
+    dom = dump_dom(path, tmp_path)
+    assert 'data-asc="s1,s4,s0,s3,s2"' in dom  # numbers as numbers, n/a last
+    assert 'data-desc="s2,s3,s0,s4,s1"' in dom
+    shown = re.findall(r'<tr( style="[^"]*")?><td>(s\d)</td>', dom)
+    assert [s for style, s in shown if "none" not in style] == ["s3"]
+    assert ">1 shown<" in dom
+
+
+def test_ci_installs_chromium_before_the_tests_and_stops_when_it_cannot():
+    ci = (Path(__file__).resolve().parents[2] / ".ci" / "run").read_text()
+    install = ci.index("apt-get install -y -q chromium")
+    assert install < ci.index("&& pytest") and "exit 1" in ci[install:ci.index("&& pytest")]
