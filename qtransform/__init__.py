@@ -3,8 +3,9 @@
 The public API. Transform: `transform`, `transform_program`, `plan`, `capture`, `noise_controller`,
 `save_transformed` / `load_transformed`. RL: `rollout_weights`, `rollout_filter`, `rollout`, `evaluation`. Numerics: `fake_quantize`, `formats`. Policies:
 `Policy`, `load_policy`. Scans: `scan_weights`, `compare_formats`, `scan_activations`,
-`gain_scan`, `kurtosis_scan`, `instability_scan`, `ScanReport`, `guide`. Export: `export_onnx`.
-Pages: `Page`, `scan_page`, `write_scan_page` (one self-contained HTML page per result).
+`gain_scan`, `kurtosis_scan`, `instability_scan`, `ScanReport`, `guide`. Runs side by side:
+`compare_runs`, `report_runs`. Export: `export_onnx`. Pages: `Page`, `scan_page`,
+`write_scan_page` (one self-contained HTML page per result).
 
 This façade is the top of the layers (docs/architecture.md): it imports every stage, which also
 registers the passes of `qtransform.passes` with the pipeline.
@@ -20,6 +21,7 @@ from qtransform.formats import fake_quantize
 from qtransform.pipeline import Pass, PassManager, Plan, plan, transform, transform_program
 from qtransform.pipeline.saving import load_transformed, save_transformed
 from qtransform.report import Page, scan_page, write_scan_page
+from qtransform.report.runs import report_runs
 from qtransform.rl import (
     Correction,
     NoiseController,
@@ -41,6 +43,7 @@ from qtransform.scan import (
     scan_activations,
     scan_weights,
 )
+from qtransform.scan.runs import compare_runs
 from qtransform.schemas import Policy, load_policy
 
 __version__ = "0.1.0"
@@ -82,4 +85,5 @@ __all__ = [
     "evaluation",
 ]
 __all__ += ["Correction", "log_to", "mismatch_metrics"]
+__all__ += ["compare_runs", "report_runs"]
 __all__ += ["Page", "scan_page", "write_scan_page"]

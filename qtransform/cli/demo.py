@@ -317,7 +317,7 @@ def summary_text(result: DemoResult) -> str:
     lines += [f"problematic rows: {problems[0]} weights, {problems[1]} activation scan, flagged when "
               f"worse than {base} or outliers among the model's sites "
               "(listed in weights/report.md, activations/report.md)",
-              "recommendation: " + recommend(result.weights).text, "",
+              "recommendation: " + recommend(result.weights, sensitivity=result.sensitivity).text, "",
               f"most sensitive sites ({result.sensitivity.meta['method']}: share of the final "
               "output's error when only that site is quantized; sensitivity/sensitivity.md):",
               *result.sensitivity.table(SENSITIVITY_ROWS), "",

@@ -17,7 +17,7 @@ import traceback
 from qtransform.core.io import Interrupted, install_signal_handlers
 from qtransform.errors import UserError
 
-COMMAND_MODULES = ("model", "policy", "scan", "sensitivity", "export", "parity")
+COMMAND_MODULES = ("model", "policy", "scan", "sensitivity", "export", "parity", "report")
 INTERNAL_ERROR = 3
 
 

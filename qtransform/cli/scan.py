@@ -70,6 +70,10 @@ whose one-at-a-time end-to-end sensitivity is largest within the budget, and pri
 token, or output nsr for encoders. The ranking is read from --sensitivity (sensitivity.json, as
 `qtransform sensitivity` writes it) or, without it, computed here: the exact measure, one run of the
 calibration set per site of the report's quantize rules, on --model with --calib.
+
+Without a budget, a sensitivity measurement of the same run (--sensitivity, or sensitivity.json
+in the report's folder) makes the recommendation keep the sites it ranks highest (as many as the
+weight scan would keep) and say where the weight-error view disagrees.
 """
 
 
@@ -130,7 +134,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--sensitivity", metavar="FILE",
                    help="sensitivity.json (or its folder) written by `qtransform sensitivity`: the "
                         "site ranking the budget reads; without it the exact ranking is computed "
-                        "from the report's quantize rules on --model with --calib")
+                        "from the report's quantize rules on --model with --calib. Without a "
+                        "budget: the ranking the recommendation follows (default: "
+                        "sensitivity.json in the report's folder)")
     b.add_argument("--model", help="the scanned model (HF folder, builtin:<arch>, demo): computes the "
                                    "ranking and measures the chosen policy (default: the model "
                                    "the --sensitivity file names)")
@@ -209,19 +215,19 @@ def _activation_scan(args: argparse.Namespace):
 
 def scan_table(report) -> str:
     """The terminal view: one line per layer, then sites outside layers, problems, advice."""
-    head = f"{'layer':>5} {'sites':>5} {'SQNR dB':>8} {'worst site':<28} {'worst':>7} " \
+    head = f"{'layer':>5} {'point':<6} {'sites':>5} {'SQNR dB':>8} {'worst site':<28} {'worst':>7} " \
            f"{'rel_rmse':>9} {'deadzone':>9} {'satur.':>8} {'bad':>4}"
     lines = [f"{report.meta.get('format')} scan of {report.meta.get('source')} "
              f"({len(report.rows)} sites)", head, "-" * len(head)]
-    for e in report.layer_summary():
+    for e in report.layer_summary():  # one line per layer and point kind: never pooled
         worst = e["worst_site"].partition(f".{e['layer']}.")[2] or e["worst_site"]
-        lines.append(f"{e['layer']:>5} {e['sites']:>5} {fm('sqnr_db', e['sqnr_db']):>8} {worst[-28:]:<28} "
-                     f"{fm('sqnr_db', e['worst_sqnr_db']):>7} {fm('rel_rmse', e['rel_rmse']):>9} "
-                     f"{fm('deadzone', e['deadzone']):>9} {fm('saturation', e['saturation']):>8} "
-                     f"{e['problem_sites'] or '':>4}")
+        lines.append(f"{e['layer']:>5} {e['point']:<6} {e['sites']:>5} {fm('sqnr_db', e['sqnr_db']):>8} "
+                     f"{worst[-28:]:<28} {fm('sqnr_db', e['worst_sqnr_db']):>7} "
+                     f"{fm('rel_rmse', e['rel_rmse']):>9} {fm('deadzone', e['deadzone']):>9} "
+                     f"{fm('saturation', e['saturation']):>8} {e['problem_sites'] or '':>4}")
     for row in (r for r in report.rows if r.layer is None):
         m = row.metrics
-        lines.append(f"{'-':>5} {1:>5} {fm('sqnr_db', m['sqnr_db']):>8} {row.label[-28:]:<28} "
+        lines.append(f"{'-':>5} {row.point:<6} {1:>5} {fm('sqnr_db', m['sqnr_db']):>8} {row.site[-28:]:<28} "
                      f"{fm('sqnr_db', m['sqnr_db']):>7} {fm('rel_rmse', m['rel_rmse']):>9} "
                      f"{fm('deadzone', m['deadzone']):>9} {fm('saturation', m['saturation']):>8} "
                      f"{1 if report.row_problems(row) else '':>4}")
@@ -286,19 +292,23 @@ def run_guide(args: argparse.Namespace) -> int:
             raise UserError("--aqn and a budget (--bits/--keep/--kl-target) are two different "
                             "policies: give one of them")
         return _budget_guide(args, budget)
-    if args.sensitivity or args.model or args.calib:
-        raise UserError("--sensitivity, --model and --calib go with a budget: add --bits B, "
-                        "--keep N|P% or --kl-target T")
+    if args.model or args.calib:
+        raise UserError("--model and --calib go with a budget: add --bits B, --keep N|P% or "
+                        "--kl-target T")
     tiers = _tiers(args.tiers)
     if not 1 <= args.total_steps <= MAX_STEPS:
         raise UserError(f"--total-steps {args.total_steps}: give a step count from 1 to {MAX_STEPS}")
     with qio.output_file(args.out) as out:
         report = ScanReport.load(args.report)  # the user's data is checked here, once
-        policy = guide(report, tiers, total_steps=args.total_steps, aqn=args.aqn)
-        advice = recommend(report, tiers, total_steps=args.total_steps).text
+        found = args.sensitivity or beside(args.report)
+        sens = SensitivityReport.load(found) if found else None
+        policy = guide(report, tiers, total_steps=args.total_steps, aqn=args.aqn, sensitivity=sens)
+        advice = recommend(report, tiers, total_steps=args.total_steps, sensitivity=sens).text
         qio.write_json(out, policy)
         guide_page(report, policy, advice, command=command_line(),
                    links=scan_link(args.report, args.out)).write(page_beside(args.out))
+    if found:
+        print(f"sites ranked by the sensitivity in {found}", file=sys.stderr)
     print(advice, file=sys.stderr)
     if "noise" in policy:
         print("AQN's sigma is absolute: `qtransform plan MODEL POLICY` shows it against each norm's "
@@ -306,6 +316,13 @@ def run_guide(args: argparse.Namespace) -> int:
               file=sys.stderr)
     print(f"wrote {args.out}", file=sys.stderr)
     return 0
+
+
+def beside(report: str) -> str | None:
+    """sensitivity.json in the scan report's folder (the same run), if there is one."""
+    folder = Path(report) if Path(report).is_dir() else Path(report).parent
+    path = folder / "sensitivity.json"
+    return str(path) if path.is_file() else None
 
 
 def _budget_guide(args: argparse.Namespace, budget: dict[str, Any]) -> int:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from qtransform import formats
@@ -43,6 +43,8 @@ class Recommendation:
     kept_sites: list[str]
     text: str
     policy: dict[str, Any]
+    ranking: str | None = None  # the sensitivity measure the kept sites follow (None: weight error)
+    disagreements: list[str] = field(default_factory=list)  # where the two views differ, in words
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -105,9 +107,18 @@ def _validated(policy: dict[str, Any]) -> dict[str, Any]:
 
 def recommend(
     report: ScanReport, tiers: Sequence[float] = DEFAULT_TIERS, *, keep_fraction: float = KEEP_BELOW,
-    total_steps: int = 1000,
+    total_steps: int = 1000, sensitivity: Any = None,
 ) -> Recommendation:
-    """The recommendation for a report (see the module docstring for the rule)."""
+    """The recommendation for a report (see the module docstring for the rule). With a
+    `sensitivity` report of the same run, the sites kept in high precision follow its ranking
+    instead (`follow_sensitivity`)."""
+    rec = _by_weight_error(report, tiers, keep_fraction=keep_fraction, total_steps=total_steps)
+    return rec if sensitivity is None else follow_sensitivity(report, rec, sensitivity, tiers,
+                                                              total_steps=total_steps)
+
+
+def _by_weight_error(report: ScanReport, tiers: Sequence[float], *, keep_fraction: float,
+                     total_steps: int) -> Recommendation:
     layers = report.layers()
     bad_rows = [row for row, _ in report.problems()]
     bad_layers = report.problematic_layers()
@@ -153,15 +164,103 @@ def recommend(
     return Recommendation("high_precision_and_aqn", share, bad_layers, kept_layers, kept, text, _validated(policy))
 
 
+SHOWN_DISAGREEMENTS = 6  # sites named per kind of disagreement; the rest are counted
+
+
+def follow_sensitivity(report: ScanReport, rec: Recommendation, sensitivity: Any,
+                       tiers: Sequence[float] = DEFAULT_TIERS, *, total_steps: int = 1000) -> Recommendation:
+    """The weight-error recommendation `rec` with its kept sites chosen by end-to-end sensitivity:
+    as many sites as the weight view keeps, the most sensitive ones, and in words where the two
+    views disagree (a flagged site the sensitivity ranks low buys little kept in high precision;
+    a top-ranked site with ordinary weight error matters through the model, not its tensor).
+    A format change stays a format change (no site choice repairs a format too coarse)."""
+    fmt, sens_fmt = report.meta.get("format"), sensitivity.meta.get("format")
+    if "mixed" not in (fmt, sens_fmt) and fmt != sens_fmt:
+        raise UserError(f"the sensitivity report ranks {sens_fmt} sites but the scan report scanned "
+                        f"{fmt}: give reports of the same format")
+    scanned = {r.site for r in report.rows}
+    ranked = [r for r in sensitivity.ranked() if r.site in scanned]
+    if not ranked:
+        raise UserError("the sensitivity report and the scan report share no site: give the "
+                        "sensitivity of the scanned model and policy")
+    total = len(sensitivity.rows)
+    method = "exact" if any(not math.isnan(r.exact) for r in ranked) else "estimate"
+    rank = {r.site: r.rank for r in ranked}
+    count = len([s for s in rec.kept_sites if s in rank])
+    unjudged = [s for s in rec.kept_sites if s not in rank]  # not measured: weight error decides
+    kept = [r.site for r in ranked[:count]] + unjudged if rec.kind != "change_format" else []
+    flagged = {row.site: why for row, why in report.problems() if row.site in rank}
+    low = [s for s in dict.fromkeys(flagged) if s not in kept]
+    high = [s for s in kept[:count] if s not in flagged]
+    notes = [f"weight scan flags {s} for {_reason(flagged[s])}, but {method} sensitivity ranks it "
+             f"{_ordinal(rank[s])} of {total}: keeping it in high precision buys little"
+             for s in low[:SHOWN_DISAGREEMENTS]]
+    if len(low) > SHOWN_DISAGREEMENTS:
+        notes.append(f"... and {len(low) - SHOWN_DISAGREEMENTS} more flagged sites ranked below the kept ones")
+    if high:
+        named = ", ".join(f"{s} {_ordinal(rank[s])}" for s in high[:SHOWN_DISAGREEMENTS])
+        more = f" and {len(high) - SHOWN_DISAGREEMENTS} more" if len(high) > SHOWN_DISAGREEMENTS else ""
+        notes.append(f"{method} sensitivity ranks {len(high)} sites the weight scan does not flag "
+                     f"among the {count} most sensitive of {total} ({named}{more}): the model's "
+                     "output depends on them more than their weight error shows")
+    if rec.kind == "change_format":
+        return Recommendation(rec.kind, rec.share, rec.problematic_layers, [], [],
+                              rec.text + _agree_text(notes), rec.policy, method, notes)
+    if unjudged:
+        notes.append(f"the sensitivity did not measure {', '.join(unjudged)}: kept by weight error")
+    if not kept:  # nothing flagged, nothing kept: the ranking only says where to look first
+        return Recommendation(rec.kind, rec.share, rec.problematic_layers, [], [],
+                              f"{rec.text} The {method} sensitivity ranks {ranked[0].site} first "
+                              f"of {total}: the site to keep if one must be.", rec.policy, method, [])
+    kept_layers = sorted({report_layer for report_layer in (
+        next(r.layer for r in report.rows if r.site == s) for s in kept) if report_layer is not None})
+    policy: dict[str, Any] = {"version": 1, "quantize": _ignoring(_rules(report), kept)}
+    if "noise" in rec.policy:
+        sqnr = report.layer_sqnr()
+        rest = [k for k in report.layers() if k not in kept_layers]
+        if rest:
+            policy["noise"] = aqn_section({k: sqnr[k] for k in rest}, tiers, total_steps=total_steps,
+                                          layers=rest)
+    top = kept[:count]
+    what = (f"keep the {count} sites {method} sensitivity ranks highest in high precision "
+            f"({', '.join(top[:SHOWN_DISAGREEMENTS])}{' ...' if count > SHOWN_DISAGREEMENTS else ''}), "
+            "as many as the weight scan would keep" if count else "keep no site by sensitivity")
+    text = (f"{rec.text} Following the {method} sensitivity ranking instead: {what}"
+            + (" and train the others with SRDD-guided AQN." if "noise" in policy else ".")
+            + _agree_text(notes))
+    return Recommendation(rec.kind, rec.share, rec.problematic_layers, kept_layers, kept, text,
+                          _validated(policy), method, notes)
+
+
+def _agree_text(notes: list[str]) -> str:
+    if not notes:
+        return " The weight-error view and the sensitivity ranking agree on these sites."
+    return " Where the views disagree: " + "; ".join(notes) + "."
+
+
+def _reason(reasons: list[str]) -> str:
+    """The first flag reason's metric (`deadzone`, `SQNR`, ...), in a word or two."""
+    first = reasons[0] if reasons else "its error"
+    return first.split(" ", 1)[0] if first.split(" ", 1)[0] in ("SQNR", "deadzone", "saturation",
+                                                                 "rel_rmse") else first
+
+
+def _ordinal(n: int) -> str:
+    suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
+    return f"{n}{suffix}"
+
+
 def guide(
-    report: ScanReport, tiers: Sequence[float] = DEFAULT_TIERS, *, total_steps: int = 1000, aqn: bool = False
+    report: ScanReport, tiers: Sequence[float] = DEFAULT_TIERS, *, total_steps: int = 1000, aqn: bool = False,
+    sensitivity: Any = None,
 ) -> dict[str, Any]:
-    """The policy that carries out the report's recommendation (see `recommend`).
+    """The policy that carries out the report's recommendation (see `recommend`; with a
+    `sensitivity` report, the kept sites follow its ranking).
 
     `aqn=True` asks for SRDD-guided AQN whatever the recommendation: the scanned format stays, the
     sites the recommendation keeps stay in high precision, every other layer gets a sigma tier.
     """
-    rec = recommend(report, tiers, total_steps=total_steps)
+    rec = recommend(report, tiers, total_steps=total_steps, sensitivity=sensitivity)
     if not aqn or "noise" in rec.policy:
         return rec.policy
     rest = [k for k in report.layers() if k not in rec.kept_layers]

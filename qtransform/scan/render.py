@@ -113,26 +113,30 @@ def to_markdown(report: ScanReport) -> str:
         f"{_ranges(report.problematic_layers()) or 'none'}",
     ]
     if total:
-        lines.append("- whole model: " + ", ".join(
-            f"{k} {format_metric(k, total[k])}" for k in ("sqnr_db", "rel_rmse", "cosine", "deadzone", "saturation")))
+        for point in report.points():
+            mine = report.aggregate([r for r in report.rows if r.point == point])
+            lines.append(f"- whole model, {point} points: " + ", ".join(
+                f"{k} {format_metric(k, mine[k])}" for k in ("sqnr_db", "rel_rmse", "cosine", "deadzone", "saturation")))
     end = end_to_end_text(report)
     if end:
         lines.append(f"- end to end: {end}")
     lines += ["", "## Recommendation", "", rec.text, "", "```json",
               json.dumps(rec.policy, indent=2), "```", "", "## Layers", ""]
+    lines += ["One row per layer and point kind (weight, input, output): their errors are never "
+              "pooled.", ""]
     lines += _md_table(
-        ["layer", "sites", "SQNR dB", "worst site", "worst SQNR dB", "rel_rmse", "deadzone",
+        ["layer", "point", "sites", "SQNR dB", "worst site", "worst SQNR dB", "rel_rmse", "deadzone",
          "saturation", "problem sites"],
-        [[e["layer"], e["sites"], format_metric("sqnr_db", e["sqnr_db"]), e["worst_site"],
+        [[e["layer"], e["point"], e["sites"], format_metric("sqnr_db", e["sqnr_db"]), e["worst_site"],
           format_metric("sqnr_db", e["worst_sqnr_db"]), format_metric("rel_rmse", e["rel_rmse"]),
           format_metric("deadzone", e["deadzone"]), format_metric("saturation", e["saturation"]), e["problem_sites"]]
          for e in report.layer_summary()],
     )
     lines += ["", "## Sites", ""]
     lines += _md_table(
-        ["site", "layer", "role", "shape", "SQNR dB", "rel_rmse", "cosine", "max err",
+        ["site", "point", "layer", "role", "shape", "SQNR dB", "rel_rmse", "cosine", "max err",
          "deadzone", "saturation", "mean rel err*", "problems"],
-        [[r.label, "" if r.layer is None else r.layer, r.role, "x".join(map(str, r.shape)),
+        [[r.site, r.point, "" if r.layer is None else r.layer, r.role, "x".join(map(str, r.shape)),
           *(format_metric(k, r.metrics[k]) for k in ("sqnr_db", "rel_rmse", "cosine", "max_abs_error",
                                               "deadzone", "saturation", "mean_rel_error")),
           "; ".join(report.row_problems(r))] for r in report.rows],
@@ -177,25 +181,27 @@ def plot_title(report: ScanReport) -> str:
 def report_figure(report: ScanReport) -> Any:
     """The report's plot as a matplotlib Figure (Agg, pyplot untouched): per-site SQNR and
     deadzone by layer index, one marker and color per measured point (weight, input, output),
-    problematic sites crossed in red, layer totals per point as lines, thresholds dashed; every
-    mark has its legend entry."""
+    problematic sites crossed in red, layer totals per point as lines, and the limits the flags
+    actually use (`flag_rule_lines`); weight scans add a layer × role heatmap of SQNR."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg  # loaded only to draw (0.5 s)
     from matplotlib.figure import Figure
     from matplotlib.ticker import MaxNLocator
 
-    fig = Figure(figsize=(10, 6.5), layout="constrained")
+    grid = role_grid(report)
+    fig = Figure(figsize=(13, 9.5 if grid else 6.5), layout="constrained")
     FigureCanvasAgg(fig)  # render with Agg without touching pyplot's global backend
-    top, bottom = fig.subplots(2, 1, sharex=True)
+    if grid:
+        top, bottom, heat = fig.subplots(3, 1, height_ratios=[3, 2, 2.2])
+        bottom.sharex(top)
+    else:
+        top, bottom = fig.subplots(2, 1, sharex=True)
     layered = [r for r in report.rows if r.layer is not None]
     rows = layered or report.rows
     x_of = {id(r): (r.layer if layered else i) for i, r in enumerate(rows)}
     points = list(dict.fromkeys(r.point for r in rows))
     several = len(points) > 1
     bad = [r for r in rows if report.row_problems(r)]
-    for ax, key, scale, unit, thr in (
-        (top, "sqnr_db", 1.0, "SQNR (dB)", report.thresholds["sqnr_db"]),
-        (bottom, "deadzone", 100.0, "deadzone (%)", 100.0 * report.thresholds["deadzone"]),
-    ):
+    for ax, key, scale, unit in ((top, "sqnr_db", 1.0, "SQNR (dB)"), (bottom, "deadzone", 100.0, "deadzone (%)")):
         for point in points:
             marker, color, label = POINT_STYLE.get(point, _OTHER_STYLE)
             mine = [r for r in rows if r.point == point]
@@ -211,16 +217,75 @@ def report_figure(report: ScanReport) -> Any:
         if bad:
             ax.scatter([x_of[id(r)] for r in bad], [_finite(r.metrics[key]) * scale for r in bad],
                        s=40, marker="x", color="tab:red", label="problematic")
-        ax.axhline(thr, color="red", linestyle="--", linewidth=1, label=f"threshold {thr:g}"
-                   if report.flagging == "absolute" else f"absolute threshold {thr:g} (flagging: expected)")
+        for line in flag_rule_lines(report, key, rows):
+            y = line["value"] * scale
+            if line["rows"] is None:
+                ax.axhline(y, color=line["color"], linestyle="--", linewidth=1, label=line["label"])
+            else:
+                ax.scatter([x_of[id(r)] for r in line["rows"]], [v * scale for v in line["values"]],
+                           marker="_", s=120, color=line["color"], label=line["label"])
         ax.set_ylabel(unit)
         ax.grid(alpha=0.3)
-        ax.legend(loc="best", fontsize=8)
+        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=7)  # beside: no mark hidden
     bottom.set_xlabel("layer index" if layered else "site")
     bottom.xaxis.set_major_locator(MaxNLocator(integer=True))
     skipped = len(report.rows) - len(rows)
-    top.set_title(plot_title(report) + (f" ({skipped} site(s) outside layers not shown)" if skipped else ""))
+    top.set_title(plot_title(report) + (f" ({skipped} site(s) outside layers not shown)" if skipped else ""),
+                  loc="left", fontsize=10)
+    if grid:
+        layers, roles, values = grid
+        image = heat.imshow(values, aspect="auto", cmap="RdYlGn", interpolation="nearest")
+        heat.set_xticks(range(len(layers)), [str(k) for k in layers])
+        heat.set_yticks(range(len(roles)), roles)
+        heat.set_xlabel("layer index")
+        heat.set_title("weight SQNR (dB) by layer and role (red: worst)", fontsize=9)
+        fig.colorbar(image, ax=heat, label="SQNR (dB)")
     return fig
+
+
+def role_grid(report: ScanReport) -> tuple[list[int], list[str], list[list[float]]] | None:
+    """(layers, roles, SQNR[role][layer]) of the weight rows (NaN: no such site), where a layer ×
+    role grid fits: a weight scan with layers and at least two roles; else None."""
+    if report.meta.get("kind", "weight_scan") != "weight_scan":
+        return None
+    cells = {(r.layer, r.role): r.metrics["sqnr_db"] for r in report.rows
+             if r.point == "weight" and r.layer is not None and not r.experts}
+    roles = list(dict.fromkeys(role for _, role in cells))
+    if len(roles) < 2:
+        return None
+    layers = sorted({layer for layer, _ in cells})
+    return layers, roles, [[_finite(cells.get((layer, role), math.nan)) for layer in layers] for role in roles]
+
+
+def flag_rule_lines(report: ScanReport, metric: str, rows: list[Any]) -> list[dict[str, Any]]:
+    """The limits the flags use for `metric` (`ScanReport.flag_limit`), one entry per point kind:
+    a horizontal line (`rows` None) when every row of the point shares its limit, else one mark
+    per row (`rows`, `values`). Labels state the rule in words."""
+    check = {"sqnr_db": ("SQNR", "dB", 1.0), "deadzone": ("deadzone", "%", 100.0)}[metric]
+    if report.flagging == "absolute":
+        value = report.flag_limit(rows[0], metric) if rows else report.thresholds.get(metric)
+        sign = "<" if metric == "sqnr_db" else ">"
+        return [{"value": value, "rows": None, "color": "red",
+                 "label": f"flag rule (absolute): {check[0]} {sign} {value * check[2]:g} {check[1]}"}]
+    out = []
+    for point in dict.fromkeys(r.point for r in rows):
+        mine = [(r, report.flag_limit(r, metric)) for r in rows if r.point == point]
+        mine = [(r, v) for r, v in mine if v is not None]
+        color = POINT_STYLE.get(point, _OTHER_STYLE)[1]
+        if not mine:  # a legend entry that says why no line is drawn
+            out.append({"value": math.nan, "rows": [], "values": [], "color": color,
+                        "label": f"{point}: no expected baseline, flagged only as a robust outlier"})
+            continue
+        values = [v for _, v in mine]
+        how = "below" if metric == "sqnr_db" else "above"
+        rule = f"{point} flag rule: {how} the format's expected {check[0]} by the margin"
+        if max(values) - min(values) <= 1e-9 * max(1.0, abs(values[0])):
+            out.append({"value": values[0], "rows": None, "color": color,
+                        "label": f"{rule} ({values[0] * check[2]:.2f} {check[1]})"})
+        else:
+            out.append({"value": values[0], "rows": [r for r, _ in mine], "values": values,
+                        "color": color, "label": f"{rule} (per site)"})
+    return out
 
 
 def plot_png(report: ScanReport, path: str | os.PathLike[str]) -> Path:

@@ -200,6 +200,17 @@ class ScanReport:
             self._cache = (key, {k: v for k, v in found.items() if v})
         return self._cache[1]
 
+    def flag_limit(self, row: SiteRow, metric: str) -> float | None:
+        """The value beyond which `metric` flags `row` under this report's rule: the absolute
+        threshold, or (flagging="expected") the format's Gaussian baseline for the row's block
+        structure moved by the margin; None where the rule has no limit for the row (an output
+        point under "expected": flagged as a robust outlier only). Plots draw this very value."""
+        check = next(c for c in CHECKS if c.metric == metric)
+        t = {**DEFAULT_THRESHOLDS, **self.thresholds}
+        if self.flagging == "absolute":
+            return t[check.threshold]
+        return _expected_limit(row, check, t)
+
     def problems(self) -> list[tuple[SiteRow, list[str]]]:
         """Every problematic row with its reasons, in row order."""
         found = self._problems()
@@ -221,18 +232,26 @@ class ScanReport:
             total.merge(row.stats())
         return total.result()
 
+    def points(self) -> list[str]:
+        """The measured point kinds (weight, input, output), in that order."""
+        return sorted({r.point for r in self.rows}, key=lambda p: (_POINT_ORDER.get(p, 3), p))
+
     def layer_summary(self) -> list[dict[str, Any]]:
-        """One entry per layer: summed metrics, worst site, number of problematic sites."""
+        """One entry per (layer, point kind): summed metrics, worst site, problematic sites.
+        Point kinds are never pooled: a layer's output error says nothing of its weights'."""
         bad = {id(row) for row, _ in self.problems()}
         out = []
         for layer in self.layers():
-            rows = [r for r in self.rows if r.layer == layer]
-            worst = min(rows, key=lambda r: _sort_key(r.metrics["sqnr_db"]))
-            out.append({
-                "layer": layer, "sites": len(rows), **_pick(self.aggregate(rows)),
-                "worst_site": worst.label, "worst_sqnr_db": worst.metrics["sqnr_db"],
-                "problem_sites": sum(id(r) in bad for r in rows),
-            })
+            for point in self.points():
+                rows = [r for r in self.rows if r.layer == layer and r.point == point]
+                if not rows:
+                    continue
+                worst = min(rows, key=lambda r: _sort_key(r.metrics["sqnr_db"]))
+                out.append({
+                    "layer": layer, "point": point, "sites": len(rows), **_pick(self.aggregate(rows)),
+                    "worst_site": worst.site, "worst_sqnr_db": worst.metrics["sqnr_db"],
+                    "problem_sites": sum(id(r) in bad for r in rows),
+                })
         return out
 
     def expert_summary(self) -> list[dict[str, Any]]:
@@ -257,7 +276,9 @@ class ScanReport:
                     kv[0][0] is None, kv[0][0] or 0, _POINT_ORDER.get(kv[0][1], 3), kv[0][1], kv[0][2]))]
 
     def layer_sqnr(self) -> dict[int, float]:
-        return {e["layer"]: e["sqnr_db"] for e in self.layer_summary()}
+        """Per layer, the SQNR of all its measured errors merged (what AQN tiers rank)."""
+        return {layer: self.aggregate([r for r in self.rows if r.layer == layer])["sqnr_db"]
+                for layer in self.layers()}
 
     # -- serialisation ------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -353,6 +374,16 @@ def sampling_noise(metric: str, expected: float, n: float) -> float:
     return NOISE_Z * math.sqrt(max(expected * (1 - expected), 0.0) / n)
 
 
+def _expected_limit(row: SiteRow, c: Check, t: dict[str, float]) -> float | None:
+    """flagging="expected": the format's baseline for the row moved by the margin (at least the
+    sampling noise of the row's element count); None without a baseline or margin."""
+    expected = expected_for(row)
+    if expected is None or c.margin is None:
+        return None
+    base = expected[c.metric]
+    return c.limit(base, max(t[c.margin], sampling_noise(c.metric, base, row.metrics.get("n", 0))))
+
+
 def _against_expected(row: SiteRow, t: dict[str, float], outlier: str | None) -> list[str]:
     """flagging="expected": worse than the format does to Gaussian data of the same block
     structure by the margins, or a robust outlier among the model's sites; with the likely cause."""
@@ -360,11 +391,11 @@ def _against_expected(row: SiteRow, t: dict[str, float], outlier: str | None) ->
     expected = expected_for(row)
     if expected is not None:
         for c in CHECKS:
-            if c.margin is None:
+            limit = _expected_limit(row, c, t)
+            if limit is None:
                 continue
             value, base = row.metrics[c.metric], expected[c.metric]
-            margin = max(t[c.margin], sampling_noise(c.metric, base, row.metrics.get("n", 0)))
-            if c.worse(value, c.limit(base, margin)):
+            if c.worse(value, limit):
                 gap = (f"{base - value:.1f} dB below" if c.higher_is_better
                        else f"{100 * (value - base):.1f} points above")
                 out.append(f"{c.label} {c.text(value)}, {gap} the {c.text(base)} {row.format} gives "

@@ -60,6 +60,7 @@ SCHEMA = "qtransform.sensitivity"
 SCHEMA_VERSION = "1"
 METHODS = ("exact", "estimate", "both")
 FILES = ("sensitivity.json", "sensitivity.csv", "sensitivity.md", "sensitivity.png")
+LABELED = 8  # sites named on the sensitivity plot
 
 
 @dataclass
@@ -186,22 +187,34 @@ class SensitivityReport:
         lines += ["", *self.table()]
         return "\n".join(lines) + "\n"
 
-    def plot(self, path: str | os.PathLike[str]) -> Path:
-        """Sites by layer index (log scale), exact and estimate as separate marks."""
+    def figure(self, labeled: int = LABELED) -> Any:
+        """Sites by layer index (log scale), exact and estimate as separate marks; the `labeled`
+        most sensitive sites named at their points, so the worst site is read off the picture."""
         from matplotlib.backends.backend_agg import FigureCanvasAgg  # loaded only to draw (0.5 s)
         from matplotlib.figure import Figure
+        from matplotlib.ticker import MaxNLocator
 
         fig = Figure(figsize=(10, 4.5), layout="constrained")
         FigureCanvasAgg(fig)
         ax = fig.subplots()
         rows = self.rows
-        xs = [r.layer if r.layer is not None else -1 for r in rows]
+        xs = [_x(r) for r in rows]
         for key, marker, label in (("exact", "o", "exact (one site quantized)"),
                                    ("estimate", "x", "estimate (one backward pass)")):
             ys = [getattr(r, key) for r in rows]
             if any(math.isfinite(y) and y > 0 for y in ys):
                 ax.scatter(xs, [y if y > 0 else math.nan for y in ys], marker=marker, s=18,
                            alpha=0.7, label=label)
+        worst = [r for r in self.ranked() if math.isfinite(r.score()) and r.score() > 0][:labeled]
+        if worst:
+            ax.scatter([_x(r) for r in worst], [r.score() for r in worst], s=60, facecolors="none",
+                       edgecolors="tab:red", label=f"the {len(worst)} most sensitive, named")
+        seen: dict[int, int] = {}
+        for r in worst:  # labels of one layer stacked, so close scores stay readable
+            k = seen[_x(r)] = seen.get(_x(r), -1) + 1
+            ax.annotate(f"{r.rank}. {short_name(r.site)}", (_x(r), r.score()), xytext=(6, 4 - 10 * k),
+                        textcoords="offset points", fontsize=7, color="tab:red")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_yscale("log")
         ax.set_xlabel("layer index (-1: outside layers)")
         ax.set_ylabel(measure_label(self.measure))
@@ -209,9 +222,27 @@ class SensitivityReport:
                      f"({'+'.join(self.meta['points'])}) on {Path(str(self.meta['source'])).name}")
         ax.grid(alpha=0.3)
         ax.legend(loc="best", fontsize=8)
+        return fig
+
+    def plot(self, path: str | os.PathLike[str]) -> Path:
+        """sensitivity.png: `figure`, written atomically."""
+        fig = self.figure()
         with qio.atomic_path(path) as tmp:
             fig.savefig(tmp, dpi=110)
         return Path(path)
+
+
+
+def short_name(site: str) -> str:
+    """A site's name without the model prefix (`layers.3.self_attn.q_proj`), for labels."""
+    for prefix in ("model.", "transformer.", "encoder."):
+        if site.startswith(prefix):
+            return site[len(prefix):]
+    return site
+
+
+def _x(row: SensitivityRow) -> int:
+    return row.layer if row.layer is not None else -1
 
 
 def measure_label(measure: str) -> str:

@@ -265,7 +265,7 @@ def test_activation_plot_separates_points_and_titles_differ(tiny, tmp_path):
     report = scan_activations(model, w4a4, ids(2, 6))
     fig = render.report_figure(report)
     top, bottom = fig.axes
-    assert "activation scan" in top.get_title() and "weight scan" not in top.get_title()
+    assert "activation scan" in top.get_title("left") and "weight scan" not in top.get_title("left")
     for ax in (top, bottom):
         marks = [c for c in ax.collections] + [ln for ln in ax.lines]
         labels = [m.get_label() for m in marks]
@@ -280,6 +280,6 @@ def test_activation_plot_separates_points_and_titles_differ(tiny, tmp_path):
         counts = {c.get_label(): len(c.get_offsets()) for c in ax.collections}
         assert counts["weight"] == sum(r.point == "weight" for r in report.rows if r.layer is not None)
     weights = render.report_figure(scan_weights(model, "mxfp4"))
-    assert "weight scan" in weights.axes[0].get_title()
-    assert weights.axes[0].get_title() != top.get_title()
+    assert "weight scan" in weights.axes[0].get_title("left")
+    assert weights.axes[0].get_title("left") != top.get_title("left")
     assert render.plot_png(report, tmp_path / "a.png").read_bytes()[:4] == b"\x89PNG"
