@@ -99,7 +99,8 @@ def test_recommendation_follows_sensitivity_and_says_where_the_views_disagree(di
     top = [r.site for r in sens.ranked()[:len(by_error.kept_sites)]]
     assert rec.kept_sites == top and V0 not in rec.kept_sites and rec.ranking == "exact"
     rank = next(r.rank for r in sens.rows if r.site == V0)
-    assert sens.rows[0].exact >= 0 and next(r.exact for r in sens.rows if r.site == V0) == 0.0
+    # nothing reaches the logits through the zeroed o_proj: a KL of float64 rounding alone
+    assert sens.rows[0].exact > 1e-6 and abs(next(r.exact for r in sens.rows if r.site == V0)) < 1e-12
     assert rank >= len(sens.rows) - 1  # last, tied with the zero o_proj
     note = (f"weight scan flags {V0} for deadzone, but exact sensitivity ranks it "
             f"{rank}{'rd' if rank % 10 == 3 and rank % 100 != 13 else 'th'} of {len(sens.rows)}: "
