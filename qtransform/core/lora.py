@@ -276,5 +276,6 @@ def watch_lora(model: nn.Module) -> None:
         watch = LoraWatch(parent)
         if watch.slots:
             parent.register_forward_pre_hook(watch)
-    for _ in lora_layers(model):  # PEFT first: the layers are there already
-        pass
+    for module in model.modules():  # PEFT first: its LoRA layers are there already
+        if is_lora_layer(module):
+            bind(module)
