@@ -13,10 +13,17 @@ An entry is one of:
   ``?``). It matches a site whose class name equals it. Names ending in ``Norm`` also match class
   names ending with them (``RMSNorm`` matches ``Qwen2RMSNorm`` and ``LlamaRMSNorm``), so one
   policy serves several model families. ``Linear`` matches every linear site, including GPT-2's
-  ``Conv1D`` (kind ``conv1d``), mixture-of-experts routers and fused expert parameters (kind
-  ``experts``: ``model.layers.0.mlp.experts.gate_up_proj``, one matrix per expert): all are
-  matrix multiplications by a weight. The experts class name (``MixtralExperts``) selects the
-  expert sites of that class.
+  ``Conv1D`` (kind ``conv1d``) and fused expert parameters (kind ``experts``:
+  ``model.layers.0.mlp.experts.gate_up_proj``, one matrix per expert): all are matrix
+  multiplications by a weight. The experts class name (``MixtralExperts``) selects the expert
+  sites of that class.
+- **Mixture-of-experts routers** (role ``router``: the modules whose output picks or weighs
+  experts, `qtransform.core.sites.router_names`) are reached only by an entry that names them:
+  ``Router`` (every router, whatever its class), the router's own class (``MixtralTopKRouter``;
+  never the generic ``Linear``, even for an ``nn.Linear`` gate), a glob or a regex matching its
+  name (``mlp.gate``). Every other class selector passes them by, because every deployment stack
+  keeps routers in high precision (llm-compressor's ``re:.*mlp.gate$``, ModelOpt's disabled
+  router quantizers, vLLM's unquantized gate); plans list them as skipped.
 - a **regular expression** after ``re:``, applied with ``re.fullmatch`` to the fully-qualified
   module name. This deliberately differs from llm-compressor, which uses ``re.match`` (anchored
   only at the start, so ``re:.*gate`` also matches ``gate_proj`` there). Write ``re:.*gate.*`` to
@@ -40,7 +47,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any, Literal, Protocol
 
-from qtransform.core.sites import ADAPTER_KEYS, LINEAR_KINDS, REGEX_PREFIX
+from qtransform.core.sites import ADAPTER_KEYS, LINEAR_KINDS, REGEX_PREFIX, ROUTER_ROLE
 
 try:  # Python 3.11+ names the regex parser's modules this way; 3.10 has sre_parse/sre_constants
     from re import _constants as re_constants
@@ -54,6 +61,7 @@ MAX_LAYER_DIGITS = 18  # int64; an interval costs the same at any size
 MAX_LAYERS_SPEC = 10_000
 MAX_REGEX = 1_000
 MAX_REPEATS = 4  # sequential .* multiply backtracking: 4 stay under a millisecond per site name
+ROUTER_ENTRY = "Router"  # the class selector of every MoE router, whatever its class
 
 
 class SiteRef(Protocol):
@@ -193,6 +201,8 @@ class Entry:
             return False  # PEFT adapters stay in full precision unless an entry names them
         names = (site.name, alias) if (alias := getattr(site, "alias", None)) else (site.name,)
         if self.kind == "class":
+            if getattr(site, "role", None) == ROUTER_ROLE:
+                return self.text == ROUTER_ENTRY or (self.text == site.cls_name and self.text != "Linear")
             return (
                 site.cls_name == self.text
                 or (self.text.endswith("Norm") and site.cls_name.endswith(self.text))
@@ -278,6 +288,20 @@ class Selector:
         if any(e.matches(site) for e in self.ignore):
             return False
         return any(e.matches(site) for e in self.targets)
+
+    def passed_routers(self, sites: Iterable[SiteRef]) -> list[str]:
+        """The routers this selector would take through a class entry (``Linear``, their class)
+        if routers were not reached only by name: what a plan lists as skipped, with why."""
+        out = []
+        for site in sites:
+            if (getattr(site, "role", None) != ROUTER_ROLE or not self.in_layers(site)
+                    or self.matches(site) or any(e.matches(site) for e in self.ignore)):
+                continue
+            if any(e.kind == "class" and (e.text == site.cls_name
+                                          or (e.text == "Linear" and site.kind in LINEAR_KINDS))
+                   for e in self.targets):
+                out.append(site.name)
+        return out
 
     def unmatched_entries(self, sites: Iterable[SiteRef]) -> list[str]:
         """Target and ignore entries that match none of `sites` inside `layers` (usually typos)."""

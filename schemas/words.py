@@ -6,7 +6,7 @@ from typing import Any
 
 from qtransform.formats import registry
 
-from .selectors import Entry, Selector
+from .selectors import ROUTER_ENTRY, Entry, Selector
 
 _SCALES = {
     "e8m0": "E8M0 scale",
@@ -42,11 +42,16 @@ def describe_selector(section: object) -> str:
     the clauses so the sentence can go on)."""
     sel = Selector.from_section(section)
     text = "modules matching " + join([_entry(e) for e in sel.targets], "or")
-    if sel.ignore:
-        text += ", except " + join([_entry(e) for e in sel.ignore], "or")
+    excepted = [_entry(e) for e in sel.ignore]
+    if (any(e.kind == "class" and e.text == "Linear" for e in sel.targets)
+            and not any(e.text == ROUTER_ENTRY for e in sel.targets)):
+        excepted.append(f"MoE routers (reached only by name or {ROUTER_ENTRY}: deployment stacks keep "
+                        "them in high precision)")
+    if excepted:
+        text += ", except " + join(excepted, "or")
     if sel.layers_spec is not None:
         text += f", in layers {sel.layers_spec}"
-    return text + ("," if sel.ignore or sel.layers_spec is not None else "")
+    return text + ("," if excepted or sel.layers_spec is not None else "")
 
 
 def element_bits(spec: registry.FormatSpec) -> int:

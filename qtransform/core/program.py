@@ -68,6 +68,7 @@ class Program:
     log: list[Insertion] = field(default_factory=list)
     plan_rows: list[PlanRow] = field(default_factory=list)  # filled by the pass manager
     plan_notes: list[str] = field(default_factory=list)  # each pass's notes, by the manager
+    skipped_routers: dict[str, list[str]] = field(default_factory=dict)  # router -> sections passing it by
     _graphs: dict[str, GraphSite] = field(default_factory=dict, repr=False)
     _trace: SiteTracer = field(default_factory=SiteTracer, repr=False)
     _states: dict[str, ModuleGraph] = field(default_factory=dict, repr=False)  # by module path
@@ -111,6 +112,7 @@ class Program:
         self.log.clear()
         self.plan_rows.clear()
         self.plan_notes.clear()
+        self.skipped_routers.clear()
 
     def record(self, insertion: Insertion) -> None:
         self.log.append(insertion)
@@ -132,7 +134,8 @@ class Program:
 
     def plan(self) -> Plan:
         """Every site with what each pass did to it (or nothing)."""
-        return Plan(list(self.sites.values()), list(self.plan_rows), list(self.plan_notes))
+        return Plan(list(self.sites.values()), list(self.plan_rows), list(self.plan_notes),
+                    {k: list(v) for k, v in self.skipped_routers.items()})
 
 
 def insertion_log(model: nn.Module) -> list[Insertion]:

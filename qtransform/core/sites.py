@@ -1,7 +1,7 @@
 """Sites: the places a pass can act on, and the site table of a model.
 
 A site is a Linear (or GPT-2's Conv1D, whose weight is stored [in, out]; or a mixture-of-experts
-router, a module holding a 2-D `weight` applied with `F.linear`), a fused expert parameter (one
+router, a module holding a 2-D `weight` applied with `F.linear`: see `router_names`), a fused expert parameter (one
 3-D `gate_up_proj` / `up_proj` / `down_proj` of a transformers 5 experts module: E matrices, one per
 expert, each multiplied like a Linear weight), a norm (any RMSNorm or LayerNorm class, whatever
 library defines it), or, in the whole-model graph, an attention matmul.
@@ -23,7 +23,7 @@ REGEX_PREFIX = "re:"  # a selector that is a regular expression, not a glob
 
 SiteKind = Literal["linear", "conv1d", "experts", "norm", "matmul"]
 DENSE_KINDS: tuple[str, ...] = ("linear", "conv1d")  # one 2-D weight, one linear op in a graph
-LINEAR_KINDS: tuple[str, ...] = (*DENSE_KINDS, "experts")  # what the class selector `Linear` means
+LINEAR_KINDS: tuple[str, ...] = (*DENSE_KINDS, "experts")  # `Linear` means these, routers excepted
 EXPERT_PARAMS = {"gate_up_proj": "experts.gate_up", "up_proj": "experts.up", "down_proj": "experts.down"}
 
 _LAYER_RE = re.compile(r"(?:^|\.)(?:layers|layer|h|blocks|block)\.(\d+)(?:\.|$)")
@@ -96,11 +96,51 @@ def expert_params(module: nn.Module) -> list[str]:
 
 
 def is_router(module: nn.Module) -> bool:
-    """A mixture-of-experts router (`MixtralTopKRouter`, `Qwen3MoeTopKRouter`, ...): a module of
-    its own holding a 2-D `weight` that it applies with `F.linear`, so a Linear in all but class."""
+    """A router class of its own (`MixtralTopKRouter`, `Qwen3MoeTopKRouter`, `Llama4Router`, ...):
+    a `*Router` module holding a 2-D `weight` that it applies with `F.linear`, so a Linear in all
+    but class."""
     weight = module._parameters.get("weight")
     return (type(module).__name__.endswith("Router") and isinstance(weight, nn.Parameter)
             and weight.ndim == 2)
+
+
+ROUTER_ROLE = "router"
+ROUTER_ATTRS = ("gate", "router", "shared_expert_gate")  # ModelOpt's names of an MoE block's routers
+
+
+def router_names(model: nn.Module) -> set[str]:
+    """The modules of a model whose output picks or weighs experts: what every deployment stack
+    keeps in high precision (llm-compressor's `re:.*mlp.gate$`, ModelOpt's disabled `*router*`,
+    `*mlp.gate.*` and `*mlp.shared_expert_gate.*`, vLLM's unquantized gate).
+
+    A router is a `*Router` class with its own 2-D weight (`is_router`), or, the rule ModelOpt's
+    export applies, the `gate` / `router` / `shared_expert_gate` child of a module that holds an
+    `experts` child: an `nn.Linear` gate (older MoE classes, remote code, Qwen2-MoE's shared-expert
+    gate, whose sigmoid weighs the shared expert), or, when that child has no weight of its own,
+    every Linear inside it (DBRX's `router.layer`, Gemma 4's `router.proj`)."""
+    names = {name for name, module in model.named_modules() if name and is_router(module)}
+    for name, module in model.named_modules():
+        if module._modules.get("experts") is None:
+            continue
+        for attr in ROUTER_ATTRS:
+            child = module._modules.get(attr)
+            if child is None:
+                continue
+            prefix = f"{name}.{attr}" if name else attr
+            if isinstance(child._parameters.get("weight"), nn.Parameter):
+                names.add(prefix)
+            else:
+                names.update(f"{prefix}.{sub}" for sub, m in child.named_modules()
+                             if sub and classify(m) in DENSE_KINDS)
+    return names
+
+
+def is_router_path(name: str, experts_modules: set[str]) -> bool:
+    """`router_names` for a checkpoint, which has names and no modules: a `gate` / `router` /
+    `shared_expert_gate` beside one of `experts_modules`, or a weight directly inside one."""
+    parts = name.split(".")
+    return any(len(parts) > depth and parts[-depth] in ROUTER_ATTRS
+               and ".".join([*parts[:-depth], "experts"]) in experts_modules for depth in (1, 2))
 
 
 def is_norm_class(cls_name: str) -> bool:
@@ -171,9 +211,10 @@ def classify(module: nn.Module) -> SiteKind | None:
 
 
 def discover_sites(model: nn.Module) -> dict[str, Site]:
-    """The site table of a model in module order: every Linear, Conv1D, router, fused expert
-    parameter and norm. Plans, transforms and every scan read this one table."""
+    """The site table of a model in module order: every Linear, Conv1D, router (role `router`,
+    see `router_names`), fused expert parameter and norm. Plans, transforms and every scan read this one table."""
     sites: dict[str, Site] = {}
+    routers = router_names(model)
     for name, module in model.named_modules():
         if name:
             for param in expert_params(module):
@@ -188,7 +229,7 @@ def discover_sites(model: nn.Module) -> dict[str, Site]:
             cls_name=type(module).__name__,
             kind=kind,
             layer=layer_index(name),
-            role="router" if is_router(module) else role_of(alias, kind),
+            role=ROUTER_ROLE if name in routers else role_of(alias, kind),
             alias=alias if alias != name else None,
             adapter=adapter,
             weight_shape=tuple(weight.shape),

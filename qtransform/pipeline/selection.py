@@ -13,11 +13,11 @@ from collections.abc import Sequence
 from typing import Any
 
 from qtransform.core.program import Program
-from qtransform.core.sites import LINEAR_KINDS, Site, closest_names
+from qtransform.core.sites import LINEAR_KINDS, ROUTER_ROLE, Site, closest_names
 from qtransform.errors import UserError
 from qtransform.pipeline.base import Action
 from qtransform.schemas import QuantRule
-from qtransform.schemas.selectors import Selector, is_class_entry, resolve_quant_rules
+from qtransform.schemas.selectors import ROUTER_ENTRY, Selector, is_class_entry, resolve_quant_rules
 
 
 def select_sites(program: Program, section: Any, where: str, *, kinds: tuple[str, ...]) -> list[Site]:
@@ -38,6 +38,10 @@ def select_sites(program: Program, section: Any, where: str, *, kinds: tuple[str
     for entry in selector.unmatched_entries(candidates):
         raise UserError(f"{where}: {entry!r} matches no {'/'.join(kinds)} site" + _hint(entry, candidates))
     chosen = [s for s in candidates if selector.matches(s)]
+    for name in selector.passed_routers(candidates):
+        where_list = program.skipped_routers.setdefault(name, [])
+        if where not in where_list:
+            where_list.append(where)
     if not chosen:
         raise UserError(
             f"{where}: selects no site (targets {list(section.targets)}, ignore {list(section.ignore)}"
@@ -67,7 +71,8 @@ def _hint(entry: str, candidates: list[Site]) -> str:
         if entry.endswith("Norm"):
             candidates = [s for s in candidates if s.kind == "norm"]
         classes = sorted({s.cls_name for s in candidates}
-                         | ({"Linear"} if any(s.kind in LINEAR_KINDS for s in candidates) else set()))
+                         | ({"Linear"} if any(s.kind in LINEAR_KINDS for s in candidates) else set())
+                         | ({ROUTER_ENTRY} if any(s.role == ROUTER_ROLE for s in candidates) else set()))
         close = difflib.get_close_matches(entry, classes, n=3, cutoff=0.6)
         return ((f" (did you mean {' or '.join(close)}?)" if close else "")
                 + (f"; the model's classes here: {', '.join(classes)}" if classes else ""))
@@ -85,6 +90,12 @@ def resolve_quantize(program: Program, rules: Sequence[QuantRule]) -> list[Actio
         select_sites(program, rule, f"quantize[{i}]", kinds=LINEAR_KINDS)  # errors for dead entries
     quantizable = [s for s in program.sites.values() if s.kind in LINEAR_KINDS]
     chosen = resolve_quant_rules(rules, quantizable)
+    for name, _ in chosen:  # a later rule that names a router overrides the class rule passing it by
+        if name in program.skipped_routers:
+            program.skipped_routers[name] = [w for w in program.skipped_routers[name]
+                                             if not w.startswith("quantize[")]
+            if not program.skipped_routers[name]:
+                del program.skipped_routers[name]
     for (name, tensor), (i, rule) in chosen.items():
         check_axis(rule.axis, program.sites[name], tensor, f"quantize[{i}]")
     order = {name: k for k, name in enumerate(program.sites)}

@@ -6,8 +6,9 @@ compared with itself, tensor by tensor, so a checkpoint far larger than memory c
 tensors and adds their errors up across the model.
 
 What is scanned: the weight of every Linear-like site of `qtransform.core.sites` (`nn.Linear`,
-GPT-2 `Conv1D`, MoE routers, fused expert parameters; lm_head included and marked by its role):
-the very site table that plans and transforms use. A fused experts weight [E, ...] is quantized
+GPT-2 `Conv1D`, fused expert parameters; lm_head included and marked by its role; MoE routers
+only when a policy names them, as the class selector `Linear` does): the very site table that
+plans and transforms use. A fused experts weight [E, ...] is quantized
 expert by expert, as each matrix would be in an nn.Linear; its row sums all experts and lists
 each expert's metrics (`SiteRow.experts`). From a safetensors checkpoint,
 every floating 2-D `*.weight` tensor except embeddings, and the experts sites the loaded model
@@ -39,8 +40,10 @@ from qtransform.core.progress import Progress
 from qtransform.core.sites import (
     EXPERT_PARAMS,
     LINEAR_KINDS,
+    ROUTER_ROLE,
     Site,
     discover_sites,
+    is_router_path,
     layer_index,
     role_of,
 )
@@ -58,9 +61,10 @@ from qtransform.scan.report import (
     build_meta,
     check_flagging,
 )
-from qtransform.schemas import load_policy, resolve_quant_rules
+from qtransform.schemas import Selector, load_policy, resolve_quant_rules
 
 GPT2_CONV1D_LEAVES = ("c_attn", "c_fc", "c_proj")
+DEFAULT_TARGET = "Linear"  # what a scan without a policy measures: every linear site but the routers
 _FLOAT_DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64}
 _ROLE_ORDER = ("q", "k", "v", "qkv", "o", "gate", "up", "gate_up", "down", "fc1", "fc2", "router",
                "experts.gate_up", "experts.up", "experts.down", "other", "lm_head")
@@ -112,7 +116,8 @@ def checkpoint_weights(path: str | os.PathLike[str]) -> list[WeightRef]:
     experts sites as they are; per-expert 2-D tensors (`...experts.<e>.gate_proj.weight`, Mixtral's
     `w1`/`w3`/`w2`, the layout `save_pretrained` and hub checkpoints use) are merged as
     transformers merges them on loading: `gate_up_proj` [E, 2I, H] (each expert's gate rows, then
-    its up rows) and `down_proj` [E, H, I]. A `gate` beside an `experts` module is its router."""
+    its up rows) and `down_proj` [E, H, I]. A `gate` (or `router`, `shared_expert_gate`) beside an
+    `experts` module is a router (`is_router_path`)."""
     plain: list[tuple[Path, str, tuple[int, ...]]] = []
     fused: list[tuple[Path, str, tuple[int, ...]]] = []
     per_expert: dict[str, dict[int, dict[str, tuple[Path, str, tuple[int, ...]]]]] = {}
@@ -143,10 +148,10 @@ def checkpoint_weights(path: str | os.PathLike[str]) -> list[WeightRef]:
     for file, key, shape in plain:
         name = moe_module_name(key[: -len(".weight")])
         kind = "conv1d" if name.rsplit(".", 1)[-1] in GPT2_CONV1D_LEAVES else "linear"
-        router = name.endswith(".gate") and name[: -len("gate")] + "experts" in experts_modules
+        router = is_router_path(name, experts_modules)
         site = Site(
             name=name, cls_name="Router" if router else "Conv1D" if kind == "conv1d" else "Linear",
-            kind=kind, layer=layer_index(name), role="router" if router else role_of(name, kind),
+            kind=kind, layer=layer_index(name), role=ROUTER_ROLE if router else role_of(name, kind),
             weight_shape=shape, weight_transposed=kind == "conv1d",
         )
         refs.append(WeightRef(site, _loader(file, key)))
@@ -336,11 +341,13 @@ def _progress(refs: Sequence[WeightRef], progress: bool | None, desc: str) -> Pr
 
 
 def _select(refs: list[WeightRef], policy: Any) -> list[tuple[WeightRef, QuantConfig | None]]:
-    """(weight, choice) pairs; with a policy only the sites its rules select, with their choice."""
+    """(weight, choice) pairs; with a policy only the sites its rules select, with their choice;
+    without one, those of the rule `_rules` records (`Linear`: MoE routers only when named)."""
     if not refs:
         raise UserError("no Linear-like 2-D weights found to scan")
     if policy is None:
-        return [(r, None) for r in refs]
+        every = Selector.compile([DEFAULT_TARGET])
+        return [(r, None) for r in refs if every.matches(r.site)]
     chosen = policy_configs(policy, [r.site for r in refs])
     pairs = [(r, chosen[r.site.name]) for r in refs if r.site.name in chosen]
     if not pairs:
@@ -421,7 +428,7 @@ def _limits(policy: Any, thresholds: dict[str, float] | None) -> dict[str, float
 def _rules(policy: Any, cfg: QuantConfig | None) -> list[dict[str, Any]]:
     """The quantize rules the scan measured: the policy's (with the scanned format, if one was
     given) or one rule for every Linear; recommendations start from them."""
-    rules = policy_rules(policy) if policy is not None else [{"name": "weights", "targets": ["Linear"]}]
+    rules = policy_rules(policy) if policy is not None else [{"name": "weights", "targets": [DEFAULT_TARGET]}]
     if cfg is None:
         return rules
     fields = {"format": cfg.name, **cfg.options()}

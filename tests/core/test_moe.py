@@ -31,11 +31,23 @@ def _policy(fmt: str, tensors: tuple[str, ...] = ("weight",), **rule) -> dict:
     return {"version": 1, "quantize": [{"targets": ["Linear"], "format": fmt, "tensors": list(tensors), **rule}]}
 
 
-def _quantized_copy(model: torch.nn.Module, fmt: str) -> torch.nn.Module:
-    """Every Linear-like weight replaced by its fake-quantized value, each expert's matrix alone."""
+# the modules whose output picks or weighs experts, named here by hand for each tiny model
+ROUTERS = {"mixtral": ("mlp.gate",), "qwen3_moe": ("mlp.gate",),
+           "qwen2_moe": ("mlp.gate", "mlp.shared_expert_gate")}
+
+
+def _is_router(name: str) -> bool:
+    return name.endswith((".mlp.gate", ".mlp.shared_expert_gate"))
+
+
+def _quantized_copy(model: torch.nn.Module, fmt: str, *, routers: bool = False) -> torch.nn.Module:
+    """Every Linear-like weight replaced by its fake-quantized value, each expert's matrix alone;
+    the routers' weights too only when `routers`."""
     ref = copy.deepcopy(model)
     with torch.no_grad():
         for name, module in ref.named_modules():
+            if _is_router(name) and not routers:
+                continue
             for pname, p in module.named_parameters(recurse=False):
                 if p.ndim == 3:
                     p.copy_(torch.stack([fake_quantize(p[e], fmt) for e in range(p.shape[0])]))
@@ -46,7 +58,7 @@ def _quantized_copy(model: torch.nn.Module, fmt: str) -> torch.nn.Module:
 
 @pytest.mark.parametrize("arch", MOE)
 @pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
-def test_linear_rule_quantizes_experts_and_routers_like_linears(arch, fmt):
+def test_linear_rule_quantizes_experts_and_keeps_routers_in_high_precision(arch, fmt):
     model = build_tiny(arch, hidden=32)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     want = _quantized_copy(model, fmt)(input_ids=IDS).logits
@@ -56,7 +68,16 @@ def test_linear_rule_quantizes_experts_and_routers_like_linears(arch, fmt):
     assert torch.equal(got, want)
     assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())  # original untouched
     sites = {i.site for i in qtransform.insertion_log(out)}
-    assert "model.layers.1.mlp.experts.down_proj" in sites and "model.layers.0.mlp.gate" in sites
+    assert "model.layers.1.mlp.experts.down_proj" in sites
+    routers = {f"model.layers.{i}.{r}" for i in range(2) for r in ROUTERS[arch]}
+    assert {s.name for s in discover_sites(model).values() if s.role == "router"} == routers
+    assert not routers & sites
+    # naming them (the Router selector) quantizes them as before: the old behaviour, one entry away
+    both = qtransform.transform(model, _policy(fmt, targets=["Linear", "Router"]))
+    with torch.no_grad():
+        got = both(input_ids=IDS).logits
+    assert torch.equal(got, _quantized_copy(model, fmt, routers=True)(input_ids=IDS).logits)
+    assert routers <= {i.site for i in qtransform.insertion_log(both)}
 
 
 def test_nvfp4_tensor_scale_is_per_expert():
@@ -246,7 +267,11 @@ def test_fault_scans_measure_experts_at_their_module(arch):
         runs = torch.stack([_module_io(again, path, ids)[1].double() for _ in range(3)])
     for site in sites:
         assert unstable[site]["variance"] == pytest.approx(float(runs.var(dim=0).mean()), rel=1e-9)
-    router = next(s for s in unstable if s.endswith("mlp.gate"))  # tuple output: its logits
+    assert not any(_is_router(s) for s in (*unstable, *rows))  # a format scan passes routers by
+    named = _policy("mxfp4", targets=["Router"])  # ... and measures them when named
+    unstable = {r.site: r.metrics for r in instability_scan(model, named, ids, runs=3, seed=5).rows}
+    rows = {r.site: r.metrics for r in gain_scan(model, named, ids).rows}
+    router = "model.layers.0.mlp.gate"  # a TopKRouter's output is a tuple: measured at its logits
     assert unstable[router]["variance"] > 0 and math.isfinite(rows[router]["gain_ratio"])
 
 
@@ -267,17 +292,18 @@ def test_checkpoint_scan_lists_the_models_sites_and_values(arch, tmp_path):
     from safetensors.torch import save_file
 
     model = build_tiny(arch, hidden=32, num_layers=1)
-    want = {r.site: r for r in scan_weights(model, "nvfp4").rows}
+    policy = _policy("nvfp4", targets=["Linear", "Router"])
+    want = {r.site: r for r in scan_weights(model, policy=policy).rows}
     model.save_pretrained(tmp_path / "hf")
     save_file({k: v.contiguous() for k, v in model.state_dict().items()}, tmp_path / "fused.safetensors")
     for source in (tmp_path / "hf", tmp_path / "fused.safetensors"):
-        got = {r.site: r for r in scan_weights(source, "nvfp4").rows}
+        got = {r.site: r for r in scan_weights(source, policy=policy).rows}
         assert set(got) == set(want)
         for name, row in want.items():
             assert (got[name].role, got[name].kind, got[name].shape) == (row.role, row.kind, row.shape)
             assert got[name].state == row.state and got[name].experts == row.experts
     assert sum(r.kind == "experts" for r in want.values()) == 2
-    assert any(r.role == "router" for r in want.values())
+    assert {n for n, r in want.items() if r.role == "router"} == {f"model.layers.0.{r}" for r in ROUTERS[arch]}
 
 
 def test_reports_render_each_expert_and_merge_them_per_layer():
