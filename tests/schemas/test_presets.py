@@ -168,3 +168,15 @@ def test_registry_refuses_unnamed_rules_and_unknown_sections():
         register_preset(Preset("x/odd", "r", "", {"quantise": []}))
     with pytest.raises(ValueError, match="registered already"):
         register_preset(PRESETS[NVFP4A16])
+
+
+def test_recipes_doc_shows_every_preset_expansion():
+    """docs/recipes.md stays true: each llm-compressor preset's row holds its `policy explain` words."""
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "recipes.md").read_text()
+    for name in preset_names():
+        if name.startswith("llm-compressor/"):
+            words = " ".join(explain(expanded(name)).split("\n")[1:]).replace("|", "\\|")
+            assert f"| `{name}` |" in doc and words in doc, (
+                f"docs/recipes.md: the row of {name} must show its expansion: {words}")
