@@ -5,6 +5,11 @@ same (site, tensor). Weights are quantized once and cached until the parameter c
 (`core.versions.Watch`: a forward with unchanged weights reads none of them), so a forward costs
 what the original model costs; under FSDP the weight is quantized in every forward and nothing
 is kept (a cached copy would be the unsharded weight on every rank).
+
+Tensor-level scales (NVFP4's global scale) come from the tensor itself, unless the rule says
+otherwise: a weight in a scale group (`share_scale`) takes the group's amax (`core.scales`), an
+activation takes one amax per token row (`global_scale` "token", the default), the whole call's
+("tensor") or a calibrated, frozen one (`scale_source` "static", `core.observers`).
 """
 
 from __future__ import annotations
@@ -14,15 +19,20 @@ from torch import Tensor, nn
 
 from qtransform import formats
 from qtransform.core import ops
+from qtransform.core.observers import StaticScale, collecting
 from qtransform.core.phase import in_rollout
 from qtransform.core.program import Program
+from qtransform.core.scales import ScaleGroup
 from qtransform.core.sharding import sharded
+from qtransform.core.sites import Site
 from qtransform.core.streams import DrawStream
 from qtransform.core.versions import Watch
+from qtransform.errors import UserError
 from qtransform.formats import QuantConfig
 from qtransform.pipeline.base import Action, Pass, register_pass
-from qtransform.pipeline.selection import resolve_quantize
+from qtransform.pipeline.selection import resolve_quantize, share_groups
 from qtransform.schemas import QuantRule
+from qtransform.schemas.sections.quantize import activation_global_scale, observer_name
 
 
 def weight_label(site: str) -> str:
@@ -43,6 +53,33 @@ def first_weight_seed(config: QuantConfig, site: str, expert: int | None = None)
         return None
     seed = DrawStream(config.seed or 0, weight_label(site)).seed_at(0)
     return seed if expert is None else expert_seed(seed, expert)
+
+
+def _fake_quantize(x: Tensor, config: QuantConfig, seed: int | None, amax: Tensor | None) -> Tensor:
+    if amax is None:
+        return formats.fake_quantize(x, config, seed=seed)
+    return _AmaxSTE.apply(x, config, seed, amax)
+
+
+class _AmaxSTE(torch.autograd.Function):
+    """Interim (until the formats branch's `fake_quantize(amax=)` is merged): the reference
+    path with a given tensor-level amax (0-dim, or one per row), gradient straight through."""
+
+    @staticmethod
+    def forward(ctx, x, config, seed, amax):  # type: ignore[override]
+        from qtransform.formats.blocking import from_blocks, to_blocks
+        from qtransform.formats.quantize import layout_for, quantize_blocks
+
+        layout = layout_for(x, config)
+        amax_t = amax.to(torch.float32)
+        if amax_t.ndim:
+            amax_t = to_blocks(amax_t.expand(layout.shape).contiguous(), layout)[:, 0]
+        res, lay = quantize_blocks(x, config, seed, amax_t=amax_t)
+        return from_blocks(res.out, lay).reshape(x.shape).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        return grad, None, None, None
 
 
 class _CachedSTE(torch.autograd.Function):
@@ -76,8 +113,16 @@ class FakeQuantize(nn.Module):
     """
 
     def __init__(self, config: QuantConfig, label: str, *, cache: bool = False,
-                 per_expert: bool = False, lora: str = "beside"):
+                 per_expert: bool = False, lora: str = "beside", global_scale: str | None = None,
+                 static_scale: StaticScale | None = None, group: ScaleGroup | None = None):
         super().__init__()
+        # where the tensor-level amax comes from: None = the tensor's own, "token" = per row,
+        # "static" = `static_scale` (calibrated), "group" = `group` (a shared weight scale)
+        self.global_scale = "static" if static_scale is not None else (
+            "group" if group is not None else (global_scale if global_scale == "token" else None))
+        self.static_scale = static_scale
+        self.group = group
+        self._group_version = -1
         self.lora = lora  # how a LoRA adapter on this weight combines with it (core/lora.py)
         self.per_expert = per_expert
         self.config = config.bind(-1)  # an unbound axis means the last dim, as in fake_quantize
@@ -91,7 +136,8 @@ class FakeQuantize(nn.Module):
 
     def extra_repr(self) -> str:
         opts = ", ".join(f"{k}={v}" for k, v in self.config.options().items())
-        return f"{self.config.name}, {opts}, label={self.label!r}"
+        scale = f", global_scale={self.global_scale}" if self.global_scale else ""
+        return f"{self.config.name}, {opts}{scale}, label={self.label!r}"
 
     def set_step(self, step: int, draws: int = 0) -> None:
         if self.stream is not None:
@@ -103,17 +149,42 @@ class FakeQuantize(nn.Module):
         cfg = self.config
         return self.per_expert and (cfg.stochastic or cfg.family.per_tensor(cfg))
 
+    def _amax(self, x: Tensor) -> Tensor | None:
+        """The tensor-level amax that replaces x's own (None: x's own)."""
+        if self.global_scale == "token":
+            return x.detach().abs().amax(dim=self.config.block_axis, keepdim=True).to(torch.float32)
+        if self.global_scale == "group":
+            assert self.group is not None
+            return self.group.amax(None if sharded(self) else self._check())
+        if self.global_scale == "static":
+            assert self.static_scale is not None
+            if not self.static_scale.frozen:
+                raise UserError(f"{self.label}: its static scale is not calibrated; pass "
+                                "calibration=batches to qtransform.transform (CLI: --calib FILE)")
+            return self.static_scale.amax
+        return None
+
+    @staticmethod
+    def _check() -> str:
+        return "identity" if in_rollout() else "sample"
+
     def quantize(self, x: Tensor) -> Tensor:
         """Quantize-dequantize `x` now, without the cache (rollout weights, stochastic draws);
         expert by expert where that differs from the whole tensor (each expert draws seed + e)."""
         seed = None if self.stream is None else self.stream.seed_at(self.stream.next_index(self.training))
+        amax = self._amax(x)
         if not self._expertwise():
-            return formats.fake_quantize(x, self.config, seed=seed)
+            return _fake_quantize(x, self.config, seed, amax)
         return torch.stack([
-            formats.fake_quantize(x[e], self.config, seed=None if seed is None else expert_seed(seed, e))
+            _fake_quantize(x[e], self.config, None if seed is None else expert_seed(seed, e),
+                           None if amax is None else amax[e])
             for e in range(x.shape[0])])
 
     def _traced(self, x: Tensor) -> Tensor:
+        if self.global_scale is not None:
+            raise UserError(f"{self.label}: a {self.global_scale} global scale has no exported "
+                            "form yet; export with the default scales (share_scale \"tensor\", "
+                            'global_scale "tensor", scale_source "dynamic")')
         fmt, opts = self.config.name, self.config.to_json()
         if not self._expertwise():
             return torch.ops.qtransform.fake_quant(x, fmt, opts, self.label)
@@ -127,6 +198,8 @@ class FakeQuantize(nn.Module):
 
     def train(self, mode: bool = True) -> FakeQuantize:
         self._watch.recheck()  # a change of mode is a point where every byte is checked
+        if self.group is not None:
+            self.group.recheck()
         return super().train(mode)
 
     def quantized_copy(self, x: Tensor) -> Tensor:
@@ -137,15 +210,25 @@ class FakeQuantize(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         if ops.is_tracing(x):
             return self._traced(x)
+        if collecting():  # a calibration run: the full-precision model, observed
+            if self.static_scale is not None:
+                self.static_scale.observe(x)
+            return x
         if not self.enabled:
             return x
         if not self.cache or sharded(self):
             self.clear_cache()  # a copy cached before the model was sharded goes
             return self.quantize(x)
-        if self._watch.changed(x, "identity" if in_rollout() else "sample") or self._cached is None:
+        regrouped = False
+        if self.group is not None:
+            self.group.amax(self._check())  # re-reads the members whose weights changed
+            regrouped = self.group.version != self._group_version
+        if self._watch.changed(x, self._check()) or self._cached is None or regrouped:
             try:
                 with torch.no_grad():
                     self._cached = self.quantize(x.detach())
+                if self.group is not None:
+                    self._group_version = self.group.version
             except BaseException:
                 self.clear_cache()  # the watch has seen x, the cache has not
                 raise
@@ -164,15 +247,77 @@ class FakeQuantPass(Pass[list[QuantRule], QuantRule]):
     section = "quantize"
     provides = (name,)
 
+    def __init__(self) -> None:
+        self._groups: dict[str, list[Site]] = {}  # site name -> its scale group (select)
+        self._shared: dict[str, ScaleGroup] = {}  # first member's name -> the group (build)
+
     def select(self, program: Program, spec: list[QuantRule]) -> list[Action[QuantRule]]:
-        return resolve_quantize(program, spec)
+        actions = resolve_quantize(program, spec)
+        self._groups = {s.name: group for group in share_groups(program, spec, actions) for s in group}
+        return actions
 
     def build(self, program: Program, action: Action[QuantRule]) -> nn.Module:
-        site = action.site
+        site, rule = action.site, action.payload
         weight = action.point == "weight"
-        config = action.payload.config().bind(site.reduction_axis if weight else -1)
-        return FakeQuantize(config, self.label(site.name, action.point), cache=weight,
-                            per_expert=site.kind == "experts" and weight, lora=action.payload.lora)
+        config = rule.config().bind(site.reduction_axis if weight else -1)
+        label = self.label(site.name, action.point)
+        static = None
+        if not weight and activation_global_scale(rule) == "static":
+            name = observer_name(rule)
+            assert name is not None
+            kwargs = rule.observer_kwargs
+            static = StaticScale(name, config.block,
+                                 kwargs.averaging_constant if kwargs else 0.01)
+        group = self._group(program, site) if weight else None
+        return FakeQuantize(config, label, cache=weight,
+                            per_expert=site.kind == "experts" and weight, lora=rule.lora,
+                            global_scale=None if weight else activation_global_scale(rule),
+                            static_scale=static, group=group)
+
+    def _group(self, program: Program, site: Site) -> ScaleGroup | None:
+        members = self._groups.get(site.name)
+        if members is None:
+            return None
+        key = members[0].name
+        if key not in self._shared:
+            self._shared[key] = ScaleGroup(
+                [(m.name, program.model.get_submodule(m.module_name), m.param or "weight")
+                 for m in members], per_expert=members[0].kind == "experts")
+        return self._shared[key]
 
     def describe(self, action: Action[QuantRule]) -> str:
-        return action.payload.config().describe()
+        text = action.payload.config().describe()
+        if action.point == "weight":
+            group = self._groups.get(action.site.name)
+            if group is not None:
+                others = [s.name for s in group if s.name != action.site.name]
+                text += f", global scale shared with {', '.join(others) or 'none'}"
+            return text
+        source = activation_global_scale(action.payload)
+        if source == "static":
+            text += f", global_scale=static ({observer_name(action.payload)})"
+        elif source == "tensor":
+            text += ", global_scale=tensor (depends on the batch)"
+        elif source == "token":
+            text += ", global_scale=token"
+        return text
+
+    def notes(self, actions: list[Action[QuantRule]]) -> list[str]:
+        lines = []
+        batchwise = [a for a in actions if a.point != "weight"
+                     and activation_global_scale(a.payload) == "tensor"]
+        if batchwise:
+            lines.append(f"Outputs depend on the batch: {len(batchwise)} activation fake-quant(s) "
+                         'take their global scale from the whole tensor of each call (global_scale '
+                         '"tensor"), so a sequence\'s outputs change with the other sequences in '
+                         'its batch; "token" or scale_source "static" avoid it.')
+        static = [a for a in actions if a.point != "weight"
+                  and activation_global_scale(a.payload) == "static"]
+        if static:
+            lines.append(f"{len(static)} static global scale(s): calibrated by transform(..., "
+                         "calibration=batches) (CLI: --calib FILE), then frozen.")
+        groups = {id(g): g for g in self._groups.values()}
+        if groups:
+            lines.append(f"{len(groups)} scale group(s) share one weight global scale each "
+                         "(the largest amax of the group).")
+        return lines

@@ -39,6 +39,7 @@ from qtransform.core import ops
 from qtransform.core.experts import COUNTS, grouped_linear
 from qtransform.core.graph import POINTS
 from qtransform.core.metrics import BlockExponentHistogram, ErrorStats
+from qtransform.core.observers import collecting
 from qtransform.core.phase import in_rollout
 from qtransform.core.program import Program
 from qtransform.core.sharding import sharded
@@ -112,7 +113,7 @@ class Tap(nn.Module):
         return super().train(mode)
 
     def forward(self, head: Tensor, *extras: Tensor) -> Tensor:
-        if not self.enabled:
+        if not self.enabled or collecting():  # a calibration run is not measured
             return head
         if ops.is_tracing(head):
             return torch.ops.qtransform.tap(head, self.label)

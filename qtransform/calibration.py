@@ -1,4 +1,5 @@
-"""Calibration data for activation scans: files, the built-in sentences, padding-free batches.
+"""Calibration data and runs: files, the built-in sentences, padding-free batches for activation
+scans, and the calibration of static scales (`calibrate`).
 
 Scans compare activations token by token, so batches never contain padding: sequences are
 truncated to `max_length` and only sequences of equal length share a batch. Every measured
@@ -9,7 +10,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,8 @@ from torch import Tensor, nn
 
 from qtransform.core import io as qio
 from qtransform.core.capture import normalize_inputs
+from qtransform.core.noise import noise_modules
+from qtransform.core.observers import collect, static_scales
 from qtransform.errors import UserError
 
 Calibration = Tensor | Sequence[str] | Sequence[Sequence[int]]
@@ -116,4 +119,70 @@ def run_model(model: nn.Module, batch: Tensor) -> Any:
     if batch.is_floating_point():
         return model(batch)
     args, kwargs = normalize_inputs(model, {"input_ids": batch})
+    return model(*args, **kwargs)
+
+
+CalibrationBatches = Iterable[Mapping[str, Any] | Tensor]
+
+
+def calibrate(model: nn.Module, batches: CalibrationBatches, *, attention: str = "model") -> int:
+    """Calibrate every static scale of a transformed model on `batches` (model-input dicts, or
+    input_ids / input tensors), then freeze them; returns the number of batches.
+
+    The model runs as it would deployed before quantization, as llm-compressor's and ModelOpt's
+    calibration do: eval mode, no gradient, every fake-quant and noise module passing its tensor
+    through (`core.observers.collecting`), no KV cache; `attention` "eager" runs transformers'
+    eager attention meanwhile (llm-compressor's calibration does). Training mode, noise switches
+    and the attention are put back afterwards. A static scale that no batch reached is an error
+    naming it."""
+    scales = static_scales(model)
+    if not scales:
+        return 0
+    for scale in scales.values():
+        scale.start()
+    noise = [(m, m.enabled) for m in noise_modules(model)]
+    training = [(m, m.training) for m in model.modules()]
+    count = 0
+    config = getattr(model, "config", None)
+    attn = getattr(config, "_attn_implementation", None)
+    try:
+        if attention == "eager" and config is not None:
+            config._attn_implementation = "eager"
+        model.eval()
+        for m, _ in noise:
+            m.enabled = False
+        with torch.no_grad(), collect():
+            for batch in batches:
+                run_batch(model, batch)
+                count += 1
+    finally:
+        if attention == "eager" and config is not None:
+            config._attn_implementation = attn
+        for m, enabled in noise:
+            m.enabled = enabled
+        for m, mode in training:
+            m.training = mode
+    if count == 0:
+        raise UserError("calibration: no batches; give at least one batch of model inputs")
+    missed = [name for name, scale in scales.items() if scale.calls == 0]
+    if missed:
+        raise UserError(f"calibration: no batch reached {len(missed)} static scale(s), e.g. "
+                        f"{missed[0]}; calibrate on inputs that run those modules")
+    for scale in scales.values():
+        scale.freeze()
+    return count
+
+
+def run_batch(model: nn.Module, batch: Mapping[str, Any] | Tensor) -> Any:
+    """One forward on a batch of model inputs (a dict of keyword inputs, token ids or a float
+    input tensor), moved to the model's device, without a KV cache."""
+    device = next((p.device for p in model.parameters()), None)
+    if isinstance(batch, Tensor):
+        return run_model(model, batch if device is None else batch.to(device))
+    if not isinstance(batch, Mapping):
+        raise UserError(f"a calibration batch must be a dict of model inputs or a tensor of "
+                        f"token ids, got {type(batch).__name__}")
+    inputs = {k: v.to(device) if isinstance(v, Tensor) and device is not None else v
+              for k, v in batch.items()}
+    args, kwargs = normalize_inputs(model, inputs)
     return model(*args, **kwargs)

@@ -9,6 +9,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from .policy import Policy
+from .presets import describe as describe_preset
 from .sections import ordered
 
 
@@ -19,13 +20,16 @@ def _present(value: object) -> bool:
 def explain(policy: Policy) -> str:
     """Every section of the policy in plain language, one paragraph each."""
     lines = [line for s in ordered() if _present(v := policy.section(s.name)) for line in s.describe(v)]
+    if policy.preset is not None:
+        lines.insert(0, describe_preset(policy.preset))
     return "\n".join(lines) if lines else "The policy is empty: it changes nothing."
 
 
 def summary(policy: Policy) -> str:
     """One line: which sections are present, for `policy validate`."""
     parts = [s.summary(v) for s in ordered() if _present(v := policy.section(s.name))]
-    return ", ".join(parts) if parts else "empty policy"
+    head = f"preset {policy.preset}: " if policy.preset is not None else ""
+    return head + (", ".join(parts) if parts else "empty policy")
 
 
 def fields(policy: Policy) -> str:

@@ -6,10 +6,12 @@ readable `PolicyError`.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, Literal
 
-from pydantic import Field, create_model, field_validator
+from pydantic import Field, StrictStr, create_model, field_validator, model_validator
 
+from . import presets
 from .base import StrictModel
 from .errors import Issue, problems_error
 from .sections import SECTIONS, ordered
@@ -19,6 +21,25 @@ class PolicyRoot(StrictModel):
     """What every policy has besides its sections."""
 
     version: Literal[1] = Field(1, description="the policy file format; 1")
+    preset: StrictStr | None = Field(
+        None, description="a stack's recipe this policy expands from, e.g. 'llm-compressor/NVFP4' "
+        "(`qtransform policy presets` lists them); the policy's own fields are merged over it")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _expand_preset(cls, data: Any) -> Any:
+        """A named preset becomes its explicit rules and sections, with the user's fields merged
+        over them (`qtransform.schemas.presets`), before anything else is validated."""
+        if not isinstance(data, Mapping) or data.get("preset") is None:
+            return data
+        name = data["preset"]
+        if not isinstance(name, str):
+            raise problems_error([Issue(("preset",), f"expected {presets.NAME_HELP}", name)])
+        preset = presets.find_preset(name)
+        if preset is None:
+            raise problems_error([Issue(("preset",), "unknown preset", name, presets.preset_names(),
+                                        presets.suggestion(name))])
+        return presets.expand(data, preset)
 
     @field_validator("version", mode="before")
     @classmethod

@@ -45,8 +45,7 @@ def describe_selector(section: object) -> str:
     excepted = [_entry(e) for e in sel.ignore]
     if (any(e.kind == "class" and e.text == "Linear" for e in sel.targets)
             and not any(e.text == ROUTER_ENTRY for e in sel.targets)):
-        excepted.append(f"MoE routers (reached only by name or {ROUTER_ENTRY}: deployment stacks keep "
-                        "them in high precision)")
+        excepted.append(f"MoE routers (kept in high precision unless named, e.g. {ROUTER_ENTRY})")
     if excepted:
         text += ", except " + join(excepted, "or")
     if sel.layers_spec is not None:

@@ -8,6 +8,7 @@ import time
 
 import torch
 
+from qtransform.cli.options import add_calib, calib_batches
 from qtransform.core import io as qio
 from qtransform.errors import UserError
 from qtransform.export.onnx import check_opset, export_onnx
@@ -66,6 +67,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="an attention_mask input beside input_ids, so padded batches run")
     p.add_argument("--opset", type=_positive, default=None, help="ONNX opset (default 21; 24 for qdq)")
     p.add_argument("--json", action="store_true", help="print a JSON summary")
+    add_calib(p)
     p.set_defaults(func=run_export)
 
 
@@ -94,7 +96,8 @@ def run_export(args: argparse.Namespace) -> int:
         policy = load_policy(args.policy)
         model = load_model(args.model)
         ids = example_input_ids(model, args.batch, args.seq_len)  # checks the options first
-        model = transform(model, policy, inplace=True)
+        model = transform(model, policy, inplace=True,
+                          calibration=calib_batches(args.calib, args.model, model))
         start = time.perf_counter()
         path = export_onnx(model, args.out, {"input_ids": ids}, dynamic=not args.static,
                            fake_quant=args.fake_quant, taps=not args.no_taps, noise=args.noise,

@@ -5,10 +5,11 @@ from __future__ import annotations
 import argparse
 import json
 
+from qtransform.cli.options import add_calib, calib_batches
 from qtransform.core import io as qio
 from qtransform.core.program import insertion_log
 from qtransform.models import BUILTIN, input_paths, load_model
-from qtransform.pipeline import plan, transform
+from qtransform.pipeline import plan, transform, transform_program
 from qtransform.pipeline.saving import write_transformed
 from qtransform.schemas import load_policy
 
@@ -29,6 +30,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("model", help=f"local HF model folder, or builtin:<{'|'.join(BUILTIN)}>")
     p.add_argument("policy", help="policy JSON file")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    add_calib(p)
     p.set_defaults(func=run_plan)
 
     t = sub.add_parser("transform", help="apply a policy and save the transformed model",
@@ -40,12 +42,18 @@ def register(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--force", action="store_true",
                    help="replace --out even when it is a folder qtransform did not write")
     t.add_argument("--json", action="store_true", help="print a JSON summary")
+    add_calib(t)
     t.set_defaults(func=run_transform)
 
 
 def run_plan(args: argparse.Namespace) -> int:
     policy = load_policy(args.policy)
-    result = plan(load_model(args.model), policy)
+    model = load_model(args.model)
+    if args.calib is None:
+        result = plan(model, policy)
+    else:  # the plan of the calibrated model: static scales with their values
+        batches = calib_batches(args.calib, args.model, model)
+        result = transform_program(model, policy, inplace=True, calibration=batches).plan()
     print(json.dumps(result.to_dict(), indent=2) if args.json else result.to_text())
     return 0
 
@@ -54,7 +62,9 @@ def run_transform(args: argparse.Namespace) -> int:
     with qio.output_folder(args.out, "transform", force=args.force,
                            protect=input_paths(args.model, args.policy)) as staging:
         policy = load_policy(args.policy)
-        model = transform(load_model(args.model), policy, inplace=True)
+        model = load_model(args.model)
+        model = transform(model, policy, inplace=True,
+                          calibration=calib_batches(args.calib, args.model, model))
         write_transformed(model, policy, staging)
     log = [i.to_dict() for i in insertion_log(model)]
     n = len(log)

@@ -62,3 +62,23 @@ def flagging(args: argparse.Namespace) -> str:
 
 def progress(args: argparse.Namespace) -> bool | None:
     return False if args.no_progress else None  # None: bars only when stderr is a terminal
+
+
+CALIB_HELP = ("calibration data for the policy's static scales (scale_source \"static\"): a text "
+              "file (one sample per line), a .json list of strings or token-id lists, or 'builtin'")
+
+
+def add_calib(p: argparse.ArgumentParser) -> None:
+    """`--calib FILE`: the samples that calibrate static scales (the scan's --calib format)."""
+    p.add_argument("--calib", metavar="FILE", help=CALIB_HELP)
+
+
+def calib_batches(source: str | None, model_path: str, model: Any) -> list[Any] | None:
+    """The padding-free token batches of `--calib` for `model` (text through the tokenizer saved
+    beside `model_path`); None without --calib."""
+    if source is None:
+        return None
+    from qtransform.models import load_tokenizer
+    from qtransform.scan.setup import CalibrationSpec
+
+    return CalibrationSpec.read(source, tokenizer=load_tokenizer(model_path)).batches(model)

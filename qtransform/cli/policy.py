@@ -11,6 +11,7 @@ from qtransform.schemas import Policy, PolicyError, Problem, from_legacy_srdd, l
 from qtransform.schemas.explain import explain, fields, summary
 from qtransform.schemas.generate import schema_text
 from qtransform.schemas.loading import MAX_POLICY_BYTES, parse_json, validate_policy
+from qtransform.schemas.presets import PRESETS, preset_names
 
 _RAW = argparse.RawDescriptionHelpFormatter
 
@@ -30,6 +31,12 @@ EXPLAIN_EPILOG = """\
 examples:
   qtransform policy explain schemas/examples/qerl_aqn.json
   qtransform policy explain schemas/examples/qerl_aqn.json --fields   # every setting, explained"""
+
+
+PRESETS_EPILOG = """\
+example:
+  qtransform policy presets
+  echo '{"preset": "llm-compressor/NVFP4"}' | qtransform policy explain -   # its rules in words"""
 
 
 def _add_source_args(parser: argparse.ArgumentParser) -> None:
@@ -92,6 +99,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                            help="also list every setting (defaults filled in) with what it means")
     explain_p.set_defaults(func=_explain)
 
+    presets = sub.add_parser(
+        "presets",
+        help="list the presets a policy can start from",
+        description='List the presets ("preset": "<stack>/<scheme>" in a policy) and what each '
+                    "reproduces; docs/recipes.md has their expansions.",
+        epilog=PRESETS_EPILOG,
+        formatter_class=_RAW,
+    )
+    presets.set_defaults(func=_presets)
+
 
 def _read(args: argparse.Namespace) -> Policy:
     """The policy named on the command line (a path, or '-' for stdin), legacy or not."""
@@ -130,4 +147,12 @@ def _explain(args: argparse.Namespace) -> int:
     print(explain(policy))
     if args.fields:
         print("\nSettings:\n" + fields(policy))
+    return 0
+
+
+def _presets(args: argparse.Namespace) -> int:
+    for name in preset_names():
+        preset = PRESETS[name]
+        checked = f" (checked against {preset.checked_against})" if preset.checked_against else ""
+        print(f"{name}: {preset.reproduces}{checked}")
     return 0

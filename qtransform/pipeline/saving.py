@@ -3,7 +3,9 @@
 A transformed model is the original weights plus a policy: fake-quant, taps and noise are nodes,
 never written into the weights. So a saved transformed model is a normal `save_pretrained`
 folder (the original, full-precision weights, loadable by any transformers code) with the policy
-beside it; `load_transformed` rebuilds the transformed model from the two. The tokenizer of the
+beside it; `load_transformed` rebuilds the transformed model from the two. Calibrated static
+scales are state the policy cannot rebuild: they go to their own file (`SCALES_FILE`, one fp32
+amax per static scale, by module path), never into the weights' state dict. The tokenizer of the
 folder the model came from goes with it, so the saved folder is a model folder the scans (text
 calibration) and inference engines can use as they used the original.
 """
@@ -15,16 +17,19 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import load_file, save_file
 from torch import nn
 
 from qtransform.core import io as qio
+from qtransform.core.observers import static_scales
 from qtransform.core.sites import ADAPTER_KEYS, hf_name
 from qtransform.errors import UserError
 from qtransform.models import load_model, source_tokenizer
-from qtransform.pipeline.transform import PolicyLike, transform
+from qtransform.pipeline.transform import PolicyLike, transform, transform_program
 from qtransform.schemas import dump_policy, load_policy
 
 POLICY_FILE = "qtransform_policy.json"
+SCALES_FILE = "qtransform_scales.safetensors"  # calibrated static scales (module path -> amax)
 ADAPTER_DIR = "adapter"  # a PEFT model's adapter, beside the base weights
 
 
@@ -71,6 +76,23 @@ def write_transformed(model: nn.Module, policy: PolicyLike, folder: Path, *, tok
     if tokenizer is not None:
         tokenizer.save_pretrained(folder)
     qio.write_json(folder / POLICY_FILE, dump_policy(load_policy(policy)))
+    scales = base_names(static_scales(model), model)
+    if scales:
+        uncalibrated = [name for name, scale in scales.items() if not scale.frozen]
+        if uncalibrated:
+            raise UserError(f"{uncalibrated[0]}: a static scale is not calibrated; transform with "
+                            "calibration= before saving")
+        save_file({name: scale.amax.detach().cpu().clone() for name, scale in scales.items()},
+                  str(folder / SCALES_FILE))
+
+
+def base_names(scales: dict[str, Any], model: nn.Module) -> dict[str, Any]:
+    """Static scales under the names they have in the base model (a PEFT model saves its base
+    model, which `load_transformed` wraps again)."""
+    if not is_peft(model):
+        return scales
+    prefix = "base_model.model."
+    return {name.removeprefix(prefix): scale for name, scale in scales.items()}
 
 
 def load_transformed(folder: str | os.PathLike) -> nn.Module:
@@ -87,4 +109,9 @@ def load_transformed(folder: str | os.PathLike) -> nn.Module:
             raise UserError(f"{path} holds a PEFT adapter: install peft (pip install "
                             "'qtransform[peft]')") from None
         model = PeftModel.from_pretrained(model, path / ADAPTER_DIR, is_trainable=True)
-    return transform(model, path / POLICY_FILE, inplace=True)
+    if not (path / SCALES_FILE).exists():
+        return transform(model, path / POLICY_FILE, inplace=True)
+    saved = load_file(str(path / SCALES_FILE))
+    if is_peft(model):
+        saved = {f"base_model.model.{name}": value for name, value in saved.items()}
+    return transform_program(model, path / POLICY_FILE, inplace=True, scales=saved).module()

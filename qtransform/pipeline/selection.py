@@ -13,11 +13,18 @@ from collections.abc import Sequence
 from typing import Any
 
 from qtransform.core.program import Program
+from qtransform.core.scales import fused_groups
 from qtransform.core.sites import LINEAR_KINDS, ROUTER_ROLE, Site, closest_names
 from qtransform.errors import UserError
 from qtransform.pipeline.base import Action
 from qtransform.schemas import QuantRule
-from qtransform.schemas.selectors import ROUTER_ENTRY, Selector, is_class_entry, resolve_quant_rules
+from qtransform.schemas.selectors import (
+    ROUTER_ENTRY,
+    Selector,
+    compile_entry,
+    is_class_entry,
+    resolve_quant_rules,
+)
 
 
 def select_sites(program: Program, section: Any, where: str, *, kinds: tuple[str, ...]) -> list[Site]:
@@ -105,3 +112,58 @@ def resolve_quantize(program: Program, rules: Sequence[QuantRule]) -> list[Actio
         for (name, tensor), (i, rule) in sorted(
             chosen.items(), key=lambda kv: (order[kv[0][0]], points[kv[0][1]]))
     ]
+
+
+def share_groups(program: Program, rules: Sequence[QuantRule],
+                 actions: Sequence[Action[QuantRule]]) -> list[list[Site]]:
+    """The weight groups that share one tensor-level scale (`share_scale` of the rules that
+    quantize them): "fused" siblings (`core.scales.fused_groups`) or each explicit group (the
+    sites its patterns match). A group must be quantized whole, by one rule: a member another
+    rule quantizes, or that no rule does, is an error naming the members."""
+    weight_rule = {a.site.name: a for a in actions if a.point == "weight"}
+    sites = [s for s in program.sites.values() if s.kind in LINEAR_KINDS]
+    groups: list[list[Site]] = []
+    taken: dict[str, str] = {}
+    for index, rule in enumerate(rules):
+        own = {name for name, a in weight_rule.items() if a.payload is rule}
+        if rule.share_scale == "tensor" or not own:
+            continue
+        where = rule_label("quantize", index, rule.name)
+        if rule.share_scale == "fused":
+            candidates = [g for g in fused_groups(sites) if any(s.name in own for s in g)]
+        else:
+            candidates = [_explicit_group(patterns, sites, where) for patterns in rule.share_scale]
+        for group in candidates:
+            _check_group(group, own, weight_rule, where)
+            for site in group:
+                if site.name in taken:
+                    raise UserError(f"{where}: {site.name} is in two scale groups ({taken[site.name]}"
+                                    f" and {', '.join(s.name for s in group)}); a weight shares one scale")
+                taken[site.name] = ", ".join(s.name for s in group)
+            groups.append(group)
+    return groups
+
+
+def _explicit_group(patterns: Sequence[str], sites: Sequence[Site], where: str) -> list[Site]:
+    entries = [compile_entry(p) for p in patterns]
+    for entry, text in zip(entries, patterns, strict=True):
+        if not any(entry.matches(s) for s in sites):
+            raise UserError(f"{where}: share_scale pattern {text!r} matches no site"
+                            + _hint(text, list(sites)))
+    return [s for s in sites if any(e.matches(s) for e in entries)]
+
+
+def _check_group(group: list[Site], own: set[str], weight_rule: dict[str, Action[QuantRule]],
+                 where: str) -> None:
+    """Every member quantized by this very rule (one format, one set of options)."""
+    others = [s for s in group if s.name not in own]
+    if not others:
+        return
+    names = ", ".join(s.name for s in group)
+    why = "; ".join(f"{s.name} is " + (f"quantized by {weight_rule[s.name].rule} "
+                                        f"({weight_rule[s.name].payload.format})"
+                                        if s.name in weight_rule else "not quantized")
+                    for s in others)
+    raise UserError(f"{where}: the scale group [{names}] shares one global scale, so every member "
+                    f"must be quantized by this rule: {why}; quantize the whole group alike or "
+                    'set share_scale to "tensor"')

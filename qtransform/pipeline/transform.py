@@ -3,18 +3,21 @@
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from torch import nn
+from torch import Tensor, nn
 
+from qtransform.calibration import CalibrationBatches, calibrate
 from qtransform.core.capture import capture
 from qtransform.core.lora import watch_lora
+from qtransform.core.observers import StaticScale, static_scales
 from qtransform.core.phase import mark_rollout_generate
 from qtransform.core.plan import Plan, PlanRow
 from qtransform.core.program import Program
 from qtransform.core.sharding import check_unwrapped
+from qtransform.errors import UserError
 from qtransform.pipeline.base import Pass, registered_passes
 from qtransform.pipeline.manager import PassManager
 from qtransform.schemas import Policy, load_policy
@@ -30,6 +33,7 @@ def transform(
     inplace: bool = False,
     mode: str = "module",
     passes: Iterable[Pass] | None = None,
+    calibration: CalibrationBatches | None = None,
 ) -> nn.Module:
     """Apply a policy to a model and return the transformed model.
 
@@ -44,13 +48,17 @@ def transform(
         mode: `"module"` keeps the user's model and class (each site module runs its own graph);
             `"graph"` returns the whole-model graph module.
         passes: the passes to run; default: every registered pass.
+        calibration: batches (model-input dicts, or input_ids tensors) that calibrate the
+            policy's static scales (`scale_source: "static"`), which are then frozen; required
+            when the policy has any, ignored otherwise.
 
     Example::
 
         model = qtransform.transform(model, {"version": 1, "quantize": [
             {"targets": ["Linear"], "ignore": ["lm_head"], "format": "mxfp4"}]})
     """
-    return transform_program(model, policy, example_inputs, inplace=inplace, mode=mode, passes=passes).module()
+    return transform_program(model, policy, example_inputs, inplace=inplace, mode=mode, passes=passes,
+                             calibration=calibration).module()
 
 
 def transform_program(
@@ -61,16 +69,31 @@ def transform_program(
     inplace: bool = False,
     mode: str = "module",
     passes: Iterable[Pass] | None = None,
+    calibration: CalibrationBatches | None = None,
+    scales: Mapping[str, Tensor] | None = None,
 ) -> Program:
     """`transform`, returning the `Program` (site table, graphs, insertion log, plan rows);
-    `.module()` of it is what `transform` returns. Arguments as for `transform`."""
+    `.module()` of it is what `transform` returns. Arguments as for `transform`; `scales`
+    (static scale path -> amax, as `save_transformed` writes them) sets the static scales
+    instead of calibrating them."""
     check_unwrapped(model)
     policy = load_policy(policy)
+    static = static_rules(policy)
+    if static and calibration is None and scales is None:
+        raise UserError(f"the policy's {', '.join(static)} calibrate static scales (scale_source "
+                        '"static"): pass calibration=batches to qtransform.transform (CLI: '
+                        "--calib FILE)")
     manager = PassManager(list(passes) if passes is not None else registered_passes())
     work = model if inplace else copy.deepcopy(model)
     program = capture(work, example_inputs, mode=mode)
     try:
         manager.run(program, policy)
+        if scales is not None:
+            load_scales(work, scales)
+        elif calibration is not None:
+            calibrate(work, calibration, attention=policy.calibration.attention
+                      if policy.calibration is not None else "model")
+            program.plan_rows = calibrated_rows(program)
     except BaseException:
         program.restore()  # inplace: the caller's model exactly as it was
         raise
@@ -78,6 +101,38 @@ def transform_program(
         mark_rollout_generate(work)
         watch_lora(work)
     return program
+
+
+def static_rules(policy: Policy) -> list[str]:
+    """Labels of the quantize rules with static (calibrated) scales."""
+    return [f"quantize[{i}]" + (f" {r.name!r}" if r.name else "") for i, r in enumerate(policy.quantize)
+            if r.scale_source == "static"]
+
+
+def load_scales(model: nn.Module, scales: Mapping[str, Tensor]) -> None:
+    """Set every static scale from saved values; one missing or extra is an error naming it."""
+    own = static_scales(model)
+    missing = sorted(set(own) - set(scales))
+    extra = sorted(set(scales) - set(own))
+    if missing or extra:
+        raise UserError("the saved static scales do not fit the policy's: "
+                        + (f"missing {missing[0]}" if missing else f"unexpected {extra[0]}")
+                        + f" ({len(missing)} missing, {len(extra)} unexpected)")
+    for name, scale in own.items():
+        scale.load(scales[name])
+
+
+def calibrated_rows(program: Program) -> list[PlanRow]:
+    """The plan rows with each static scale's calibrated amax."""
+    values = {}
+    for ins in program.insertions():
+        found = [m for m in program.model.get_submodule(ins.module_path).modules()
+                 if isinstance(m, StaticScale) and m.frozen]
+        if found:
+            values[(ins.site, ins.pass_name, ins.point)] = found[0].amax.item()
+    return [PlanRow(r.site, r.pass_name, r.point, r.rule, r.detail + f", amax={v:.6g}")
+            if (v := values.get((r.site, r.pass_name, r.point))) is not None else r
+            for r in program.plan_rows]
 
 
 def plan(model: nn.Module, policy: PolicyLike, example_inputs: Any = None,

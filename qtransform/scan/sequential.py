@@ -44,11 +44,12 @@ from qtransform.errors import UserError
 from qtransform.models import model_class, read_config
 from qtransform.passes.fake_quant import FakeQuantize
 from qtransform.passes.instrument import reset_taps, tapping
+from qtransform.pipeline.transform import static_rules
 from qtransform.scan.activations import activation_report
 from qtransform.scan.checkpoint import Checkpoint
 from qtransform.scan.measure import EndToEnd, SitePairs
 from qtransform.scan.report import ScanReport
-from qtransform.scan.setup import CalibrationSpec, prepare_scan
+from qtransform.scan.setup import CalibrationSpec, as_policy, prepare_scan
 
 
 @contextmanager
@@ -182,6 +183,9 @@ def scan_sequential(checkpoint: str | os.PathLike, policy_or_format: Any, calib:
         raise UserError(f"{checkpoint}: a sequential scan reads a checkpoint folder "
                         "(config.json and safetensors)")
     model = skeleton(folder)
+    if static_rules(as_policy(model, policy_or_format, activations=True)):
+        raise UserError("a sequential scan cannot calibrate static scales (scale_source "
+                        '"static"): scan the model in memory (without --sequential)')
     base, embed, layers, norm, head = decoder_parts(model)
     ckpt = Checkpoint(folder)
     setup = prepare_scan(model, policy_or_format, CalibrationSpec.of(calib, tokenizer, batch_size, max_length))

@@ -35,6 +35,7 @@ from qtransform.core.sites import discover_sites
 from qtransform.errors import UserError
 from qtransform.passes import FakeQuantPass, InstrumentPass
 from qtransform.pipeline import plan, transform_program
+from qtransform.pipeline.transform import static_rules
 from qtransform.schemas import InstrumentSpec, Policy, dump_policy, load_policy
 
 MEASURED_TOKENS = 1024  # the automatic stride keeps at least this many tokens when it can
@@ -261,9 +262,10 @@ def prepare_scan(model: nn.Module, policy_or_format: Any, calib: CalibrationSpec
     policy = as_policy(model, policy_or_format, activations=activations)
     if instrument:
         policy = resolve_policy(model, policy)
-    program = transform_program(model, policy)
-    kind = InstrumentPass.name if instrument else FakeQuantPass.name
-    sites = list(dict.fromkeys(i.site for i in program.insertions(pass_name=kind)))
     device, dtype = placement(model)
     batches = spec.batches(model, device, dtype)
+    # static scales calibrate on the scan's own batches (the full-precision forward)
+    program = transform_program(model, policy, calibration=batches if static_rules(policy) else None)
+    kind = InstrumentPass.name if instrument else FakeQuantPass.name
+    sites = list(dict.fromkeys(i.site for i in program.insertions(pass_name=kind)))
     return ScanSetup(model, policy, program, sites, spec, batches, device, dtype)

@@ -14,11 +14,14 @@ from qtransform.core.lora import LORA_HELP
 from qtransform.formats import registry
 from qtransform.formats.options import CHOICE_OPTIONS, QuantConfig
 
-from ..base import Int, PosInt, Selected, Tensor, unique
+from ..base import Fraction, Int, PosInt, Selected, StrictModel, Tensor, unique
 from ..errors import Issue, problems_error
+from ..selectors import compile_entry
 from ..words import describe_format, describe_selector, scheme, tensor_words
 from . import Section, register_section
 
+OBSERVERS = ("static_minmax", "minmax", "memoryless_minmax")  # llm-compressor 0.14's names
+DEFAULT_OBSERVER = "static_minmax"
 # Option defaults used for formats that do not list the option in FormatSpec.options.
 OPTION_DEFAULTS = {"scale_rule": "floor", "rounding": "rne"}
 
@@ -29,6 +32,13 @@ def _all_option_values(option: str) -> list[str]:
     for name in registry.names():
         values += [v for v in registry.get(name).options.get(option, ()) if v not in values]
     return values
+
+
+class ObserverKwargs(StrictModel):
+    """llm-compressor's observer_kwargs that qtransform's observers take."""
+
+    averaging_constant: Annotated[Fraction, Field(gt=0)] = Field(
+        0.01, description="minmax: weight of the newest batch in the moving average")
 
 
 class QuantRule(Selected):
@@ -62,6 +72,25 @@ class QuantRule(Selected):
     axis: Int | None = Field(None, description="blocking axis; null = the reduction axis")
     seed: Int | None = Field(None, description="seed of stochastic rounding")
     lora: Literal["beside", "merged"] = Field("beside", description=LORA_HELP)
+    scale_source: Literal["dynamic", "static"] = Field(
+        "dynamic", description="inputs/outputs: dynamic = the tensor-level scale (NVFP4's global "
+        "scale) from each call; static = calibrated once (calibration=, --calib), then frozen")
+    observer: Literal[OBSERVERS] | None = Field(  # type: ignore[valid-type]
+        None, description="static scales: how calibration batches become the scale; "
+        "static_minmax (default) = min/max over the whole set, minmax = llm-compressor's moving "
+        "average, memoryless_minmax = the last batch")
+    observer_kwargs: ObserverKwargs | None = Field(
+        None, description='observer options, as llm-compressor names them: {"averaging_constant": '
+        "0.01} (minmax only)")
+    global_scale: Literal["token", "tensor"] | None = Field(
+        None, description="NVFP4 activations with dynamic scales: token (default) = one global "
+        "scale per token row, so a sequence's outputs never depend on its batch; tensor = the "
+        "amax of the whole call (outputs then depend on the other sequences of the batch)")
+    share_scale: Literal["tensor", "fused"] | list[Annotated[list[StrictStr], Field(min_length=1)]] = Field(
+        "tensor", description="weights of two-level formats (NVFP4): tensor = one global scale "
+        "per weight; fused = one per group of siblings a serving stack fuses (q/k/v of an "
+        "attention, gate/up of an MLP), the largest amax of the group; or a list of explicit "
+        "groups, each a list of site-name patterns")
 
     @field_validator("format", mode="before")
     @classmethod
@@ -92,6 +121,8 @@ class QuantRule(Selected):
                                 '(tensors must include "weight")', self.lora))
         if self.seed is not None and self.rounding != "stochastic":
             issues.append(Issue(("seed",), "only used with rounding 'stochastic'", self.seed))
+        if not issues:  # the scale fields are checked against a valid format config
+            issues += _scale_issues(self, spec)
         if issues:
             raise problems_error(issues)
         return self
@@ -107,6 +138,85 @@ class QuantRule(Selected):
         }
         opts |= {o: getattr(self, o) for o in CHOICE_OPTIONS if o in spec.options}
         return QuantConfig.from_options(spec, opts)
+
+
+def observer_name(rule: QuantRule) -> str | None:
+    """The observer a rule's static scales use (None for dynamic scales)."""
+    if rule.scale_source != "static":
+        return None
+    return rule.observer or DEFAULT_OBSERVER
+
+
+def activation_global_scale(rule: QuantRule) -> str | None:
+    """How the rule's activations get their tensor-level scale: "static", "token" or "tensor";
+    None when the format has no tensor-level scale."""
+    if not _two_level(rule):
+        return None
+    if rule.scale_source == "static":
+        return "static"
+    return rule.global_scale or "token"
+
+
+def _two_level(rule: QuantRule) -> bool:
+    """Whether the rule's format has a tensor-level scale (NVFP4 two-level: the global scale)."""
+    cfg = rule.config()
+    return bool(cfg.family.per_tensor(cfg))
+
+
+def _scale_issues(rule: QuantRule, spec: registry.FormatSpec) -> list[Issue]:
+    """scale_source / observer / global_scale / share_scale against the tensors and format."""
+    issues = []
+    acts = [t for t in rule.tensors if t != "weight"]
+    two_level = _two_level(rule)
+    if rule.scale_source == "static":
+        if not acts:
+            issues.append(Issue(("scale_source",), "static scales are calibrated on activations: "
+                                'tensors must include "input" or "output" (a weight is its own scale)'))
+        if not two_level:
+            issues.append(Issue(("scale_source",), f"{spec.name} has no tensor-level scale to "
+                                "calibrate (its block scales are computed per call); static "
+                                "scales apply to nvfp4 (the global scale)", "static"))
+        if rule.global_scale is not None:
+            issues.append(Issue(("global_scale",), "a static scale is one calibrated global "
+                                "scale; remove global_scale", rule.global_scale))
+    else:
+        if rule.observer is not None:
+            issues.append(Issue(("observer",), 'only used with scale_source "static"', rule.observer))
+    if rule.observer_kwargs is not None and observer_name(rule) != "minmax":
+        issues.append(Issue(("observer_kwargs",), 'only used with observer "minmax" (the moving '
+                            "average)", rule.observer_kwargs.model_dump()))
+    if rule.global_scale is not None and rule.scale_source == "dynamic":
+        if not acts:
+            issues.append(Issue(("global_scale",), 'applies to activations: tensors must include '
+                                '"input" or "output"', rule.global_scale))
+        if not two_level:
+            issues.append(Issue(("global_scale",), f"{spec.name} has no global scale (two-level "
+                                "nvfp4 only)", rule.global_scale))
+    if rule.share_scale != "tensor":
+        if "weight" not in rule.tensors:
+            issues.append(Issue(("share_scale",), 'shares weight scales: tensors must include '
+                                '"weight"', rule.share_scale))
+        if not two_level:
+            issues.append(Issue(("share_scale",), f"{spec.name} has no tensor-level scale to "
+                                "share (two-level nvfp4 only)", rule.share_scale))
+        if rule.lora == "merged":
+            issues.append(Issue(("share_scale",), 'a shared scale of merged LoRA weights (lora '
+                                '"merged") is not supported; use lora "beside" or share_scale '
+                                '"tensor"', rule.share_scale))
+        if isinstance(rule.share_scale, list):
+            issues += _group_pattern_issues(rule.share_scale)
+    return issues
+
+
+def _group_pattern_issues(groups: list[list[str]]) -> list[Issue]:
+    issues = []
+    for g, group in enumerate(groups):
+        for k, text in enumerate(group):
+            try:
+                compile_entry(text)
+            except ValueError as exc:
+                issues.append(Issue(("share_scale", g, k), str(exc), text))
+    return issues
 
 
 def _option_issues(rule: QuantRule, spec: registry.FormatSpec) -> list[Issue]:
@@ -188,8 +298,35 @@ def describe_rule(index: int, rule: QuantRule) -> str:
               if rule.lora == "merged" else "")
     return (
         f"{label} quantizes {tensor_words(rule)} of {describe_selector(rule)} "
-        f"to {describe_format(rule)}.{merged}"
+        f"to {describe_format(rule)}.{merged}{_scale_words(rule)}"
     )
+
+
+def _scale_words(rule: QuantRule) -> str:
+    """Where the rule's tensor-level scales come from, when that is not each tensor's own amax."""
+    words = []
+    source = activation_global_scale(rule)
+    if source == "static" and any(t != "weight" for t in rule.tensors):
+        words.append(f"Activation global scales are static: calibrated with the "
+                     f"{observer_name(rule)} observer"
+                     + (f" (averaging constant {rule.observer_kwargs.averaging_constant})"
+                        if rule.observer_kwargs else "")
+                     + ", then frozen (training and noise leave them unchanged).")
+    elif source == "token" and any(t != "weight" for t in rule.tensors):
+        words.append("Activation global scales are per token (each row its own): a sequence's "
+                     "outputs do not depend on its batch.")
+    elif source == "tensor":
+        words.append("Activation global scales come from the whole tensor of each call: a "
+                     "sequence's outputs depend on the other sequences in its batch.")
+    if rule.share_scale == "fused":
+        words.append("Weights the serving stacks fuse (q/k/v of an attention, gate/up of an MLP, "
+                     "each expert's gate/up) share one global scale, from the largest amax of "
+                     "the group.")
+    elif isinstance(rule.share_scale, list):
+        groups = "; ".join(", ".join(g) for g in rule.share_scale)
+        words.append(f"The weights of each group share one global scale, from the largest amax "
+                     f"of the group: {groups}.")
+    return "".join(" " + w for w in words)
 
 
 def describe(rules: list[QuantRule]) -> list[str]:

@@ -14,6 +14,7 @@ import pytest
 from qtransform.cli.main import main
 from qtransform.schemas import load_policy
 from qtransform.schemas.generate import schema_text
+from qtransform.schemas.presets import preset_names
 
 REPO = Path(__file__).resolve().parents[2]
 QERL = "schemas/examples/qerl_aqn.json"
@@ -116,7 +117,27 @@ def test_schema(capsys):
     assert code == 0 and out == schema_text()
 
 
-@pytest.mark.parametrize("command", ["validate", "schema", "explain"])
+def test_presets_lists_every_preset_with_what_it_reproduces(capsys):
+    code, out, _ = cli(capsys, "presets")
+    lines = out.splitlines()
+    assert code == 0 and [line.split(": ", 1)[0] for line in lines] == preset_names()
+    assert any(line.startswith("qerl: QeRL's rollout model") for line in lines)
+
+
+def test_explain_and_validate_of_a_preset_policy(capsys, tmp_path):
+    path = tmp_path / "p.json"
+    path.write_text('{"preset": "qerl", "noise": {"schedule": {"total_steps": 100}}}')
+    code, out, _ = cli(capsys, "explain", str(path))
+    assert code == 0 and out.startswith("Preset qerl: QeRL's rollout model")
+    assert "Rule 'llm-compressor/NVFP4A16 weights' quantizes the weights" in out
+    code, out, _ = cli(capsys, "validate", str(path), "--json")
+    assert code == 0 and load_policy(out) == load_policy(path)
+    path.write_text('{"preset": "qerll"}')
+    code, _, err = cli(capsys, "validate", str(path))
+    assert code == 2 and err.strip().endswith("(did you mean 'qerl'?)") and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("command", ["validate", "schema", "explain", "presets"])
 def test_help_has_examples(capsys, command):
     code, out, _ = cli(capsys, command, "--help")
     assert code == 0 and f"qtransform policy {command}" in out.split("example", 1)[1]

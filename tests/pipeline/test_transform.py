@@ -252,7 +252,8 @@ def test_untraceable_site_modules_get_opaque_graphs_with_the_same_keys():
     torch.manual_seed(0)
     mlp = nn.Sequential(_BranchyLinear(32, 16))
     q = qtransform.transform(mlp, {"version": 1, "quantize": [{"targets": ["Linear"], "format": "nvfp4",
-                                                               "tensors": ["weight", "input"]}]})
+                                                               "tensors": ["weight", "input"],
+                                                               "global_scale": "tensor"}]})
     v = torch.randn(3, 32)
     with torch.no_grad():
         assert torch.equal(q(v), F.linear(fake_quantize(v, "nvfp4"), fake_quantize(mlp[0].weight, "nvfp4"), mlp[0].bias))

@@ -19,8 +19,8 @@ def test_rule_sentence():
     p = load_policy({"quantize": [{"name": "w4", "format": "mxfp4", "ignore": ["lm_head"]}]})
     assert explain(p) == (
         "Rule 'w4' quantizes the weights (W4A16) of modules matching class Linear, except lm_head "
-        "or MoE routers (reached only by name or Router: deployment stacks keep them in high "
-        "precision), to MXFP4 (E2M1 elements, block 32, E8M0 scale, floor scale rule, round-half-even)."
+        "or MoE routers (kept in high precision unless named, e.g. Router), to MXFP4 (E2M1 "
+        "elements, block 32, E8M0 scale, floor scale rule, round-half-even)."
     )
 
 
@@ -74,8 +74,8 @@ def test_instrument_and_hw_error():
     text = explain(load_policy({"instrument": {"points": ["weight"], "block_exponents": False},
                                 "hw_error": {"error_scale": 0.05}}))
     assert ("Instrumentation: taps the weights of modules matching class Linear, except MoE routers "
-            "(reached only by name or Router: deployment stacks keep them in high precision), and "
-            "records the error metrics and saturation on a shadow copy") in text
+            "(kept in high precision unless named, e.g. Router), and records the error metrics and "
+            "saturation on a shadow copy") in text
     assert "flagged when SQNR < 20 dB, deadzone > 0.05, saturation > 0.01 or rel_rmse > 0.1" in text
     assert "Hardware error: relative gaussian y*(1 + s*z) with s = 0.05, z ~ N(0, 1), on the outputs" in text
 

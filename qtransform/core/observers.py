@@ -1,0 +1,181 @@
+"""Observers: how calibration batches become a static tensor-level scale, and that scale frozen.
+
+The three observers are llm-compressor 0.14's (`llmcompressor/observers/min_max.py`), with its
+statistics: per call, the min and max of each group of the observed activation (rows = tokens,
+groups = the format's blocks along the last axis, or the whole row for a single scale), kept in
+the activation's dtype; the tensor-level amax is then `max(max(max_vals, 0), -min(min_vals, 0))`
+over the groups (compressed-tensors' `generate_gparam`).
+
+- `static_minmax`: the min of the mins and the max of the maxes over every call;
+- `minmax`: a moving average, `old * (1 - c) + new * c` per group (c = `averaging_constant`,
+  0.01 by default; the first call's values as they are);
+- `memoryless_minmax`: the last call's values.
+
+Per group matters only for the moving average (the min of all mins is the min either way).
+`StaticScale` holds one observer while the model is calibrated and the frozen amax afterwards, as
+a non-persistent buffer: it moves with `.to()`, is not a parameter (an optimizer never sees it,
+noise never writes it), and leaves `state_dict()` keys unchanged; `save_transformed` writes it
+beside the weights. While `collecting()` is on (`qtransform.calibration.calibrate`), every
+fake-quant passes its tensor through unquantized: both llm-compressor (its sequential pipeline
+runs under `DisableQuantization`) and ModelOpt calibrate on the full-precision activations.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from torch import Tensor, nn
+
+OBSERVERS = ("static_minmax", "minmax", "memoryless_minmax")
+_collecting = False
+
+
+def collecting() -> bool:
+    """Whether a calibration run is going on (fake-quants pass tensors through and observe)."""
+    return _collecting
+
+
+@contextlib.contextmanager
+def collect() -> Iterator[None]:
+    """The span of a calibration run."""
+    global _collecting
+    before, _collecting = _collecting, True
+    try:
+        yield
+    finally:
+        _collecting = before
+
+
+def group_min_max(x: Tensor, group: int) -> tuple[Tensor, Tensor]:
+    """Per-group min and max of x over its rows: groups of `group` elements along the last axis
+    (zero-padded, as the format's blocks are), or the whole row when `group` is 0."""
+    rows = x.detach().reshape(-1, x.shape[-1] if x.ndim else 1)
+    width = rows.shape[-1]
+    if group and width % group:
+        rows = torch.nn.functional.pad(rows, (0, group - width % group))
+    grouped = rows.reshape(rows.shape[0], -1, group) if group else rows.reshape(rows.shape[0], 1, -1)
+    return torch.amin(grouped, dim=(0, -1)), torch.amax(grouped, dim=(0, -1))
+
+
+class Observer:
+    """Statistics of the calls seen so far; `amax()` is the tensor-level amax they give."""
+
+    name = ""
+
+    def __init__(self, group: int, averaging_constant: float = 0.01):
+        self.group = group
+        self.averaging_constant = averaging_constant
+        self.min_vals: Tensor | None = None
+        self.max_vals: Tensor | None = None
+        self.calls = 0
+
+    def observe(self, x: Tensor) -> None:
+        if x.numel() == 0:
+            return
+        lo, hi = group_min_max(x, self.group)
+        if self.min_vals is not None and self.min_vals.shape != lo.shape:
+            raise ValueError(f"observed a tensor of {x.shape[-1]} features after one of another "
+                             "width: one static scale per tensor of one shape")
+        self.min_vals, self.max_vals = self.update(lo, hi)
+        self.calls += 1
+
+    def update(self, lo: Tensor, hi: Tensor) -> tuple[Tensor, Tensor]:
+        raise NotImplementedError
+
+    def amax(self) -> Tensor:
+        """max(max(max_vals, 0), -min(min_vals, 0)) over the groups, as a 0-dim fp32 tensor."""
+        if self.min_vals is None or self.max_vals is None:
+            raise ValueError("no calibration data reached this tensor")
+        lo = torch.clamp_max(self.min_vals, 0).abs().amax()
+        hi = torch.clamp_min(self.max_vals, 0).amax()
+        return torch.maximum(lo, hi).to(torch.float32).reshape(())
+
+
+class StaticMinMax(Observer):
+    name = "static_minmax"
+
+    def update(self, lo: Tensor, hi: Tensor) -> tuple[Tensor, Tensor]:
+        if self.min_vals is None or self.max_vals is None:
+            return lo, hi
+        return torch.min(lo, self.min_vals), torch.max(hi, self.max_vals)
+
+
+class MinMax(Observer):
+    name = "minmax"
+
+    def update(self, lo: Tensor, hi: Tensor) -> tuple[Tensor, Tensor]:
+        if self.min_vals is None or self.max_vals is None or self.averaging_constant == 1.0:
+            return lo, hi
+        c = self.averaging_constant
+        return self.min_vals * (1.0 - c) + lo * c, self.max_vals * (1.0 - c) + hi * c
+
+
+class MemorylessMinMax(Observer):
+    name = "memoryless_minmax"
+
+    def update(self, lo: Tensor, hi: Tensor) -> tuple[Tensor, Tensor]:
+        return lo, hi
+
+
+_CLASSES: dict[str, type[Observer]] = {c.name: c for c in (StaticMinMax, MinMax, MemorylessMinMax)}
+
+
+def make_observer(name: str, group: int, averaging_constant: float = 0.01) -> Observer:
+    """An observer by llm-compressor's name."""
+    if name not in _CLASSES:
+        raise ValueError(f"unknown observer {name!r}; observers: {', '.join(OBSERVERS)}")
+    return _CLASSES[name](group, averaging_constant)
+
+
+class StaticScale(nn.Module):
+    """One calibrated, frozen tensor-level amax (NVFP4's global scale comes from it).
+
+    Before calibration `amax` is NaN and `frozen` False; `calibrate` resets the observer, feeds it
+    every batch, then freezes. The value stays until the next calibration or `load`.
+    """
+
+    def __init__(self, observer: str, group: int, averaging_constant: float = 0.01):
+        super().__init__()
+        self.observer_name = observer
+        self.group = group
+        self.averaging_constant = averaging_constant
+        self.register_buffer("amax", torch.tensor(float("nan")), persistent=False)
+        self.frozen = False
+        self._observer: Observer | None = None
+
+    def extra_repr(self) -> str:
+        value = f"amax={self.amax.item():.6g}" if self.frozen else "not calibrated"
+        return f"{self.observer_name}, {value}"
+
+    def start(self) -> None:
+        """A new calibration: statistics from nothing."""
+        self._observer = make_observer(self.observer_name, self.group, self.averaging_constant)
+
+    def observe(self, x: Tensor) -> None:
+        if self._observer is None:
+            self.start()
+        assert self._observer is not None
+        self._observer.observe(x)
+
+    @property
+    def calls(self) -> int:
+        return 0 if self._observer is None else self._observer.calls
+
+    def freeze(self) -> None:
+        """The observer's amax becomes the scale; the statistics go."""
+        assert self._observer is not None
+        self.load(self._observer.amax())
+        self._observer = None
+
+    def load(self, amax: Tensor) -> None:
+        """Set the frozen amax (calibration's, or a saved one)."""
+        with torch.no_grad():
+            self.amax = amax.detach().to(torch.float32, copy=True).reshape(()).to(self.amax.device)
+        self.frozen = True
+
+
+def static_scales(model: nn.Module) -> dict[str, StaticScale]:
+    """Every static scale of a model by module path."""
+    return {name: m for name, m in model.named_modules() if isinstance(m, StaticScale)}

@@ -1,0 +1,136 @@
+"""Presets: named recipes of the deployment stacks, written into a policy as `"preset": "<stack>/<scheme>"`.
+
+A preset is explicit policy content (quantize rules with their names and ignore lists, calibration
+settings, noise) that reproduces what a stack computes. Loading a policy expands it (`expand`), so
+`policy explain` prints the rules it brings, and the user's own fields are merged over it:
+
+- a top-level key the user gives replaces the preset's value of that key, except that objects
+  merge key by key (deeply) and lists of objects merge by ``name``;
+- a user quantize rule whose ``name`` is the name of a preset rule changes that rule (its fields
+  merged over the preset rule's, in place); every other user rule comes after the preset's rules,
+  so it wins where it selects the same site and tensor (a later rule overrides an earlier one);
+- ``null`` for a top-level key removes the preset's section (``"noise": null`` keeps qerl's
+  quantization without its noise).
+
+Expansion is idempotent: a policy written back (`Policy.to_json`, which keeps ``preset`` and the
+expanded content) loads to an equal policy, because every preset rule has a name.
+
+A stack's presets live in one module of this package (``llm_compressor.py``, ``qerl.py``,
+``modelopt.py``), each calling `register_preset`; every module here is imported below, so a new
+stack is one new file.
+"""
+
+from __future__ import annotations
+
+import copy
+import difflib
+import importlib
+import pkgutil
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from ..sections import SECTIONS
+
+NAME_HELP = "a preset name '<stack>/<scheme>' such as 'llm-compressor/NVFP4'"
+
+
+@dataclass(frozen=True)
+class Preset:
+    """One named recipe: the policy content it expands into and what it reproduces."""
+
+    name: str  # "<stack>/<scheme>", or a bare name for a recipe of a paper ("qerl")
+    reproduces: str  # one sentence: what the expansion computes, after whose code
+    checked_against: str  # the stack version the expansion was compared with ("" = none)
+    content: Mapping[str, Any]  # policy sections as JSON data (no "version", no "preset")
+
+
+PRESETS: dict[str, Preset] = {}
+
+
+def register_preset(preset: Preset) -> Preset:
+    """Add a preset. Its name must be new, its content keys policy sections, and every quantize
+    rule of it named (user rules merge into preset rules by name; see the module docstring)."""
+    key = preset.name.lower()
+    if key in {k.lower() for k in PRESETS}:
+        raise ValueError(f"preset {preset.name!r} is registered already")
+    unknown = [k for k in preset.content if k not in SECTIONS]
+    if unknown:
+        raise ValueError(f"preset {preset.name!r}: {unknown} are not policy sections "
+                         f"({', '.join(SECTIONS)})")
+    for key, value in preset.content.items():
+        if isinstance(value, list) and not all(isinstance(v, Mapping) and v.get("name") for v in value):
+            raise ValueError(f"preset {preset.name!r}: every item of {key!r} needs a name, so that a "
+                             "user's rule of that name can change it")
+    PRESETS[preset.name] = preset
+    return preset
+
+
+def preset_names() -> list[str]:
+    return sorted(PRESETS, key=str.lower)
+
+
+def find_preset(name: str) -> Preset | None:
+    """The preset of that name, case-insensitively ('llm-compressor/nvfp4' is NVFP4), or None."""
+    by_key = {k.lower(): p for k, p in PRESETS.items()}
+    return by_key.get(name.lower())
+
+
+def suggestion(name: str) -> str:
+    """A ' (did you mean X?)' hint for a misspelt preset name, or ''."""
+    lowered = {k.lower(): k for k in PRESETS}
+    close = difflib.get_close_matches(name.lower(), list(lowered), n=1, cutoff=0.5)
+    return f" (did you mean {lowered[close[0]]!r}?)" if close else ""
+
+
+def expand(data: Mapping[str, Any], preset: Preset) -> dict[str, Any]:
+    """`data` (a policy's JSON data naming `preset`) with the preset's content merged under it."""
+    out: dict[str, Any] = copy.deepcopy(dict(preset.content))
+    for key, value in data.items():
+        if key == "preset":
+            continue
+        if value is None and key in out:
+            del out[key]
+        else:
+            out[key] = merge(out[key], value) if key in out else copy.deepcopy(value)
+    out["preset"] = preset.name
+    return out
+
+
+def merge(base: Any, over: Any) -> Any:
+    """`over` merged over `base`: objects key by key, lists of named objects by name (a named item
+    changes the base item of that name, others are appended), anything else replaced."""
+    if isinstance(base, Mapping) and isinstance(over, Mapping):
+        out = dict(base)
+        for key, value in over.items():
+            out[key] = merge(base[key], value) if key in base else copy.deepcopy(value)
+        return out
+    if isinstance(base, list) and isinstance(over, list) and _named(base):
+        out_list = list(base)
+        index = {item["name"]: i for i, item in enumerate(base)}
+        for item in over:
+            name = item.get("name") if isinstance(item, Mapping) else None
+            if name in index:
+                out_list[index[name]] = merge(base[index[name]], item)
+            else:
+                out_list.append(copy.deepcopy(item))
+        return out_list
+    return copy.deepcopy(over)
+
+
+def _named(items: list[Any]) -> bool:
+    return all(isinstance(i, Mapping) and isinstance(i.get("name"), str) for i in items)
+
+
+def describe(name: str) -> str:
+    """The paragraph `policy explain` starts with for a policy expanded from a preset."""
+    preset = PRESETS[name]
+    checked = f" Checked against {preset.checked_against}." if preset.checked_against else ""
+    return (f"Preset {preset.name}: {preset.reproduces}.{checked} It expands into the rules and "
+            "sections below; the policy's own fields are merged over it (a quantize rule named "
+            "like a preset rule changes that rule, other rules come after the preset's and win "
+            "where they select the same module and tensor, null removes a section).")
+
+
+for _info in pkgutil.iter_modules(__path__):
+    importlib.import_module(f"{__name__}.{_info.name}")

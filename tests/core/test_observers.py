@@ -1,0 +1,98 @@
+"""Observers against hand computations: llm-compressor 0.14's statistics (per group of the
+format's block, min and max over the tokens; static = running min/max, minmax = moving average
+per group, memoryless = the last call), with values chosen so every fp32 operation is exact."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from qtransform.core.observers import StaticScale, group_min_max, make_observer
+
+
+def batch(*groups: tuple[float, float]) -> torch.Tensor:
+    """One token row whose groups of 4 hold (lo, hi) and zeros between: [lo, hi, 0, 0] each."""
+    row = []
+    for lo, hi in groups:
+        row += [lo, hi, 0.0, 0.0]
+    return torch.tensor([row], dtype=torch.float32)
+
+
+def test_group_min_max_reduces_tokens_and_each_group():
+    x = torch.tensor([[[1.0, -2.0, 3.0, 0.5], [-4.0, 0.0, 0.0, 9.0]]])  # 2 tokens, 2 groups of 2
+    lo, hi = group_min_max(x, 2)
+    assert lo.tolist() == [-4.0, 0.0] and hi.tolist() == [1.0, 9.0]
+    lo, hi = group_min_max(x, 0)  # one group: the whole row
+    assert lo.tolist() == [-4.0] and hi.tolist() == [9.0]
+
+
+def test_group_min_max_zero_pads_the_last_group():
+    lo, hi = group_min_max(torch.tensor([[1.0, 2.0, 3.0, 4.0, 5.0]]), 4)
+    assert lo.tolist() == [1.0, 0.0] and hi.tolist() == [4.0, 5.0]
+
+
+def test_static_minmax_is_the_extreme_of_every_call():
+    obs = make_observer("static_minmax", 4)
+    obs.observe(batch((-1.0, 4.0), (0.0, 1.0)))
+    obs.observe(batch((0.0, 2.0), (-7.0, 8.0)))
+    obs.observe(batch((0.0, 0.5), (0.0, 0.5)))
+    assert obs.amax().item() == 8.0
+    obs.observe(batch((-9.0, 0.0), (0.0, 0.0)))
+    assert obs.amax().item() == 9.0  # a negative extreme counts by its magnitude
+
+
+def test_minmax_averages_each_group_not_the_tensor_amax():
+    obs = make_observer("minmax", 4, averaging_constant=0.25)
+    obs.observe(batch((0.0, 4.0), (0.0, 1.0)))
+    assert obs.amax().item() == 4.0  # the first call as it is
+    obs.observe(batch((0.0, 0.0), (0.0, 8.0)))
+    # per group: 4 * 0.75 + 0 * 0.25 = 3 and 1 * 0.75 + 8 * 0.25 = 2.75; the amax is 3
+    # (an average of the tensor amaxes would give 4 * 0.75 + 8 * 0.25 = 5)
+    assert obs.amax().item() == 3.0
+    obs.observe(batch((-16.0, 0.0), (0.0, 0.0)))
+    # mins: 0 * 0.75 + (-16) * 0.25 = -4 in group 0
+    assert obs.amax().item() == 4.0
+
+
+def test_minmax_default_constant_is_llm_compressors():
+    obs = make_observer("minmax", 4)
+    obs.observe(batch((0.0, 1.0)))
+    obs.observe(batch((0.0, 101.0)))
+    expected = torch.tensor(1.0) * (1.0 - 0.01) + torch.tensor(101.0) * 0.01
+    assert obs.amax().item() == expected.item()
+
+
+def test_memoryless_minmax_keeps_the_last_call():
+    obs = make_observer("memoryless_minmax", 4)
+    obs.observe(batch((0.0, 9.0)))
+    obs.observe(batch((-2.0, 1.0)))
+    assert obs.amax().item() == 2.0
+
+
+def test_all_zero_and_positive_only_statistics():
+    obs = make_observer("static_minmax", 0)
+    obs.observe(torch.zeros(3, 8))
+    assert obs.amax().item() == 0.0
+    obs = make_observer("static_minmax", 0)
+    obs.observe(torch.full((2, 8), 3.0))  # min 3 > 0: the amax is the max, never -min
+    assert obs.amax().item() == 3.0
+
+
+def test_statistics_keep_the_activation_dtype():
+    obs = make_observer("minmax", 0, averaging_constant=0.5)
+    obs.observe(torch.tensor([[1.0]], dtype=torch.bfloat16))
+    obs.observe(torch.tensor([[2.0]], dtype=torch.bfloat16))
+    assert obs.max_vals.dtype == torch.bfloat16 and obs.amax().dtype == torch.float32
+
+
+def test_static_scale_freezes_and_reports_missing_data():
+    scale = StaticScale("static_minmax", 4)
+    assert not scale.frozen and torch.isnan(scale.amax)
+    scale.start()
+    with pytest.raises(ValueError, match="no calibration data"):
+        scale.freeze()
+    scale.start()
+    scale.observe(batch((-3.0, 2.0)))
+    scale.freeze()
+    assert scale.frozen and scale.amax.item() == 3.0 and scale.amax.dtype == torch.float32
+    assert "amax" not in scale.state_dict() and not list(scale.parameters())
