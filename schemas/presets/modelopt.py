@@ -1,0 +1,74 @@
+"""NVIDIA ModelOpt's quantization configs (`mtq.<NAME>`) as qtransform policies.
+
+Each preset is the model that ModelOpt's checkpoint deploys after
+`mtq.quantize(model, mtq.<NAME>, forward_loop)` (nvidia-modelopt 0.47, read from its
+`configs/ptq/presets/model/*.yaml`, `model_calib.py`, `tensor_quant.py` and `export/`):
+
+- every Linear (fused experts included) but the modules of ModelOpt's default disabled list
+  (`DISABLED`, its fnmatch wildcards on quantizer names, translated by `from_modelopt`): the
+  LM head, MoE routers and gates, vision towers, Mamba convolutions, MTP heads;
+- static scales come from ModelOpt's max calibration, which observes the FULL-PRECISION model
+  (every quantizer collects statistics without quantizing): qtransform's `static_minmax`
+  observer on its calibration pass, which runs the model without its fake-quant modules;
+- NVFP4 weights of q/k/v and of gate/up share one global scale, the largest amax of the group,
+  as ModelOpt's export fuses them (`preprocess_linear_fusion`) for the serving engines.
+
+What differs from ModelOpt's own fake quantization, tensor by tensor, is the fp32 order of
+operations (docs/recipes.md, "ModelOpt presets": measured against ModelOpt where it runs on CPU).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from . import Preset, register_preset
+from .patterns import from_modelopt
+
+STACK = "modelopt"
+VERSION = "nvidia-modelopt 0.47.0"
+TARGETS = ["Linear"]
+DISABLED = [  # configs/ptq/units/default_disabled_quantizers.yaml (the name patterns), 0.47.0
+    "*block_sparse_moe.gate*", "*linear_attn.conv1d*", "*self_attention.conv1d*",
+    "*linear_attn.in_proj_a*", "*linear_attn.in_proj_b*", "*lm_head*", "*mixer.conv1d*",
+    "*mlp.gate.*", "*mlp.shared_expert_gate.*", "*output_layer*", "*proj_out.*", "*router*",
+    "mtp.*", "output.*", "*embed_vision*", "*vision_tower*", "*visual*", "*vision_model*",
+    "*multi_modal_projector*",
+]
+IGNORE = [from_modelopt(DISABLED)]
+
+
+def rule(config: str, part: str, **fields: Any) -> dict[str, Any]:
+    """One named quantize rule of a config, on ModelOpt's targets minus its disabled modules."""
+    return {"name": f"{STACK}/{config} {part}", "targets": list(TARGETS), "ignore": list(IGNORE), **fields}
+
+
+def config_preset(config: str, what: str, rules: list[dict[str, Any]]) -> Preset:
+    return register_preset(Preset(
+        name=f"{STACK}/{config}",
+        reproduces=f"ModelOpt's {config} ({what}) on every Linear but its default disabled modules "
+                   "(lm_head, MoE routers and gates, vision towers)",
+        checked_against=VERSION,
+        content={"quantize": rules},
+    ))
+
+
+NVFP4_DEFAULT_CFG = config_preset(
+    "NVFP4_DEFAULT_CFG", "NVFP4 weights with q/k/v and gate/up global scales fused, NVFP4 inputs "
+    "with a global scale from max calibration", [
+        rule("NVFP4_DEFAULT_CFG", "weights", format="nvfp4", tensors=["weight"], share_scale="fused"),
+        rule("NVFP4_DEFAULT_CFG", "inputs", format="nvfp4", tensors=["input"], scale_source="static",
+             observer="static_minmax"),
+    ])
+
+MXFP8_DEFAULT_CFG = config_preset(
+    "MXFP8_DEFAULT_CFG", "MXFP8 E4M3 weights and inputs, E8M0 scale 2^ceil(log2(amax/448)) per 32, "
+    "no calibration", [
+        rule("MXFP8_DEFAULT_CFG", "weights and inputs", format="mxfp8_e4m3", tensors=["weight", "input"],
+             block_size=32, scale_rule="rceil"),
+    ])
+
+INT4_BLOCKWISE_WEIGHT_ONLY_CFG = config_preset(
+    "INT4_BLOCKWISE_WEIGHT_ONLY_CFG", "int4 weights, one scale amax/7 per 128 input features, "
+    "16-bit activations", [
+        rule("INT4_BLOCKWISE_WEIGHT_ONLY_CFG", "weights", format="int4", tensors=["weight"]),
+    ])

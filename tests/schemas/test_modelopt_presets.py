@@ -1,0 +1,172 @@
+"""The `modelopt/...` presets against NVIDIA ModelOpt's own numbers (tests/data/modelopt-golden.safetensors).
+
+ModelOpt is not installed here: tests/data/make_modelopt_golden.py ran nvidia-modelopt 0.47.0 on
+CPU on the same tiny Qwen2 and stored what it computed: the calibrated amax of every Linear
+(`mtq.quantize`), the fake-quantized logits where its fake quantization runs on CPU (INT4;
+FP8 once the fp8 formats land), and, where it needs CUDA (NVFP4, MXFP8), the weights its export
+writes into the deployed checkpoint. docs/recipes.md records each comparison.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from safetensors import safe_open
+
+import qtransform
+from qtransform.core.observers import StaticScale
+from qtransform.core.sites import Site
+from qtransform.models import build_tiny
+from qtransform.schemas import load_policy
+from qtransform.schemas.presets.modelopt import DISABLED, IGNORE
+from qtransform.schemas.presets.patterns import MODELOPT_QUANTIZERS, from_modelopt
+from qtransform.schemas.selectors import compile_entry
+
+GOLDEN = Path(__file__).resolve().parents[1] / "data" / "modelopt-golden.safetensors"
+LAYER0 = [f"model.layers.0.self_attn.{p}" for p in ("q_proj", "k_proj", "v_proj", "o_proj")] + [
+    f"model.layers.0.mlp.{p}" for p in ("gate_proj", "up_proj", "down_proj")]
+FUSED = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+
+
+@pytest.fixture(scope="module")
+def golden() -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    with safe_open(str(GOLDEN), "pt") as fh:
+        return {k: fh.get_tensor(k) for k in fh.keys()}, fh.metadata()
+
+
+@pytest.fixture(scope="module")
+def model(golden) -> torch.nn.Module:
+    tensors, meta = golden
+    model = build_tiny("qwen2")
+    assert repr(sum(float(p.detach().double().sum()) for p in model.parameters())) == meta["param_sum"]
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=tensors["ids"]).logits, tensors["fp.logits"])
+    return model
+
+
+def _preset(name: str, model: torch.nn.Module, calib=None) -> torch.nn.Module:
+    return qtransform.transform(model, {"version": 1, "preset": f"modelopt/{name}"}, calibration=calib)
+
+
+# -- ModelOpt's disabled list, as qtransform selectors -------------------------------------------
+NAMES = ["lm_head", "model.lm_head", "model.layers.0.mlp.gate", "model.layers.0.mlp.gate_up_proj",
+         "model.layers.0.mlp.gate_proj", "model.layers.0.mlp.experts.gate_up_proj", "mlp.gate",
+         "model.layers.3.mlp.shared_expert_gate", "model.layers.3.mlp.shared_expert.gate_proj",
+         "model.layers.0.block_sparse_moe.gate", "model.layers.0.mlp.router", "router.layer",
+         "output", "outputs", "output.dense", "model.output", "mtp", "mtp.0.proj", "model.mtp.0",
+         "proj_out", "decoder.proj_out", "decoder.proj_outer", "model.visual.blocks.0.qkv",
+         "model.layers.0.self_attn.q_proj", "model.layers.0.linear_attn.in_proj_a",
+         "model.layers.0.linear_attn.in_proj_ba", "model.layers.0.mixer.conv1d", "output_layer"]
+
+
+def _modelopt_disables(name: str, patterns: list[str]) -> bool:
+    """ModelOpt's own rule: fnmatch on the module's quantizer names."""
+    return any(fnmatch.fnmatchcase(name + suffix, p) for suffix in MODELOPT_QUANTIZERS for p in patterns)
+
+
+def _selected(entry: str, name: str) -> bool:
+    return compile_entry(entry).matches(Site(name, "Linear", "linear", None, "other"))
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_the_disabled_list_selects_what_modelopt_disables(name):
+    assert _selected(IGNORE[0], name) is _modelopt_disables(name, DISABLED)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.sampled_from(["model", "layers", "0", "mlp", "gate", "gate_up_proj", "router",
+                                 "output", "mtp", "proj_out", "lm_head", "visual", "x", "shared_expert_gate"]),
+                min_size=1, max_size=5),
+       st.lists(st.sampled_from(DISABLED), min_size=1, max_size=4))
+def test_from_modelopt_equals_fnmatch_on_quantizer_names(parts, patterns):
+    name = ".".join(parts)
+    assert _selected(from_modelopt(patterns), name) is _modelopt_disables(name, patterns)
+
+
+@pytest.mark.parametrize("bad", ["lm_head", "*", "*weight*", "*mlp.[gu]*", "a*b*"])
+def test_untranslatable_patterns_are_refused(bad):
+    with pytest.raises(ValueError, match="only"):
+        from_modelopt([bad])
+
+
+def test_routers_and_lm_head_are_left_out_on_a_moe_model():
+    model = build_tiny("qwen2_moe", num_layers=1)
+    plan = qtransform.plan(model, {"version": 1, "preset": "modelopt/MXFP8_DEFAULT_CFG"})
+    acted = {r.site for r in plan.rows}
+    assert "model.layers.0.mlp.experts.gate_up_proj" in acted
+    assert not acted & {"lm_head", "model.layers.0.mlp.gate", "model.layers.0.mlp.shared_expert_gate"}
+    assert not plan.skipped  # ModelOpt's list ignores them by name: nothing is skipped silently
+
+
+# -- numbers ------------------------------------------------------------------------------------
+def test_calibration_observes_the_full_precision_model_as_modelopt_does(golden, model):
+    """ModelOpt's max calibration collects with every quantizer off; so does qtransform's
+    calibration pass: the static input amax of every Linear equals ModelOpt's, bit for bit."""
+    tensors, _ = golden
+    out = _preset("NVFP4_DEFAULT_CFG", model, list(tensors["calib"].split(2)))
+    found = {name.split(".input_fake_quant")[0]: m.amax for name, m in out.named_modules()
+             if isinstance(m, StaticScale)}
+    assert len(found) == 14
+    for linear, amax in found.items():
+        assert torch.equal(amax, tensors[f"NVFP4_DEFAULT_CFG.amax.{linear}.input"]), linear
+        assert torch.equal(tensors[f"FP8_DEFAULT_CFG.amax.{linear}.input"], amax)
+
+
+def test_nvfp4_weights_equal_modelopts_exported_checkpoint(golden, model):
+    """The deployed NVFP4 weights (NVFP4QTensor: weight_scale_2 = amax/2688, the global amax fused
+    over q/k/v and gate/up as the export does) against the preset's fake-quantized weights."""
+    tensors, _ = golden
+    out = _preset("NVFP4_DEFAULT_CFG", model, list(tensors["calib"].split(2)))
+    for name in LAYER0:
+        linear = out.get_submodule(name)
+        tag = "fused" if name.rsplit(".", 1)[-1] in FUSED else "own"
+        assert torch.equal(linear.weight_fake_quant(linear.weight), tensors[f"nvfp4.{tag}.{name}"]), name
+    assert not torch.equal(tensors["nvfp4.fused.model.layers.0.self_attn.k_proj"],
+                           tensors["nvfp4.own.model.layers.0.self_attn.k_proj"])  # fusing matters here
+
+
+def test_mxfp8_equals_modelopts_exported_checkpoint(golden, model):
+    """E8M0 scale 2^ceil(log2(amax/448)) with amax/448 rounded to fp32 (scale_rule rceil): bit
+    for bit on every weight of layer 0 and on an activation spanning 6 decades."""
+    tensors, _ = golden
+    out = _preset("MXFP8_DEFAULT_CFG", model)
+    for name in LAYER0:
+        linear = out.get_submodule(name)
+        assert torch.equal(linear.weight_fake_quant(linear.weight), tensors[f"mxfp8.{name}"]), name
+    q_proj = out.get_submodule(LAYER0[0])
+    assert torch.equal(q_proj.input_fake_quant(tensors["mxfp8.x"]), tensors["mxfp8.x_q"])
+
+
+def test_int4_logits_are_modelopts_to_the_fp32_order_of_operations(golden, model):
+    """ModelOpt computes x * (7/amax) and q / (7/amax); qtransform x / (amax/7) and q * (amax/7):
+    the logits agree to 2e-7 (quantization itself moves them by 0.1)."""
+    tensors, _ = golden
+    with torch.no_grad():
+        got = _preset("INT4_BLOCKWISE_WEIGHT_ONLY_CFG", model)(input_ids=tensors["ids"]).logits
+    want = tensors["INT4_BLOCKWISE_WEIGHT_ONLY_CFG.logits"]
+    assert (got - want).abs().max() <= 2e-7
+    assert (tensors["fp.logits"] - want).abs().max() > 0.05
+
+
+def test_what_modelopt_cannot_run_on_cpu_is_recorded(golden):
+    _, meta = golden
+    assert meta["modelopt"] == "0.47.0"
+    assert meta["FP8_DEFAULT_CFG.cpu"] == meta["INT4_BLOCKWISE_WEIGHT_ONLY_CFG.cpu"] == "runs"
+    assert meta["NVFP4_DEFAULT_CFG.cpu"] == ("AssertionError: amax must be a CUDA tensor for dynamic "
+                                             "block quantization.")
+    assert meta["MXFP8_DEFAULT_CFG.cpu"] == ("RuntimeError: Skipping extension modelopt_cuda_ext_mx "
+                                             "because CUDA is not available.")
+
+
+def test_presets_expand_and_user_fields_override():
+    policy = load_policy({"version": 1, "preset": "modelopt/INT4_BLOCKWISE_WEIGHT_ONLY_CFG",
+                          "quantize": [{"name": "modelopt/INT4_BLOCKWISE_WEIGHT_ONLY_CFG weights",
+                                        "block_size": 64}]})
+    (rule,) = policy.quantize
+    assert (rule.format, rule.block_size, rule.tensors) == ("int4", 64, ["weight"])
+    assert rule.ignore == IGNORE
