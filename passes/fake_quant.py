@@ -17,9 +17,12 @@ from qtransform.core import ops
 from qtransform.core.phase import in_rollout
 from qtransform.core.program import Program
 from qtransform.core.sharding import sharded
+from qtransform.core.sites import Site
 from qtransform.core.streams import DrawStream
 from qtransform.core.versions import Watch
+from qtransform.errors import UserError
 from qtransform.formats import QuantConfig
+from qtransform.formats.quantize import check_fits
 from qtransform.pipeline.base import Action, Pass, register_pass
 from qtransform.pipeline.selection import resolve_quantize
 from qtransform.schemas import QuantRule
@@ -103,14 +106,18 @@ class FakeQuantize(nn.Module):
         cfg = self.config
         return self.per_expert and (cfg.stochastic or cfg.family.per_tensor(cfg))
 
-    def quantize(self, x: Tensor) -> Tensor:
+    def quantize(self, x: Tensor, amax: Tensor | None = None) -> Tensor:
         """Quantize-dequantize `x` now, without the cache (rollout weights, stochastic draws);
-        expert by expert where that differs from the whole tensor (each expert draws seed + e)."""
+        expert by expert where that differs from the whole tensor (each expert draws seed + e).
+        `amax` replaces x's own amax for the tensor-level scale (`fake_quantize`'s `amax`): a
+        0-dim tensor, or for per-expert weights one value per expert ([E])."""
         seed = None if self.stream is None else self.stream.seed_at(self.stream.next_index(self.training))
         if not self._expertwise():
-            return formats.fake_quantize(x, self.config, seed=seed)
+            return formats.fake_quantize(x, self.config, seed=seed, amax=amax)
+        amaxes = [amax] * x.shape[0] if amax is None or not amax.ndim else amax.reshape(-1).unbind()
         return torch.stack([
-            formats.fake_quantize(x[e], self.config, seed=None if seed is None else expert_seed(seed, e))
+            formats.fake_quantize(x[e], self.config, seed=None if seed is None else expert_seed(seed, e),
+                                  amax=amaxes[e])
             for e in range(x.shape[0])])
 
     def _traced(self, x: Tensor) -> Tensor:
@@ -156,6 +163,17 @@ class FakeQuantize(nn.Module):
         return self._cached
 
 
+def _tensor_shape(site: Site, point: str) -> tuple[int, ...] | None:
+    """The shape (as far as the blocks see it) of a site's weight, or the feature dim of its
+    input/output, from the weight's shape; None where the site has no weight."""
+    shape = site.weight_shape
+    if shape is None or point == "weight" or len(shape) == 1:
+        return shape
+    red = site.reduction_axis % len(shape)
+    other = next(d for d in range(len(shape)) if d not in (red, site.expert_axis))
+    return (shape[red] if point == "input" else shape[other],)
+
+
 @register_pass
 class FakeQuantPass(Pass[list[QuantRule], QuantRule]):
     """Inserts `FakeQuantize` on every (site, tensor) the policy's `quantize` rules select."""
@@ -165,7 +183,20 @@ class FakeQuantPass(Pass[list[QuantRule], QuantRule]):
     provides = (name,)
 
     def select(self, program: Program, spec: list[QuantRule]) -> list[Action[QuantRule]]:
-        return resolve_quantize(program, spec)
+        """The rules' actions; a block or tile longer than the axis it runs along at a site
+        (the weight's shape, an activation's feature dim) is refused here, before anything is
+        built, by `formats.check_fits`'s UserError naming the site."""
+        actions = resolve_quantize(program, spec)
+        for action in actions:
+            shape = _tensor_shape(action.site, action.point)
+            if shape is not None:
+                config = action.payload.config().bind(action.site.reduction_axis
+                                                      if action.point == "weight" else -1)
+                try:
+                    check_fits(config, shape)
+                except UserError as exc:
+                    raise UserError(f"{action.rule} at {action.site.name} ({action.point}): {exc}") from None
+        return actions
 
     def build(self, program: Program, action: Action[QuantRule]) -> nn.Module:
         site = action.site

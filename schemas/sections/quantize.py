@@ -13,6 +13,7 @@ from pydantic import AfterValidator, Field, StrictBool, StrictStr, field_validat
 from qtransform.core.lora import LORA_HELP
 from qtransform.formats import registry
 from qtransform.formats.options import CHOICE_OPTIONS, QuantConfig
+from qtransform.formats.registry import GRANULARITIES
 
 from ..base import Int, PosInt, Selected, Tensor, unique
 from ..errors import Issue, problems_error
@@ -20,7 +21,8 @@ from ..words import describe_format, describe_selector, scheme, tensor_words
 from . import Section, register_section
 
 # Option defaults used for formats that do not list the option in FormatSpec.options.
-OPTION_DEFAULTS = {"scale_rule": "floor", "rounding": "rne"}
+OPTION_DEFAULTS = {"scale_rule": "floor", "rounding": "rne", "int_range": "restricted",
+                   "scale_dtype": "float32"}
 
 
 def _all_option_values(option: str) -> list[str]:
@@ -43,6 +45,12 @@ class QuantRule(Selected):
         min_length=1,
         description='["weight"] = W4A16-style, ["input"] = W16A4-style, both = W4A4-style',
     )
+    granularity: Literal[GRANULARITIES] | None = Field(  # type: ignore[valid-type]
+        None, description=(
+            "what one scale covers: block (block_size elements along the axis), channel (one "
+            "scale per output row of a weight), token (one per row of an activation), tensor "
+            "(one for the whole tensor), tile (2D, block_shape); null = block of the format's "
+            "default size, or tile when block_shape is given"))
     block_size: PosInt | None = Field(None, description="elements per block; null = format default")
     block_shape: tuple[PosInt, PosInt] | None = Field(None, description="2D weight tiles")
     scale_rule: StrictStr = Field(
@@ -56,6 +64,16 @@ class QuantRule(Selected):
     nvfp4_variant: StrictStr | None = Field(
         None, json_schema_extra={"enum": [*_all_option_values("nvfp4_variant"), None]},
         description="NVFP4 only: whose fp32 order of operations; null = default",
+    )
+    int_range: StrictStr = Field(
+        OPTION_DEFAULTS["int_range"], json_schema_extra={"enum": _all_option_values("int_range")},
+        description=("int4/int8 only: restricted = scale amax/qmax, codes in [-qmax, qmax]; "
+                     "full = compressed-tensors' amax/(qmax+0.5), codes in [-qmax-1, qmax]"),
+    )
+    scale_dtype: StrictStr = Field(
+        OPTION_DEFAULTS["scale_dtype"], json_schema_extra={"enum": _all_option_values("scale_dtype")},
+        description=("int and fp8 formats: the float the scale and x/scale are rounded to; "
+                     "input = the tensor's own dtype (compressed-tensors on a bf16 model)"),
     )
     zero_saturated_grad: StrictBool = Field(
         False, description="no gradient through saturated elements (straight-through otherwise)")
@@ -102,6 +120,7 @@ class QuantRule(Selected):
         (scale_rule outside MX, nvfp4_variant outside NVFP4) are left to the format's default."""
         spec = registry.get(self.format)
         opts: dict[str, Any] = {
+            "granularity": self.granularity,
             "block_size": self.block_size, "block_shape": self.block_shape, "axis": self.axis,
             "zero_saturated_grad": self.zero_saturated_grad, "seed": self.seed,
         }
@@ -131,10 +150,43 @@ def _option_issues(rule: QuantRule, spec: registry.FormatSpec) -> list[Issue]:
     return issues
 
 
+def _granularity_issues(rule: QuantRule, spec: registry.FormatSpec) -> list[Issue]:
+    """The format's family takes the granularity; a whole-row or whole-tensor scale takes no
+    block option; "channel" is for weights and "token" for activations."""
+    g = rule.granularity
+    if g is None:
+        return []
+    allowed = spec.family.granularities
+    if g not in allowed:
+        return [Issue(("granularity",), f"not available for {spec.name} (its scales are "
+                      f"{spec.scale})", g, list(allowed))]
+    issues = []
+    if g in ("channel", "token", "tensor"):
+        for key in ("block_size", "block_shape"):
+            if getattr(rule, key) is not None:
+                issues.append(Issue((key,), f"granularity {g!r} has one scale per "
+                                    f"{'tensor' if g == 'tensor' else 'whole row'}; remove it",
+                                    getattr(rule, key)))
+    if g == "block" and rule.block_shape is not None:
+        issues.append(Issue(("block_shape",), "2D tiles need granularity 'tile' (or null)"))
+    if g == "tile" and rule.block_size is not None:
+        issues.append(Issue(("block_size",), "granularity 'tile' takes block_shape"))
+    if g == "tile" and rule.block_shape is None and list(rule.tensors) != ["weight"]:
+        issues.append(Issue(("granularity",), _TILES_FOR_WEIGHTS, list(rule.tensors)))
+    if g == "channel" and list(rule.tensors) != ["weight"]:
+        issues.append(Issue(("granularity",), 'one scale per output channel is for weights: '
+                            'set tensors to ["weight"], and use "token" in a rule for inputs '
+                            'or outputs', list(rule.tensors)))
+    if g == "token" and "weight" in rule.tensors:
+        issues.append(Issue(("granularity",), 'one scale per token is for activations: use '
+                            '"channel" in a rule for weights', list(rule.tensors)))
+    return issues
+
+
 def _block_issues(rule: QuantRule, spec: registry.FormatSpec) -> list[Issue]:
     """Block sizes the format allows; 2D tiles only for weights and without block_size/axis."""
     blocks = [str(b) for b in spec.allowed_blocks] if spec.allowed_blocks else None
-    issues = []
+    issues = _granularity_issues(rule, spec)
     if rule.block_size is not None and not _block_ok(spec, rule.block_size):
         issues.append(
             Issue(("block_size",), f"not a block size of {spec.name}", rule.block_size, blocks)
