@@ -60,6 +60,14 @@ NVFP4_DEFAULT_CFG = config_preset(
              observer="static_minmax"),
     ])
 
+FP8_DEFAULT_CFG = config_preset(
+    "FP8_DEFAULT_CFG", "FP8 E4M3 weights and inputs, one fp32 scale amax/448 per tensor, input "
+    "scales from max calibration", [
+        rule("FP8_DEFAULT_CFG", "weights", format="fp8_e4m3", granularity="tensor", tensors=["weight"]),
+        rule("FP8_DEFAULT_CFG", "inputs", format="fp8_e4m3", granularity="tensor", tensors=["input"],
+             scale_source="static", observer="static_minmax"),
+    ])
+
 MXFP8_DEFAULT_CFG = config_preset(
     "MXFP8_DEFAULT_CFG", "MXFP8 E4M3 weights and inputs, E8M0 scale 2^ceil(log2(amax/448)) per 32, "
     "no calibration", [
