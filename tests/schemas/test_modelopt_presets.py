@@ -173,3 +173,35 @@ def test_presets_expand_and_user_fields_override():
     (rule,) = policy.quantize
     assert (rule.format, rule.block_size, rule.tensors) == ("int4", 64, ["weight"])
     assert rule.ignore == IGNORE
+
+
+# -- batch invariance ---------------------------------------------------------------------------
+CONFIGS = ("NVFP4_DEFAULT_CFG", "FP8_DEFAULT_CFG", "MXFP8_DEFAULT_CFG", "INT4_BLOCKWISE_WEIGHT_ONLY_CFG")
+
+
+@pytest.fixture(scope="module")
+def deployed(golden, model) -> dict[str, torch.nn.Module]:
+    calib = list(golden[0]["calib"].split(2))
+    return {name: _preset(name, model, calib) for name in CONFIGS}
+
+
+@settings(max_examples=15, deadline=None)
+@given(st.lists(st.integers(0, 255), min_size=32, max_size=32), st.sampled_from(CONFIGS))
+def test_a_sequences_logits_never_depend_on_its_batch(deployed, tokens, config):
+    """Static (calibrated) tensor scales and per-block dynamic ones: what a deployed ModelOpt
+    checkpoint computes for a sequence is the same alone or beside any other sequences."""
+    ids = torch.cat([torch.arange(16)[None], torch.tensor(tokens).reshape(2, 16)])
+    out = deployed[config]
+    with torch.no_grad():
+        assert torch.equal(out(input_ids=ids[:1]).logits, out(input_ids=ids).logits[:1])
+
+
+def test_the_batch_check_fails_for_a_per_call_global_scale(model):
+    """The control: NVFP4 inputs with the whole call's amax as global scale (not ModelOpt's)."""
+    per_call = {"version": 1, "preset": "modelopt/NVFP4_DEFAULT_CFG",
+                "quantize": [{"name": "modelopt/NVFP4_DEFAULT_CFG inputs", "scale_source": "dynamic",
+                              "observer": None, "global_scale": "tensor"}]}
+    out = qtransform.transform(model, per_call)
+    ids = torch.randint(0, 256, (3, 16), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        assert not torch.equal(out(input_ids=ids[:1]).logits, out(input_ids=ids).logits[:1])
