@@ -1,0 +1,54 @@
+"""The llm-compressor presets compute what llm-compressor computes: logits equal to the plain-torch
+model of it in tests/llmc_reference.py (itself checked equal to llm-compressor in tests_llmc/)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import qtransform
+from qtransform.models import build_tiny
+from tests.helpers import assert_untouched, snapshot
+from tests.llmc_reference import SCHEMES, reference_model
+
+REGISTERED = [s for s in SCHEMES if s in ("NVFP4A16", "NVFP4", "MXFP4A16", "MXFP4")]
+CASES = [("qwen2", s, torch.float32) for s in REGISTERED]
+CASES += [("llama", s, torch.float32) for s in ("NVFP4",)]
+BF16_NVFP4 = pytest.param("qwen2", "NVFP4", torch.bfloat16, marks=pytest.mark.xfail(
+    strict=True, reason="compressed-tensors divides 2688/amax and amax_block/6 in bf16 for a bf16 "
+    "model; the nvfp4 compressed-tensors variant divides in fp32: max |diff| 0.148 in the logits"))
+
+
+def samples(vocab: int) -> tuple[list[torch.Tensor], torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(0, vocab, (1, 16), generator=g) for _ in range(3)], \
+        torch.randint(0, vocab, (2, 12), generator=g)
+
+
+@pytest.mark.parametrize(("arch", "scheme", "dtype"), [*CASES, BF16_NVFP4],
+                         ids=[f"{a}-{s}-{str(d).removeprefix('torch.')}" for a, s, d in CASES]
+                         + ["qwen2-NVFP4-bfloat16"])
+def test_preset_equals_llm_compressor_model(arch, scheme, dtype):
+    model = build_tiny(arch, hidden=128, dtype=dtype)  # llm-compressor's 128-wide groups need 128
+    batches, ids = samples(model.config.vocab_size)
+    before = snapshot(model)
+    ours = qtransform.transform(model, {"preset": f"llm-compressor/{scheme}"}, calibration=batches)
+    assert_untouched(before, model)
+    expected = reference_model(model, scheme, batches)
+    with torch.no_grad():
+        got, want = ours(ids).logits, expected(ids).logits
+    assert torch.equal(got, want), f"max |diff| {(got - want).abs().max().item():.3g}"
+
+
+def test_a_sequence_does_not_depend_on_its_batch():
+    """Every llm-compressor scheme is batch-invariant; the static NVFP4 preset keeps that."""
+    model = build_tiny("qwen2", hidden=128)
+    batches, ids = samples(model.config.vocab_size)
+    ours = qtransform.transform(copy.deepcopy(model), {"preset": "llm-compressor/NVFP4"},
+                                calibration=batches)
+    with torch.no_grad():
+        alone = ours(ids[:1]).logits
+        together = ours(torch.cat([ids[:1], ids[1:] * 0 + 7])).logits[:1]
+    assert torch.equal(alone, together)
