@@ -29,6 +29,7 @@ from qtransform.core.streams import DrawStream
 from qtransform.core.versions import Watch
 from qtransform.errors import UserError
 from qtransform.formats import QuantConfig
+from qtransform.formats.quantize import check_fits
 from qtransform.pipeline.base import Action, Pass, register_pass
 from qtransform.pipeline.selection import resolve_quantize, share_groups
 from qtransform.schemas import QuantRule
@@ -53,33 +54,6 @@ def first_weight_seed(config: QuantConfig, site: str, expert: int | None = None)
         return None
     seed = DrawStream(config.seed or 0, weight_label(site)).seed_at(0)
     return seed if expert is None else expert_seed(seed, expert)
-
-
-def _fake_quantize(x: Tensor, config: QuantConfig, seed: int | None, amax: Tensor | None) -> Tensor:
-    if amax is None:
-        return formats.fake_quantize(x, config, seed=seed)
-    return _AmaxSTE.apply(x, config, seed, amax)
-
-
-class _AmaxSTE(torch.autograd.Function):
-    """Interim (until the formats branch's `fake_quantize(amax=)` is merged): the reference
-    path with a given tensor-level amax (0-dim, or one per row), gradient straight through."""
-
-    @staticmethod
-    def forward(ctx, x, config, seed, amax):  # type: ignore[override]
-        from qtransform.formats.blocking import from_blocks, to_blocks
-        from qtransform.formats.quantize import layout_for, quantize_blocks
-
-        layout = layout_for(x, config)
-        amax_t = amax.to(torch.float32)
-        if amax_t.ndim:
-            amax_t = to_blocks(amax_t.expand(layout.shape).contiguous(), layout)[:, 0]
-        res, lay = quantize_blocks(x, config, seed, amax_t=amax_t)
-        return from_blocks(res.out, lay).reshape(x.shape).to(x.dtype)
-
-    @staticmethod
-    def backward(ctx, grad):  # type: ignore[override]
-        return grad, None, None, None
 
 
 class _CachedSTE(torch.autograd.Function):
@@ -168,16 +142,20 @@ class FakeQuantize(nn.Module):
     def _check() -> str:
         return "identity" if in_rollout() else "sample"
 
-    def quantize(self, x: Tensor) -> Tensor:
+    def quantize(self, x: Tensor, amax: Tensor | None = None) -> Tensor:
         """Quantize-dequantize `x` now, without the cache (rollout weights, stochastic draws);
-        expert by expert where that differs from the whole tensor (each expert draws seed + e)."""
+        expert by expert where that differs from the whole tensor (each expert draws seed + e).
+        `amax` replaces x's own amax for the tensor-level scale (`fake_quantize`'s `amax`): a
+        0-dim tensor, or for per-expert weights one value per expert ([E]); by default the
+        module's own source (`global_scale`: per token, static, the scale group's)."""
         seed = None if self.stream is None else self.stream.seed_at(self.stream.next_index(self.training))
-        amax = self._amax(x)
+        amax = self._amax(x) if amax is None else amax
         if not self._expertwise():
-            return _fake_quantize(x, self.config, seed, amax)
+            return formats.fake_quantize(x, self.config, seed=seed, amax=amax)
+        amaxes = [amax] * x.shape[0] if amax is None or not amax.ndim else amax.reshape(-1).unbind()
         return torch.stack([
-            _fake_quantize(x[e], self.config, None if seed is None else expert_seed(seed, e),
-                           None if amax is None else amax[e])
+            formats.fake_quantize(x[e], self.config, seed=None if seed is None else expert_seed(seed, e),
+                                  amax=amaxes[e])
             for e in range(x.shape[0])])
 
     def _traced(self, x: Tensor) -> Tensor:
@@ -239,6 +217,17 @@ class FakeQuantize(nn.Module):
         return self._cached
 
 
+def _tensor_shape(site: Site, point: str) -> tuple[int, ...] | None:
+    """The shape (as far as the blocks see it) of a site's weight, or the feature dim of its
+    input/output, from the weight's shape; None where the site has no weight."""
+    shape = site.weight_shape
+    if shape is None or point == "weight" or len(shape) == 1:
+        return shape
+    red = site.reduction_axis % len(shape)
+    other = next(d for d in range(len(shape)) if d not in (red, site.expert_axis))
+    return (shape[red] if point == "input" else shape[other],)
+
+
 @register_pass
 class FakeQuantPass(Pass[list[QuantRule], QuantRule]):
     """Inserts `FakeQuantize` on every (site, tensor) the policy's `quantize` rules select."""
@@ -252,7 +241,19 @@ class FakeQuantPass(Pass[list[QuantRule], QuantRule]):
         self._shared: dict[str, ScaleGroup] = {}  # first member's name -> the group (build)
 
     def select(self, program: Program, spec: list[QuantRule]) -> list[Action[QuantRule]]:
+        """The rules' actions; a block or tile longer than the axis it runs along at a site
+        (the weight's shape, an activation's feature dim) is refused here, before anything is
+        built, by `formats.check_fits`'s UserError naming the site."""
         actions = resolve_quantize(program, spec)
+        for action in actions:
+            shape = _tensor_shape(action.site, action.point)
+            if shape is not None:
+                config = action.payload.config().bind(action.site.reduction_axis
+                                                      if action.point == "weight" else -1)
+                try:
+                    check_fits(config, shape)
+                except UserError as exc:
+                    raise UserError(f"{action.rule} at {action.site.name} ({action.point}): {exc}") from None
         self._groups = {s.name: group for group in share_groups(program, spec, actions) for s in group}
         return actions
 

@@ -33,7 +33,7 @@ import numpy as np
 from onnx import FunctionProto, NodeProto, TensorProto, helper, numpy_helper
 
 from qtransform.errors import UserError
-from qtransform.formats.options import QuantConfig
+from qtransform.formats.options import WHOLE_ROW, QuantConfig
 from qtransform.formats.registry import ElementSpec
 
 DOMAIN = "qtransform"
@@ -61,7 +61,7 @@ def attributes(cfg: QuantConfig) -> dict[str, Any]:
 def overload(cfg: QuantConfig, shape: Shape = None) -> str:
     """A stable identifier of the attributes and, for static bodies, the input shape
     (the function's IR 10 overload name)."""
-    block = "x".join(map(str, cfg.tile)) if cfg.tile else str(cfg.block)
+    block = "x".join(map(str, cfg.tile)) if cfg.tile else str(cfg.block or cfg.granularity)
     parts = [f"b{block}", f"axis{cfg.block_axis}".replace("-", "m"), cfg.rounding]
     parts += [getattr(cfg, o).replace("-", "_") for o in cfg.family.options if o != "rounding"]
     if static_blocks(cfg, shape):
@@ -288,12 +288,14 @@ def shared_exponent(b: Body, amax: str, elem: ElementSpec, rule: str) -> str:
         v = b.op("Div", amax, b.const(elem.max_normal))
         pos = b.op("Greater", v, b.const(0.0))
         e = b.op("Where", pos, ceil_log2(b, b.op("Where", pos, v, b.const(1.0))), b.const(-127.0))
-    elif rule == "even":
+    elif rule in ("even", "compressed-tensors"):
         # The reference adds half an element ulp to amax's bits (round half up on the bits);
         # adding 2^(max(fl, -126) - 1 - mbits) in fp32 crosses a power of two exactly when
         # that carry does, and overflows to +inf exactly when the bits reach the Inf pattern.
+        # "compressed-tensors" rounds at E2M1's 1 mantissa bit whatever the element.
+        mbits = elem.mbits if rule == "even" else 1
         fl = b.op("Max", floor_log2(b, amax), b.const(-126.0))
-        half = pow2(b, b.op("Sub", fl, b.const(1.0 + elem.mbits)))
+        half = pow2(b, b.op("Sub", fl, b.const(1.0 + mbits)))
         e = b.op("Sub", floor_log2(b, b.op("Add", amax, half)), b.const(elem.emax))
     else:
         raise UnsupportedExport(f"unknown scale_rule {rule!r}")
@@ -330,7 +332,8 @@ def static_view(b: Body, x: str, cfg: QuantConfig, shape: Shape) -> BlockView:
         first, dims, blocks = rank - 2, [int(d) for d in shape[-2:]], list(cfg.tile)
     else:
         first = cfg.block_axis % rank
-        dims, blocks = [int(shape[first])], [cfg.block]  # type: ignore[arg-type]
+        dims = [int(shape[first])]  # type: ignore[arg-type]
+        blocks = [dims[0] if cfg.granularity in WHOLE_ROW else cfg.block]
     blocks = [min(k, max(d, 1)) for d, k in zip(dims, blocks, strict=True)]  # as make_layout
     post = [int(d) for d in shape[first + len(dims):]]  # type: ignore[arg-type]
     counts = [-(-d // k) for d, k in zip(dims, blocks, strict=True)]
@@ -392,7 +395,10 @@ def dynamic_view(b: Body, x: str, cfg: QuantConfig) -> BlockView:
     post = b.ints(1) if post_dims is None else b.op("ReduceProd", post_dims, keepdims=1)
     p = b.op("ReduceProd", pre, keepdims=1)
     x3 = b.op("Reshape", x, b.op("Concat", p, length, post, axis=0))
-    block = _clamped(b, cfg.block, length)
+    if cfg.granularity in WHOLE_ROW:
+        block = b.op("Max", length, b.ints(1))
+    else:
+        block = _clamped(b, cfg.block, length)
     nb = _ceil_div(b, length, block)
     pad = b.op("Sub", b.op("Mul", nb, block), length)
     xp = b.op("Pad", x3, b.op("Concat", zero, zero, zero, zero, pad, zero, axis=0))

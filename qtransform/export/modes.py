@@ -99,6 +99,11 @@ def qdq_problem(cfg: QuantConfig) -> str | None:
         return f"{cfg.spec.element.name} elements have no ONNX tensor type"
     if cfg.tile:
         return "2D tiles (block_shape) have no blocked QuantizeLinear form"
+    if cfg.granularity != "block":
+        return f"granularity {cfg.granularity!r}: the QDQ form covers 1D blocks only"
+    if (cfg.int_range, cfg.scale_dtype) != ("restricted", "float32"):
+        return (f"int_range {cfg.int_range!r} / scale_dtype {cfg.scale_dtype!r}: the QDQ form "
+                "covers the restricted range with fp32 scales only")
     if cfg.rounding != "rne":
         return f"rounding {cfg.rounding!r}: QuantizeLinear rounds half to even only"
     return None

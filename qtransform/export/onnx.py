@@ -56,6 +56,7 @@ _SCHEMAS: dict[str, onnx.defs.OpSchema] = {}
 _A = onnx.defs.OpSchema.AttrType
 _OP_ATTRS = {  # every attribute an opaque node may carry, by op
     "fake_quant": {"axis": _A.INT, "block_size": _A.INT, "block_shape": _A.INTS, "label": _A.STRING,
+                   "granularity": _A.STRING,
                    **dict.fromkeys(CHOICE_OPTIONS, _A.STRING)},
     "Tap": {"label": _A.STRING},
     "Noise": {"scale": _A.FLOAT, "kind": _A.STRING, "label": _A.STRING},
@@ -84,6 +85,9 @@ def _fake_quant_translation(x, fmt: str, options: str, label: str):
         cfg = QuantConfig.from_json(fmt, options)
         if cfg.stochastic:
             raise UnsupportedExport("stochastic rounding cannot be exported (its draws are not reproducible)")
+        if cfg.scale_dtype != "float32":
+            raise UnsupportedExport(f"scale_dtype {cfg.scale_dtype!r} has no ONNX body; export "
+                                    "with scale_dtype 'float32'")
     except ValueError as exc:
         raise ExportError(f"fake-quant {label!r} ({fmt}): {exc}") from exc
     return _opaque(cfg.spec.onnx_op, "fake_quant", [x], {**attributes(cfg), "label": label})

@@ -5,7 +5,7 @@ See docs/numerics.md for the contract every function here implements bit for bit
 
 # isort: off
 # each family module registers its family and formats (in this order: `names()` lists them so)
-from qtransform.formats import mx, nvfp4, intgroup  # noqa: F401
+from qtransform.formats import mx, nvfp4, intgroup, fp8  # noqa: F401
 # isort: on
 from qtransform.formats.encode import Encoded, decode, encode
 from qtransform.formats.options import QuantConfig

@@ -45,7 +45,7 @@ OPENMP_RUNTIMES = ("libgomp", "libiomp", "libomp")
 MIN_PARALLEL = 1 << 16  # elements; below this one thread beats the OpenMP fork/join
 
 _VARIANT = {"default": 0, "compressed-tensors": 1, "one_level": 2}
-_RULE = {"floor": 0, "rceil": 1, "ceil": 2, "even": 3}
+_RULE = {"floor": 0, "rceil": 1, "ceil": 2, "even": 3, "compressed-tensors": 4}
 _ROUNDING = {"rne": 0, "rna": 1, "stochastic": 2}
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # read natively by qfast.c
 
@@ -280,6 +280,8 @@ def quantize(
     if (
         not x.is_cpu
         or cfg.family.kernel_id is None
+        or cfg.granularity == "tensor"  # the kernels scale by each block's own amax
+        or (cfg.int_range, cfg.scale_dtype) != ("restricted", "float32")
         or (seed is None and cfg.rounding == "stochastic")
         or x.numel() == 0
         or not enabled()

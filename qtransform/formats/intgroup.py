@@ -1,50 +1,54 @@
-"""Symmetric integer groups: an fp32 scale amax / qmax per group, no zero point."""
+"""Symmetric integers with an fp32 scale per group, row or tensor, no zero point.
+
+Two conventions (`int_range`), because the stacks differ: "restricted" (the default) takes
+scale = amax / qmax and codes in [-qmax, qmax]; "full" is compressed-tensors' (llm-compressor's
+W4A16, W8A8): scale = amax / ((qmax - qmin) / 2), i.e. amax / 7.5 for int4 and amax / 127.5
+for int8, codes clamped to [qmin, qmax] = [-8, 7] / [-128, 127].
+"""
 
 from __future__ import annotations
 
 import torch
 
 from qtransform.formats.blocking import BlockQuant
-from qtransform.formats.elements import CANONICAL_NAN, divide, round_signed
 from qtransform.formats.options import QuantConfig
 from qtransform.formats.registry import (
+    GRANULARITIES,
     INT4,
     INT8,
     ROUNDINGS,
+    SCALE_DTYPES,
     Family,
     FormatSpec,
     register,
     register_family,
 )
+from qtransform.formats.scaled import quantize_scaled
+
+INT_RANGES = ("restricted", "full")
 
 
-def quantize_int(blocks: torch.Tensor, cfg: QuantConfig, u: torch.Tensor | None) -> BlockQuant:
-    """q = clamp(round(x / scale), -qmax, qmax); a zero (or underflowed) scale gives signed zeros.
-
-    A NaN or Inf in a group makes the whole group NaN, as for MX blocks.
-    """
-    elem = cfg.spec.element
-    amax = blocks.abs().amax(dim=1)
-    bad = ~torch.isfinite(amax)
-    scale = torch.where(bad, CANONICAL_NAN, divide(amax, elem.qmax))
-    div = torch.where((scale == 0) | bad, 1.0, scale)[:, None]
-    y = blocks / div
-    q = round_signed(y, elem, cfg.rounding, u)
-    bad_b = bad[:, None]
-    q = torch.where(bad_b, CANONICAL_NAN, q)
-    # NaN * NaN is the first operand's NaN on CPU but 0x7fffffff on CUDA: write the canonical one
-    out = torch.where(bad_b, CANONICAL_NAN, q * scale[:, None])
-    return BlockQuant(out=out, q=q, sat=(y.abs() > elem.qmax) & ~bad_b, scales=scale)
+def quantize_int(blocks: torch.Tensor, cfg: QuantConfig, u: torch.Tensor | None,
+                 amax_t: torch.Tensor | None = None) -> BlockQuant:
+    """q = clamp(round(x / scale)) on the integer grid of `int_range`; a zero scale gives
+    signed zeros. A NaN or Inf in a group makes the whole group NaN, as for MX blocks."""
+    qmax = cfg.spec.element.qmax
+    if cfg.int_range == "full":
+        return quantize_scaled(blocks, cfg, u, amax_t, cfg.spec.element, qmax + 0.5,
+                               -qmax - 1.0, float(qmax))
+    return quantize_scaled(blocks, cfg, u, amax_t, cfg.spec.element, float(qmax),
+                           -float(qmax), float(qmax))
 
 
 INT = register_family(Family(
-    "int", {"rounding": ROUNDINGS},
-    quantize=lambda blocks, cfg, u, amax_t: quantize_int(blocks, cfg, u),
-    scale_values=lambda scales, tensor_scale, cfg: scales, kernel_id=2,
+    "int", {"rounding": ROUNDINGS, "int_range": INT_RANGES, "scale_dtype": SCALE_DTYPES},
+    quantize=quantize_int, scale_values=lambda scales, tensor_scale, cfg: scales, kernel_id=2,
+    per_tensor=lambda cfg: cfg.granularity == "tensor", granularities=GRANULARITIES,
 ))
 for _name, _elem in [("int4", INT4), ("int8", INT8)]:
     register(FormatSpec(
         name=_name, family=INT, element=_elem, default_block=128, scale="fp32", tile=(128, 128),
         onnx_op=_name.upper() + "FakeQuant", allowed_blocks=None,
-        description=f"symmetric {_name} groups with an fp32 scale per group (amax / {_elem.qmax})",
+        description=f"symmetric {_name} with an fp32 scale per group, row or tensor "
+                    f"(amax / {_elem.qmax}, or amax / {_elem.qmax + 0.5} with int_range full)",
     ))

@@ -36,7 +36,9 @@ from qtransform.formats.registry import (
 
 E_MIN, E_MAX = -127, 127  # E8M0 range; code = E + 127, code 0xFF = NaN
 NAN_CODE = 255
-SCALE_RULES = ("floor", "rceil", "ceil", "even")  # floor (OCP v1.0) is the default
+# floor (OCP v1.0) is the default; "compressed-tensors" is "even" at E2M1's mantissa width for
+# every element (its MXFP8 rounds amax as its MXFP4 does), so for mxfp4 the two are one rule
+SCALE_RULES = ("floor", "rceil", "ceil", "even", "compressed-tensors")
 
 
 def shared_exponent(amax: torch.Tensor, elem: ElementSpec, rule: str) -> torch.Tensor:
@@ -52,8 +54,9 @@ def shared_exponent(amax: torch.Tensor, elem: ElementSpec, rule: str) -> torch.T
         v = divide(amax, elem.max_normal)  # fp32 quotient, rounded to nearest even
         # an underflowed quotient means the smallest scale
         e = torch.where(v > 0, ceil_log2(v), E_MIN)
-    elif rule == "even":
-        bits = amax.view(torch.int32) + (1 << (22 - elem.mbits))  # round half up on the bits
+    elif rule in ("even", "compressed-tensors"):
+        mbits = elem.mbits if rule == "even" else E2M1.mbits
+        bits = amax.view(torch.int32) + (1 << (22 - mbits))  # round half up on the bits
         e = torch.where(bits < 0x7F800000, floor_log2(bits.view(torch.float32)), 128) - elem.emax
     else:
         raise ValueError(f"unknown scale_rule {rule!r}")

@@ -17,13 +17,19 @@ from typing import Any
 from qtransform.formats import registry
 from qtransform.formats.registry import Family, FormatSpec
 
-CHOICE_OPTIONS = ("scale_rule", "rounding", "nvfp4_variant")  # strings a family lists values of
-NUMERICS_OPTIONS = ("block_size", "block_shape", "axis", *CHOICE_OPTIONS)  # what changes numbers
+# strings a family lists values of
+CHOICE_OPTIONS = ("scale_rule", "rounding", "nvfp4_variant", "int_range", "scale_dtype")
+# what changes numbers
+NUMERICS_OPTIONS = ("granularity", "block_size", "block_shape", "axis", *CHOICE_OPTIONS)
 FORMAT_KEYS = (*NUMERICS_OPTIONS, "seed")  # the keys that belong to one format (not training's)
 OPTION_KEYS = (*FORMAT_KEYS, "zero_saturated_grad")  # every key of `options()`
 # what a config holds for a choice its family does not take (the kernels never read it)
-NEUTRAL = {"scale_rule": "floor", "rounding": "rne", "nvfp4_variant": "default"}
-KEYWORDS = ("block_size", "axis", "block_shape", "scale_rule", "rounding", "generator", "seed")
+NEUTRAL = {"scale_rule": "floor", "rounding": "rne", "nvfp4_variant": "default",
+           "int_range": "restricted", "scale_dtype": "float32"}
+KEYWORDS = ("block_size", "axis", "block_shape", "granularity", "scale_rule", "rounding",
+            "generator", "seed", "amax")
+WHOLE_ROW = ("channel", "token", "tensor")  # granularities whose kernel blocks are whole rows
+_PER = {"channel": "per channel", "token": "per token", "tensor": "per tensor"}
 
 
 @dataclass(frozen=True)
@@ -34,10 +40,12 @@ class QuantConfig:
     `axis` None means "the reduction axis of the tensor it is applied to" (a policy rule that
     leaves it unset; the pass and the scans `bind` it per site); kernels read None as -1.
     `seed` is the base seed of stochastic rounding's stream, None when the caller draws one.
+    `granularity` says what one scale covers (`registry.GRANULARITIES`); "channel", "token" and
+    "tensor" have `block` 0: their blocks are the whole rows along `axis` of the tensor at hand.
     """
 
     spec: FormatSpec
-    block: int  # 1D block length (0 when `tile` is set)
+    block: int  # 1D block length (0 when `tile` is set or the granularity is a whole row)
     tile: tuple[int, int] | None
     axis: int | None
     scale_rule: str
@@ -45,6 +53,9 @@ class QuantConfig:
     nvfp4_variant: str
     zero_saturated_grad: bool = False
     seed: int | None = None
+    int_range: str = "restricted"
+    scale_dtype: str = "float32"
+    granularity: str = "block"
 
     @property
     def family(self) -> Family:
@@ -72,7 +83,13 @@ class QuantConfig:
         """The options that change the numbers, every one spelled out: the block (size or
         shape), the axis when bound, and each choice option of the family. This is what ONNX
         node attributes and reports record."""
-        out: dict[str, Any] = {"block_shape": list(self.tile)} if self.tile else {"block_size": self.block}
+        out: dict[str, Any]
+        if self.tile:
+            out = {"block_shape": list(self.tile)}
+        elif self.granularity in WHOLE_ROW:
+            out = {"granularity": self.granularity}
+        else:
+            out = {"block_size": self.block}
         if self.axis is not None:
             out["axis"] = self.axis
         out |= {option: getattr(self, option) for option in self.family.options}
@@ -90,11 +107,17 @@ class QuantConfig:
         return out
 
     def describe(self) -> str:
-        """One line for plans: 'mxfp4 block=32, scale_rule=floor, rounding=rne'."""
+        """One line for plans: 'mxfp4 block=32, scale_rule=floor, rounding=rne' or
+        'fp8_e4m3 per channel, rounding=rne, scale_dtype=float32'."""
         opts = self.options()
         opts.pop("axis", None)
-        block = "x".join(map(str, opts.pop("block_shape"))) if self.tile else opts.pop("block_size")
-        return ", ".join([f"{self.name} block={block}", *(f"{k}={v}" for k, v in opts.items())])
+        if self.tile:
+            head = f"{self.name} block={'x'.join(map(str, opts.pop('block_shape')))}"
+        elif self.granularity in WHOLE_ROW:
+            head = f"{self.name} {_PER[opts.pop('granularity')]}"
+        else:
+            head = f"{self.name} block={opts.pop('block_size')}"
+        return ", ".join([head, *(f"{k}={v}" for k, v in opts.items())])
 
     def to_json(self) -> str:
         """`options()` as canonical JSON: the `options` string of the `qtransform::fake_quant`
@@ -154,6 +177,36 @@ def _tile(spec: FormatSpec, block_shape: Any, block_size: Any, axis: int | None)
     return (block_shape[0], block_shape[1])
 
 
+def _granularity(spec: FormatSpec, granularity: Any, block_size: Any, block_shape: Any) -> str:
+    """The granularity asked for (None: a tile with block_shape, else a block of block_size or
+    of the format's default size), checked against the format's family and the block options given."""
+    if granularity is not None and granularity not in registry.GRANULARITIES:
+        raise ValueError(
+            f"{spec.name}: granularity={granularity!r} is not allowed"
+            f"{registry.suggest(str(granularity), registry.GRANULARITIES)}; "
+            f"allowed: {', '.join(spec.family.granularities)}"
+        )
+    if granularity is None:
+        if block_shape is not None:
+            return "tile"
+        return "block"
+    if granularity not in spec.family.granularities:
+        raise ValueError(
+            f"{spec.name}: granularity {granularity!r} is not available (its scales are "
+            f"{spec.scale}); allowed: {', '.join(spec.family.granularities)}"
+        )
+    if granularity in WHOLE_ROW and (block_size is not None or block_shape is not None):
+        given = "block_size" if block_size is not None else "block_shape"
+        raise ValueError(f"{spec.name}: granularity {granularity!r} has one scale per "
+                         f"{'tensor' if granularity == 'tensor' else 'whole row'}; remove {given}")
+    if granularity == "block" and block_shape is not None:
+        raise ValueError(f"{spec.name}: block_shape gives 2D tiles; use granularity 'tile' "
+                         "or a block_size")
+    if granularity == "tile" and block_size is not None:
+        raise ValueError(f"{spec.name}: granularity 'tile' takes block_shape, not block_size")
+    return granularity
+
+
 def _takers(option: str) -> str:
     """'MX formats only (mxfp4, ...)': the families and formats that take an option."""
     fams = [f for f in registry.families() if option in f.options]
@@ -186,6 +239,7 @@ def resolve(
     block_size: int | None = None,
     axis: int | None = -1,
     block_shape: tuple[int, int] | None = None,
+    granularity: str | None = None,
     **options: Any,
 ) -> QuantConfig:
     """Check a request against the registry; raise ValueError naming what is allowed.
@@ -193,17 +247,22 @@ def resolve(
     A `QuantConfig` passes through unchanged (no further options allowed)."""
     if isinstance(fmt, QuantConfig):
         given = {k: v for k, v in options.items() if NEUTRAL.get(k) != v}  # keyword defaults
-        if block_size is not None or block_shape is not None or axis != -1 or given:
+        if (block_size is not None or block_shape is not None or axis != -1 or given
+                or granularity is not None):
             raise ValueError(f"{fmt.name}: pass a QuantConfig alone, or a format name with options")
         return fmt
     spec = fmt if isinstance(fmt, FormatSpec) else registry.get(fmt)
     if axis is not None and (isinstance(axis, bool) or not isinstance(axis, int)):
         raise ValueError(f"{spec.name}: axis must be an int, got {axis!r}")
-    if block_shape is None:
-        block, tile = _block_size(spec, block_size), None
-    else:
-        block, tile = 0, _tile(spec, block_shape, block_size, axis)
+    gran = _granularity(spec, granularity, block_size, block_shape)
+    if gran in WHOLE_ROW:
+        block, tile = 0, None
+    elif gran == "tile":
+        block, tile = 0, _tile(spec, spec.tile if block_shape is None else block_shape,
+                               block_size, axis)
         axis = -1 if axis is None else axis
+    else:
+        block, tile = _block_size(spec, block_size), None
     allowed = (*CHOICE_OPTIONS, "zero_saturated_grad", "seed")
     for key in options:
         if key not in allowed:
@@ -219,4 +278,5 @@ def resolve(
     seed = options.get("seed")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
         raise ValueError(f"{spec.name}: seed must be an int, got {seed!r}")
-    return QuantConfig(spec, block, tile, axis, zero_saturated_grad=zsg, seed=seed, **choices)
+    return QuantConfig(spec, block, tile, axis, zero_saturated_grad=zsg, seed=seed,
+                       granularity=gran, **choices)

@@ -19,7 +19,8 @@
 
 enum { FAM_MX = 0, FAM_NVFP4 = 1, FAM_INT = 2 };
 enum { NV_DEFAULT = 0, NV_CT = 1, NV_ONE_LEVEL = 2 };
-enum { RULE_FLOOR = 0, RULE_RCEIL = 1, RULE_CEIL = 2, RULE_EVEN = 3 };
+/* RULE_EVEN_E2M1 ("compressed-tensors"): RULE_EVEN at E2M1's 1 mantissa bit for every element */
+enum { RULE_FLOOR = 0, RULE_RCEIL = 1, RULE_CEIL = 2, RULE_EVEN = 3, RULE_EVEN_E2M1 = 4 };
 
 typedef struct {
     int32_t family, variant, scale_rule, rna; /* rna: 0 = ties to even, 1 = ties away, 2 = SR */
@@ -272,7 +273,7 @@ static int mx_exponent(float amax, const qf_params *p) {
         float v = amax / p->max_normal;
         e = v > 0.0f ? ceil_log2f(v) : -127;
     } else {
-        uint32_t b = f2u(amax) + (1u << (22 - p->mbits));
+        uint32_t b = f2u(amax) + (1u << (22 - (p->scale_rule == RULE_EVEN ? p->mbits : 1)));
         e = (b >= 0x7f800000u ? 128 : floor_log2f(u2f(b))) - p->emax;
     }
     return e < -127 ? -127 : (e > 127 ? 127 : e);
@@ -560,7 +561,7 @@ VINLINE v16i vblock_exponent(v16u am, const qf_params *p) {
         v16f v = (v16f)am / p->max_normal;
         e = (v16i)vsel(v > 0.0f, (v16u)vceil_log2((v16u)v), SPLAT(-127));
     } else {
-        v16u b = am + (1u << (22 - p->mbits));
+        v16u b = am + (1u << (22 - (p->scale_rule == RULE_EVEN ? p->mbits : 1)));
         e = (v16i)vsel((v16i)(b >= 0x7f800000u), SPLAT(128), (v16u)vfloor_log2(b)) - p->emax;
     }
     e = vmaxi(vmini(e, (v16i)SPLAT(127)), (v16i)SPLAT(-127));

@@ -26,8 +26,9 @@ from qtransform.formats.blocking import (
     tensor_amax,
     to_blocks,
 )
-from qtransform.formats.options import QuantConfig, resolve
+from qtransform.formats.options import WHOLE_ROW, QuantConfig, resolve
 from qtransform.formats.registry import FormatSpec
+from qtransform.formats.scaled import bind_dtype
 
 
 def check_input(x: Any, cfg: QuantConfig) -> None:
@@ -55,8 +56,37 @@ def canonical_nan_(t: torch.Tensor) -> torch.Tensor:
 
 
 def layout_for(x: torch.Tensor, cfg: QuantConfig) -> BlockLayout:
-    """The block layout of x under cfg (0-dim tensors are treated as shape (1,))."""
-    return _layout(tuple(x.shape) if x.ndim else (1,), cfg.block_axis, cfg.block, cfg.tile)
+    """The block layout of x under cfg (0-dim tensors are treated as shape (1,)); a block or
+    tile longer than its axis is an error (`check_fits`), whole-row granularities block whole
+    rows."""
+    shape = tuple(x.shape) if x.ndim else (1,)
+    check_fits(cfg, shape)
+    block = cfg.block
+    if cfg.granularity in WHOLE_ROW:
+        block = max(shape[cfg.block_axis], 1)
+    return _layout(shape, cfg.block_axis, block, cfg.tile)
+
+
+def check_fits(cfg: QuantConfig, shape: tuple[int, ...]) -> None:
+    """A block (tile side) longer than the axis it runs along is a UserError naming the axis
+    length and the fix. The format's own default block is exempt: on a short axis (a tiny
+    model) it covers the whole row, as it always has."""
+    ndim = len(shape)
+    if cfg.tile:
+        sides = [(ndim - 2, cfg.tile[0]), (ndim - 1, cfg.tile[1])] if ndim >= 2 else []
+        name = "block_shape " + "x".join(map(str, cfg.tile))
+    elif cfg.granularity == "block" and cfg.block != cfg.spec.default_block:
+        sides = [(cfg.block_axis, cfg.block)] if -ndim <= cfg.block_axis < ndim else []
+        name = f"block_size {cfg.block}"
+    else:
+        return
+    for dim, side in sides:
+        n = shape[dim]
+        if side > n and not (cfg.tile and side == cfg.spec.tile[dim - ndim + 2]):
+            raise UserError(
+                f"{cfg.name}: {name} is longer than axis {dim % ndim} of a tensor of shape "
+                f"{list(shape)} ({n} elements); use a block of at most {n}, or granularity "
+                "'channel' (weights) / 'token' (activations) for one scale per whole row")
 
 
 _layout = functools.lru_cache(maxsize=1024)(make_layout)  # a weight sync asks for a few shapes
@@ -88,10 +118,12 @@ def quantize_blocks(
     """Reference path: quantize x (any float dtype, any device) block by block in fp32.
 
     Stochastic rounding draws u from the stream of `seed` at the elements' linear positions
-    `pos` (default: x's own) and NVFP4 scales with `amax_t` (default: x's amax): a chunk of a
-    larger tensor passes both, so chunking changes no result.
+    `pos` (default: x's own) and tensor-level scales come from `amax_t` (default: x's amax;
+    0-dim, or one value per row shaped like x with the blocked axis 1): a chunk of a larger
+    tensor passes both, so chunking changes no result.
     """
     layout = layout_for(x, cfg)
+    cfg = bind_dtype(cfg, x.dtype)
     x32 = x.detach().to(torch.float32).reshape(layout.shape)
     blocks = to_blocks(x32, layout)
     u = None
@@ -103,6 +135,8 @@ def quantize_blocks(
         u = to_blocks(philox.uniform_at(seed, pos).reshape(layout.shape), layout)
     if amax_t is None and cfg.family.per_tensor(cfg):
         amax_t = tensor_amax(x32)
+    elif amax_t is not None and amax_t.ndim:  # one amax per row: each block takes its row's
+        amax_t = to_blocks(amax_t.expand(layout.shape), layout)[:, 0]
     return cfg.family.quantize(blocks, cfg, u, amax_t), layout
 
 
@@ -120,10 +154,11 @@ def _chunking(layout: BlockLayout) -> tuple[int, int]:
 
 def _reference(
     x: torch.Tensor, cfg: QuantConfig, seed: int | None, layout: BlockLayout, want_sat: bool,
-    want_exps: bool,
+    want_exps: bool, amax: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """The reference path over chunks of about CHUNK_ELEMENTS: results in x's dtype shaped
-    `layout.shape` (its temporaries, about nine chunks of fp32, come on top)."""
+    `layout.shape` (its temporaries, about nine chunks of fp32, come on top). `amax` is a
+    checked override of the tensor amax (`check_amax`)."""
     xs = x.detach().reshape(layout.shape)
     dim, unit = _chunking(layout)
     n = layout.shape[dim]
@@ -131,7 +166,12 @@ def _reference(
     chunk = CHUNK_ELEMENTS if x.device.type == "cpu" else GPU_CHUNK_ELEMENTS
     step = max(1, chunk // per_unit) * unit
     amax_t = None
-    if cfg.family.per_tensor(cfg):
+    rows = None  # a per-row amax, expanded to the layout's shape (a view)
+    if amax is not None and amax.ndim:
+        rows = amax.expand(layout.shape)
+    elif amax is not None:
+        amax_t = amax
+    elif cfg.family.per_tensor(cfg):
         parts = [tensor_amax(xs.narrow(dim, s, min(step, n - s)).to(torch.float32))
                  for s in range(0, n, step)]
         amax_t = torch.stack(parts).amax() if parts else None  # amax propagates NaN
@@ -143,7 +183,8 @@ def _reference(
         k = min(step, n - s)
         pos = (philox.positions(layout.shape, dim, s, k, x.device)
                if cfg.rounding == "stochastic" else None)
-        res, lay = quantize_blocks(xs.narrow(dim, s, k), cfg, seed, pos=pos, amax_t=amax_t)
+        part = amax_t if rows is None else rows.narrow(dim, s, k)
+        res, lay = quantize_blocks(xs.narrow(dim, s, k), cfg, seed, pos=pos, amax_t=part)
         oc = out.narrow(dim, s, k)
         canonical_nan_(oc.copy_(from_blocks(res.out, lay)))
         if sat is not None:
@@ -155,20 +196,22 @@ def _reference(
 
 def _forward(
     x: torch.Tensor, cfg: QuantConfig, generator: torch.Generator | None, want_sat: bool,
-    want_exps: bool = False, seed: int | None = None,
+    want_exps: bool = False, seed: int | None = None, amax: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Fake-quantized x in its own dtype, plus the saturation mask and the MX block exponents
-    when asked for, all from one quantization."""
+    when asked for, all from one quantization. `amax`: a checked tensor-amax override."""
     layout = layout_for(x, cfg)
     seed = stream_seed(cfg, generator, seed, x.device)
-    gpu = _gpu_path(x, cfg, layout, want_sat, want_exps)
-    fast = gpu if gpu is not None else fastpath.quantize(x, cfg, layout, want_sat,
-                                                         exponents=want_exps, seed=seed)
+    fast = None
+    if amax is None:
+        fast = _gpu_path(x, cfg, layout, want_sat, want_exps)
+        if fast is None:
+            fast = fastpath.quantize(x, cfg, layout, want_sat, exponents=want_exps, seed=seed)
     if fast is not None:
         out, sat, exps = fast
         assert out is not None
     else:
-        out, sat, exps = _reference(x, cfg, seed, layout, want_sat, want_exps)
+        out, sat, exps = _reference(x, cfg, seed, layout, want_sat, want_exps, amax)
     if out.shape != x.shape:
         out = out.reshape(x.shape)
     if out.dtype != x.dtype:
@@ -203,8 +246,9 @@ class _FakeQuant(torch.autograd.Function):
     """Straight-through estimator; optionally no gradient through saturated elements."""
 
     @staticmethod
-    def forward(ctx, x, cfg, generator, seed):  # type: ignore[override]
-        out, sat, _ = _forward(x, cfg, generator, want_sat=cfg.zero_saturated_grad, seed=seed)
+    def forward(ctx, x, cfg, generator, seed, amax):  # type: ignore[override]
+        out, sat, _ = _forward(x, cfg, generator, want_sat=cfg.zero_saturated_grad, seed=seed,
+                               amax=amax)
         if sat is not None:
             ctx.save_for_backward(sat)
         ctx.mask = sat is not None
@@ -215,7 +259,7 @@ class _FakeQuant(torch.autograd.Function):
         if ctx.mask:
             (sat,) = ctx.saved_tensors
             grad = grad.masked_fill(sat, 0.0)
-        return grad, None, None, None
+        return grad, None, None, None, None
 
 
 def fake_quantize(
@@ -229,22 +273,54 @@ def fake_quantize(
     rounding: str = "rne",
     generator: torch.Generator | None = None,
     seed: int | None = None,
+    granularity: str | None = None,
+    amax: torch.Tensor | None = None,
     **format_options: Any,
 ) -> torch.Tensor:
     """Quantize x to `fmt` and back (same dtype, shape and device); gradient straight through.
 
-    Options are the numerics contract of docs/numerics.md: blocks along `axis` (or 2D tiles
-    `block_shape` over the last two dims), the MX `scale_rule`, the element `rounding`
-    (stochastic: the Philox stream of `seed`, or of one draw from `generator`), and format
-    options `nvfp4_variant` and `zero_saturated_grad`. Invalid values raise ValueError listing
-    what is allowed. `fmt` may be a `QuantConfig` instead (then without options).
+    Options are the numerics contract of docs/numerics.md: what one scale covers
+    (`granularity`: blocks of `block_size` along `axis`, 2D tiles `block_shape` over the last
+    two dims, whole rows per channel / per token, the whole tensor), the MX `scale_rule`, the
+    element `rounding` (stochastic: the Philox stream of `seed`, or of one draw from
+    `generator`), and format options `nvfp4_variant`, `int_range`, `scale_dtype` and
+    `zero_saturated_grad`. `amax` replaces x's own amax for the tensor-level scale (NVFP4's
+    global scale, the scale of granularity "tensor"): a 0-dim tensor, or for NVFP4 one value
+    per row (x's shape with the blocked axis 1). Invalid values raise ValueError listing what
+    is allowed. `fmt` may be a `QuantConfig` instead (then without options).
     """
     cfg = resolve(fmt, block_size=block_size, axis=axis, block_shape=block_shape,
-                  scale_rule=scale_rule, rounding=rounding, **format_options)
+                  granularity=granularity, scale_rule=scale_rule, rounding=rounding,
+                  **format_options)
     check_input(x, cfg)
+    amax = check_amax(x, cfg, amax)
     if torch.is_grad_enabled() and x.requires_grad:
-        return _FakeQuant.apply(x, cfg, generator, seed)
-    return _forward(x, cfg, generator, want_sat=False, seed=seed)[0]
+        return _FakeQuant.apply(x, cfg, generator, seed, amax)
+    return _forward(x, cfg, generator, want_sat=False, seed=seed, amax=amax)[0]
+
+
+def check_amax(x: torch.Tensor, cfg: QuantConfig, amax: Any) -> torch.Tensor | None:
+    """The `amax=` override as fp32 on x's device, or a ValueError: the format must have a
+    tensor-level scale; the value is a 0-dim tensor, or (NVFP4) one per row of x's blocks."""
+    if amax is None:
+        return None
+    if not cfg.family.per_tensor(cfg):
+        raise ValueError(
+            f"{cfg.name}: amax= sets a tensor-level scale, which this config has none of; it "
+            "applies to two-level NVFP4 and to granularity 'tensor' (fp8_*, int4, int8)")
+    if not isinstance(amax, torch.Tensor) or not amax.is_floating_point():
+        got = amax.dtype if isinstance(amax, torch.Tensor) else type(amax).__name__
+        raise ValueError(f"{cfg.name}: amax must be a floating-point tensor, got {got}")
+    if amax.ndim:
+        rows = list(x.shape)
+        if rows:
+            rows[cfg.block_axis] = 1
+        if cfg.granularity == "tensor" or cfg.tile or list(amax.shape) != rows:
+            per_row = (f" or, for NVFP4 blocks, one per row shaped {rows} "
+                       "(x.abs().amax(axis, keepdim=True))") if cfg.granularity != "tensor" else ""
+            raise ValueError(f"{cfg.name}: amax must be a 0-dim tensor{per_row}; "
+                             f"got shape {list(amax.shape)}")
+    return amax.detach().to(device=x.device, dtype=torch.float32)
 
 
 def saturated(x: torch.Tensor, fmt: str | FormatSpec | QuantConfig, **options: Any) -> torch.Tensor:
@@ -252,9 +328,11 @@ def saturated(x: torch.Tensor, fmt: str | FormatSpec | QuantConfig, **options: A
     `fake_quantize`); NaN blocks count as not saturated. Feeds the saturation ratio metric."""
     options.pop("generator", None)
     options.pop("seed", None)
+    amax = options.pop("amax", None)
     cfg = resolve(fmt, **options)
     check_input(x, cfg)
-    sat = _forward(x, replace(cfg, rounding="rne"), None, want_sat=True)[1]  # rounding-free
+    amax = check_amax(x, cfg, amax)
+    sat = _forward(x, replace(cfg, rounding="rne"), None, want_sat=True, amax=amax)[1]  # rounding-free
     assert sat is not None
     return sat
 
@@ -303,11 +381,13 @@ def quantize_with_info(
     """`(fake_quantize(x), saturated(x), block_exponents(x) if exponents)` with the same options,
     from one quantization instead of three: what a scan measures. No gradient. `exponents` is
     for MX formats only (ValueError otherwise)."""
+    amax = options.pop("amax", None)
     cfg = _checked(x, fmt, options)
+    amax = check_amax(x, cfg, amax)
     if exponents:
         _mx_only(cfg)
     with torch.no_grad():
         out, sat, exps = _forward(x, cfg, generator, want_sat=True, want_exps=exponents,
-                                  seed=seed)
+                                  seed=seed, amax=amax)
     assert sat is not None
     return out, sat, exps

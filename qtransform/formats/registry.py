@@ -72,8 +72,13 @@ E5M2 = ElementSpec("e5m2", "float", 5, 2, emax=15, emin=-14, max_normal=57344.0)
 INT8_MX = ElementSpec("int8_mx", "int", 0, 6, emax=0, emin=0, max_normal=127 / 64, qmax=127, step=1 / 64)
 INT4 = ElementSpec("int4", "int", 0, 0, emax=0, emin=0, max_normal=7.0, qmax=7)
 INT8 = ElementSpec("int8", "int", 0, 0, emax=0, emin=0, max_normal=127.0, qmax=127)
+SCALE_DTYPES = ("float32", "bfloat16", "float16", "input")  # fp32-scaled families' scale dtype
 
 ROUNDINGS = ("rne", "rna", "stochastic")  # every family's element rounding
+# what one scale covers: a 1D block along an axis, a whole row of a weight (one scale per output
+# channel) or of an activation (per token), the whole tensor, or a 2D tile of the last two dims
+GRANULARITIES = ("block", "channel", "token", "tensor", "tile")
+BLOCKED = ("block", "tile")  # the granularities of block formats whose scales cover few elements
 POW2_BLOCKS = tuple(2**i for i in range(1, 11))  # 2 .. 1024
 
 
@@ -92,6 +97,10 @@ class Family:
     (`qfast.c`, `triton_kernels.py`); None leaves its formats on the reference path.
     `exponents` (power-of-two families) turns a block result into per-block shared exponents,
     and `scale_values(scales, tensor_scale, cfg)` decodes stored scales into fp32 multipliers.
+    `granularities` are what one of its scales may cover (`GRANULARITIES`): a family whose
+    scale is a plain fp32 number takes them all; E8M0 and E4M3 block scales only blocks/tiles.
+    For "channel", "token" and "tensor" the kernel sees whole rows as blocks; "tensor" also gets
+    the tensor's amax (`per_tensor` is true for it) and uses it for every row.
     """
 
     name: str
@@ -101,6 +110,7 @@ class Family:
     per_tensor: Callable[[QuantConfig], bool] = _never
     exponents: Callable[[BlockQuant], torch.Tensor] | None = None
     kernel_id: int | None = None
+    granularities: tuple[str, ...] = BLOCKED
 
     def __repr__(self) -> str:
         return f"Family({self.name!r})"

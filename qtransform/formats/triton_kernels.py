@@ -206,7 +206,7 @@ def _fq_kernel(x_ptr, out_ptr, sat_ptr, amax_t_ptr, n_blocks, row_len, blocks_pe
 def supported(x: torch.Tensor, cfg: QuantConfig, layout: BlockLayout, exponents: bool) -> bool:
     """Whether the kernels cover this request (else the reference path runs)."""
     return (x.dtype in _DTYPES and x.numel() > 0 and not layout.tile and not exponents
-            and cfg.rounding in ("rne", "rna")
+            and cfg.rounding in ("rne", "rna") and cfg.scale_rule in _RULES
             and (cfg.family.kernel_id == KERNEL_MX
                  or (cfg.family.kernel_id == KERNEL_NVFP4
                      and cfg.nvfp4_variant in ("default", "one_level"))))

@@ -13,6 +13,7 @@ from pydantic import AfterValidator, Field, StrictBool, StrictStr, field_validat
 from qtransform.core.lora import LORA_HELP
 from qtransform.formats import registry
 from qtransform.formats.options import CHOICE_OPTIONS, QuantConfig
+from qtransform.formats.registry import GRANULARITIES
 
 from ..base import Fraction, Int, PosInt, Selected, StrictModel, Tensor, unique
 from ..errors import Issue, problems_error
@@ -23,7 +24,8 @@ from . import Section, register_section
 OBSERVERS = ("static_minmax", "minmax", "memoryless_minmax")  # llm-compressor 0.14's names
 DEFAULT_OBSERVER = "static_minmax"
 # Option defaults used for formats that do not list the option in FormatSpec.options.
-OPTION_DEFAULTS = {"scale_rule": "floor", "rounding": "rne"}
+OPTION_DEFAULTS = {"scale_rule": "floor", "rounding": "rne", "int_range": "restricted",
+                   "scale_dtype": "float32"}
 
 
 def _all_option_values(option: str) -> list[str]:
@@ -53,6 +55,12 @@ class QuantRule(Selected):
         min_length=1,
         description='["weight"] = W4A16-style, ["input"] = W16A4-style, both = W4A4-style',
     )
+    granularity: Literal[GRANULARITIES] | None = Field(  # type: ignore[valid-type]
+        None, description=(
+            "what one scale covers: block (block_size elements along the axis), channel (one "
+            "scale per output row of a weight), token (one per row of an activation), tensor "
+            "(one for the whole tensor), tile (2D, block_shape); null = block of the format's "
+            "default size, or tile when block_shape is given"))
     block_size: PosInt | None = Field(None, description="elements per block; null = format default")
     block_shape: tuple[PosInt, PosInt] | None = Field(None, description="2D weight tiles")
     scale_rule: StrictStr = Field(
@@ -66,6 +74,16 @@ class QuantRule(Selected):
     nvfp4_variant: StrictStr | None = Field(
         None, json_schema_extra={"enum": [*_all_option_values("nvfp4_variant"), None]},
         description="NVFP4 only: whose fp32 order of operations; null = default",
+    )
+    int_range: StrictStr = Field(
+        OPTION_DEFAULTS["int_range"], json_schema_extra={"enum": _all_option_values("int_range")},
+        description=("int4/int8 only: restricted = scale amax/qmax, codes in [-qmax, qmax]; "
+                     "full = compressed-tensors' amax/(qmax+0.5), codes in [-qmax-1, qmax]"),
+    )
+    scale_dtype: StrictStr = Field(
+        OPTION_DEFAULTS["scale_dtype"], json_schema_extra={"enum": _all_option_values("scale_dtype")},
+        description=("int and fp8 formats: the float the scale and x/scale are rounded to; "
+                     "input = the tensor's own dtype (compressed-tensors on a bf16 model)"),
     )
     zero_saturated_grad: StrictBool = Field(
         False, description="no gradient through saturated elements (straight-through otherwise)")
@@ -133,6 +151,7 @@ class QuantRule(Selected):
         (scale_rule outside MX, nvfp4_variant outside NVFP4) are left to the format's default."""
         spec = registry.get(self.format)
         opts: dict[str, Any] = {
+            "granularity": self.granularity,
             "block_size": self.block_size, "block_shape": self.block_shape, "axis": self.axis,
             "zero_saturated_grad": self.zero_saturated_grad, "seed": self.seed,
         }
@@ -148,34 +167,45 @@ def observer_name(rule: QuantRule) -> str | None:
 
 
 def activation_global_scale(rule: QuantRule) -> str | None:
-    """How the rule's activations get their tensor-level scale: "static", "token" or "tensor";
-    None when the format has no tensor-level scale."""
-    if not _two_level(rule):
+    """How the rule's activations get their tensor-level scale: "static", "token" (one per row)
+    or "tensor" (the whole call); None when the format has none. A two-level format's global
+    scale is per token unless the rule says otherwise; a granularity "tensor" scale, dynamic,
+    is the whole call's (that is what the granularity asks for)."""
+    if not _tensor_scaled(rule):
         return None
     if rule.scale_source == "static":
         return "static"
+    if not _two_level(rule):
+        return "tensor"
     return rule.global_scale or "token"
 
 
-def _two_level(rule: QuantRule) -> bool:
-    """Whether the rule's format has a tensor-level scale (NVFP4 two-level: the global scale)."""
+def _tensor_scaled(rule: QuantRule) -> bool:
+    """Whether the rule's format has a tensor-level scale: NVFP4's global scale (two-level) or
+    the one fp32 scale of granularity "tensor"."""
     cfg = rule.config()
     return bool(cfg.family.per_tensor(cfg))
+
+
+def _two_level(rule: QuantRule) -> bool:
+    """Whether the tensor-level scale is a second level above block scales (NVFP4)."""
+    return _tensor_scaled(rule) and rule.config().granularity != "tensor"
 
 
 def _scale_issues(rule: QuantRule, spec: registry.FormatSpec) -> list[Issue]:
     """scale_source / observer / global_scale / share_scale against the tensors and format."""
     issues = []
     acts = [t for t in rule.tensors if t != "weight"]
-    two_level = _two_level(rule)
+    two_level, scaled = _two_level(rule), _tensor_scaled(rule)
     if rule.scale_source == "static":
         if not acts:
             issues.append(Issue(("scale_source",), "static scales are calibrated on activations: "
                                 'tensors must include "input" or "output" (a weight is its own scale)'))
-        if not two_level:
+        if not scaled:
             issues.append(Issue(("scale_source",), f"{spec.name} has no tensor-level scale to "
-                                "calibrate (its block scales are computed per call); static "
-                                "scales apply to nvfp4 (the global scale)", "static"))
+                                "calibrate here (its block scales are computed per call); static "
+                                'scales apply to nvfp4 (the global scale) and granularity "tensor"',
+                                "static"))
         if rule.global_scale is not None:
             issues.append(Issue(("global_scale",), "a static scale is one calibrated global "
                                 "scale; remove global_scale", rule.global_scale))
@@ -190,15 +220,16 @@ def _scale_issues(rule: QuantRule, spec: registry.FormatSpec) -> list[Issue]:
             issues.append(Issue(("global_scale",), 'applies to activations: tensors must include '
                                 '"input" or "output"', rule.global_scale))
         if not two_level:
-            issues.append(Issue(("global_scale",), f"{spec.name} has no global scale (two-level "
-                                "nvfp4 only)", rule.global_scale))
+            issues.append(Issue(("global_scale",), f"{spec.name} has no global scale above its "
+                                "block scales (two-level nvfp4 only; a per-token scale of other "
+                                'formats is granularity "token")', rule.global_scale))
     if rule.share_scale != "tensor":
         if "weight" not in rule.tensors:
             issues.append(Issue(("share_scale",), 'shares weight scales: tensors must include '
                                 '"weight"', rule.share_scale))
-        if not two_level:
+        if not scaled:
             issues.append(Issue(("share_scale",), f"{spec.name} has no tensor-level scale to "
-                                "share (two-level nvfp4 only)", rule.share_scale))
+                                'share (nvfp4 two-level, or granularity "tensor")', rule.share_scale))
         if rule.lora == "merged":
             issues.append(Issue(("share_scale",), 'a shared scale of merged LoRA weights (lora '
                                 '"merged") is not supported; use lora "beside" or share_scale '
@@ -241,10 +272,43 @@ def _option_issues(rule: QuantRule, spec: registry.FormatSpec) -> list[Issue]:
     return issues
 
 
+def _granularity_issues(rule: QuantRule, spec: registry.FormatSpec) -> list[Issue]:
+    """The format's family takes the granularity; a whole-row or whole-tensor scale takes no
+    block option; "channel" is for weights and "token" for activations."""
+    g = rule.granularity
+    if g is None:
+        return []
+    allowed = spec.family.granularities
+    if g not in allowed:
+        return [Issue(("granularity",), f"not available for {spec.name} (its scales are "
+                      f"{spec.scale})", g, list(allowed))]
+    issues = []
+    if g in ("channel", "token", "tensor"):
+        for key in ("block_size", "block_shape"):
+            if getattr(rule, key) is not None:
+                issues.append(Issue((key,), f"granularity {g!r} has one scale per "
+                                    f"{'tensor' if g == 'tensor' else 'whole row'}; remove it",
+                                    getattr(rule, key)))
+    if g == "block" and rule.block_shape is not None:
+        issues.append(Issue(("block_shape",), "2D tiles need granularity 'tile' (or null)"))
+    if g == "tile" and rule.block_size is not None:
+        issues.append(Issue(("block_size",), "granularity 'tile' takes block_shape"))
+    if g == "tile" and rule.block_shape is None and list(rule.tensors) != ["weight"]:
+        issues.append(Issue(("granularity",), _TILES_FOR_WEIGHTS, list(rule.tensors)))
+    if g == "channel" and list(rule.tensors) != ["weight"]:
+        issues.append(Issue(("granularity",), 'one scale per output channel is for weights: '
+                            'set tensors to ["weight"], and use "token" in a rule for inputs '
+                            'or outputs', list(rule.tensors)))
+    if g == "token" and "weight" in rule.tensors:
+        issues.append(Issue(("granularity",), 'one scale per token is for activations: use '
+                            '"channel" in a rule for weights', list(rule.tensors)))
+    return issues
+
+
 def _block_issues(rule: QuantRule, spec: registry.FormatSpec) -> list[Issue]:
     """Block sizes the format allows; 2D tiles only for weights and without block_size/axis."""
     blocks = [str(b) for b in spec.allowed_blocks] if spec.allowed_blocks else None
-    issues = []
+    issues = _granularity_issues(rule, spec)
     if rule.block_size is not None and not _block_ok(spec, rule.block_size):
         issues.append(
             Issue(("block_size",), f"not a block size of {spec.name}", rule.block_size, blocks)

@@ -115,6 +115,35 @@ def check(cases: list[tuple[str, dict]], x: torch.Tensor, *, static: bool, elem_
     assert not failures, "\n".join(failures)
 
 
+def granularity_configs() -> list[tuple[str, dict]]:
+    """The plain-scale families at every granularity and integer convention."""
+    out = []
+    for fmt in ("fp8_e4m3", "fp8_e5m2", "int4", "int8"):
+        ranges = ("restricted", "full") if fmt.startswith("int") else (None,)
+        for g, r, rounding in itertools.product(("channel", "token", "tensor", "block"), ranges, ("rne", "rna")):
+            opts = {"granularity": g, "rounding": rounding} if g != "block" else {"block_size": 24, "rounding": rounding}
+            out.append((fmt, opts | ({"int_range": r} if r else {})))
+        out.append((fmt, {"block_shape": (16, 40)}))
+        out.append((fmt, {"granularity": "channel", "axis": 0}))
+    return out
+
+
+@pytest.mark.parametrize("static", [True, False])
+def test_granularities_and_plain_scale_formats_are_bit_exact(static):
+    check(granularity_configs(), adversarial(), static=static)
+    x3 = adversarial(32, 200, seed=6).reshape(4, 8, 200)
+    check([("fp8_e4m3", {"granularity": "token"}), ("int8", {"granularity": "tensor", "int_range": "full"}),
+           ("fp8_e5m2", {"granularity": "channel", "axis": 1})], x3, static=static)
+
+
+def test_scale_dtype_other_than_fp32_is_refused_in_one_line():
+    from qtransform.export.onnx import _fake_quant_translation
+
+    with pytest.raises(ExportError, match=r"^fake-quant 'l/weight_fake_quant' \(fp8_e4m3\): scale_dtype "
+                       r"'input' has no ONNX body; export with scale_dtype 'float32'$"):
+        _fake_quant_translation(None, "fp8_e4m3", '{"scale_dtype": "input"}', "l/weight_fake_quant")
+
+
 def test_every_format_and_option_is_bit_exact_in_onnxruntime():
     cases = all_configs()
     assert len(cases) >= 60
@@ -150,7 +179,12 @@ def test_node_attributes_and_overloads_name_the_options():
     assert overload(cfg, (4, 64)) == "b32_axis0_rne_rceil_s4x64" and overload(cfg, (None, 64)) == overload(cfg)
     tiles = QuantConfig.from_options("nvfp4", {"block_shape": [16, 16], "nvfp4_variant": "one_level"})
     assert attributes(tiles)["block_shape"] == [16, 16] and overload(tiles) == "b16x16_axism1_rne_one_level"
-    assert attributes(QuantConfig.from_options("int4", {})) == {"axis": -1, "rounding": "rne", "block_size": 128}
+    assert attributes(QuantConfig.from_options("int4", {})) == {
+        "axis": -1, "rounding": "rne", "block_size": 128, "int_range": "restricted", "scale_dtype": "float32"}
+    per_row = QuantConfig.from_options("int8", {"granularity": "channel", "int_range": "full"})
+    assert attributes(per_row) == {"granularity": "channel", "axis": -1, "rounding": "rne",
+                                   "int_range": "full", "scale_dtype": "float32"}
+    assert overload(per_row) == "bchannel_axism1_rne_full_float32"
     fn = fake_quant_function(cfg, 21)
     assert (fn.domain, fn.name, fn.overload) == (DOMAIN, "MXFP4FakeQuant", overload(cfg))
     assert all(n.domain == "" for n in fn.node)  # standard ops only
@@ -165,9 +199,11 @@ def test_stochastic_rounding_and_bad_options_are_clear_errors():
         _fake_quant_translation(None, "mxfp4", '{"scale_rule": "flor"}', "layer/weight_fake_quant")
 
 
-BLOCKS_LONGER_THAN_ROWS = [("mxfp4", {"block_size": 256}), ("nvfp4", {"block_size": 1024}),
-                           ("int8", {"block_size": 100_000}), ("mxfp8_e4m3", {"axis": 0, "block_size": 64}),
-                           ("mxfp4", {"block_shape": (64, 512)}), ("int4", {"block_shape": (8, 1000)})]
+# the formats' default blocks and tiles on dims shorter than them (a configured block longer
+# than its axis is an error: tests/formats/test_formats_granularity.py)
+BLOCKS_LONGER_THAN_ROWS = [("int8", {}), ("int4", {"axis": 0}), ("mxfp8_e4m3", {"axis": 0}),
+                           ("int4", {"block_shape": (128, 128)}),
+                           ("fp8_e4m3", {})]
 
 
 def padded_sizes(model: onnx.ModelProto, x: np.ndarray) -> list[int]:
@@ -182,9 +218,9 @@ def padded_sizes(model: onnx.ModelProto, x: np.ndarray) -> list[int]:
 
 @pytest.mark.parametrize("static", [True, False])
 def test_a_block_longer_than_its_row_is_cut_to_the_row_as_in_torch(static):
-    """The torch path cuts a block (or tile side) longer than its dim to the dim
-    (`blocking.make_layout`); the bodies do the same, so they give the same bits without padding
-    every row to the configured block (a group of 10^5 made a Pad 2500 times the tensor)."""
+    """The torch path cuts a format's default block (or tile side) longer than its dim to the
+    dim (`blocking.make_layout`); the bodies do the same, so they give the same bits without
+    padding every row to the block (a group of 10^5 made a Pad 2500 times the tensor)."""
     x = adversarial(24, 40, seed=4)
     check(BLOCKS_LONGER_THAN_ROWS, x, static=static)
     shape = tuple(x.shape) if static else None

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from qtransform.core.metrics import ErrorStats
-from qtransform.formats import block_exponents, fake_quantize, fastpath, names, saturated
+from qtransform.formats import block_exponents, fake_quantize, fastpath, get, names, saturated
 from qtransform.formats.options import resolve
 from qtransform.formats.quantize import layout_for, quantize_with_info
 
@@ -21,7 +21,7 @@ HAS_CC = shutil.which("cc") is not None or shutil.which("gcc") is not None
 
 CONFIGS = (
     [(f, {"scale_rule": r, "rounding": o}) for f in names() if f.startswith("mx")
-     for r in ("floor", "rceil", "ceil", "even") for o in ("rne", "rna")]
+     for r in ("floor", "rceil", "ceil", "even", "compressed-tensors") for o in ("rne", "rna")]
     + [("nvfp4", {"nvfp4_variant": v, "rounding": o})
        for v in ("default", "compressed-tensors", "one_level") for o in ("rne", "rna")]
     + [(f, {"rounding": o}) for f in ("int4", "int8") for o in ("rne", "rna")]
@@ -108,10 +108,11 @@ def test_fast_path_builds_in_ci():
 
 @pytest.mark.parametrize(("fmt", "opts"), CONFIGS, ids=CONFIG_IDS)
 def test_bit_identical_to_reference(lib, fmt, opts, monkeypatch):
-    tile = (16, 16) if fmt == "nvfp4" else (32, 32)
+    # the formats' default tiles (clamped on short dims), and a ragged tile that fits every set
+    tile = get(fmt).tile if not fmt.startswith("int") else (4, 32)
     layouts = [{}, {"axis": 0}, {"block_shape": tile}]
     if fmt in ("int4", "int8"):
-        layouts.append({"block_size": 32})
+        layouts += [{"block_size": 32}, {"granularity": "token"}, {"granularity": "channel", "axis": 0}]
     for x, lay in itertools.product(DATA, layouts):
         cfg = resolve(fmt, **{k: v for k, v in opts.items() if k != "seed"}, **lay)
         assert fastpath.quantize(x, cfg, layout_for(x, cfg), False, seed=1) is not None
@@ -273,7 +274,7 @@ def test_other_builds_are_bit_identical_too(flags, monkeypatch, tmp_path):
 @pytest.mark.parametrize(("fmt", "opts"), CONFIGS[::3], ids=CONFIG_IDS[::3])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_bf16_fp16_inputs_are_read_natively_and_bit_identical(lib, fmt, opts, dtype, monkeypatch):
-    for x, lay in itertools.product(DATA, ({}, {"axis": 0}, {"block_shape": (16, 16)})):
+    for x, lay in itertools.product(DATA, ({}, {"axis": 0}, {"block_shape": (4, 16)})):
         xd = x.to(dtype)
         a, b = fake_quantize(xd, fmt, **opts, **lay), _reference(xd, fmt, monkeypatch, **opts, **lay)
         assert a.dtype == dtype and torch.equal(a.view(torch.int16), b.view(torch.int16)), lay
@@ -285,7 +286,7 @@ def test_quantize_with_info_is_one_call_of_the_three(lib, dtype, monkeypatch):
     """(fake_quantize, saturated, block_exponents) from one quantization, on both paths."""
     for (fmt, opts), x in itertools.product(CONFIGS[::2], DATA):
         mx = fmt.startswith("mx")
-        for lay in ({}, {"axis": 0}, {"block_shape": (16, 16)}):
+        for lay in ({}, {"axis": 0}, {"block_shape": (4, 16)}):
             xd = x.to(dtype)
             got = quantize_with_info(xd, fmt, exponents=mx, **opts, **lay)
             with monkeypatch.context() as m:

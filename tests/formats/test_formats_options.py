@@ -42,7 +42,8 @@ def test_config_with_keyword_defaults_passes(cfg: QuantConfig) -> None:
     """The keywords `fake_quantize` always forwards, at their defaults (the NEUTRAL choices,
     generator None, seed None), are not options: the config comes back unchanged, even though
     its own rounding (rna) differs from the forwarded default (rne)."""
-    assert NEUTRAL == {"scale_rule": "floor", "rounding": "rne", "nvfp4_variant": "default"}
+    assert NEUTRAL == {"scale_rule": "floor", "rounding": "rne", "nvfp4_variant": "default",
+                       "int_range": "restricted", "scale_dtype": "float32"}
     out = resolve(
         cfg,
         block_size=None,
@@ -164,7 +165,7 @@ def test_tile_with_another_axis() -> None:
     [
         ("mxfp4", "scale_rule, rounding, zero_saturated_grad, seed"),
         ("nvfp4", "rounding, nvfp4_variant, zero_saturated_grad, seed"),
-        ("int4", "rounding, zero_saturated_grad, seed"),
+        ("int4", "rounding, int_range, scale_dtype, zero_saturated_grad, seed"),
     ],
 )
 def test_unknown_option_lists_what_the_format_takes(fmt: str, takes: str) -> None:
@@ -182,7 +183,7 @@ def test_unknown_option_suggests_the_closest() -> None:
         ValueError,
         match=exactly(
             "int8: unknown option 'sed' (did you mean 'seed'?); "
-            "allowed options: rounding, zero_saturated_grad, seed"
+            "allowed options: rounding, int_range, scale_dtype, zero_saturated_grad, seed"
         ),
     ):
         resolve("int8", sed=1)
@@ -215,7 +216,7 @@ def test_choice_suggestion_comes_from_the_given_value() -> None:
         ValueError,
         match=exactly(
             "mxfp4: scale_rule='flor' is not allowed (did you mean 'floor'?); "
-            "allowed: floor, rceil, ceil, even"
+            "allowed: floor, rceil, ceil, even, compressed-tensors"
         ),
     ):
         resolve("mxfp4", scale_rule="flor")
@@ -287,6 +288,6 @@ def test_option_of_another_family_names_the_takers() -> None:
 def test_takers_text_for_an_option_of_several_families() -> None:
     """rounding is taken by all three families: their names upper-case, '/' separated, then
     every format in registration order, ', ' separated."""
-    assert _takers("rounding") == f"MX/NVFP4/INT formats only ({MX_FORMATS}, nvfp4, int4, int8)"
+    assert _takers("rounding") == f"MX/NVFP4/INT/FP8 formats only ({MX_FORMATS}, nvfp4, int4, int8, fp8_e4m3, fp8_e5m2)"
     assert _takers("scale_rule") == f"MX formats only ({MX_FORMATS})"
     assert _takers("nvfp4_variant") == "NVFP4 formats only (nvfp4)"

@@ -14,7 +14,7 @@ from qtransform.formats.options import resolve
 from qtransform.formats.quantize import layout_for, quantize_blocks
 
 MX = [n for n in names() if n.startswith("mx")]
-RULES = ["floor", "rceil", "ceil", "even"]
+RULES = ["floor", "rceil", "ceil", "even", "compressed-tensors"]
 SETTINGS = settings(max_examples=60, deadline=None)
 
 

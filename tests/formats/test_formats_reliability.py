@@ -11,7 +11,9 @@ import sys
 import pytest
 import torch
 
+from qtransform.errors import UserError
 from qtransform.formats import decode, encode, fake_quantize, fastpath, quantize
+from tests.formats.test_formats_options import exactly
 
 HAS_CC = shutil.which(os.environ.get("CC", "cc")) is not None
 
@@ -65,16 +67,25 @@ def test_half_precision_nan_bits_are_canonical(path, dtype, nan_bits, monkeypatc
     assert (decode(encode(x, "mxfp4")).view(torch.int16)[0, :32] & 0xFFFF == nan_bits).all()
 
 
-def test_huge_block_sizes_cost_no_memory():
-    """A group longer than the row is one group per row (padding adds nothing): 10^12 would
-    need terabytes if rows were padded to it."""
+def test_a_block_longer_than_its_axis_is_an_error_naming_the_axis():
+    """A group longer than the row used to become one group per row silently (an int8 scan with
+    a block of 2^33 exited 0 as per-row): now it is one line naming the axis length and the fix.
+    The format's own default block on a short axis (int4's 128 on a 100-wide row) still covers
+    the whole row, and so does granularity 'token' on purpose."""
     x = torch.randn(4, 100, generator=torch.Generator().manual_seed(1))
     for fmt in ("int4", "int8"):
-        assert torch.equal(fake_quantize(x, fmt, block_size=10**12), fake_quantize(x, fmt, block_size=100))
-        assert torch.equal(fake_quantize(x, fmt, block_shape=(10**9, 10**9)),
-                           fake_quantize(x, fmt, block_shape=(4, 100)))
-        enc = encode(x, fmt, block_size=10**12)
-        assert enc.codes.shape == (4, 100) and torch.equal(decode(enc), fake_quantize(x, fmt, block_size=100))
+        with pytest.raises(UserError, match=exactly(
+                f"{fmt}: block_size 8589934592 is longer than axis 1 of a tensor of shape "
+                "[4, 100] (100 elements); use a block of at most 100, or granularity 'channel' "
+                "(weights) / 'token' (activations) for one scale per whole row")):
+            fake_quantize(x, fmt, block_size=2**33)
+        with pytest.raises(UserError, match="block_shape 1000000000x4 is longer than axis 0 "):
+            fake_quantize(x, fmt, block_shape=(10**9, 4))
+        with pytest.raises(UserError, match=r"longer than axis 0 .* \(4 elements\)"):
+            encode(x, fmt, block_size=8, axis=0)
+        whole = fake_quantize(x, fmt, block_size=100)
+        assert torch.equal(fake_quantize(x, fmt), whole)  # the default 128 covers the row
+        assert torch.equal(fake_quantize(x, fmt, granularity="token"), whole)
     x1 = torch.randn(20)  # shorter than an MX block: one block of 20
     assert torch.equal(fake_quantize(x1, "mxfp4"), fake_quantize(torch.cat([x1, torch.zeros(12)]), "mxfp4")[:20])
 
@@ -82,7 +93,7 @@ def test_huge_block_sizes_cost_no_memory():
 def test_reference_path_chunks_do_not_change_results(monkeypatch):
     monkeypatch.setenv("QTRANSFORM_FASTPATH", "0")
     x = torch.randn(3, 70, 90, generator=torch.Generator().manual_seed(2))
-    cases = [("nvfp4", {}), ("mxfp4", {"axis": 1}), ("int4", {"block_size": 32, "axis": 0}),
+    cases = [("nvfp4", {}), ("mxfp4", {"axis": 1}), ("int4", {"block_size": 32, "axis": 1}),
              ("mxfp8_e5m2", {"block_shape": (32, 32)})]
     whole = [fake_quantize(x, f, **o) for f, o in cases]
     monkeypatch.setattr(quantize, "CHUNK_ELEMENTS", 500)

@@ -70,7 +70,8 @@ def test_rule_config_is_the_canonical_options_object():
                             "nvfp4_variant": "compressed-tensors", "zero_saturated_grad": True}
     assert nv.bind(0).axis == -1  # tiles have no blocking axis to bind
     assert QuantRule(format="int4", block_size=100, axis=0).config().options() == {
-        "block_size": 100, "axis": 0, "rounding": "rne"}
+        "block_size": 100, "axis": 0, "rounding": "rne", "int_range": "restricted",
+        "scale_dtype": "float32"}
     assert QuantRule(format="nvfp4").config().options() == {
         "block_size": 16, "rounding": "rne", "nvfp4_variant": "default"}
 
@@ -97,7 +98,7 @@ def test_unknown_format_and_misspelt_key_suggest():
         ({"block_shape": [32, 48]}, "quantize[0].block_shape[1]: not a block size of mxfp4; got 48"),
         ({"block_shape": [32, 32], "block_size": 32}, "quantize[0].block_shape: give block_size or block_shape, not both"),
         ({"format": "nvfp4", "scale_rule": "rceil"}, "quantize[0].scale_rule: not supported by nvfp4; got 'rceil'; allowed: floor"),
-        ({"scale_rule": "flor"}, "quantize[0].scale_rule: unknown value; got 'flor'; allowed: floor, rceil, ceil, even (did you mean 'floor'?)"),
+        ({"scale_rule": "flor"}, "quantize[0].scale_rule: unknown value; got 'flor'; allowed: floor, rceil, ceil, even, compressed-tensors (did you mean 'floor'?)"),
         ({"rounding": "nearest"}, "quantize[0].rounding: unknown value; got 'nearest'; allowed: rne, rna, stochastic"),
         ({"nvfp4_variant": "default"}, "quantize[0].nvfp4_variant: mxfp4 takes no nvfp4_variant; remove it"),
         ({"seed": 1}, "quantize[0].seed: only used with rounding 'stochastic'; got 1"),

@@ -7,7 +7,7 @@ from qtransform.export.functions import onnx_family_names as _onnx_names
 from qtransform.formats import families as _families
 
 # isort: off
-from qtransform.export.families import mx, nvfp4, intgroup  # noqa: F401
+from qtransform.export.families import mx, nvfp4, intgroup, fp8  # noqa: F401
 # isort: on
 
 _missing = [f.name for f in _families() if f.name not in _onnx_names()]

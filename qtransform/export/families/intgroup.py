@@ -1,4 +1,4 @@
-"""Symmetric int groups in ONNX: an fp32 scale amax / qmax per group."""
+"""Symmetric integers in ONNX: an fp32 scale per group, row or tensor (`scaled.py`), and QDQ."""
 
 from __future__ import annotations
 
@@ -6,26 +6,17 @@ import numpy as np
 import torch
 from onnx import NodeProto, TensorProto
 
-from qtransform.export.functions import (
-    Body,
-    OnnxFamily,
-    amax_or_inf,
-    initializer,
-    register_onnx_family,
-    round_signed,
-)
+from qtransform.export.families.scaled import scaled_blocks
+from qtransform.export.functions import Body, OnnxFamily, initializer, register_onnx_family
 from qtransform.formats.options import QuantConfig
 
 
 def int_blocks(b: Body, x: str, axes: str, cfg: QuantConfig) -> str:
-    """quantize_int: symmetric groups, scale amax / qmax."""
-    elem = cfg.spec.element
-    amax = amax_or_inf(b, x, axes)
-    bad = b.op("IsInf", amax)
-    scale = b.op("Where", bad, b.const(np.nan), b.op("Div", amax, b.const(float(elem.qmax))))
-    div = b.op("Where", b.op("Or", b.op("Equal", scale, b.const(0.0)), bad), b.const(1.0), scale)
-    q = round_signed(b, b.op("Div", x, div), elem, cfg.rounding)
-    return b.op("Mul", q, scale)  # NaN scale: the reference's NaN q times NaN scale
+    """quantize_int: symmetric integers, scale amax / qmax or (int_range full) amax / (qmax + 0.5)."""
+    qmax = float(cfg.spec.element.qmax)
+    if cfg.int_range == "full":
+        return scaled_blocks(b, x, axes, cfg, cfg.spec.element, qmax + 0.5, -qmax - 1.0, qmax)
+    return scaled_blocks(b, x, axes, cfg, cfg.spec.element, qmax, -qmax, qmax)
 
 
 def weight_scale(label: str, grid: torch.Tensor, tensor_scale: torch.Tensor | None,  # noqa: ARG001

@@ -1,0 +1,44 @@
+"""The ONNX body shared by the families whose scale is one plain fp32 number (int, fp8):
+`qtransform.formats.scaled.quantize_scaled` operation for operation."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from qtransform.export.functions import (
+    Body,
+    UnsupportedExport,
+    round_signed,
+    round_to_integer,
+    sign_of,
+)
+from qtransform.formats.options import QuantConfig
+from qtransform.formats.registry import ElementSpec
+
+
+def scaled_blocks(b: Body, x: str, axes: str, cfg: QuantConfig, elem: ElementSpec,
+                  divisor: float, lo: float, hi: float) -> str:
+    """scale = amax / divisor (the whole tensor's amax for granularity "tensor"), zero -> fp32
+    eps, q = round(clamp(x / scale, lo, hi)), out = q * scale; a NaN/Inf block is NaN."""
+    if cfg.scale_dtype != "float32":
+        raise UnsupportedExport(f"{cfg.name}: scale_dtype {cfg.scale_dtype!r} has no ONNX body; "
+                                "export with scale_dtype 'float32'")
+    a = b.op("Abs", x)
+    clean = b.op("Where", b.op("IsNaN", a), b.const(np.inf), a)
+    if cfg.granularity == "tensor":
+        amax = b.op("ReduceMax", clean, keepdims=0)
+    else:
+        amax = b.op("ReduceMax", clean, axes, keepdims=1)
+    bad = b.op("IsInf", amax)
+    scale = b.op("Div", amax, b.const(divisor))
+    scale = b.op("Where", b.op("Equal", scale, b.const(0.0)),
+                 b.const(np.finfo(np.float32).eps), scale)
+    scale = b.op("Where", bad, b.const(np.nan), scale)
+    c = b.op("Max", b.op("Min", b.op("Div", x, scale), b.const(hi)), b.const(lo))
+    if elem.kind == "int":
+        # lo may be -(qmax + 1): round the magnitude without the element's saturation
+        sign = sign_of(b, c)
+        q = b.op("Mul", round_to_integer(b, b.op("Mul", c, sign), cfg.rounding), sign)
+    else:
+        q = round_signed(b, c, elem, cfg.rounding)
+    return b.op("Mul", q, scale)  # NaN scale: NaN out

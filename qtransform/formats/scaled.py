@@ -1,0 +1,66 @@
+"""Formats whose scale is one plain number per block, row or tensor (fp32 by default).
+
+The int family and the FP8 family share this kernel: scale = amax / divisor, a zero scale
+replaced by the scale dtype's epsilon, elements x / scale clamped to [lo, hi] and rounded, and
+out = q * scale. That is compressed-tensors' order of operations (calculate_qparams, then
+_quantize_dequantize: a true division, clamp before rounding), so the deployment stacks' FP8
+and integer schemes are reproduced bit for bit; docs/numerics.md has the derivation.
+`scale_dtype` rounds the scale and the quotient to a narrower float, as compressed-tensors does
+for a bf16/fp16 model (its scales take the model's dtype).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from qtransform.formats.blocking import BlockQuant
+from qtransform.formats.elements import CANONICAL_NAN, round_signed, round_to_integer
+from qtransform.formats.options import QuantConfig
+from qtransform.formats.registry import ElementSpec
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_NAMES = {v: k for k, v in _DTYPES.items()}
+
+
+def bind_dtype(cfg: QuantConfig, dtype: torch.dtype) -> QuantConfig:
+    """`scale_dtype="input"` made concrete for an input of `dtype` (fp32 for any other)."""
+    if cfg.scale_dtype != "input":
+        return cfg
+    return replace(cfg, scale_dtype=_NAMES.get(dtype, "float32"))
+
+
+def _round_to(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """t rounded to `dtype` (nearest even) and held in fp32. An fp32 quotient or product of
+    two `dtype` values rounded so equals the correctly rounded `dtype` operation: fp32 carries
+    more than twice the bits of bf16 / fp16 plus two, where double rounding is innocuous."""
+    return t if dtype == torch.float32 else t.to(dtype).to(torch.float32)
+
+
+def quantize_scaled(
+    blocks: torch.Tensor, cfg: QuantConfig, u: torch.Tensor | None, amax_t: torch.Tensor | None,
+    elem: ElementSpec, divisor: float, lo: float, hi: float,
+) -> BlockQuant:
+    """Quantize `[n, block]` fp32 blocks with scale = amax / divisor (amax: each block's, or
+    `amax_t` for every block: granularity "tensor" or a caller's override); elements x / scale
+    clamped to [lo, hi] (lo = -hi, or -(qmax + 1) for integers over their full range) and
+    rounded on `elem`'s grid. A NaN or Inf amax makes the block NaN, as for MX blocks."""
+    dtype = _DTYPES[cfg.scale_dtype]
+    amax = blocks.abs().amax(dim=1) if amax_t is None else amax_t.expand(blocks.shape[0])
+    amax = _round_to(amax, dtype)
+    bad = ~torch.isfinite(amax)
+    scale = _round_to(amax / amax.new_tensor(divisor), dtype)  # a true division on every device
+    scale = torch.where(scale == 0, torch.finfo(dtype).eps, scale)
+    scale = torch.where(bad, CANONICAL_NAN, scale)
+    sb = scale[:, None]
+    y = _round_to(blocks / sb, dtype)
+    c = torch.clamp(y, lo, hi)
+    if elem.kind == "int":
+        q = torch.copysign(round_to_integer(c.abs(), cfg.rounding, u), c)
+    else:
+        q = round_signed(c, elem, cfg.rounding, u)
+    bad_b = bad[:, None]
+    q = torch.where(bad_b, CANONICAL_NAN, q)
+    out = torch.where(bad_b, CANONICAL_NAN, q * sb)
+    return BlockQuant(out=out, q=q, sat=((y > hi) | (y < lo)) & ~bad_b, scales=scale)
