@@ -110,7 +110,7 @@ def merge(base: Any, over: Any) -> Any:
         index = {item["name"]: i for i, item in enumerate(base)}
         for item in over:
             name = item.get("name") if isinstance(item, Mapping) else None
-            if name in index:
+            if isinstance(name, str) and name in index:
                 out_list[index[name]] = merge(base[index[name]], item)
             else:
                 out_list.append(copy.deepcopy(item))

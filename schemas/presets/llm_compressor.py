@@ -26,6 +26,7 @@ CALIBRATION = {"attention": "eager"}  # llm-compressor's calibration_forward_con
 
 NVFP4 = {"format": "nvfp4", "nvfp4_variant": "compressed-tensors"}
 MXFP4 = {"format": "mxfp4", "scale_rule": "even"}
+FP8 = {"format": "fp8_e4m3", "scale_dtype": "input"}
 STATIC = {"scale_source": "static", "observer": "static_minmax"}
 
 
@@ -65,4 +66,23 @@ scheme_preset("MXFP4A16", "MXFP4 weights, 16-bit activations", [
 scheme_preset("MXFP4", "MXFP4 weights and dynamic MXFP4 activations", [
     rule("MXFP4", "weight", **MXFP4),
     rule("MXFP4", "input", **MXFP4),
+])
+scheme_preset("FP8", "FP8 E4M3 weights per tensor, activations per tensor with a calibrated scale", [
+    rule("FP8", "weight", **FP8, granularity="tensor"),
+    rule("FP8", "input", **FP8, granularity="tensor", **STATIC),
+], calibrated=True)
+scheme_preset("FP8_DYNAMIC", "FP8 E4M3 weights per output channel, dynamic per-token activations", [
+    rule("FP8_DYNAMIC", "weight", **FP8, granularity="channel"),
+    rule("FP8_DYNAMIC", "input", **FP8, granularity="token"),
+])
+scheme_preset("FP8_BLOCK", "FP8 E4M3 weights in 128x128 tiles, dynamic activations in groups of 128", [
+    rule("FP8_BLOCK", "weight", **FP8, granularity="tile", block_shape=[128, 128]),
+    rule("FP8_BLOCK", "input", **FP8, block_size=128),
+])
+scheme_preset("W4A16", "int4 weights in groups of 128, 16-bit activations", [
+    rule("W4A16", "weight", format="int4", block_size=128, int_range="full", scale_dtype="input"),
+])
+scheme_preset("W8A8", "int8 weights per output channel, dynamic per-token int8 activations", [
+    rule("W8A8", "weight", format="int8", granularity="channel", int_range="full", scale_dtype="input"),
+    rule("W8A8", "input", format="int8", granularity="token", int_range="full", scale_dtype="input"),
 ])
