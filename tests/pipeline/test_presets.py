@@ -54,3 +54,19 @@ def test_a_sequence_does_not_depend_on_its_batch():
         alone = ours(ids[:1]).logits
         together = ours(torch.cat([ids[:1], ids[1:] * 0 + 7])).logits[:1]
     assert torch.equal(alone, together)
+
+
+def test_qerl_is_the_nvfp4a16_model_with_noise_in_rollouts_only():
+    model = build_tiny("qwen2", hidden=128)
+    _, ids = samples(model.config.vocab_size)
+    base = qtransform.transform(model, {"preset": "llm-compressor/NVFP4A16"})
+    qerl = qtransform.transform(model, {"preset": "qerl", "noise": {"schedule": {"total_steps": 20}}})
+    noise = qtransform.noise_controller(qerl)
+    for _ in range(5):
+        noise.step()  # past the noise-free first stage
+    with torch.no_grad():
+        clean, plain = qerl(ids).logits, base(ids).logits
+        with qtransform.rollout():
+            rolled = qerl(ids).logits
+    assert torch.equal(clean, plain)  # the loss and the log-probs see the clean NVFP4A16 model
+    assert not torch.equal(rolled, plain)  # the rollout samples from the noised norms
