@@ -2,7 +2,8 @@
 
 The public API. Transform: `transform`, `transform_program`, `plan`, `capture`, `noise_controller`,
 `save_transformed` / `load_transformed`. RL: `rollout_weights`, `rollout_filter`, `rollout`, `evaluation`. Numerics: `fake_quantize`, `formats`. Policies:
-`Policy`, `load_policy`. Scans: `scan_weights`, `compare_formats`, `scan_activations`,
+`Policy`, `load_policy`; presets named after the stacks: `preset_names`, `register_preset`,
+`Preset` (docs/recipes.md). Scans: `scan_weights`, `compare_formats`, `scan_activations`,
 `gain_scan`, `kurtosis_scan`, `instability_scan`, `ScanReport`, `guide`. Runs side by side:
 `compare_runs`, `report_runs`. Export: `export_onnx`. Pages: `Page`, `scan_page`,
 `write_scan_page` (one self-contained HTML page per result).
@@ -45,6 +46,7 @@ from qtransform.scan import (
 )
 from qtransform.scan.runs import compare_runs
 from qtransform.schemas import Policy, load_policy
+from qtransform.schemas.presets import Preset, preset_names, register_preset
 
 __version__ = "0.1.0"
 
@@ -87,3 +89,4 @@ __all__ = [
 __all__ += ["Correction", "log_to", "mismatch_metrics"]
 __all__ += ["compare_runs", "report_runs"]
 __all__ += ["Page", "scan_page", "write_scan_page"]
+__all__ += ["Preset", "preset_names", "register_preset"]

@@ -20,7 +20,12 @@ HIDDEN = 128
 CASES = [(arch, scheme, torch.float32) for arch in ("qwen2", "llama") for scheme in SCHEMES]
 # bf16: scales and x/scale are rounded to bf16 in compressed-tensors except where an fp32 global
 # scale promotes them (NVFP4), the cases where a float32-only simulation would drift.
-CASES += [("qwen2", scheme, torch.bfloat16) for scheme in ("NVFP4", "FP8", "W8A8")]
+CASES += [("qwen2", scheme, torch.bfloat16) for scheme in ("FP8", "W8A8")]
+# compressed-tensors computes NVFP4's 448*6/amax and amax_block/6 as bf16 divisions in a bf16
+# model; qtransform's nvfp4 (compressed-tensors variant) divides in fp32 (docs/recipes.md).
+BF16_NVFP4 = pytest.param("qwen2", "NVFP4", torch.bfloat16, id="qwen2-NVFP4-bfloat16",
+                          marks=pytest.mark.xfail(strict=True, reason="bf16 divisions of the NVFP4 "
+                                                  "scales: max |diff| 0.152 in the logits"))
 
 
 def samples(vocab: int) -> tuple[list[torch.Tensor], torch.Tensor]:
@@ -33,8 +38,9 @@ def test_every_llm_compressor_scheme_has_a_preset():
     assert {f"llm-compressor/{s}" for s in SCHEMES} <= set(preset_names())
 
 
-@pytest.mark.parametrize(("arch", "scheme", "dtype"), CASES,
-                         ids=[f"{a}-{s}-{str(d).removeprefix('torch.')}" for a, s, d in CASES])
+@pytest.mark.parametrize(("arch", "scheme", "dtype"), [
+    *(pytest.param(*case, id=f"{case[0]}-{case[1]}-{str(case[2]).removeprefix('torch.')}")
+      for case in CASES), BF16_NVFP4])
 def test_preset_logits_equal_llm_compressor(arch, scheme, dtype, tmp_path):
     model = build_tiny(arch, hidden=HIDDEN, dtype=dtype)
     batches, ids = samples(model.config.vocab_size)

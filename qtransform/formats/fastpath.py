@@ -194,7 +194,7 @@ def library() -> ctypes.CDLL | None:
                     lib.qf_quantize.restype = ctypes.c_int
                     lib.qf_quantize.argtypes = [ctypes.c_void_p, ctypes.c_int] + [ctypes.c_void_p] * 3 + [
                         ctypes.c_int64] * 5 + [ctypes.POINTER(_Params), ctypes.c_uint64,
-                                               ctypes.c_int64, ctypes.c_int]
+                                               ctypes.c_int64, ctypes.c_int, ctypes.c_void_p]
                     lib.qf_bincount.restype = None
                     lib.qf_bincount.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32,
                                                 ctypes.c_int32, ctypes.c_void_p]
@@ -225,7 +225,8 @@ def _params(cfg: QuantConfig) -> _Params:
         family=cfg.family.kernel_id or 0, variant=_VARIANT[cfg.nvfp4_variant],
         scale_rule=_RULE[cfg.scale_rule], rna=_ROUNDING[cfg.rounding],
         is_int=int(e.kind == "int"), mbits=e.mbits, emin=e.emin, emax=e.emax,
-        max_normal=e.max_normal, step=e.step, inv_step=1.0 / e.step, qmax=float(e.qmax),
+        max_normal=e.max_normal, step=e.step, inv_step=1.0 / e.step,
+        qmax=float(e.qmax) if e.kind == "int" else e.max_normal,  # the plain-scale divisor
     )
 
 
@@ -272,13 +273,16 @@ def _call(cfg: QuantConfig, layout: BlockLayout, dtype: torch.dtype) -> _Call | 
 def quantize(
     x: torch.Tensor, cfg: QuantConfig, layout: BlockLayout, want_sat: bool, *,
     exponents: bool = False, values: bool = True, seed: int | None = None,
+    amax: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None] | None:
     """(fake-quantized values shaped `layout.shape` in x's dtype (fp32 for float64) unless not
     `values`, saturation mask if `want_sat`, MX block exponents int32 shaped `layout.grid_shape`
     if `exponents`) from one pass, or None when the fast path does not apply (the caller then
-    runs the reference path). Stochastic rounding draws from the Philox stream of `seed`."""
+    runs the reference path). Stochastic rounding draws from the Philox stream of `seed`;
+    NVFP4's tensor scale comes from `amax` (0-dim fp32) when given, else from x."""
     if (
-        not x.is_cpu
+        (amax is not None and amax.ndim)  # one amax per row: the reference path
+        or not x.is_cpu
         or cfg.family.kernel_id is None
         or cfg.granularity == "tensor"  # the kernels scale by each block's own amax
         or (cfg.int_range, cfg.scale_dtype) != ("restricted", "float32")
@@ -291,6 +295,7 @@ def quantize(
     call = _call(cfg, layout, x.dtype)
     if call is None:
         return None
+    amax_c = None if amax is None else ctypes.c_float(float(amax))  # alive across the call
     xs = x.detach()
     if xs.dtype == torch.float64:  # narrowed here, as the reference path does
         xs = xs.to(torch.float32)
@@ -304,6 +309,7 @@ def quantize(
     if _lib.qf_quantize(
         xm.data_ptr(), call.code, _ptr(out), _ptr(sat), _ptr(exps), *call.dims, call.params,
         (seed or 0) % (1 << 64), call.post, torch.get_num_threads() if call.parallel else 1,
+        None if amax_c is None else ctypes.addressof(amax_c),
     ):
         raise MemoryError("qf_quantize: out of memory")
     if call.moved:

@@ -28,6 +28,7 @@ FP8 = register_family(Family(
         -cfg.spec.max_normal, cfg.spec.max_normal),
     scale_values=lambda scales, tensor_scale, cfg: scales,
     per_tensor=lambda cfg: cfg.granularity == "tensor", granularities=GRANULARITIES,
+    kernel_id=2,  # the C kernel's integer-family plan (scale = amax / qmax) on a float grid
 ))
 for _elem in (E4M3, E5M2):
     register(FormatSpec(

@@ -323,7 +323,7 @@ static inline plan_t plan_block(uint32_t amax_bits, const qf_params *p, const te
         return pl;
     }
     if (p->variant == NV_DEFAULT) {
-        if (ts->nan) return nan_plan;
+        if (ts->nan || amax != amax) return nan_plan; /* NaN block under a given tensor amax */
         float s = amax * ts->g6;
         s = s > FLT_MAX ? FLT_MAX : s;
         s = e4m3_rne(s > 448.0f ? 448.0f : s);
@@ -609,7 +609,7 @@ VINLINE int vplans(v16u am, v16i ex, const qf_params *p, const tensor_scale *ts,
         s = vround(s, e4m3, s);
         post = s * ts->d;
         a = vminf(1.0f / post, (v16f)SPLAT(f2u(FLT_MAX)));
-        nan = (v16i)SPLAT(0);
+        nan = (v16i)(am > 0x7f800000u); /* NaN blocks (a given tensor amax); Inf ones saturate */
     } else {
         int uni = -2;
         for (int64_t k = 0; k < nj; k++) {
@@ -940,7 +940,7 @@ typedef void (*run_fn)(const float *, int64_t, float *, int64_t, uint8_t *, int6
  * from the stream of `seed`, with `post` as in sr_t. Returns -1 without memory. */
 int qf_quantize(const void *x, int dtype, void *out, uint8_t *sat, int32_t *exps, int64_t batch,
                 int64_t rows, int64_t cols, int64_t tile_r, int64_t tile_c, const qf_params *p,
-                uint64_t seed, int64_t post, int nthreads) {
+                uint64_t seed, int64_t post, int nthreads, const float *amax_in) {
     int64_t ntr = (rows + tile_r - 1) / tile_r, ntc = (cols + tile_c - 1) / tile_c;
     int64_t total = batch * rows * cols;
     if (total == 0) return 0;
@@ -958,10 +958,13 @@ int qf_quantize(const void *x, int dtype, void *out, uint8_t *sat, int32_t *exps
     uint32_t *bam = 0; /* NVFP4 two-level, vector path: block amaxes from the tensor pass */
     if (p->family == FAM_NVFP4 && p->variant != NV_ONE_LEVEL) {
         if (vec && out && !(bam = malloc(sizeof(uint32_t) * (size_t)(total / tile_c)))) return -1;
+        /* amax_in (the caller's tensor amax, `fake_quantize(amax=)`): the pass below then only
+         * collects the vector path's block amaxes, or is skipped */
+        int64_t passes = bam || !amax_in ? 1 : 0;
         int64_t chunk = tile_c < 65536 ? 65536 / tile_c * tile_c : tile_c; /* whole blocks */
         uint32_t m = 0;
 #pragma omp parallel for num_threads(nthreads) reduction(max : m) schedule(static)
-        for (int64_t c = 0; c < (total + chunk - 1) / chunk; c++) {
+        for (int64_t c = 0; c < passes * ((total + chunk - 1) / chunk); c++) {
             int64_t lo = c * chunk, hi = lo + chunk < total ? lo + chunk : total;
             uint32_t v = 0;
             if (bam) {
@@ -979,7 +982,7 @@ int qf_quantize(const void *x, int dtype, void *out, uint8_t *sat, int32_t *exps
             }
             m = v > m ? v : m;
         }
-        ts = nv_tensor(u2f(m), p);
+        ts = nv_tensor(amax_in ? *amax_in : u2f(m), p);
     }
     /* a task is a run of up to `span` tiles in one tile row: few tasks per thread is enough
      * for balance, and no per-block index arithmetic */

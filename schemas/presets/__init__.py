@@ -49,8 +49,18 @@ PRESETS: dict[str, Preset] = {}
 
 
 def register_preset(preset: Preset) -> Preset:
-    """Add a preset. Its name must be new, its content keys policy sections, and every quantize
-    rule of it named (user rules merge into preset rules by name; see the module docstring)."""
+    """Add a preset, so that `{"preset": preset.name}` in a policy expands into its content.
+
+    Args:
+        preset: its name must be new (case-insensitively), its content's keys policy sections,
+            and every item of a list section (each quantize rule) named: a user's rule of that
+            name changes it (see the module docstring).
+
+    Example::
+
+        register_preset(Preset("my-stack/W4", "my stack's int4 weights", "",
+                               {"quantize": [{"name": "my-stack/W4 weights", "format": "int4"}]}))
+    """
     key = preset.name.lower()
     if key in {k.lower() for k in PRESETS}:
         raise ValueError(f"preset {preset.name!r} is registered already")
@@ -67,6 +77,7 @@ def register_preset(preset: Preset) -> Preset:
 
 
 def preset_names() -> list[str]:
+    """The registered presets' names, sorted (what `qtransform policy presets` lists)."""
     return sorted(PRESETS, key=str.lower)
 
 
@@ -110,7 +121,7 @@ def merge(base: Any, over: Any) -> Any:
         index = {item["name"]: i for i, item in enumerate(base)}
         for item in over:
             name = item.get("name") if isinstance(item, Mapping) else None
-            if name in index:
+            if isinstance(name, str) and name in index:
                 out_list[index[name]] = merge(base[index[name]], item)
             else:
                 out_list.append(copy.deepcopy(item))

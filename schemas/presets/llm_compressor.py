@@ -2,7 +2,13 @@
 
 Each preset reproduces the model that `oneshot(model, recipe=QuantizationModifier(targets="Linear",
 scheme=S, ignore=["lm_head"]))` leaves in memory, logit for logit (tests_llmc/ checks it against
-llm-compressor itself). The numerics each rule must match are in docs/recipes.md.
+llm-compressor itself; docs/recipes.md lists what each rule must match and why):
+
+- scales in the model's dtype (`scale_dtype: "input"`), integers on compressed-tensors' full range
+  (`int_range: "full"`: amax/7.5, amax/127.5), MX exponents by `scale_rule: "even"`, NVFP4 in
+  compressed-tensors' order of operations with q/k/v and gate/up sharing a global scale;
+- static activation scales (FP8, NVFP4's global scale) from `static_minmax` over the calibration
+  batches, run on the full-precision model with eager attention, as llm-compressor calibrates.
 """
 
 from __future__ import annotations
@@ -16,25 +22,67 @@ STACK = "llm-compressor"
 VERSION = "llmcompressor 0.14.0.1 with compressed-tensors 0.19"
 TARGETS = ["Linear"]
 IGNORE = ["lm_head"]  # the examples' ignore list for dense models
+CALIBRATION = {"attention": "eager"}  # llm-compressor's calibration_forward_context
+
+NVFP4 = {"format": "nvfp4", "nvfp4_variant": "compressed-tensors"}
+MXFP4 = {"format": "mxfp4", "scale_rule": "even"}
+FP8 = {"format": "fp8_e4m3", "scale_dtype": "input"}
+STATIC = {"scale_source": "static", "observer": "static_minmax"}
 
 
-def rule(scheme: str, part: str, **fields: Any) -> dict[str, Any]:
+def rule(scheme: str, tensor: str, **fields: Any) -> dict[str, Any]:
     """One named quantize rule of a scheme, with llm-compressor's targets and ignore list."""
+    part = {"weight": "weights", "input": "inputs"}[tensor]
     return {"name": f"{STACK}/{scheme} {part}",
             "targets": [from_llm_compressor(t) for t in TARGETS],
-            "ignore": [from_llm_compressor(i) for i in IGNORE], **fields}
+            "ignore": [from_llm_compressor(i) for i in IGNORE],
+            "tensors": [tensor], **fields}
 
 
-def scheme_preset(scheme: str, what: str, rules: list[dict[str, Any]]) -> Preset:
+def scheme_preset(scheme: str, what: str, rules: list[dict[str, Any]], calibrated: bool = False) -> Preset:
+    content: dict[str, Any] = {"quantize": rules}
+    if calibrated:
+        content["calibration"] = dict(CALIBRATION)
     return register_preset(Preset(
         name=f"{STACK}/{scheme}",
         reproduces=f"llm-compressor's {scheme} scheme ({what}) on every Linear but lm_head",
         checked_against=VERSION,
-        content={"quantize": rules},
+        content=content,
     ))
 
 
-NVFP4A16 = scheme_preset("NVFP4A16", "NVFP4 weights, 16-bit activations", [
-    rule("NVFP4A16", "weights", format="nvfp4", tensors=["weight"],
-         nvfp4_variant="compressed-tensors"),
+NVFP4A16 = scheme_preset("NVFP4A16", "NVFP4 weights with q/k/v and gate/up global scales fused, "
+                         "16-bit activations", [
+    rule("NVFP4A16", "weight", **NVFP4, share_scale="fused"),
+])
+scheme_preset("NVFP4", "NVFP4 weights with fused global scales, NVFP4 activations with a "
+              "calibrated global scale and dynamic 16-element block scales", [
+    rule("NVFP4", "weight", **NVFP4, share_scale="fused"),
+    rule("NVFP4", "input", **NVFP4, **STATIC),
+], calibrated=True)
+scheme_preset("MXFP4A16", "MXFP4 weights, 16-bit activations", [
+    rule("MXFP4A16", "weight", **MXFP4),
+])
+scheme_preset("MXFP4", "MXFP4 weights and dynamic MXFP4 activations", [
+    rule("MXFP4", "weight", **MXFP4),
+    rule("MXFP4", "input", **MXFP4),
+])
+scheme_preset("FP8", "FP8 E4M3 weights per tensor, activations per tensor with a calibrated scale", [
+    rule("FP8", "weight", **FP8, granularity="tensor"),
+    rule("FP8", "input", **FP8, granularity="tensor", **STATIC),
+], calibrated=True)
+scheme_preset("FP8_DYNAMIC", "FP8 E4M3 weights per output channel, dynamic per-token activations", [
+    rule("FP8_DYNAMIC", "weight", **FP8, granularity="channel"),
+    rule("FP8_DYNAMIC", "input", **FP8, granularity="token"),
+])
+scheme_preset("FP8_BLOCK", "FP8 E4M3 weights in 128x128 tiles, dynamic activations in groups of 128", [
+    rule("FP8_BLOCK", "weight", **FP8, granularity="tile", block_shape=[128, 128]),
+    rule("FP8_BLOCK", "input", **FP8, block_size=128),
+])
+scheme_preset("W4A16", "int4 weights in groups of 128, 16-bit activations", [
+    rule("W4A16", "weight", format="int4", block_size=128, int_range="full", scale_dtype="input"),
+])
+scheme_preset("W8A8", "int8 weights per output channel, dynamic per-token int8 activations", [
+    rule("W8A8", "weight", format="int8", granularity="channel", int_range="full", scale_dtype="input"),
+    rule("W8A8", "input", format="int8", granularity="token", int_range="full", scale_dtype="input"),
 ])

@@ -81,3 +81,24 @@ def test_bf16_scales_are_what_compressed_tensors_computes_for_a_bf16_model():
     assert torch.equal(same, want)
     assert torch.equal(fake_quantize(x, "fp8_e4m3", granularity="channel", scale_dtype="bfloat16"), want)
     assert not torch.equal(fake_quantize(x, "fp8_e4m3", granularity="channel"), want)
+
+
+MODELOPT = np.load(Path(__file__).parents[1] / "data" / "modelopt-vectors.npz")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize(("case", "fmt", "options"), [
+    ("int4_block_128", "int4", {"block_size": 128}),  # INT4_BLOCKWISE_WEIGHT_ONLY_CFG
+    ("int8_channel", "int8", {"granularity": "channel"}),
+])
+def test_modelopt_integers_bit_for_bit(case, fmt, options, dtype):
+    """ModelOpt 0.47's CPU integer quantizer (tests/data/modelopt_vectors.py): a multiplier
+    qmax / amax, round, clamp to [qmin, qmax], divide; blocks with amax <= 2^-24 give zeros.
+    `int_range: "modelopt"` gives its bits, signed zeros included; the other conventions do not."""
+    ints = torch.int32 if dtype == "float32" else torch.int16
+    x = torch.from_numpy(MODELOPT[f"w/{dtype}"]).view(getattr(torch, dtype))
+    want = torch.from_numpy(MODELOPT[f"{case}/{dtype}"])
+    got = fake_quantize(x, fmt, int_range="modelopt", **options)
+    assert torch.equal(got.view(ints), want)
+    for other in ("restricted", "full"):
+        assert not torch.equal(fake_quantize(x, fmt, int_range=other, **options).view(ints), want)

@@ -16,6 +16,16 @@ from qtransform.formats.options import QuantConfig
 from qtransform.formats.registry import ElementSpec
 
 
+def block_amax(b: Body, x: str, axes: str, cfg: QuantConfig) -> str:
+    """max |x| per block (the whole tensor's for granularity "tensor"), +inf where the block
+    (tensor) holds a NaN or an Inf."""
+    a = b.op("Abs", x)
+    clean = b.op("Where", b.op("IsNaN", a), b.const(np.inf), a)
+    if cfg.granularity == "tensor":
+        return b.op("ReduceMax", clean, keepdims=0)
+    return b.op("ReduceMax", clean, axes, keepdims=1)
+
+
 def scaled_blocks(b: Body, x: str, axes: str, cfg: QuantConfig, elem: ElementSpec,
                   divisor: float, lo: float, hi: float) -> str:
     """scale = amax / divisor (the whole tensor's amax for granularity "tensor"), zero -> fp32
@@ -23,12 +33,7 @@ def scaled_blocks(b: Body, x: str, axes: str, cfg: QuantConfig, elem: ElementSpe
     if cfg.scale_dtype != "float32":
         raise UnsupportedExport(f"{cfg.name}: scale_dtype {cfg.scale_dtype!r} has no ONNX body; "
                                 "export with scale_dtype 'float32'")
-    a = b.op("Abs", x)
-    clean = b.op("Where", b.op("IsNaN", a), b.const(np.inf), a)
-    if cfg.granularity == "tensor":
-        amax = b.op("ReduceMax", clean, keepdims=0)
-    else:
-        amax = b.op("ReduceMax", clean, axes, keepdims=1)
+    amax = block_amax(b, x, axes, cfg)
     bad = b.op("IsInf", amax)
     scale = b.op("Div", amax, b.const(divisor))
     scale = b.op("Where", b.op("Equal", scale, b.const(0.0)),
