@@ -285,7 +285,7 @@ def quantize(
         or not x.is_cpu
         or cfg.family.kernel_id is None
         or cfg.granularity == "tensor"  # the kernels scale by each block's own amax
-        or (cfg.int_range, cfg.scale_dtype) != ("restricted", "float32")
+        or (cfg.int_range, cfg.scale_dtype, cfg.fp8_variant) != ("restricted", "float32", "default")
         or (seed is None and cfg.rounding == "stochastic")
         or x.numel() == 0
         or not enabled()
