@@ -85,6 +85,11 @@ class QuantRule(Selected):
         description=("int and fp8 formats: the float the scale and x/scale are rounded to; "
                      "input = the tensor's own dtype (compressed-tensors on a bf16 model)"),
     )
+    fp8_variant: StrictStr | None = Field(
+        None, json_schema_extra={"enum": [*_all_option_values("fp8_variant"), None]},
+        description=("fp8 formats only: whose order of operations; null = default "
+                     "(compressed-tensors': x / (amax / max)), modelopt (x * (max / amax))"),
+    )
     zero_saturated_grad: StrictBool = Field(
         False, description="no gradient through saturated elements (straight-through otherwise)")
     axis: Int | None = Field(None, description="blocking axis; null = the reduction axis")
