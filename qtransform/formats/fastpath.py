@@ -194,7 +194,8 @@ def library() -> ctypes.CDLL | None:
                     lib.qf_quantize.restype = ctypes.c_int
                     lib.qf_quantize.argtypes = [ctypes.c_void_p, ctypes.c_int] + [ctypes.c_void_p] * 3 + [
                         ctypes.c_int64] * 5 + [ctypes.POINTER(_Params), ctypes.c_uint64,
-                                               ctypes.c_int64, ctypes.c_int]
+                                               ctypes.c_int64, ctypes.c_int, ctypes.c_void_p,
+                                               ctypes.c_int]
                     lib.qf_bincount.restype = None
                     lib.qf_bincount.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32,
                                                 ctypes.c_int32, ctypes.c_void_p]
@@ -272,11 +273,14 @@ def _call(cfg: QuantConfig, layout: BlockLayout, dtype: torch.dtype) -> _Call | 
 def quantize(
     x: torch.Tensor, cfg: QuantConfig, layout: BlockLayout, want_sat: bool, *,
     exponents: bool = False, values: bool = True, seed: int | None = None,
+    amax: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None] | None:
     """(fake-quantized values shaped `layout.shape` in x's dtype (fp32 for float64) unless not
     `values`, saturation mask if `want_sat`, MX block exponents int32 shaped `layout.grid_shape`
     if `exponents`) from one pass, or None when the fast path does not apply (the caller then
-    runs the reference path). Stochastic rounding draws from the Philox stream of `seed`."""
+    runs the reference path). Stochastic rounding draws from the Philox stream of `seed`.
+    `amax` (NVFP4 two-level, checked by `quantize.check_amax`) replaces the tensor amax: 0-dim,
+    or one per row when the blocked axis is the last one (else the reference path runs)."""
     if (
         not x.is_cpu
         or cfg.family.kernel_id is None
@@ -291,6 +295,12 @@ def quantize(
     call = _call(cfg, layout, x.dtype)
     if call is None:
         return None
+    amax_mode, amax_c = 0, None
+    if amax is not None:
+        if cfg.family.name != "nvfp4" or not amax.is_cpu or (amax.ndim and (call.moved or layout.tile)):
+            return None
+        amax_mode = 2 if amax.ndim else 1
+        amax_c = amax.detach().to(torch.float32).contiguous().reshape(-1)
     xs = x.detach()
     if xs.dtype == torch.float64:  # narrowed here, as the reference path does
         xs = xs.to(torch.float32)
@@ -304,6 +314,7 @@ def quantize(
     if _lib.qf_quantize(
         xm.data_ptr(), call.code, _ptr(out), _ptr(sat), _ptr(exps), *call.dims, call.params,
         (seed or 0) % (1 << 64), call.post, torch.get_num_threads() if call.parallel else 1,
+        _ptr(amax_c), amax_mode,
     ):
         raise MemoryError("qf_quantize: out of memory")
     if call.moved:

@@ -937,10 +937,12 @@ typedef void (*run_fn)(const float *, int64_t, float *, int64_t, uint8_t *, int6
  * 1D blocks, AVX-512 builds) reads and writes bf16/fp16 lane by lane; the scalar path widens them
  * tile row by tile row into a per-thread buffer and narrows the results from another (no
  * separate conversion pass); the arithmetic is fp32 throughout. Stochastic rounding (p->rna == 2) draws
- * from the stream of `seed`, with `post` as in sr_t. Returns -1 without memory. */
+ * from the stream of `seed`, with `post` as in sr_t. NVFP4 two-level: `amax_mode` 1 takes the
+ * tensor amax from amax[0] instead of x, 2 (1D blocks) one per row from amax[row] (row over
+ * batch * rows), 0 computes it from x. Returns -1 without memory. */
 int qf_quantize(const void *x, int dtype, void *out, uint8_t *sat, int32_t *exps, int64_t batch,
                 int64_t rows, int64_t cols, int64_t tile_r, int64_t tile_c, const qf_params *p,
-                uint64_t seed, int64_t post, int nthreads) {
+                uint64_t seed, int64_t post, int nthreads, const float *amax, int amax_mode) {
     int64_t ntr = (rows + tile_r - 1) / tile_r, ntc = (cols + tile_c - 1) / tile_c;
     int64_t total = batch * rows * cols;
     if (total == 0) return 0;
@@ -956,7 +958,14 @@ int qf_quantize(const void *x, int dtype, void *out, uint8_t *sat, int32_t *exps
     int stream = vec && out && total * (dtype == DT_F32 ? 4 : 2) >= STREAM_BYTES &&
                  ((uintptr_t)out & 63) == 0;
     uint32_t *bam = 0; /* NVFP4 two-level, vector path: block amaxes from the tensor pass */
-    if (p->family == FAM_NVFP4 && p->variant != NV_ONE_LEVEL) {
+    tensor_scale *row_ts = 0; /* amax_mode 2: one tensor scale per row */
+    int two_level = p->family == FAM_NVFP4 && p->variant != NV_ONE_LEVEL;
+    if (two_level && amax_mode == 2) {
+        if (tile_r != 1 || !(row_ts = malloc(sizeof(tensor_scale) * (size_t)(batch * rows)))) return -1;
+        for (int64_t r = 0; r < batch * rows; r++) row_ts[r] = nv_tensor(amax[r], p);
+    }
+    /* the tensor pass: the tensor amax (unless given) and, on the vector path, block amaxes */
+    if (two_level && (amax_mode == 0 || (vec && out))) {
         if (vec && out && !(bam = malloc(sizeof(uint32_t) * (size_t)(total / tile_c)))) return -1;
         int64_t chunk = tile_c < 65536 ? 65536 / tile_c * tile_c : tile_c; /* whole blocks */
         uint32_t m = 0;
@@ -981,6 +990,7 @@ int qf_quantize(const void *x, int dtype, void *out, uint8_t *sat, int32_t *exps
         }
         ts = nv_tensor(u2f(m), p);
     }
+    if (two_level && amax_mode == 1) ts = nv_tensor(amax[0], p);
     /* a task is a run of up to `span` tiles in one tile row: few tasks per thread is enough
      * for balance, and no per-block index arithmetic */
     int64_t rowsets = batch * ntr, want = 8 * (int64_t)nthreads;
@@ -1014,8 +1024,9 @@ int qf_quantize(const void *x, int dtype, void *out, uint8_t *sat, int32_t *exps
             int64_t b = rs / ntr, r0 = (rs % ntr) * tile_r;
             int64_t nr = rows - r0 < tile_r ? rows - r0 : tile_r;
             int64_t off = b * rows * cols + r0 * cols + c0, w = cols - c0 < width ? cols - c0 : width;
+            const tensor_scale *tsp = row_ts ? row_ts + b * rows + r0 : &ts;
             if (vec) {
-                vec(x, out, sat, exps ? exps + rs * ntc + j0 : 0, off, nt, tile_c, p, &ts, &sr,
+                vec(x, out, sat, exps ? exps + rs * ntc + j0 : 0, off, nt, tile_c, p, tsp, &sr,
                     b * rows + r0, c0, ub, bam, stream);
                 continue;
             }
@@ -1027,7 +1038,7 @@ int qf_quantize(const void *x, int dtype, void *out, uint8_t *sat, int32_t *exps
                 dst = obuf;
             }
             run(src, narrowed ? w : cols, dst, narrowed ? w : cols, sat ? sat + off : 0, cols,
-                exps ? exps + rs * ntc + j0 : 0, cols - c0, nr, tile_c, nt, p, &ts, &sr,
+                exps ? exps + rs * ntc + j0 : 0, cols - c0, nr, tile_c, nt, p, tsp, &sr,
                 b * rows + r0, c0, ub, ubw);
             if (narrowed && out)
                 for (int64_t r = 0; r < nr; r++) narrow(obuf + r * w, out, off + r * cols, dtype, w);
@@ -1038,6 +1049,7 @@ int qf_quantize(const void *x, int dtype, void *out, uint8_t *sat, int32_t *exps
         if (stream) SFENCE(); /* non-temporal stores are weakly ordered: visible before return */
     }
     free(bam);
+    free(row_ts);
     return failed ? -1 : 0;
 }
 

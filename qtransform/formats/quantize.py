@@ -202,11 +202,9 @@ def _forward(
     when asked for, all from one quantization. `amax`: a checked tensor-amax override."""
     layout = layout_for(x, cfg)
     seed = stream_seed(cfg, generator, seed, x.device)
-    fast = None
-    if amax is None:
-        fast = _gpu_path(x, cfg, layout, want_sat, want_exps)
-        if fast is None:
-            fast = fastpath.quantize(x, cfg, layout, want_sat, exponents=want_exps, seed=seed)
+    fast = _gpu_path(x, cfg, layout, want_sat, want_exps) if amax is None else None
+    if fast is None:  # the CPU kernel takes an NVFP4 amax override (one, or one per row)
+        fast = fastpath.quantize(x, cfg, layout, want_sat, exponents=want_exps, seed=seed, amax=amax)
     if fast is not None:
         out, sat, exps = fast
         assert out is not None

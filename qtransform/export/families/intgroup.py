@@ -11,12 +11,12 @@ from qtransform.export.functions import Body, OnnxFamily, initializer, register_
 from qtransform.formats.options import QuantConfig
 
 
-def int_blocks(b: Body, x: str, axes: str, cfg: QuantConfig) -> str:
+def int_blocks(b: Body, x: str, axes: str, cfg: QuantConfig, amax_t: str | None = None) -> str:
     """quantize_int: symmetric integers, scale amax / qmax or (int_range full) amax / (qmax + 0.5)."""
     qmax = float(cfg.spec.element.qmax)
     if cfg.int_range == "full":
-        return scaled_blocks(b, x, axes, cfg, cfg.spec.element, qmax + 0.5, -qmax - 1.0, qmax)
-    return scaled_blocks(b, x, axes, cfg, cfg.spec.element, qmax, -qmax, qmax)
+        return scaled_blocks(b, x, axes, cfg, cfg.spec.element, qmax + 0.5, -qmax - 1.0, qmax, amax_t)
+    return scaled_blocks(b, x, axes, cfg, cfg.spec.element, qmax, -qmax, qmax, amax_t)
 
 
 def weight_scale(label: str, grid: torch.Tensor, tensor_scale: torch.Tensor | None,  # noqa: ARG001

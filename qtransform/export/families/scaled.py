@@ -17,15 +17,18 @@ from qtransform.formats.registry import ElementSpec
 
 
 def scaled_blocks(b: Body, x: str, axes: str, cfg: QuantConfig, elem: ElementSpec,
-                  divisor: float, lo: float, hi: float) -> str:
-    """scale = amax / divisor (the whole tensor's amax for granularity "tensor"), zero -> fp32
-    eps, q = round(clamp(x / scale, lo, hi)), out = q * scale; a NaN/Inf block is NaN."""
+                  divisor: float, lo: float, hi: float, amax_t: str | None = None) -> str:
+    """scale = amax / divisor (the whole tensor's amax for granularity "tensor", or `amax_t`),
+    zero -> fp32 eps, q = round(clamp(x / scale, lo, hi)), out = q * scale; a NaN/Inf block is
+    NaN."""
     if cfg.scale_dtype != "float32":
         raise UnsupportedExport(f"{cfg.name}: scale_dtype {cfg.scale_dtype!r} has no ONNX body; "
                                 "export with scale_dtype 'float32'")
     a = b.op("Abs", x)
     clean = b.op("Where", b.op("IsNaN", a), b.const(np.inf), a)
-    if cfg.granularity == "tensor":
+    if amax_t is not None:  # a fixed tensor amax (`fake_quantize`'s amax)
+        amax = b.op("Where", b.op("IsNaN", amax_t), b.const(np.inf), amax_t)
+    elif cfg.granularity == "tensor":
         amax = b.op("ReduceMax", clean, keepdims=0)
     else:
         amax = b.op("ReduceMax", clean, axes, keepdims=1)
