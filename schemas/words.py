@@ -55,7 +55,10 @@ def element_bits(spec: registry.FormatSpec) -> int:
     return 1 + el.ebits + el.mbits if el.kind == "float" else (el.qmax + 1).bit_length()
 
 
-_OPTION_WORDS = {"scale_rule": "scale rule", "nvfp4_variant": "variant"}
+_OPTION_WORDS = {"scale_rule": "scale rule", "nvfp4_variant": "variant", "fp8_variant": "variant",
+                 "int_range": "integer range"}
+_WHOLE = {"channel": "one scale per output channel", "token": "one scale per token",
+          "tensor": "one scale per tensor"}
 
 
 def describe_format(rule: Any) -> str:
@@ -64,12 +67,19 @@ def describe_format(rule: Any) -> str:
     cfg = rule.config()
     spec = cfg.spec
     parts = [f"{spec.element.name.upper().removesuffix('_MX')} elements"]
-    parts.append(f"{cfg.tile[0]}x{cfg.tile[1]} weight tiles" if cfg.tile else f"block {cfg.block}")
+    if cfg.tile:
+        parts.append(f"{cfg.tile[0]}x{cfg.tile[1]} weight tiles")
+    elif cfg.granularity in _WHOLE:
+        parts.append(_WHOLE[cfg.granularity])
+    else:
+        parts.append(f"block {cfg.block}")
     parts.append(_SCALES[spec.scale])
     for option in cfg.family.options:
         value = getattr(cfg, option)
         if option == "rounding":
             parts.append(_ROUNDING[value] + (f" (seed {cfg.seed})" if cfg.seed is not None else ""))
+        elif option == "scale_dtype":
+            parts.append("scales in the input's dtype" if value == "input" else f"{value} scales")
         else:
             parts.append(f"{value} {_OPTION_WORDS.get(option, option.replace('_', ' '))}")
     if cfg.axis is not None:

@@ -14,15 +14,22 @@ from qtransform.scan.report import ABSOLUTE_THRESHOLDS, DEFAULT_THRESHOLDS, FLAG
 
 def add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, help="elements per block (default: the format's)")
-    p.add_argument("--scale-rule", help="MX scale rule: floor (default), rceil, ceil, even")
+    p.add_argument("--granularity", help="what one scale covers: block (default), channel, "
+                   "token, tensor (int and fp8 formats)")
+    p.add_argument("--scale-rule", help="MX scale rule: floor (default), rceil, ceil, even, "
+                   "compressed-tensors")
     p.add_argument("--rounding", help="rne (default), rna or stochastic")
     p.add_argument("--nvfp4-variant", help="NVFP4: default, compressed-tensors, one_level")
+    p.add_argument("--int-range", help="int4/int8: restricted (default, amax/qmax) or full "
+                   "(compressed-tensors' amax/(qmax+0.5))")
+    p.add_argument("--scale-dtype", help="int and fp8: float32 (default), bfloat16, float16, "
+                   "input (the tensor's dtype)")
     p.add_argument("--json", action="store_true", help="print JSON on stdout instead of tables")
     p.add_argument("--no-progress", action="store_true", help="no progress bars on stderr")
 
 
 def format_options(args: argparse.Namespace) -> dict[str, Any]:
-    keys = ("block_size", *CHOICE_OPTIONS)  # the CLI has no 2D tiles
+    keys = ("block_size", "granularity", *CHOICE_OPTIONS)  # the CLI has no 2D tiles
     return {k: getattr(args, k) for k in keys if getattr(args, k) is not None}
 
 

@@ -69,6 +69,11 @@ def encode(
     """Encode x with the same options as `fake_quantize` (the same stochastic stream too)."""
     cfg = resolve(fmt, **options)
     check_input(x, cfg)
+    if cfg.int_range != "restricted":
+        raise ValueError(
+            f"{cfg.name}: encode stores sign-magnitude codes of [-qmax, qmax]; int_range "
+            f"{cfg.int_range!r} reaches -(qmax + 1) (and 'modelopt' divides by its multiplier), "
+            "so it has no encoded form here: use fake_quantize")
     res, layout = quantize_blocks(x, cfg, stream_seed(cfg, generator, seed, x.device))
     return Encoded(
         config=cfg,

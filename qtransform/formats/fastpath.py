@@ -195,7 +195,7 @@ def library() -> ctypes.CDLL | None:
                     lib.qf_quantize.argtypes = [ctypes.c_void_p, ctypes.c_int] + [ctypes.c_void_p] * 3 + [
                         ctypes.c_int64] * 5 + [ctypes.POINTER(_Params), ctypes.c_uint64,
                                                ctypes.c_int64, ctypes.c_int, ctypes.c_void_p,
-                                               ctypes.c_int]
+                                               ctypes.c_void_p]
                     lib.qf_bincount.restype = None
                     lib.qf_bincount.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32,
                                                 ctypes.c_int32, ctypes.c_void_p]
@@ -226,7 +226,8 @@ def _params(cfg: QuantConfig) -> _Params:
         family=cfg.family.kernel_id or 0, variant=_VARIANT[cfg.nvfp4_variant],
         scale_rule=_RULE[cfg.scale_rule], rna=_ROUNDING[cfg.rounding],
         is_int=int(e.kind == "int"), mbits=e.mbits, emin=e.emin, emax=e.emax,
-        max_normal=e.max_normal, step=e.step, inv_step=1.0 / e.step, qmax=float(e.qmax),
+        max_normal=e.max_normal, step=e.step, inv_step=1.0 / e.step,
+        qmax=float(e.qmax) if e.kind == "int" else e.max_normal,  # the plain-scale divisor
     )
 
 
@@ -278,14 +279,15 @@ def quantize(
     """(fake-quantized values shaped `layout.shape` in x's dtype (fp32 for float64) unless not
     `values`, saturation mask if `want_sat`, MX block exponents int32 shaped `layout.grid_shape`
     if `exponents`) from one pass, or None when the fast path does not apply (the caller then
-    runs the reference path). Stochastic rounding draws from the Philox stream of `seed`.
-    `amax` (NVFP4 two-level, checked by `quantize.check_amax`) replaces the tensor amax: 0-dim,
-    or one per row when the blocked axis is the last one (else the reference path runs)."""
+    runs the reference path). Stochastic rounding draws from the Philox stream of `seed`;
+    NVFP4's tensor scale comes from `amax` when given (0-dim fp32, or one per row of 1D
+    blocks: x's shape with the blocked axis 1), else from x."""
     if (
-        not x.is_cpu
+        (amax is not None and amax.ndim and layout.tile)
+        or not x.is_cpu
         or cfg.family.kernel_id is None
         or cfg.granularity == "tensor"  # the kernels scale by each block's own amax
-        or (cfg.int_range, cfg.scale_dtype) != ("restricted", "float32")
+        or (cfg.int_range, cfg.scale_dtype, cfg.fp8_variant) != ("restricted", "float32", "default")
         or (seed is None and cfg.rounding == "stochastic")
         or x.numel() == 0
         or not enabled()
@@ -295,12 +297,11 @@ def quantize(
     call = _call(cfg, layout, x.dtype)
     if call is None:
         return None
-    amax_mode, amax_c = 0, None
-    if amax is not None:
-        if cfg.family.name != "nvfp4" or not amax.is_cpu or (amax.ndim and (call.moved or layout.tile)):
-            return None
-        amax_mode = 2 if amax.ndim else 1
-        amax_c = amax.detach().to(torch.float32).contiguous().reshape(-1)
+    amax_c = None if amax is None or amax.ndim else ctypes.c_float(float(amax))  # alive across the call
+    rows = None  # one amax per row, in the order of the rows the kernel sees (axis moved last)
+    if amax is not None and amax.ndim:
+        rows = amax.reshape(layout.shape[:layout.axis] + (1,) + layout.shape[layout.axis + 1:])
+        rows = rows.movedim(layout.axis, -1).to(torch.float32).contiguous()
     xs = x.detach()
     if xs.dtype == torch.float64:  # narrowed here, as the reference path does
         xs = xs.to(torch.float32)
@@ -314,7 +315,7 @@ def quantize(
     if _lib.qf_quantize(
         xm.data_ptr(), call.code, _ptr(out), _ptr(sat), _ptr(exps), *call.dims, call.params,
         (seed or 0) % (1 << 64), call.post, torch.get_num_threads() if call.parallel else 1,
-        _ptr(amax_c), amax_mode,
+        None if amax_c is None else ctypes.addressof(amax_c), _ptr(rows) or None,
     ):
         raise MemoryError("qf_quantize: out of memory")
     if call.moved:

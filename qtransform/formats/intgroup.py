@@ -1,9 +1,11 @@
 """Symmetric integers with an fp32 scale per group, row or tensor, no zero point.
 
-Two conventions (`int_range`), because the stacks differ: "restricted" (the default) takes
+Three conventions (`int_range`), because the stacks differ: "restricted" (the default) takes
 scale = amax / qmax and codes in [-qmax, qmax]; "full" is compressed-tensors' (llm-compressor's
 W4A16, W8A8): scale = amax / ((qmax - qmin) / 2), i.e. amax / 7.5 for int4 and amax / 127.5
-for int8, codes clamped to [qmin, qmax] = [-8, 7] / [-128, 127].
+for int8, codes clamped to [qmin, qmax] = [-8, 7] / [-128, 127]; "modelopt" is ModelOpt's
+(`tensor_quant._tensor_quant`, its CPU path): a multiplier m = qmax / amax, q = clamp(round(x *
+m), qmin, qmax), out = q / m, and amax <= 2^-24 quantizes to zeros.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from qtransform.formats.blocking import BlockQuant
+from qtransform.formats.elements import CANONICAL_NAN, round_to_integer
 from qtransform.formats.options import QuantConfig
 from qtransform.formats.registry import (
     GRANULARITIES,
@@ -25,7 +28,8 @@ from qtransform.formats.registry import (
 )
 from qtransform.formats.scaled import quantize_scaled
 
-INT_RANGES = ("restricted", "full")
+INT_RANGES = ("restricted", "full", "modelopt")
+MODELOPT_TINY = 2.0**-24  # ModelOpt: an amax at or below this quantizes its block to zeros
 
 
 def quantize_int(blocks: torch.Tensor, cfg: QuantConfig, u: torch.Tensor | None,
@@ -33,11 +37,30 @@ def quantize_int(blocks: torch.Tensor, cfg: QuantConfig, u: torch.Tensor | None,
     """q = clamp(round(x / scale)) on the integer grid of `int_range`; a zero scale gives
     signed zeros. A NaN or Inf in a group makes the whole group NaN, as for MX blocks."""
     qmax = cfg.spec.element.qmax
+    if cfg.int_range == "modelopt":
+        return _modelopt(blocks, cfg, u, amax_t, float(qmax))
     if cfg.int_range == "full":
         return quantize_scaled(blocks, cfg, u, amax_t, cfg.spec.element, qmax + 0.5,
                                -qmax - 1.0, float(qmax))
     return quantize_scaled(blocks, cfg, u, amax_t, cfg.spec.element, float(qmax),
                            -float(qmax), float(qmax))
+
+
+def _modelopt(blocks: torch.Tensor, cfg: QuantConfig, u: torch.Tensor | None,
+              amax_t: torch.Tensor | None, qmax: float) -> BlockQuant:
+    """ModelOpt's order: multiply by qmax / amax, round, clamp to [-qmax - 1, qmax], divide."""
+    amax = blocks.abs().amax(dim=1) if amax_t is None else amax_t.expand(blocks.shape[0])
+    bad = ~torch.isfinite(amax)
+    tiny = amax <= MODELOPT_TINY
+    m = torch.where(tiny, 0.0, amax.new_tensor(qmax) / amax)[:, None]  # a true division
+    y = blocks * m
+    r = torch.copysign(round_to_integer(y.abs(), cfg.rounding, u), y)
+    q = torch.clamp(r, -qmax - 1.0, qmax)
+    out = q / torch.where(tiny[:, None], 1.0, m)
+    bad_b = bad[:, None]
+    q, out = (torch.where(bad_b, CANONICAL_NAN, t) for t in (q, out))
+    scale = torch.where(bad, CANONICAL_NAN, torch.where(tiny, 1.0, 1.0 / m[:, 0]))
+    return BlockQuant(out=out, q=q, sat=((y > qmax) | (y < -qmax - 1.0)) & ~bad_b, scales=scale)
 
 
 INT = register_family(Family(

@@ -323,7 +323,7 @@ static inline plan_t plan_block(uint32_t amax_bits, const qf_params *p, const te
         return pl;
     }
     if (p->variant == NV_DEFAULT) {
-        if (ts->nan) return nan_plan;
+        if (ts->nan || amax != amax) return nan_plan; /* NaN block under a given tensor amax */
         float s = amax * ts->g6;
         s = s > FLT_MAX ? FLT_MAX : s;
         s = e4m3_rne(s > 448.0f ? 448.0f : s);
@@ -609,7 +609,7 @@ VINLINE int vplans(v16u am, v16i ex, const qf_params *p, const tensor_scale *ts,
         s = vround(s, e4m3, s);
         post = s * ts->d;
         a = vminf(1.0f / post, (v16f)SPLAT(f2u(FLT_MAX)));
-        nan = (v16i)SPLAT(0);
+        nan = (v16i)(am > 0x7f800000u); /* NaN blocks (a given tensor amax); Inf ones saturate */
     } else {
         int uni = -2;
         for (int64_t k = 0; k < nj; k++) {
@@ -937,12 +937,11 @@ typedef void (*run_fn)(const float *, int64_t, float *, int64_t, uint8_t *, int6
  * 1D blocks, AVX-512 builds) reads and writes bf16/fp16 lane by lane; the scalar path widens them
  * tile row by tile row into a per-thread buffer and narrows the results from another (no
  * separate conversion pass); the arithmetic is fp32 throughout. Stochastic rounding (p->rna == 2) draws
- * from the stream of `seed`, with `post` as in sr_t. NVFP4 two-level: `amax_mode` 1 takes the
- * tensor amax from amax[0] instead of x, 2 (1D blocks) one per row from amax[row] (row over
- * batch * rows), 0 computes it from x. Returns -1 without memory. */
+ * from the stream of `seed`, with `post` as in sr_t. Returns -1 without memory. */
 int qf_quantize(const void *x, int dtype, void *out, uint8_t *sat, int32_t *exps, int64_t batch,
                 int64_t rows, int64_t cols, int64_t tile_r, int64_t tile_c, const qf_params *p,
-                uint64_t seed, int64_t post, int nthreads, const float *amax, int amax_mode) {
+                uint64_t seed, int64_t post, int nthreads, const float *amax_in,
+                const float *row_amax) {
     int64_t ntr = (rows + tile_r - 1) / tile_r, ntc = (cols + tile_c - 1) / tile_c;
     int64_t total = batch * rows * cols;
     if (total == 0) return 0;
@@ -958,19 +957,16 @@ int qf_quantize(const void *x, int dtype, void *out, uint8_t *sat, int32_t *exps
     int stream = vec && out && total * (dtype == DT_F32 ? 4 : 2) >= STREAM_BYTES &&
                  ((uintptr_t)out & 63) == 0;
     uint32_t *bam = 0; /* NVFP4 two-level, vector path: block amaxes from the tensor pass */
-    tensor_scale *row_ts = 0; /* amax_mode 2: one tensor scale per row */
-    int two_level = p->family == FAM_NVFP4 && p->variant != NV_ONE_LEVEL;
-    if (two_level && amax_mode == 2) {
-        if (tile_r != 1 || !(row_ts = malloc(sizeof(tensor_scale) * (size_t)(batch * rows)))) return -1;
-        for (int64_t r = 0; r < batch * rows; r++) row_ts[r] = nv_tensor(amax[r], p);
-    }
-    /* the tensor pass: the tensor amax (unless given) and, on the vector path, block amaxes */
-    if (two_level && (amax_mode == 0 || (vec && out))) {
+    if (p->family == FAM_NVFP4 && p->variant != NV_ONE_LEVEL) {
         if (vec && out && !(bam = malloc(sizeof(uint32_t) * (size_t)(total / tile_c)))) return -1;
+        /* amax_in (the caller's tensor amax, `fake_quantize(amax=)`) or row_amax (one per row of
+         * 1D blocks): the pass below then only collects the vector path's block amaxes, or is
+         * skipped */
+        int64_t passes = bam || !(amax_in || row_amax) ? 1 : 0;
         int64_t chunk = tile_c < 65536 ? 65536 / tile_c * tile_c : tile_c; /* whole blocks */
         uint32_t m = 0;
 #pragma omp parallel for num_threads(nthreads) reduction(max : m) schedule(static)
-        for (int64_t c = 0; c < (total + chunk - 1) / chunk; c++) {
+        for (int64_t c = 0; c < passes * ((total + chunk - 1) / chunk); c++) {
             int64_t lo = c * chunk, hi = lo + chunk < total ? lo + chunk : total;
             uint32_t v = 0;
             if (bam) {
@@ -988,9 +984,8 @@ int qf_quantize(const void *x, int dtype, void *out, uint8_t *sat, int32_t *exps
             }
             m = v > m ? v : m;
         }
-        ts = nv_tensor(u2f(m), p);
+        ts = nv_tensor(amax_in ? *amax_in : u2f(m), p);
     }
-    if (two_level && amax_mode == 1) ts = nv_tensor(amax[0], p);
     /* a task is a run of up to `span` tiles in one tile row: few tasks per thread is enough
      * for balance, and no per-block index arithmetic */
     int64_t rowsets = batch * ntr, want = 8 * (int64_t)nthreads;
@@ -1024,9 +1019,10 @@ int qf_quantize(const void *x, int dtype, void *out, uint8_t *sat, int32_t *exps
             int64_t b = rs / ntr, r0 = (rs % ntr) * tile_r;
             int64_t nr = rows - r0 < tile_r ? rows - r0 : tile_r;
             int64_t off = b * rows * cols + r0 * cols + c0, w = cols - c0 < width ? cols - c0 : width;
-            const tensor_scale *tsp = row_ts ? row_ts + b * rows + r0 : &ts;
+            /* a row's own tensor scale (tile_r is 1 when row_amax is given) */
+            tensor_scale rts = row_amax ? nv_tensor(row_amax[b * rows + r0], p) : ts;
             if (vec) {
-                vec(x, out, sat, exps ? exps + rs * ntc + j0 : 0, off, nt, tile_c, p, tsp, &sr,
+                vec(x, out, sat, exps ? exps + rs * ntc + j0 : 0, off, nt, tile_c, p, &rts, &sr,
                     b * rows + r0, c0, ub, bam, stream);
                 continue;
             }
@@ -1038,7 +1034,7 @@ int qf_quantize(const void *x, int dtype, void *out, uint8_t *sat, int32_t *exps
                 dst = obuf;
             }
             run(src, narrowed ? w : cols, dst, narrowed ? w : cols, sat ? sat + off : 0, cols,
-                exps ? exps + rs * ntc + j0 : 0, cols - c0, nr, tile_c, nt, p, tsp, &sr,
+                exps ? exps + rs * ntc + j0 : 0, cols - c0, nr, tile_c, nt, p, &rts, &sr,
                 b * rows + r0, c0, ub, ubw);
             if (narrowed && out)
                 for (int64_t r = 0; r < nr; r++) narrow(obuf + r * w, out, off + r * cols, dtype, w);
@@ -1049,7 +1045,6 @@ int qf_quantize(const void *x, int dtype, void *out, uint8_t *sat, int32_t *exps
         if (stream) SFENCE(); /* non-temporal stores are weakly ordered: visible before return */
     }
     free(bam);
-    free(row_ts);
     return failed ? -1 : 0;
 }
 

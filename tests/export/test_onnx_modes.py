@@ -122,3 +122,33 @@ def test_a_graph_mode_program_exports_and_is_audited_against_its_log(tmp_path):
     want = torch_out(program.module(), inp)
     got = ort_run(path, {"input_0": inp.numpy()})[0]
     assert np.abs(got - want.numpy()).max() <= 1e-5 * float(want.abs().max())
+
+
+STACK_SCHEMES = {"version": 1, "quantize": [
+    {"targets": ["0"], "format": "fp8_e4m3", "granularity": "channel"},
+    {"targets": ["0"], "format": "fp8_e4m3", "granularity": "token", "tensors": ["input"]},
+    {"targets": ["2"], "format": "int8", "granularity": "channel", "int_range": "full"},
+    {"targets": ["2"], "format": "int8", "granularity": "token", "int_range": "full", "tensors": ["input"]},
+    {"targets": ["4"], "format": "fp8_e5m2", "granularity": "tensor", "tensors": ["weight", "input"]}]}
+
+
+def test_fp8_and_per_channel_token_tensor_scales_export_bit_exactly(tmp_path):
+    """FP8_DYNAMIC- and W8A8-style rules and per-tensor E5M2 run in onnxruntime with PyTorch's
+    bits (function mode); QDQ refuses them in one line and writes nothing."""
+    m = qtransform.transform(mlp(), STACK_SCHEMES)
+    path = export_onnx(m, tmp_path / "s.onnx", x())
+    for batch in (3, 5):
+        got = ort_run(path, {"input_0": x(batch).numpy()})[0]
+        assert np.array_equal(got.view(np.int32), torch_out(m, x(batch)).numpy().view(np.int32))
+    with pytest.raises(UserError, match=r"fp8_e4m3, fp8_e5m2, int8: .*\(fp8_e4m3: the fp8 family has no "
+                                        r"QDQ form\).*int8: granularity 'channel'"):
+        export_onnx(m, tmp_path / "q.onnx", x(), fake_quant="qdq")
+    assert not (tmp_path / "q.onnx").exists()
+
+
+def test_scales_in_the_input_dtype_are_refused_before_anything_is_written(tmp_path):
+    pol = {"version": 1, "quantize": [{"targets": ["0"], "format": "fp8_e4m3", "scale_dtype": "input"}]}
+    with pytest.raises(UserError, match=r"0/weight_fake_quant.*scale_dtype 'input' has no ONNX body; "
+                                        r"export with scale_dtype 'float32'"):
+        export_onnx(qtransform.transform(mlp(), pol), tmp_path / "b.onnx", x())
+    assert not (tmp_path / "b.onnx").exists()

@@ -24,9 +24,10 @@ CONFIGS = (
      for r in ("floor", "rceil", "ceil", "even", "compressed-tensors") for o in ("rne", "rna")]
     + [("nvfp4", {"nvfp4_variant": v, "rounding": o})
        for v in ("default", "compressed-tensors", "one_level") for o in ("rne", "rna")]
-    + [(f, {"rounding": o}) for f in ("int4", "int8") for o in ("rne", "rna")]
+    + [(f, {"rounding": o}) for f in ("int4", "int8", "fp8_e4m3", "fp8_e5m2") for o in ("rne", "rna")]
     # stochastic rounding: the same Philox stream on both paths
-    + [(f, {"rounding": "stochastic", "seed": 5}) for f in ("mxfp4", "mxfp6_e3m2", "mxint8", "int4")]
+    + [(f, {"rounding": "stochastic", "seed": 5})
+       for f in ("mxfp4", "mxfp6_e3m2", "mxint8", "int4", "fp8_e4m3")]
     + [("nvfp4", {"nvfp4_variant": v, "rounding": "stochastic", "seed": 2**64 - 7})
        for v in ("default", "compressed-tensors", "one_level")]
 )
@@ -109,9 +110,9 @@ def test_fast_path_builds_in_ci():
 @pytest.mark.parametrize(("fmt", "opts"), CONFIGS, ids=CONFIG_IDS)
 def test_bit_identical_to_reference(lib, fmt, opts, monkeypatch):
     # the formats' default tiles (clamped on short dims), and a ragged tile that fits every set
-    tile = get(fmt).tile if not fmt.startswith("int") else (4, 32)
+    tile = get(fmt).tile if fmt.startswith(("mx", "nv")) else (4, 32)
     layouts = [{}, {"axis": 0}, {"block_shape": tile}]
-    if fmt in ("int4", "int8"):
+    if fmt.startswith(("int", "fp8")):
         layouts += [{"block_size": 32}, {"granularity": "token"}, {"granularity": "channel", "axis": 0}]
     for x, lay in itertools.product(DATA, layouts):
         cfg = resolve(fmt, **{k: v for k, v in opts.items() if k != "seed"}, **lay)
@@ -437,3 +438,36 @@ def test_mx_blocks_at_the_edges_of_in_place_rounding_are_bit_identical(lib, fmt,
         bits = torch.int32 if dtype == torch.float32 else torch.int16
         assert torch.equal(fast[0].view(bits), ref[0].view(bits)), dtype
         assert torch.equal(fast[1], ref[1]) and torch.equal(fast[2], ref[2]), dtype
+
+
+@pytest.mark.parametrize("variant", ["default", "compressed-tensors"])
+def test_a_given_tensor_amax_is_bit_identical_on_both_paths(lib, variant, monkeypatch):
+    """`amax=` (static and fused NVFP4 global scales) runs in the kernel: the same bits as the
+    reference, NaN/Inf blocks and a tensor amax below, at or above x's own included."""
+    for x, amax in itertools.product(DATA, (None, 0.0, 3.0, float("nan"), float("inf"))):
+        a_t = x.abs().amax() if amax is None else torch.tensor(amax)
+        cfg = resolve("nvfp4", nvfp4_variant=variant)
+        assert fastpath.quantize(x, cfg, layout_for(x, cfg), False, amax=a_t) is not None
+        for xd in (x, x.to(torch.bfloat16)):
+            got = fake_quantize(xd, "nvfp4", nvfp4_variant=variant, amax=a_t)
+            want = _reference(xd, "nvfp4", monkeypatch, nvfp4_variant=variant, amax=a_t)
+            assert _same(got, want), (variant, amax, xd.dtype)
+        assert torch.equal(saturated(x, "nvfp4", nvfp4_variant=variant, amax=a_t),
+                           _ref_sat(x, "nvfp4", monkeypatch, nvfp4_variant=variant, amax=a_t))
+
+
+@pytest.mark.parametrize("variant", ["default", "compressed-tensors"])
+def test_one_amax_per_row_is_bit_identical_on_both_paths(lib, variant, monkeypatch):
+    """Per-token NVFP4 global scales (`amax` shaped like x with the blocked axis 1) run in the
+    kernel, along either axis, NaN rows and rows of zeros included."""
+    for x in DATA:
+        for axis in (-1, 0):
+            rows = x.abs().amax(dim=axis, keepdim=True)
+            rows.view(-1)[:1] = float("nan")
+            rows.view(-1)[1:2] = 0.0
+            cfg = resolve("nvfp4", nvfp4_variant=variant, axis=axis)
+            assert fastpath.quantize(x, cfg, layout_for(x, cfg), False, amax=rows) is not None
+            for xd in (x, x.to(torch.bfloat16)):
+                got = fake_quantize(xd, "nvfp4", nvfp4_variant=variant, axis=axis, amax=rows)
+                want = _reference(xd, "nvfp4", monkeypatch, nvfp4_variant=variant, axis=axis, amax=rows)
+                assert _same(got.contiguous(), want.contiguous()), (variant, axis, xd.dtype)

@@ -238,3 +238,8 @@ def test_fp8_per_tensor_static_input_scale(model):
     assert torch.equal(fq(x), want) and not torch.equal(want, fake_quantize(x, "fp8_e4m3", granularity="tensor"))
     plan = qtransform.plan(model, {"version": 1, "quantize": [rule]})
     assert any("Outputs depend on the batch" in n for n in plan.notes)  # dynamic per tensor
+
+
+def test_explain_of_weight_only_rules_says_nothing_about_activations():
+    for rule in ({"format": "fp8_e4m3", "granularity": "tensor"}, {"format": "nvfp4"}):
+        assert "Activation" not in explain(load_policy({"version": 1, "quantize": [rule]}))

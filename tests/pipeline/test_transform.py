@@ -13,6 +13,7 @@ import qtransform
 from qtransform import fake_quantize
 from qtransform.errors import UserError
 from qtransform.formats import QuantConfig
+from qtransform.passes.fake_quant import FakeQuantize
 from tests.conftest import ids
 from tests.helpers import assert_untouched, snapshot
 
@@ -303,3 +304,72 @@ def test_fake_quantize_module_repr_copy_cache_and_step():
     sr.set_step(6)  # a new step starts at draw 0
     assert torch.equal(sr.quantize(x), fake_quantize(x, "mxfp4", rounding="stochastic",
                                                      seed=site_seed(9, "s/weight_fake_quant", 6, 0)))
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "gpt2"])
+def test_fp8_per_channel_weights_and_per_token_inputs(tiny, arch):
+    """FP8_DYNAMIC-style rules: each weight is quantized per output channel (GPT-2's Conv1D
+    stores [in, out]: its channels are columns), each input per token; plans say so in words."""
+    model = tiny(arch)
+    policy = {"version": 1, "quantize": [
+        {"targets": ["Linear"], "ignore": ["lm_head"], "format": "fp8_e4m3", "granularity": "channel"},
+        {"targets": ["Linear"], "ignore": ["lm_head"], "format": "fp8_e4m3", "granularity": "token",
+         "tensors": ["input"]}]}
+    details = {r.detail for r in qtransform.plan(model, policy).rows}
+    assert details == {"fp8_e4m3 per channel, rounding=rne, scale_dtype=float32",
+                       "fp8_e4m3 per token, rounding=rne, scale_dtype=float32"}
+    out = qtransform.transform(model, policy)
+    name, mod = next((n, m) for n, m in _linears(model).items() if n != "lm_head")
+    site = out.get_submodule(name)
+    conv = type(mod).__name__ == "Conv1D"
+    x = torch.randn(2, 3, mod.weight.shape[0 if conv else 1])
+    w = fake_quantize(mod.weight, "fp8_e4m3", granularity="channel", axis=0 if conv else -1)
+    xq = fake_quantize(x, "fp8_e4m3", granularity="token")
+    want = xq @ w + mod.bias if conv else F.linear(xq, w, mod.bias)
+    with torch.no_grad():
+        assert torch.equal(site(x), want)
+    if not conv:  # one scale per row: each row of the quantized weight is the row quantized alone
+        row = fake_quantize(mod.weight[3:4], "fp8_e4m3", granularity="channel")
+        assert torch.equal(w[3:4], row)
+
+
+def test_a_block_longer_than_a_sites_axis_is_refused_at_plan_time(tiny):
+    """The issue's int8 block of 2^33 used to run as per-row quantization; now plan and
+    transform refuse it, naming the rule, the site, the axis length and the fix."""
+    model = tiny("qwen2")
+    before = snapshot(model)
+    policy = {"version": 1, "quantize": [{"targets": ["Linear"], "format": "int8", "block_size": 2**33}]}
+    message = ("quantize[0] at model.layers.0.self_attn.q_proj (weight): int8: block_size 8589934592 "
+               "is longer than axis 1 of a tensor of shape [64, 64] (64 elements); use a block of at "
+               "most 64, or granularity 'channel' (weights) / 'token' (activations) for one scale "
+               "per whole row")
+    for call in (qtransform.plan, qtransform.transform):
+        with pytest.raises(UserError) as err:
+            call(model, policy)
+        assert str(err.value) == message
+    inputs = {"version": 1, "quantize": [{"targets": ["*.down_proj"], "format": "fp8_e4m3",
+                                          "tensors": ["input"], "block_size": 256}]}
+    with pytest.raises(UserError, match=r"down_proj \(input\): fp8_e4m3: block_size 256 is longer than "
+                                        r"axis 0 of a tensor of shape \[128\]"):
+        qtransform.plan(model, inputs)
+    assert_untouched(before, model)
+
+
+def test_fake_quantize_module_takes_a_given_amax(tiny):
+    """`FakeQuantize.quantize(x, amax=)`: what fused and calibrated scales call. One amax for a
+    weight; for a fused experts weight [E, ...] one shared amax or one per expert ([E])."""
+    model = tiny("qwen2")
+    out = qtransform.transform(model, {"version": 1, "quantize": [
+        {"targets": ["*.q_proj"], "format": "nvfp4"}]})
+    fq = out.model.layers[0].self_attn.q_proj.weight_fake_quant
+    w = model.model.layers[0].self_attn.q_proj.weight.detach()
+    fused = torch.tensor(3.5)
+    assert torch.equal(fq.quantize(w, amax=fused), fake_quantize(w, "nvfp4", amax=fused))
+    assert not torch.equal(fq.quantize(w, amax=fused), fq.quantize(w))
+    experts = FakeQuantize(QuantConfig.from_options("nvfp4", {}), "e/weight_fake_quant", per_expert=True)
+    x = torch.randn(3, 8, 32)
+    each = torch.tensor([1.0, 2.0, 40.0])
+    assert torch.equal(experts.quantize(x, amax=each),
+                       torch.stack([fake_quantize(x[e], "nvfp4", amax=each[e]) for e in range(3)]))
+    assert torch.equal(experts.quantize(x, amax=fused),
+                       torch.stack([fake_quantize(x[e], "nvfp4", amax=fused) for e in range(3)]))

@@ -6,17 +6,45 @@ import numpy as np
 import torch
 from onnx import NodeProto, TensorProto
 
-from qtransform.export.families.scaled import scaled_blocks
-from qtransform.export.functions import Body, OnnxFamily, initializer, register_onnx_family
+from qtransform.export.families.scaled import block_amax, scaled_blocks
+from qtransform.export.functions import (
+    Body,
+    OnnxFamily,
+    UnsupportedExport,
+    initializer,
+    register_onnx_family,
+    round_to_integer,
+    sign_of,
+)
+from qtransform.formats.intgroup import MODELOPT_TINY
 from qtransform.formats.options import QuantConfig
 
 
 def int_blocks(b: Body, x: str, axes: str, cfg: QuantConfig, amax_t: str | None = None) -> str:
     """quantize_int: symmetric integers, scale amax / qmax or (int_range full) amax / (qmax + 0.5)."""
     qmax = float(cfg.spec.element.qmax)
+    if cfg.int_range == "modelopt":
+        return _modelopt(b, x, axes, cfg, qmax)
     if cfg.int_range == "full":
         return scaled_blocks(b, x, axes, cfg, cfg.spec.element, qmax + 0.5, -qmax - 1.0, qmax, amax_t)
     return scaled_blocks(b, x, axes, cfg, cfg.spec.element, qmax, -qmax, qmax, amax_t)
+
+
+def _modelopt(b: Body, x: str, axes: str, cfg: QuantConfig, qmax: float) -> str:
+    """intgroup._modelopt: m = qmax / amax (0 at or below 2^-24), clamp(round(x * m)) / m."""
+    if cfg.scale_dtype != "float32":
+        raise UnsupportedExport(f"{cfg.name}: scale_dtype {cfg.scale_dtype!r} has no ONNX body; "
+                                "export with scale_dtype 'float32'")
+    amax = block_amax(b, x, axes, cfg)
+    bad = b.op("IsInf", amax)
+    tiny = b.op("LessOrEqual", amax, b.const(MODELOPT_TINY))
+    m = b.op("Where", tiny, b.const(0.0), b.op("Div", b.const(qmax), amax))
+    y = b.op("Mul", x, m)
+    sign = sign_of(b, y)
+    r = b.op("Mul", round_to_integer(b, b.op("Mul", y, sign), cfg.rounding), sign)
+    q = b.op("Max", b.op("Min", r, b.const(qmax)), b.const(-qmax - 1.0))
+    out = b.op("Div", q, b.op("Where", tiny, b.const(1.0), m))
+    return b.op("Where", bad, b.const(np.nan), out)
 
 
 def weight_scale(label: str, grid: torch.Tensor, tensor_scale: torch.Tensor | None,  # noqa: ARG001

@@ -16,6 +16,18 @@ from qtransform.formats.options import QuantConfig
 from qtransform.formats.registry import ElementSpec
 
 
+def block_amax(b: Body, x: str, axes: str, cfg: QuantConfig, amax_t: str | None = None) -> str:
+    """max |x| per block (the whole tensor's for granularity "tensor", or a given `amax_t`:
+    `fake_quantize`'s amax), +inf where the block (tensor) holds a NaN or an Inf."""
+    if amax_t is not None:
+        return b.op("Where", b.op("IsNaN", amax_t), b.const(np.inf), amax_t)
+    a = b.op("Abs", x)
+    clean = b.op("Where", b.op("IsNaN", a), b.const(np.inf), a)
+    if cfg.granularity == "tensor":
+        return b.op("ReduceMax", clean, keepdims=0)
+    return b.op("ReduceMax", clean, axes, keepdims=1)
+
+
 def scaled_blocks(b: Body, x: str, axes: str, cfg: QuantConfig, elem: ElementSpec,
                   divisor: float, lo: float, hi: float, amax_t: str | None = None) -> str:
     """scale = amax / divisor (the whole tensor's amax for granularity "tensor", or `amax_t`),
@@ -24,14 +36,7 @@ def scaled_blocks(b: Body, x: str, axes: str, cfg: QuantConfig, elem: ElementSpe
     if cfg.scale_dtype != "float32":
         raise UnsupportedExport(f"{cfg.name}: scale_dtype {cfg.scale_dtype!r} has no ONNX body; "
                                 "export with scale_dtype 'float32'")
-    a = b.op("Abs", x)
-    clean = b.op("Where", b.op("IsNaN", a), b.const(np.inf), a)
-    if amax_t is not None:  # a fixed tensor amax (`fake_quantize`'s amax)
-        amax = b.op("Where", b.op("IsNaN", amax_t), b.const(np.inf), amax_t)
-    elif cfg.granularity == "tensor":
-        amax = b.op("ReduceMax", clean, keepdims=0)
-    else:
-        amax = b.op("ReduceMax", clean, axes, keepdims=1)
+    amax = block_amax(b, x, axes, cfg, amax_t)
     bad = b.op("IsInf", amax)
     scale = b.op("Div", amax, b.const(divisor))
     scale = b.op("Where", b.op("Equal", scale, b.const(0.0)),
