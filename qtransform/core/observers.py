@@ -32,6 +32,9 @@ from torch import Tensor, nn
 
 OBSERVERS = ("static_minmax", "minmax", "memoryless_minmax")
 _collecting = False
+# the statistics of the last observed tensor: q/k/v (and gate/up) observe one input tensor, so
+# it is reduced once (kept by identity and version, so a tensor written in place is read again)
+_last: tuple[Tensor, int, int, tuple[Tensor, Tensor]] | None = None
 
 
 def collecting() -> bool:
@@ -42,12 +45,12 @@ def collecting() -> bool:
 @contextlib.contextmanager
 def collect() -> Iterator[None]:
     """The span of a calibration run."""
-    global _collecting
+    global _collecting, _last
     before, _collecting = _collecting, True
     try:
         yield
     finally:
-        _collecting = before
+        _collecting, _last = before, None
 
 
 def group_min_max(x: Tensor, group: int) -> tuple[Tensor, Tensor]:
@@ -60,6 +63,16 @@ def group_min_max(x: Tensor, group: int) -> tuple[Tensor, Tensor]:
     grouped = rows.reshape(rows.shape[0], -1, group) if group else rows.reshape(rows.shape[0], 1, -1)
     lo, hi = torch.aminmax(grouped, dim=-1)  # the contiguous axis first, then the tokens
     return lo.amin(dim=0), hi.amax(dim=0)
+
+
+def _statistics(x: Tensor, group: int) -> tuple[Tensor, Tensor]:
+    """Per-group min and max (`group_min_max`), or with `group` -1 the tensor's min and max."""
+    global _last
+    if _last is not None and _last[0] is x and _last[1] == x._version and _last[2] == group:
+        return _last[3]
+    stats = group_min_max(x, group) if group >= 0 else torch.aminmax(x.detach())
+    _last = (x, x._version, group, stats) if _collecting else None
+    return stats
 
 
 class Observer:
@@ -78,10 +91,7 @@ class Observer:
     def observe(self, x: Tensor) -> None:
         if x.numel() == 0:
             return
-        if self.per_group:
-            lo, hi = group_min_max(x, self.group)
-        else:
-            lo, hi = torch.aminmax(x.detach())
+        lo, hi = _statistics(x, self.group if self.per_group else -1)
         if self.min_vals is not None and self.min_vals.shape != lo.shape:
             raise ValueError(f"observed a tensor of {x.shape[-1]} features after one of another "
                              "width: one static scale per tensor of one shape")
