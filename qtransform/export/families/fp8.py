@@ -17,16 +17,16 @@ from qtransform.formats.fp8 import MODELOPT_TINY
 from qtransform.formats.options import QuantConfig
 
 
-def fp8_blocks(b: Body, x: str, axes: str, cfg: QuantConfig) -> str:
+def fp8_blocks(b: Body, x: str, axes: str, cfg: QuantConfig, amax_t: str | None = None) -> str:
     """quantize_fp8: quantize_scaled with divisor and clamp at the element's max normal, or
     ModelOpt's reciprocal multiplier."""
     top = cfg.spec.max_normal
     if cfg.fp8_variant == "default":
-        return scaled_blocks(b, x, axes, cfg, cfg.spec.element, top, -top, top)
+        return scaled_blocks(b, x, axes, cfg, cfg.spec.element, top, -top, top, amax_t)
     if cfg.scale_dtype != "float32":
         raise UnsupportedExport(f"{cfg.name}: scale_dtype {cfg.scale_dtype!r} has no ONNX body; "
                                 "export with scale_dtype 'float32'")
-    amax = block_amax(b, x, axes, cfg)
+    amax = block_amax(b, x, axes, cfg, amax_t)
     safe = b.op("Where", b.op("LessOrEqual", amax, b.const(MODELOPT_TINY)), b.const(1.0), amax)
     m = b.op("Mul", b.op("Reciprocal", safe), b.const(top))
     inv = b.op("Reciprocal", m)
