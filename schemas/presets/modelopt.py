@@ -63,9 +63,10 @@ NVFP4_DEFAULT_CFG = config_preset(
 FP8_DEFAULT_CFG = config_preset(
     "FP8_DEFAULT_CFG", "FP8 E4M3 weights and inputs, one fp32 scale amax/448 per tensor, input "
     "scales from max calibration", [
-        rule("FP8_DEFAULT_CFG", "weights", format="fp8_e4m3", granularity="tensor", tensors=["weight"]),
-        rule("FP8_DEFAULT_CFG", "inputs", format="fp8_e4m3", granularity="tensor", tensors=["input"],
-             scale_source="static", observer="static_minmax"),
+        rule("FP8_DEFAULT_CFG", "weights", format="fp8_e4m3", granularity="tensor", fp8_variant="modelopt",
+             tensors=["weight"]),
+        rule("FP8_DEFAULT_CFG", "inputs", format="fp8_e4m3", granularity="tensor", fp8_variant="modelopt",
+             tensors=["input"], scale_source="static", observer="static_minmax"),
     ])
 
 MXFP8_DEFAULT_CFG = config_preset(
@@ -78,5 +79,5 @@ MXFP8_DEFAULT_CFG = config_preset(
 INT4_BLOCKWISE_WEIGHT_ONLY_CFG = config_preset(
     "INT4_BLOCKWISE_WEIGHT_ONLY_CFG", "int4 weights, one scale amax/7 per 128 input features, "
     "16-bit activations", [
-        rule("INT4_BLOCKWISE_WEIGHT_ONLY_CFG", "weights", format="int4", tensors=["weight"]),
+        rule("INT4_BLOCKWISE_WEIGHT_ONLY_CFG", "weights", format="int4", int_range="modelopt", tensors=["weight"]),
     ])

@@ -142,17 +142,29 @@ def test_mxfp8_equals_modelopts_exported_checkpoint(golden, model):
     assert torch.equal(q_proj.input_fake_quant(tensors["mxfp8.x"]), tensors["mxfp8.x_q"])
 
 
+ORDERS = {"FP8_DEFAULT_CFG": ("fp8_variant", "default"),
+          "INT4_BLOCKWISE_WEIGHT_ONLY_CFG": ("int_range", "restricted")}
+
+
 @pytest.mark.parametrize(("config", "moved"), [("INT4_BLOCKWISE_WEIGHT_ONLY_CFG", 0.1), ("FP8_DEFAULT_CFG", 0.03)])
-def test_logits_are_modelopts_to_the_fp32_order_of_operations(golden, model, config, moved):
-    """Where ModelOpt's fake quantization runs on CPU, its logits against the preset's. ModelOpt
-    computes INT4 as x * (7/amax), q / (7/amax) and FP8 as x * (448/amax), q * (1/(448/amax));
-    qtransform divides by the scale amax/7 (amax/448) and multiplies by it: the logits agree to
-    2e-7, while quantization itself moves them by `moved`."""
+def test_logits_equal_modelopts_fake_quantized_model(golden, model, config, moved):
+    """Where ModelOpt's fake quantization runs on CPU, its logits are the preset's, bit for bit:
+    FP8 in ModelOpt's order x * (448/amax), q * (1/(448/amax)) (`fp8_variant: "modelopt"`), INT4
+    as q = clamp(rne(x * (7/amax)), -8, 7), q / (7/amax) (`int_range: "modelopt"`); quantization
+    itself moves them by `moved`. The control: the same rules in the division order x / (amax/448)
+    (amax/7) are not ModelOpt's logits."""
     tensors, _ = golden
-    with torch.no_grad():
-        got = _preset(config, model, list(tensors["calib"].split(2)))(input_ids=tensors["ids"]).logits
+    calib = list(tensors["calib"].split(2))
     want = tensors[f"{config}.logits"]
-    assert (got - want).abs().max() <= 2e-7
+    with torch.no_grad():
+        got = _preset(config, model, calib)(input_ids=tensors["ids"]).logits
+        field, other = ORDERS[config]
+        rules = [{"name": f"modelopt/{config} {part}", field: other}
+                 for part in (("weights", "inputs") if config == "FP8_DEFAULT_CFG" else ("weights",))]
+        divided = qtransform.transform(model, {"version": 1, "preset": f"modelopt/{config}", "quantize": rules},
+                                       calibration=calib)(input_ids=tensors["ids"]).logits
+    assert torch.equal(got, want)
+    assert not torch.equal(divided, want)
     assert (tensors["fp.logits"] - want).abs().max() > moved
 
 
