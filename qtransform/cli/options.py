@@ -19,7 +19,7 @@ def add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--scale-rule", help="MX scale rule: floor (default), rceil, ceil, even, "
                    "compressed-tensors")
     p.add_argument("--rounding", help="rne (default), rna or stochastic")
-    p.add_argument("--nvfp4-variant", help="NVFP4: default, compressed-tensors, one_level")
+    p.add_argument("--nvfp4-variant", help="NVFP4: default, compressed-tensors, one_level, modelopt")
     p.add_argument("--int-range", help="int4/int8: restricted (default, amax/qmax) or full "
                    "(compressed-tensors' amax/(qmax+0.5))")
     p.add_argument("--scale-dtype", help="int and fp8: float32 (default), bfloat16, float16, "

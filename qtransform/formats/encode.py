@@ -32,8 +32,8 @@ class Encoded:
         0..15); int elements are sign-magnitude (see `signed_codes`). Padding codes are 0.
     scales: `[n_blocks]`: MX E8M0 codes (uint8, E + 127, 0xFF = NaN); NVFP4 the E4M3 block
         scale values (fp32); int groups the fp32 group scale.
-    tensor_scale: NVFP4 only (fp32, 0-dim): default variant the global decode scale d
-        (value = code * (scale * d)); compressed-tensors its global scale g
+    tensor_scale: NVFP4 only (fp32, 0-dim): default and modelopt variants the global decode
+        scale d (value = code * (scale * d)); compressed-tensors its global scale g
         (value = code * (scale / g)); one_level None.
     """
 

@@ -288,6 +288,7 @@ def quantize(
         or cfg.family.kernel_id is None
         or cfg.granularity == "tensor"  # the kernels scale by each block's own amax
         or (cfg.int_range, cfg.scale_dtype, cfg.fp8_variant) != ("restricted", "float32", "default")
+        or cfg.nvfp4_variant == "modelopt"  # the reference path only
         or (seed is None and cfg.rounding == "stochastic")
         or x.numel() == 0
         or not enabled()

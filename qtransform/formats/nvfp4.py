@@ -1,6 +1,6 @@
 """NVFP4: E2M1 elements, an E4M3 scale per block of 16 and (two-level) one fp32 scale per tensor.
 
-Three named fp32 orders of operations (`nvfp4_variant`), because the public references round
+Four named fp32 orders of operations (`nvfp4_variant`), because the public references round
 differently on ties and treat zero and tiny scales differently; see docs/numerics.md.
 """
 
@@ -25,7 +25,8 @@ FLT_MAX = torch.finfo(torch.float32).max
 E4M3_MAX = 448.0
 GLOBAL_RANGE = 2688.0  # E2M1 max (6) * E4M3 max (448)
 ONE_SIXTH = float(torch.tensor(1 / 6, dtype=torch.float32))  # fl32(1/6)
-VARIANTS = ("default", "compressed-tensors", "one_level")  # "default" is NVIDIA's order
+VARIANTS = ("default", "compressed-tensors", "one_level", "modelopt")  # "default" is NVIDIA's order
+MIN_BLOCK_SCALE = 2.0**-9  # ModelOpt clamps block scales up to E4M3's smallest subnormal
 
 # element values, dequantized values, scaled values (for saturation), block scales, tensor scale
 Parts = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]
@@ -76,6 +77,24 @@ def _compressed_tensors(
     return q, q * scale, y, s, g
 
 
+def _modelopt(
+    blocks: torch.Tensor, amax_t: torch.Tensor, cfg: QuantConfig, u: torch.Tensor | None
+) -> Parts:
+    """ModelOpt's export (`NVFP4QTensor`, what its checkpoints hold): d = amax / 2688 (a true
+    division: `weight_scale_2`), s = e4m3(clamp(amax_b / (6 d), 2^-9, 448)) with a zero block's
+    s = 1, elements x / (s d); zeros come out +0 (its E2M1 table). A zero or infinite tensor
+    amax takes d = 1 (ModelOpt would divide by zero)."""
+    d = amax_t / GLOBAL_RANGE
+    d = torch.where((d == 0) | torch.isinf(d), 1.0, d)
+    s = blocks.abs().amax(dim=1) / (6.0 * d)
+    s = e4m3_rne(torch.clamp(torch.where(s == 0, 1.0, s), MIN_BLOCK_SCALE, E4M3_MAX))
+    sd = (s * d)[:, None]
+    y = blocks / sd
+    qa = round_magnitude(torch.clamp(y, -6.0, 6.0).abs(), cfg.spec.element, cfg.rounding, u)
+    q = torch.where(qa == 0, 0.0, torch.where(y < 0, -qa, qa))  # its zeros are +0
+    return q, q * sd, y, s, d
+
+
 def _one_level(blocks: torch.Tensor, cfg: QuantConfig, u: torch.Tensor | None) -> Parts:
     """No tensor scale: s = e4m3(amax_b / 6), elements x / s (torchao's order, no lower clamp)."""
     amax_b = blocks.abs().amax(dim=1)
@@ -96,6 +115,8 @@ def quantize_nvfp4(
         raise ValueError("two-level NVFP4 needs the amax of the whole tensor")
     elif cfg.nvfp4_variant == "default":
         q, out, y, s, ts = _default(blocks, amax_t, cfg, u)
+    elif cfg.nvfp4_variant == "modelopt":
+        q, out, y, s, ts = _modelopt(blocks, amax_t, cfg, u)
     else:
         q, out, y, s, ts = _compressed_tensors(blocks, amax_t, cfg, u)
     return BlockQuant(
@@ -105,11 +126,11 @@ def quantize_nvfp4(
 
 
 def scale_values(scales: torch.Tensor, tensor_scale: torch.Tensor | None, cfg: QuantConfig) -> torch.Tensor:
-    """Stored block scales -> multipliers: the E4M3 scale times (default) or over
+    """Stored block scales -> multipliers: the E4M3 scale times (default, modelopt) or over
     (compressed-tensors) the tensor scale; one-level scales are the multipliers."""
     if tensor_scale is None or cfg.nvfp4_variant == "one_level":
         return scales
-    return scales * tensor_scale if cfg.nvfp4_variant == "default" else scales / tensor_scale
+    return scales / tensor_scale if cfg.nvfp4_variant == "compressed-tensors" else scales * tensor_scale
 
 
 NVFP4 = register_family(Family(

@@ -3,12 +3,15 @@
     /tmp/modelopt-venv/bin/python tests/data/modelopt_vectors.py tests/data/modelopt-vectors.npz
 
 Runs where nvidia-modelopt 0.47 is installed (the main environment does not install it) and
-records ModelOpt's CPU quantizers, `modelopt.torch.quantization.tensor_quant._tensor_quant`
+records ModelOpt's CPU quantizers and its NVFP4 export, `modelopt.torch.quantization.tensor_quant._tensor_quant`
 (integers: what `FakeTensorQuantFunction` runs for CPU tensors) and `scaled_e4m3_impl` (FP8 E4M3,
 its eager CPU path), with the amax its max calibration gives: int4 blocks of 128 along the last
 dim (INT4_BLOCKWISE_WEIGHT_ONLY_CFG: num_bits 4, block_sizes {-1: 128}, narrow_range False), int8
-per output channel, FP8 per tensor (FP8_DEFAULT_CFG) and per channel, fp32 and bf16. `tests/formats/test_formats_stacks.py` checks qtransform's `int_range: "modelopt"` against
-them. Arrays hold bit patterns (int32 for fp32, int16 for bf16): `w/<dtype>` the input,
+per output channel, FP8 per tensor (FP8_DEFAULT_CFG) and per channel, and NVFP4 as its checkpoint
+export writes it (`NVFP4QTensor.quantize`, pure torch; NVFP4_DEFAULT_CFG's fake quantization
+needs CUDA) with the tensor's own amax and with a larger given one (a fused or calibrated global
+amax), fp32 and bf16. `tests/formats/test_formats_stacks.py` checks qtransform's `int_range: "modelopt"` against
+them (`nvfp4_variant: "modelopt"` for NVFP4). Arrays hold bit patterns (int32 for fp32, int16 for bf16): `w/<dtype>` the input,
 `<case>/<dtype>` ModelOpt's output.
 """
 
@@ -18,6 +21,7 @@ import sys
 
 import numpy as np
 import torch
+from modelopt.torch.quantization.qtensor import NVFP4QTensor
 from modelopt.torch.quantization.tensor_quant import _tensor_quant, scaled_e4m3_impl
 
 
@@ -51,8 +55,25 @@ def _fp8_channel(w: torch.Tensor) -> torch.Tensor:
     return scaled_e4m3_impl(w, w.abs().amax(dim=-1, keepdim=True).float())
 
 
+def _nvfp4(w: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
+    """What the export stores, dequantized: weight_scale_2 = amax / (6 * 448), E4M3 block scales."""
+    packed, scale, double = NVFP4QTensor.quantize(w, 16, weights_scaling_factor_2=amax.float() / (6.0 * 448.0))
+    return packed.dequantize(w.dtype, scale=scale, double_scale=double, block_sizes={-1: 16})
+
+
+def _nvfp4_export(w: torch.Tensor) -> torch.Tensor:
+    return _nvfp4(w, w.abs().amax())
+
+
+def _nvfp4_export_amax(w: torch.Tensor) -> torch.Tensor:
+    """A global amax above the tensor's own (NVFP4_AMAX times it, in fp32)."""
+    return _nvfp4(w, w.abs().amax().float() * NVFP4_AMAX)
+
+
+NVFP4_AMAX = 1.37
 CASES = {"int4_block_128": _int4_blocks, "int8_channel": _int8_channel,
-         "fp8_tensor": _fp8_tensor, "fp8_channel": _fp8_channel}
+         "fp8_tensor": _fp8_tensor, "fp8_channel": _fp8_channel,
+         "nvfp4_export": _nvfp4_export, "nvfp4_export_amax": _nvfp4_export_amax}
 DTYPES = {"float32": (torch.float32, torch.int32), "bfloat16": (torch.bfloat16, torch.int16)}
 
 

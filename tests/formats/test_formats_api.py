@@ -18,7 +18,7 @@ from qtransform.formats import (
 )
 
 ALL = [(f, {}) for f in names() if f != "nvfp4"] + [
-    ("nvfp4", {"nvfp4_variant": v}) for v in ("default", "compressed-tensors", "one_level")]
+    ("nvfp4", {"nvfp4_variant": v}) for v in ("default", "compressed-tensors", "one_level", "modelopt")]
 
 
 def test_exports():

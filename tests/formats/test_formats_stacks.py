@@ -109,3 +109,21 @@ def test_modelopt_bit_for_bit(case, fmt, options, others, dtype):
     assert torch.equal(fake_quantize(x, fmt, **options).view(ints), want)
     for other in others:
         assert not torch.equal(fake_quantize(x, fmt, **{**options, **other}).view(ints), want)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("case", ["nvfp4_export", "nvfp4_export_amax"])
+def test_modelopt_nvfp4_export_bit_for_bit(case, dtype):
+    """ModelOpt 0.47's NVFP4 checkpoint (`NVFP4QTensor`, dequantized; rows spanning 12 decades, so
+    block scales reach its 2^-9 floor), with the tensor's own amax and with a larger global amax:
+    d = amax / 2688, s = e4m3(clamp(amax_b / (6 d), 2^-9, 448)), x / (s d), zeros +0
+    (`nvfp4_variant: "modelopt"`). NVIDIA's reference order ("default", d = 1 / (2688 / amax))
+    and compressed-tensors' differ from it."""
+    ints = torch.int32 if dtype == "float32" else torch.int16
+    x = torch.from_numpy(MODELOPT[f"w/{dtype}"]).view(getattr(torch, dtype))
+    want = torch.from_numpy(MODELOPT[f"{case}/{dtype}"])
+    amax = x.abs().amax().float() * 1.37 if case == "nvfp4_export_amax" else None
+    assert torch.equal(fake_quantize(x, "nvfp4", nvfp4_variant="modelopt", amax=amax).view(ints), want)
+    values = want.view(x.dtype)
+    for other in ("default", "compressed-tensors"):  # hundreds of values differ, not only zeros' signs
+        assert not torch.equal(fake_quantize(x, "nvfp4", nvfp4_variant=other, amax=amax), values)

@@ -50,6 +50,10 @@ COLUMNS: list[tuple[str, str, dict, dict, bool]] = [
     ("mxfp8_e4m3", "ct_mxfp8", {"scale_rule": "rceil"}, {}, True),
     ("nvfp4", "te_ref(spec)", {}, {}, False),
     ("nvfp4", "ct_nvfp4", {"nvfp4_variant": "compressed-tensors"}, {}, False),
+    ("nvfp4", "mo_nvfp4_export", {"nvfp4_variant": "modelopt"}, {
+        "C6_zero_block": (ALL, "returns NaN when the tensor amax is 0 (0 / 0)"),
+        "C8_inf_in_block": (ALL, "returns NaN for an Inf"),
+    }, False),
     ("nvfp4", "ao_nvfp4_1lvl", {"nvfp4_variant": "one_level"},
      {"C10_nvfp4_big_small_blocks": (range(16, 32), CLAMP + " (2^-6)")}, False),
     ("nvfp4", "ao_nvfp4_2lvl", {}, {

@@ -57,6 +57,13 @@ def nvfp4_blocks(b: Body, x: str, axes: str, cfg: QuantConfig, amax_t: str | Non
         enc = b.op("Min", b.op("Div", b.const(1.0), sd), b.const(FLT_MAX))
         q = round_signed(b, _clamp6(b, b.op("Mul", x, enc)), elem, cfg.rounding)
         return b.op("Mul", q, sd)
+    if cfg.nvfp4_variant == "modelopt":
+        sd = _modelopt_scale(b, amax_nan(b, x, axes), amax_t)
+        y = b.op("Div", x, sd)
+        qa = round_magnitude(b, b.op("Abs", _clamp6(b, y)), elem, cfg.rounding)
+        q = b.op("Mul", qa, b.op("Where", b.op("Less", y, b.const(0.0)), b.const(-1.0), b.const(1.0)))
+        q = b.op("Where", b.op("Equal", qa, b.const(0.0)), b.const(0.0), q)  # ModelOpt's zeros are +0
+        return b.op("Mul", q, sd)
     amax_b = amax_nan(b, x, axes)  # a NaN block is all NaN here (g ignores amax_t's NaN)
     recip = b.op("Min", b.op("Div", b.const(1.0), amax_t), b.const(np.inf))  # stops Div-Mul fusion
     g = b.op("Mul", recip, b.const(2688.0))
@@ -69,6 +76,16 @@ def nvfp4_blocks(b: Body, x: str, axes: str, cfg: QuantConfig, amax_t: str | Non
     qa = round_magnitude(b, b.op("Abs", _clamp6(b, y)), elem, cfg.rounding)
     q = b.op("Mul", qa, b.op("Where", b.op("Less", y, b.const(0.0)), b.const(-1.0), b.const(1.0)))
     return b.op("Mul", q, scale)
+
+
+def _modelopt_scale(b: Body, amax_b: str, amax_t: str) -> str:
+    """ModelOpt's block scale e4m3(clamp(amax_b / (6 d), 2^-9, 448)) * d, d = amax_t / 2688."""
+    d = b.op("Div", amax_t, b.const(2688.0))
+    d = b.op("Where", b.op("Or", b.op("Equal", d, b.const(0.0)), b.op("IsInf", d)), b.const(1.0), d)
+    s = b.op("Div", amax_b, b.op("Mul", d, b.const(6.0)))
+    s = b.op("Where", b.op("Equal", s, b.const(0.0)), b.const(1.0), s)
+    s = _e4m3(b, b.op("Max", b.op("Min", s, b.const(448.0)), b.const(2.0**-9)))
+    return b.op("Mul", s, d)
 
 
 def weight_scale(label: str, grid: torch.Tensor, tensor_scale: torch.Tensor | None,
@@ -94,6 +111,8 @@ def _nvfp4_scale(b: Body, amax: str, variant: str) -> str:
     if variant == "one_level":
         return e4m3(b.op("Div", amax, b.const(6.0)))
     amax_t = b.op("ReduceMax", amax, keepdims=0)
+    if variant == "modelopt":
+        return _modelopt_scale(b, amax, amax_t)
     if variant == "default":
         g = b.op("Min", b.op("Div", b.const(2688.0), amax_t), b.const(FLT_MAX))
         g = b.op("Where", b.op("Equal", g, b.const(0.0)), b.const(1.0), g)
