@@ -13,8 +13,9 @@ Each preset is the model that ModelOpt's checkpoint deploys after
 - NVFP4 weights of q/k/v and of gate/up share one global scale, the largest amax of the group,
   as ModelOpt's export fuses them (`preprocess_linear_fusion`) for the serving engines.
 
-What differs from ModelOpt's own fake quantization, tensor by tensor, is the fp32 order of
-operations (docs/recipes.md, "ModelOpt presets": measured against ModelOpt where it runs on CPU).
+Each format runs in ModelOpt's own fp32 order of operations (`fp8_variant`, `int_range`,
+`nvfp4_variant` "modelopt"), so FP8 and INT4 logits and NVFP4/MXFP8 weights equal ModelOpt's bit
+for bit (docs/recipes.md, "ModelOpt presets": how each was checked).
 """
 
 from __future__ import annotations
@@ -55,9 +56,10 @@ def config_preset(config: str, what: str, rules: list[dict[str, Any]]) -> Preset
 NVFP4_DEFAULT_CFG = config_preset(
     "NVFP4_DEFAULT_CFG", "NVFP4 weights with q/k/v and gate/up global scales fused, NVFP4 inputs "
     "with a global scale from max calibration", [
-        rule("NVFP4_DEFAULT_CFG", "weights", format="nvfp4", tensors=["weight"], share_scale="fused"),
-        rule("NVFP4_DEFAULT_CFG", "inputs", format="nvfp4", tensors=["input"], scale_source="static",
-             observer="static_minmax"),
+        rule("NVFP4_DEFAULT_CFG", "weights", format="nvfp4", nvfp4_variant="modelopt", tensors=["weight"],
+             share_scale="fused"),
+        rule("NVFP4_DEFAULT_CFG", "inputs", format="nvfp4", nvfp4_variant="modelopt", tensors=["input"],
+             scale_source="static", observer="static_minmax"),
     ])
 
 FP8_DEFAULT_CFG = config_preset(

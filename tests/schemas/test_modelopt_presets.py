@@ -117,15 +117,33 @@ def test_calibration_observes_the_full_precision_model_as_modelopt_does(golden, 
         assert torch.equal(tensors[f"FP8_DEFAULT_CFG.amax.{linear}.input"], amax)
 
 
-def test_nvfp4_weights_equal_modelopts_exported_checkpoint(golden, model):
-    """The deployed NVFP4 weights (NVFP4QTensor: weight_scale_2 = amax/2688, the global amax fused
-    over q/k/v and gate/up as the export does) against the preset's fake-quantized weights."""
+@pytest.mark.parametrize("share", ["fused", "tensor"])
+def test_nvfp4_weights_equal_modelopts_exported_checkpoint(golden, model, share):
+    """The deployed NVFP4 weights (NVFP4QTensor: weight_scale_2 = amax/2688, E4M3 block scales
+    e4m3(clamp(amax_b / (6 weight_scale_2), 2^-9, 448)), x / (scale * weight_scale_2)) against the
+    preset's fake-quantized weights, bit for bit (`nvfp4_variant: "modelopt"`): with the global
+    amax fused over q/k/v and gate/up as the export writes it (the preset) and with each Linear's
+    own (`share_scale: "tensor"`, mtq.quantize's unfused model). The control: NVIDIA's reference
+    order (`nvfp4_variant: "default"`, d = 1 / (2688 / amax)) gives other values on gate_proj's
+    own scale (d one ULP off: 4810 of its 8192 elements), and -0 where ModelOpt writes +0."""
     tensors, _ = golden
-    out = _preset("NVFP4_DEFAULT_CFG", model, list(tensors["calib"].split(2)))
+    calib = list(tensors["calib"].split(2))
+
+    def deployed(**fields) -> torch.nn.Module:
+        rule = {"name": "modelopt/NVFP4_DEFAULT_CFG weights", "share_scale": share, **fields}
+        return qtransform.transform(model, {"version": 1, "preset": "modelopt/NVFP4_DEFAULT_CFG", "quantize": [rule]},
+                                    calibration=calib)
+
+    out, default = deployed(), deployed(nvfp4_variant="default")
+    differ = []
     for name in LAYER0:
-        linear = out.get_submodule(name)
-        tag = "fused" if name.rsplit(".", 1)[-1] in FUSED else "own"
-        assert torch.equal(linear.weight_fake_quant(linear.weight), tensors[f"nvfp4.{tag}.{name}"]), name
+        tag = "fused" if share == "fused" and name.rsplit(".", 1)[-1] in FUSED else "own"
+        want = tensors[f"nvfp4.{tag}.{name}"]
+        linear, other = out.get_submodule(name), default.get_submodule(name)
+        assert torch.equal(linear.weight_fake_quant(linear.weight).view(torch.int32), want.view(torch.int32)), name
+        if not torch.equal(other.weight_fake_quant(other.weight), want):
+            differ.append(name)
+    assert differ == (["model.layers.0.mlp.gate_proj"] if share == "tensor" else []), differ
     assert not torch.equal(tensors["nvfp4.fused.model.layers.0.self_attn.k_proj"],
                            tensors["nvfp4.own.model.layers.0.self_attn.k_proj"])  # fusing matters here
 
