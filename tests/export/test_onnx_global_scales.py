@@ -22,6 +22,8 @@ CASES = [
     ("nvfp4", {"nvfp4_variant": "compressed-tensors"}, {"global_scale": "token"}),
     ("nvfp4", {}, {"global_amax": 3.3112604618072510}),
     ("nvfp4", {"nvfp4_variant": "compressed-tensors"}, {"global_amax": 0.0}),
+    ("nvfp4", {"nvfp4_variant": "modelopt"}, {"global_amax": 3.3112604618072510}),  # ModelOpt's input_scale
+    ("nvfp4", {"nvfp4_variant": "modelopt"}, {"global_amax": 0.0}),
     ("fp8_e4m3", {"granularity": "tensor"}, {"global_amax": 17.25}),
     ("int8", {"granularity": "tensor", "int_range": "full"}, {"global_amax": 2.5}),
 ]

@@ -235,3 +235,27 @@ def test_the_batch_check_fails_for_a_per_call_global_scale(model):
     ids = torch.randint(0, 256, (3, 16), generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
         assert not torch.equal(out(input_ids=ids[:1]).logits, out(input_ids=ids).logits[:1])
+
+
+def test_nvfp4_preset_exports_to_onnx(golden, model, tmp_path):
+    """ModelOpt's order in the ONNX function bodies too: the exported NVFP4_DEFAULT_CFG model (the
+    calibrated input amax and the fused weight amax constants of their fake-quant nodes) gives the
+    preset's logits."""
+    import onnx
+    import onnxruntime as ort
+
+    tensors, _ = golden
+    out = _preset("NVFP4_DEFAULT_CFG", model, list(tensors["calib"].split(2)))
+    ids = tensors["ids"]
+    path = qtransform.export_onnx(out, tmp_path / "m.onnx", {"input_ids": ids})
+    nodes = [n for n in onnx.load(path).graph.node if n.op_type == "NVFP4FakeQuant"]
+    assert len(nodes) == 28  # 14 Linears, weight and input
+    for node in nodes:
+        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+        assert attrs["nvfp4_variant"] == b"modelopt", node.name
+        fused = node.name.split("/")[0].rsplit(".", 1)[-1] in FUSED
+        assert ("global_amax" in attrs) == (node.name.endswith("input_fake_quant") or fused), node.name
+    got = ort.InferenceSession(str(path)).run(None, {"input_ids": ids.numpy()})[0]
+    with torch.no_grad():
+        want = out(input_ids=ids).logits
+    assert (torch.from_numpy(got) - want).abs().max() < 1e-5
