@@ -243,3 +243,8 @@ def test_fp8_per_tensor_static_input_scale(model):
 def test_explain_of_weight_only_rules_says_nothing_about_activations():
     for rule in ({"format": "fp8_e4m3", "granularity": "tensor"}, {"format": "nvfp4"}):
         assert "Activation" not in explain(load_policy({"version": 1, "quantize": [rule]}))
+
+
+def test_static_scales_need_module_mode(model):
+    with pytest.raises(UserError, match='mode="module"'):
+        qtransform.transform(model, STATIC, {"input_ids": ids(1, 4)}, mode="graph", calibration=batches())
