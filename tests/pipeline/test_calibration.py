@@ -248,3 +248,15 @@ def test_explain_of_weight_only_rules_says_nothing_about_activations():
 def test_static_scales_need_module_mode(model):
     with pytest.raises(UserError, match='mode="module"'):
         qtransform.transform(model, STATIC, {"input_ids": ids(1, 4)}, mode="graph", calibration=batches())
+
+
+def test_peft_model_saves_and_reloads_its_static_scales(model, tmp_path):
+    peft = pytest.importorskip("peft")
+    wrapped = peft.get_peft_model(copy.deepcopy(model), peft.LoraConfig(r=4, target_modules="all-linear"))
+    t = qtransform.transform(wrapped, STATIC, calibration=batches())
+    names = set(static_scales(t))
+    assert "base_model.model.model.layers.0.self_attn.q_proj.base_layer.input_fake_quant.static_scale" in names
+    qtransform.save_transformed(t, STATIC, tmp_path / "out")
+    back = qtransform.load_transformed(tmp_path / "out")
+    assert {n: s.amax.item() for n, s in static_scales(back).items()} == \
+        {n: s.amax.item() for n, s in static_scales(t).items()}
