@@ -260,3 +260,16 @@ def test_peft_model_saves_and_reloads_its_static_scales(model, tmp_path):
     back = qtransform.load_transformed(tmp_path / "out")
     assert {n: s.amax.item() for n, s in static_scales(back).items()} == \
         {n: s.amax.item() for n, s in static_scales(t).items()}
+
+
+def test_an_activation_scan_calibrates_static_scales_on_its_own_batches(model):
+    from qtransform.scan.setup import prepare_scan
+
+    data = torch.randint(0, 256, (4, 7), generator=torch.Generator().manual_seed(2))
+    setup = prepare_scan(model, STATIC, data)
+    site = "model.layers.1.mlp.up_proj"
+    want = torch.stack(input_amaxes(model, setup.batches)[site]).amax()
+    assert scale_of(setup.program.module(), site).amax.item() == want.item()
+    report = qtransform.scan_activations(model, STATIC, data)
+    inputs = [r for r in report.rows if r.point == "input"]
+    assert inputs and all(r.metrics["sqnr_db"] > 0 for r in inputs)  # measured on the scan's batches
