@@ -97,6 +97,7 @@ class FakeQuantize(nn.Module):
         self.static_scale = static_scale
         self.group = group
         self._group_version = -1
+        self._pinned: list[float] | None = None  # `pin_amax`: the fixed amax a trace carries
         self.lora = lora  # how a LoRA adapter on this weight combines with it (core/lora.py)
         self.per_expert = per_expert
         self.config = config.bind(-1)  # an unbound axis means the last dim, as in fake_quantize
@@ -127,6 +128,10 @@ class FakeQuantize(nn.Module):
         """The tensor-level amax that replaces x's own (None: x's own)."""
         if self.global_scale == "token":
             return x.detach().abs().amax(dim=self.config.block_axis, keepdim=True).to(torch.float32)
+        return self._fixed_amax()
+
+    def _fixed_amax(self) -> Tensor | None:
+        """A static scale's or the scale group's amax (None for the other sources)."""
         if self.global_scale == "group":
             assert self.group is not None
             return self.group.amax(None if sharded(self) else self._check())
@@ -159,15 +164,32 @@ class FakeQuantize(nn.Module):
             for e in range(x.shape[0])])
 
     def _traced(self, x: Tensor) -> Tensor:
-        if self.global_scale is not None:
-            raise UserError(f"{self.label}: a {self.global_scale} global scale has no exported "
-                            "form yet; export with the default scales (share_scale \"tensor\", "
-                            'global_scale "tensor", scale_source "dynamic")')
-        fmt, opts = self.config.name, self.config.to_json()
+        """One `qtransform::fake_quant` op (one per expert where that differs); a tensor-level
+        amax that is not x's own travels in its options (`ops.GLOBAL_KEYS`): per token, or the
+        fixed value of a static scale or scale group as it stands at export time."""
+        fmt = self.config.name
+        if self.global_scale == "token":
+            extra: list[dict] = [{"global_scale": "token"}]
+        elif self.global_scale is None:
+            extra = [{}]
+        else:
+            if self._pinned is None:
+                raise UserError(f"{self.label}: its {self.global_scale} global scale has no value "
+                                "in a trace; call pin_amax() on it first (export_onnx does)")
+            extra = [{"global_amax": v} for v in self._pinned]
         if not self._expertwise():
-            return torch.ops.qtransform.fake_quant(x, fmt, opts, self.label)
-        return torch.stack([torch.ops.qtransform.fake_quant(x[e], fmt, opts, ops.expert_label(self.label, e))
+            return torch.ops.qtransform.fake_quant(x, fmt, ops.op_options(self.config, extra[0]), self.label)
+        per = extra if len(extra) == x.shape[0] else extra * x.shape[0]
+        return torch.stack([torch.ops.qtransform.fake_quant(x[e], fmt, ops.op_options(self.config, per[e]),
+                                                            ops.expert_label(self.label, e))
                             for e in range(x.shape[0])])
+
+    def pin_amax(self) -> None:
+        """Read now, eagerly, the fixed tensor-level amax (a static scale's, a scale group's)
+        that a trace carries as a constant: traced tensors have no values."""
+        with torch.no_grad():
+            amax = self._fixed_amax()
+        self._pinned = None if amax is None else [float(v) for v in amax.reshape(-1).tolist()]
 
     def clear_cache(self) -> None:
         """Drop the cached quantized weight (a sequential scan frees each layer after use)."""

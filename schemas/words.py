@@ -55,7 +55,7 @@ def element_bits(spec: registry.FormatSpec) -> int:
     return 1 + el.ebits + el.mbits if el.kind == "float" else (el.qmax + 1).bit_length()
 
 
-_OPTION_WORDS = {"scale_rule": "scale rule", "nvfp4_variant": "variant",
+_OPTION_WORDS = {"scale_rule": "scale rule", "nvfp4_variant": "variant", "fp8_variant": "variant",
                  "int_range": "integer range"}
 _WHOLE = {"channel": "one scale per output channel", "token": "one scale per token",
           "tensor": "one scale per tensor"}

@@ -8,6 +8,9 @@ because custom-op schemas take only simple types.
 
 from __future__ import annotations
 
+import json
+from typing import Any
+
 import torch
 from torch import Tensor
 from torch._subclasses.fake_tensor import FakeTensor
@@ -16,12 +19,41 @@ from qtransform import formats
 from qtransform.core.noise_kinds import noise_kind
 from qtransform.formats import QuantConfig
 
+# besides the config, a fake-quant's options may name its tensor-level amax when it is not the
+# input's own: "global_amax" (a fixed value: a calibrated static scale, a scale group's) or
+# "global_scale": "token" (each row's own, NVFP4 activations)
+GLOBAL_KEYS = ("global_amax", "global_scale")
+
+
+def op_config(fmt: str, options: str) -> tuple[QuantConfig, dict[str, Any]]:
+    """The config and the tensor-level amax keys (GLOBAL_KEYS) of a fake-quant op's options."""
+    opts = json.loads(options)
+    extra = {k: opts.pop(k) for k in GLOBAL_KEYS if k in opts}
+    return QuantConfig.from_options(fmt, opts), extra
+
+
+def op_options(config: QuantConfig, extra: dict[str, Any] | None = None) -> str:
+    """The options string of a fake-quant op: the config's JSON plus GLOBAL_KEYS."""
+    if not extra:
+        return config.to_json()
+    return json.dumps({**json.loads(config.to_json()), **extra}, sort_keys=True)
+
+
+def op_amax(x: Tensor, config: QuantConfig, extra: dict[str, Any]) -> Tensor | None:
+    """The tensor-level amax GLOBAL_KEYS give for `x` (None: x's own)."""
+    if "global_amax" in extra:
+        return torch.tensor(float(extra["global_amax"]), dtype=torch.float32, device=x.device)
+    if extra.get("global_scale") == "token":
+        return x.detach().abs().amax(dim=config.block_axis, keepdim=True).to(torch.float32)
+    return None
+
 
 @torch.library.custom_op("qtransform::fake_quant", mutates_args=())
 def fake_quant(x: Tensor, fmt: str, options: str, label: str) -> Tensor:
-    """Quantize-dequantize `x` in format `fmt` with the options of `QuantConfig.to_json`;
-    `label` names the site tensor in exported graphs."""
-    return formats.fake_quantize(x.detach(), QuantConfig.from_json(fmt, options)).clone()
+    """Quantize-dequantize `x` in format `fmt` with the options of `QuantConfig.to_json` (plus
+    GLOBAL_KEYS); `label` names the site tensor in exported graphs."""
+    cfg, extra = op_config(fmt, options)
+    return formats.fake_quantize(x.detach(), cfg, amax=op_amax(x, cfg, extra)).clone()
 
 
 @fake_quant.register_fake
@@ -31,8 +63,9 @@ def _(x: Tensor, fmt: str, options: str, label: str) -> Tensor:
 
 def _fq_setup(ctx, inputs, output) -> None:
     x, fmt, options, _label = inputs
-    cfg = QuantConfig.from_json(fmt, options)
-    ctx.mask = formats.saturated(x.detach(), cfg) if cfg.zero_saturated_grad else None
+    cfg, extra = op_config(fmt, options)
+    ctx.mask = (formats.saturated(x.detach(), cfg, amax=op_amax(x, cfg, extra))
+                if cfg.zero_saturated_grad else None)
 
 
 def _fq_backward(ctx, grad: Tensor):

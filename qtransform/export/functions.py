@@ -58,14 +58,19 @@ def attributes(cfg: QuantConfig) -> dict[str, Any]:
     return cfg.bind(cfg.block_axis).numerics()
 
 
-def overload(cfg: QuantConfig, shape: Shape = None) -> str:
-    """A stable identifier of the attributes and, for static bodies, the input shape
-    (the function's IR 10 overload name)."""
+def overload(cfg: QuantConfig, shape: Shape = None, extra: dict[str, Any] | None = None) -> str:
+    """A stable identifier of the attributes (a fixed global amax by its fp32 bits) and, for
+    static bodies, the input shape (the function's IR 10 overload name)."""
     block = "x".join(map(str, cfg.tile)) if cfg.tile else str(cfg.block or cfg.granularity)
     parts = [f"b{block}", f"axis{cfg.block_axis}".replace("-", "m"), cfg.rounding]
     parts += [getattr(cfg, o).replace("-", "_") for o in cfg.family.options if o != "rounding"]
     if static_blocks(cfg, shape):
         parts.append("s" + "x".join("d" if d is None else str(d) for d in shape or ()))
+    extra = extra or {}
+    if "global_amax" in extra:
+        parts.append("ga" + np.float32(extra["global_amax"]).view(np.uint32).tobytes().hex())
+    if extra.get("global_scale") == "token":
+        parts.append("gtoken")
     return "_".join(parts)
 
 
@@ -315,6 +320,7 @@ class BlockView:
     axes: str
     unblock: Callable[[str], str]  # same shape as xb -> x's shape, padding dropped
     grid: Callable[[str], str] | None  # per-block values -> x's shape with the axis = n_blocks
+    row_axes: str | None = None  # 1D blocks: the (n_blocks, block) axes of one row
 
 
 def block_view(b: Body, x: str, cfg: QuantConfig, shape: Shape = None) -> BlockView:
@@ -358,7 +364,8 @@ def static_view(b: Body, x: str, cfg: QuantConfig, shape: Shape) -> BlockView:
     def grid(per_block: str) -> str:
         return b.op("Squeeze", per_block, b.ints(*axes))
 
-    return BlockView(xb, b.ints(*axes), unblock, None if cfg.tile else grid)
+    return BlockView(xb, b.ints(*axes), unblock, None if cfg.tile else grid,
+                     None if cfg.tile else b.ints(first, first + 1))
 
 
 def _clamped(b: Body, block: int, length: str) -> str:
@@ -412,24 +419,49 @@ def dynamic_view(b: Body, x: str, cfg: QuantConfig) -> BlockView:
         dims = (pre, nb) if post_dims is None else (pre, nb, post_dims)
         return b.op("Reshape", per_block, b.op("Concat", *dims, axis=0))
 
-    return BlockView(xb, b.ints(2), unblock, grid)
+    return BlockView(xb, b.ints(2), unblock, grid, b.ints(1, 2))
 
 
-def fake_quant_body(cfg: QuantConfig, shape: Shape = None) -> Body:
-    """Nodes computing Y = fake_quantize(X, cfg) in X's dtype (X: any float type, rank >= 1)."""
+# a fake-quant whose tensor-level amax is not its input's own (passes/fake_quant.py): a fixed
+# value (a calibrated static scale, a scale group's) or each row's (NVFP4 per-token)
+GLOBAL_ATTRS = ("global_amax", "global_scale")
+
+
+def tensor_amax(b: Body, view: BlockView, extra: dict[str, Any]) -> str | None:
+    """The tensor-level amax `extra` (GLOBAL_ATTRS) gives, broadcastable against `view.xb`;
+    None for the input's own."""
+    if "global_amax" in extra:
+        return b.const(float(extra["global_amax"]))
+    if extra.get("global_scale") == "token":
+        if view.row_axes is None:
+            raise UnsupportedExport("a per-token global scale needs 1D blocks")
+        return amax_nan(b, view.xb, view.row_axes)
+    return None
+
+
+def fake_quant_body(cfg: QuantConfig, shape: Shape = None, extra: dict[str, Any] | None = None) -> Body:
+    """Nodes computing Y = fake_quantize(X, cfg) in X's dtype (X: any float type, rank >= 1);
+    `extra` (GLOBAL_ATTRS) replaces X's own tensor-level amax."""
     b = Body()
     family = onnx_family(cfg)
     view = block_view(b, b.op("Cast", "X", to=TensorProto.FLOAT), cfg, shape)
-    out = view.unblock(family.blocks(b, view.xb, view.axes, cfg))
+    amax_t = tensor_amax(b, view, extra or {})
+    if amax_t is None:
+        out = family.blocks(b, view.xb, view.axes, cfg)
+    else:
+        out = family.blocks(b, view.xb, view.axes, cfg, amax_t)  # type: ignore[call-arg]
+    out = view.unblock(out)
     b.nodes.append(helper.make_node("CastLike", [out, "X"], ["Y"]))
     return b
 
 
-def fake_quant_function(cfg: QuantConfig, opset: int, shape: Shape = None) -> FunctionProto:
+def fake_quant_function(cfg: QuantConfig, opset: int, shape: Shape = None,
+                        extra: dict[str, Any] | None = None) -> FunctionProto:
     """The model-local function for one (op_type, attributes, static shape) of fake-quant."""
-    body = fake_quant_body(cfg, shape)
+    extra = extra or {}
+    body = fake_quant_body(cfg, shape, extra)
     return helper.make_function(
         DOMAIN, cfg.spec.onnx_op, ["X"], ["Y"], body.nodes, [helper.make_opsetid("", opset)],
-        attributes=list(attributes(cfg)), doc_string=f"{cfg.spec.name}: {cfg.spec.description}",
-        overload=overload(cfg, shape),
+        attributes=[*attributes(cfg), *extra], doc_string=f"{cfg.spec.name}: {cfg.spec.description}",
+        overload=overload(cfg, shape, extra),
     )

@@ -22,6 +22,7 @@ from qtransform.core.noise_kinds import DRAWS, noise_kind
 from qtransform.core.ops import split_expert_label
 from qtransform.export.functions import (
     DOMAIN,
+    GLOBAL_ATTRS,
     Body,
     ExportError,
     Shape,
@@ -45,10 +46,17 @@ def config_of(node: NodeProto, model: ModelProto | None = None) -> tuple[QuantCo
     """The numerics of an opaque fake-quant node, from its op_type and attributes, and (given
     the model) its input's static dims."""
     by_op = {formats.get(n).onnx_op: n for n in formats.names()}
-    opts = {a.name: helper.get_attribute_value(a) for a in node.attribute if a.name != "label"}
+    opts = {a.name: helper.get_attribute_value(a) for a in node.attribute
+            if a.name != "label" and a.name not in GLOBAL_ATTRS}
     opts = {k: v.decode() if isinstance(v, bytes) else v for k, v in opts.items()}
     cfg = QuantConfig.from_options(by_op[node.op_type], opts)  # validated as fake_quantize does
     return cfg, None if model is None else static_dims(model, node.input[0])
+
+
+def global_attrs(node: NodeProto) -> dict[str, Any]:
+    """A fake-quant node's tensor-level amax attributes (`functions.GLOBAL_ATTRS`), if any."""
+    out = {a.name: helper.get_attribute_value(a) for a in node.attribute if a.name in GLOBAL_ATTRS}
+    return {k: v.decode() if isinstance(v, bytes) else v for k, v in out.items()}
 
 
 def static_dims(model: ModelProto, name: str) -> tuple[int | None, ...] | None:
@@ -199,9 +207,10 @@ def finish_fake_quant(model: ModelProto, opset: int) -> list[str]:
     for node in fake_quant_nodes(model):
         label = _decode(_attrs(node)["label"])
         cfg, shape = config_of(node, model)
-        node.name, node.overload = label, overload(cfg, shape)
-        _set_attrs(node, attributes(cfg))
-        functions.setdefault((node.op_type, node.overload), fake_quant_function(cfg, opset, shape))
+        extra = global_attrs(node)
+        node.name, node.overload = label, overload(cfg, shape, extra)
+        _set_attrs(node, {**attributes(cfg), **extra})
+        functions.setdefault((node.op_type, node.overload), fake_quant_function(cfg, opset, shape, extra))
         labels.append(label)
     model.functions.extend(functions.values())
     return labels

@@ -26,7 +26,7 @@ from qtransform.export.functions import (
     initializer,
     onnx_family,
 )
-from qtransform.export.graph import config_of, fake_quant_nodes
+from qtransform.export.graph import config_of, fake_quant_nodes, global_attrs
 from qtransform.formats.blocking import from_blocks
 from qtransform.formats.elements import decode_elements
 from qtransform.formats.options import QuantConfig
@@ -189,6 +189,9 @@ def to_qdq(model: ModelProto) -> ModelProto:
             nodes.append(node)
             continue
         cfg, _ = config_of(node, model)
+        if global_attrs(node):
+            raise UserError(f"{node.name}: a static, shared or per-token global scale has no QDQ "
+                            "form; export with --fake-quant function or inline")
         src = node.input[0]
         if src in inits:
             i, n = _weight_qdq(node, inits[src], cfg)

@@ -30,6 +30,7 @@ from qtransform.core.capture import normalize_inputs, with_attention_mask
 from qtransform.core.experts import traceable_experts
 from qtransform.core.io import atomic_files
 from qtransform.core.noise import NoiseModule
+from qtransform.core.ops import op_config
 from qtransform.core.program import Program, insertion_log
 from qtransform.errors import UserError
 from qtransform.export.functions import DOMAIN, ExportError, UnsupportedExport, attributes
@@ -42,7 +43,8 @@ from qtransform.export.graph import (
     rename_value,
 )
 from qtransform.export.modes import inline_functions, to_qdq
-from qtransform.formats.options import CHOICE_OPTIONS, QuantConfig
+from qtransform.formats.options import CHOICE_OPTIONS
+from qtransform.passes.fake_quant import FakeQuantize
 
 FAKE_QUANT_MODES = ("function", "inline", "qdq")
 NOISE_MODES = ("input", "random", "off")
@@ -56,7 +58,7 @@ _SCHEMAS: dict[str, onnx.defs.OpSchema] = {}
 _A = onnx.defs.OpSchema.AttrType
 _OP_ATTRS = {  # every attribute an opaque node may carry, by op
     "fake_quant": {"axis": _A.INT, "block_size": _A.INT, "block_shape": _A.INTS, "label": _A.STRING,
-                   "granularity": _A.STRING,
+                   "granularity": _A.STRING, "global_amax": _A.FLOAT, "global_scale": _A.STRING,
                    **dict.fromkeys(CHOICE_OPTIONS, _A.STRING)},
     "Tap": {"label": _A.STRING},
     "Noise": {"scale": _A.FLOAT, "kind": _A.STRING, "label": _A.STRING},
@@ -82,7 +84,7 @@ def _opaque(op_type: str, kind: str, inputs: list, attrs: dict[str, Any]):
 
 def _fake_quant_translation(x, fmt: str, options: str, label: str):
     try:
-        cfg = QuantConfig.from_json(fmt, options)
+        cfg, extra = op_config(fmt, options)
         if cfg.stochastic:
             raise UnsupportedExport("stochastic rounding cannot be exported (its draws are not reproducible)")
         if cfg.scale_dtype != "float32":
@@ -90,7 +92,7 @@ def _fake_quant_translation(x, fmt: str, options: str, label: str):
                                     "with scale_dtype 'float32'")
     except ValueError as exc:
         raise ExportError(f"fake-quant {label!r} ({fmt}): {exc}") from exc
-    return _opaque(cfg.spec.onnx_op, "fake_quant", [x], {**attributes(cfg), "label": label})
+    return _opaque(cfg.spec.onnx_op, "fake_quant", [x], {**attributes(cfg), **extra, "label": label})
 
 
 def _tap_translation(x, label: str):
@@ -275,6 +277,9 @@ def _torch_export(module: nn.Module, signature_model: nn.Module, example_inputs:
         specs += tuple({} if point == "weight" else {d: auto for d in range(z.dim() - 1)}
                        for z, (_, point, _) in zip(zs, noise, strict=True))
         shapes = (specs,)  # one entry: the wrapper's *tensors
+    for m in module.modules():  # static and shared scales enter the graph as constants
+        if isinstance(m, FakeQuantize):
+            m.pin_amax()
     try:
         with _quiet_exporter(), traceable_experts(module):
             program = torch.onnx.export(

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from qtransform.formats.options import NUMERICS_OPTIONS, QuantConfig
+from qtransform.formats.options import NUMERICS_OPTIONS, WHOLE_ROW, QuantConfig
 from qtransform.formats.quantize import quantize_with_info
 from qtransform.formats.registry import get
 
@@ -63,12 +63,15 @@ def effective_bits(fmt: str, options: dict[str, Any] | None = None, *, numel: in
     """Storage bits per element: the element code, its share of its block's scale, and its share
     of the tensor's fp32 scale when the format has one, spread over the `numel` elements of the
     tensor (left out when `numel` is None). MXFP4: 4 + 8/32 = 4.25; NVFP4 on a 4096-element
-    tensor: 4 + 8/16 + 32/4096; an FP8 format with one scale per tensor: 8 + 32/numel."""
+    tensor: 4 + 8/16 + 32/4096; an FP8 format with one scale per tensor: 8 + 32/numel. A scale
+    per channel or per token is one per row, whose length is not known here: its share (32 over
+    the row length) is left out."""
     opts = {k: (tuple(v) if isinstance(v, list) else v) for k, v in (options or {}).items()
             if k in NUMERICS_OPTIONS and k != "axis" and v is not None}
     cfg = QuantConfig.from_options(fmt, opts)
-    block = math.prod(cfg.tile) if cfg.tile else cfg.block
-    bits = cfg.spec.element.bits + BLOCK_SCALE_BITS[cfg.spec.scale] / block
+    bits = float(cfg.spec.element.bits)
+    if cfg.granularity not in WHOLE_ROW:
+        bits += BLOCK_SCALE_BITS[cfg.spec.scale] / (math.prod(cfg.tile) if cfg.tile else cfg.block)
     if numel and cfg.family.per_tensor(cfg):
         bits += TENSOR_SCALE_BITS / numel
     return bits

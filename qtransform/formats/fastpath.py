@@ -194,7 +194,8 @@ def library() -> ctypes.CDLL | None:
                     lib.qf_quantize.restype = ctypes.c_int
                     lib.qf_quantize.argtypes = [ctypes.c_void_p, ctypes.c_int] + [ctypes.c_void_p] * 3 + [
                         ctypes.c_int64] * 5 + [ctypes.POINTER(_Params), ctypes.c_uint64,
-                                               ctypes.c_int64, ctypes.c_int, ctypes.c_void_p]
+                                               ctypes.c_int64, ctypes.c_int, ctypes.c_void_p,
+                                               ctypes.c_void_p]
                     lib.qf_bincount.restype = None
                     lib.qf_bincount.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32,
                                                 ctypes.c_int32, ctypes.c_void_p]
@@ -279,13 +280,14 @@ def quantize(
     `values`, saturation mask if `want_sat`, MX block exponents int32 shaped `layout.grid_shape`
     if `exponents`) from one pass, or None when the fast path does not apply (the caller then
     runs the reference path). Stochastic rounding draws from the Philox stream of `seed`;
-    NVFP4's tensor scale comes from `amax` (0-dim fp32) when given, else from x."""
+    NVFP4's tensor scale comes from `amax` when given (0-dim fp32, or one per row of 1D
+    blocks: x's shape with the blocked axis 1), else from x."""
     if (
-        (amax is not None and amax.ndim)  # one amax per row: the reference path
+        (amax is not None and amax.ndim and layout.tile)
         or not x.is_cpu
         or cfg.family.kernel_id is None
         or cfg.granularity == "tensor"  # the kernels scale by each block's own amax
-        or (cfg.int_range, cfg.scale_dtype) != ("restricted", "float32")
+        or (cfg.int_range, cfg.scale_dtype, cfg.fp8_variant) != ("restricted", "float32", "default")
         or (seed is None and cfg.rounding == "stochastic")
         or x.numel() == 0
         or not enabled()
@@ -295,7 +297,11 @@ def quantize(
     call = _call(cfg, layout, x.dtype)
     if call is None:
         return None
-    amax_c = None if amax is None else ctypes.c_float(float(amax))  # alive across the call
+    amax_c = None if amax is None or amax.ndim else ctypes.c_float(float(amax))  # alive across the call
+    rows = None  # one amax per row, in the order of the rows the kernel sees (axis moved last)
+    if amax is not None and amax.ndim:
+        rows = amax.reshape(layout.shape[:layout.axis] + (1,) + layout.shape[layout.axis + 1:])
+        rows = rows.movedim(layout.axis, -1).to(torch.float32).contiguous()
     xs = x.detach()
     if xs.dtype == torch.float64:  # narrowed here, as the reference path does
         xs = xs.to(torch.float32)
@@ -309,7 +315,7 @@ def quantize(
     if _lib.qf_quantize(
         xm.data_ptr(), call.code, _ptr(out), _ptr(sat), _ptr(exps), *call.dims, call.params,
         (seed or 0) % (1 << 64), call.post, torch.get_num_threads() if call.parallel else 1,
-        None if amax_c is None else ctypes.addressof(amax_c),
+        None if amax_c is None else ctypes.addressof(amax_c), _ptr(rows) or None,
     ):
         raise MemoryError("qf_quantize: out of memory")
     if call.moved:

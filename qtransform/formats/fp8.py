@@ -3,11 +3,17 @@
 What the RL and serving stacks roll out with: one scale per tensor, per channel (weights) with
 per-token dynamic activations, 128x128 weight tiles with 1x128 activation groups. The numbers
 are compressed-tensors' (scale = amax / max_normal, zero scale -> eps, x / scale clamped to
-+-max_normal and rounded to nearest even, times the scale); see `scaled.py`.
++-max_normal and rounded to nearest even, times the scale; `scaled.py`), or with
+`fp8_variant: modelopt` ModelOpt's (a reciprocal multiplier, `quantize_fp8`).
 """
 
 from __future__ import annotations
 
+import torch
+
+from qtransform.formats.blocking import BlockQuant
+from qtransform.formats.elements import CANONICAL_NAN, round_signed
+from qtransform.formats.options import QuantConfig
 from qtransform.formats.registry import (
     E4M3,
     E5M2,
@@ -21,11 +27,32 @@ from qtransform.formats.registry import (
 )
 from qtransform.formats.scaled import quantize_scaled
 
+VARIANTS = ("default", "modelopt")
+MODELOPT_TINY = 2.0**-24  # ModelOpt: an amax at or below this is replaced by 1
+
+
+def quantize_fp8(blocks: torch.Tensor, cfg: QuantConfig, u: torch.Tensor | None,
+                 amax_t: torch.Tensor | None) -> BlockQuant:
+    """`fp8_variant` "default": compressed-tensors' order (`scaled.quantize_scaled`);
+    "modelopt": ModelOpt's eager FP8 (`tensor_quant._fp8_eager`): m = fl(1 / amax) * max (its
+    Python `448.0 / amax`), y = clamp(x * m), out = q * fl(1 / m); amax <= 2^-24 counts as 1."""
+    top = cfg.spec.max_normal
+    if cfg.fp8_variant == "default":
+        return quantize_scaled(blocks, cfg, u, amax_t, cfg.spec.element, top, -top, top)
+    amax = blocks.abs().amax(dim=1) if amax_t is None else amax_t.expand(blocks.shape[0])
+    bad = ~torch.isfinite(amax)
+    m = torch.reciprocal(torch.where(amax <= MODELOPT_TINY, 1.0, amax)) * top
+    inv = torch.where(bad, CANONICAL_NAN, torch.reciprocal(m))
+    y = blocks * m[:, None]
+    q = round_signed(torch.clamp(y, -top, top), cfg.spec.element, cfg.rounding, u)
+    bad_b = bad[:, None]
+    q = torch.where(bad_b, CANONICAL_NAN, q)
+    return BlockQuant(out=q * inv[:, None], q=q, sat=(y.abs() > top) & ~bad_b, scales=inv)
+
+
 FP8 = register_family(Family(
-    "fp8", {"rounding": ROUNDINGS, "scale_dtype": SCALE_DTYPES},
-    quantize=lambda blocks, cfg, u, amax_t: quantize_scaled(
-        blocks, cfg, u, amax_t, cfg.spec.element, cfg.spec.max_normal,
-        -cfg.spec.max_normal, cfg.spec.max_normal),
+    "fp8", {"rounding": ROUNDINGS, "scale_dtype": SCALE_DTYPES, "fp8_variant": VARIANTS},
+    quantize=quantize_fp8,
     scale_values=lambda scales, tensor_scale, cfg: scales,
     per_tensor=lambda cfg: cfg.granularity == "tensor", granularities=GRANULARITIES,
     kernel_id=2,  # the C kernel's integer-family plan (scale = amax / qmax) on a float grid

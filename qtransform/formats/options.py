@@ -18,14 +18,14 @@ from qtransform.formats import registry
 from qtransform.formats.registry import Family, FormatSpec
 
 # strings a family lists values of
-CHOICE_OPTIONS = ("scale_rule", "rounding", "nvfp4_variant", "int_range", "scale_dtype")
+CHOICE_OPTIONS = ("scale_rule", "rounding", "nvfp4_variant", "int_range", "scale_dtype", "fp8_variant")
 # what changes numbers
 NUMERICS_OPTIONS = ("granularity", "block_size", "block_shape", "axis", *CHOICE_OPTIONS)
 FORMAT_KEYS = (*NUMERICS_OPTIONS, "seed")  # the keys that belong to one format (not training's)
 OPTION_KEYS = (*FORMAT_KEYS, "zero_saturated_grad")  # every key of `options()`
 # what a config holds for a choice its family does not take (the kernels never read it)
 NEUTRAL = {"scale_rule": "floor", "rounding": "rne", "nvfp4_variant": "default",
-           "int_range": "restricted", "scale_dtype": "float32"}
+           "int_range": "restricted", "scale_dtype": "float32", "fp8_variant": "default"}
 KEYWORDS = ("block_size", "axis", "block_shape", "granularity", "scale_rule", "rounding",
             "generator", "seed", "amax")
 WHOLE_ROW = ("channel", "token", "tensor")  # granularities whose kernel blocks are whole rows
@@ -56,6 +56,7 @@ class QuantConfig:
     int_range: str = "restricted"
     scale_dtype: str = "float32"
     granularity: str = "block"
+    fp8_variant: str = "default"
 
     @property
     def family(self) -> Family:
@@ -111,6 +112,8 @@ class QuantConfig:
         'fp8_e4m3 per channel, rounding=rne, scale_dtype=float32'."""
         opts = self.options()
         opts.pop("axis", None)
+        if opts.get("fp8_variant") == "default":  # the plain order, as plans wrote it before the option
+            del opts["fp8_variant"]
         if self.tile:
             head = f"{self.name} block={'x'.join(map(str, opts.pop('block_shape')))}"
         elif self.granularity in WHOLE_ROW:

@@ -940,7 +940,8 @@ typedef void (*run_fn)(const float *, int64_t, float *, int64_t, uint8_t *, int6
  * from the stream of `seed`, with `post` as in sr_t. Returns -1 without memory. */
 int qf_quantize(const void *x, int dtype, void *out, uint8_t *sat, int32_t *exps, int64_t batch,
                 int64_t rows, int64_t cols, int64_t tile_r, int64_t tile_c, const qf_params *p,
-                uint64_t seed, int64_t post, int nthreads, const float *amax_in) {
+                uint64_t seed, int64_t post, int nthreads, const float *amax_in,
+                const float *row_amax) {
     int64_t ntr = (rows + tile_r - 1) / tile_r, ntc = (cols + tile_c - 1) / tile_c;
     int64_t total = batch * rows * cols;
     if (total == 0) return 0;
@@ -958,9 +959,10 @@ int qf_quantize(const void *x, int dtype, void *out, uint8_t *sat, int32_t *exps
     uint32_t *bam = 0; /* NVFP4 two-level, vector path: block amaxes from the tensor pass */
     if (p->family == FAM_NVFP4 && p->variant != NV_ONE_LEVEL) {
         if (vec && out && !(bam = malloc(sizeof(uint32_t) * (size_t)(total / tile_c)))) return -1;
-        /* amax_in (the caller's tensor amax, `fake_quantize(amax=)`): the pass below then only
-         * collects the vector path's block amaxes, or is skipped */
-        int64_t passes = bam || !amax_in ? 1 : 0;
+        /* amax_in (the caller's tensor amax, `fake_quantize(amax=)`) or row_amax (one per row of
+         * 1D blocks): the pass below then only collects the vector path's block amaxes, or is
+         * skipped */
+        int64_t passes = bam || !(amax_in || row_amax) ? 1 : 0;
         int64_t chunk = tile_c < 65536 ? 65536 / tile_c * tile_c : tile_c; /* whole blocks */
         uint32_t m = 0;
 #pragma omp parallel for num_threads(nthreads) reduction(max : m) schedule(static)
@@ -1017,8 +1019,10 @@ int qf_quantize(const void *x, int dtype, void *out, uint8_t *sat, int32_t *exps
             int64_t b = rs / ntr, r0 = (rs % ntr) * tile_r;
             int64_t nr = rows - r0 < tile_r ? rows - r0 : tile_r;
             int64_t off = b * rows * cols + r0 * cols + c0, w = cols - c0 < width ? cols - c0 : width;
+            /* a row's own tensor scale (tile_r is 1 when row_amax is given) */
+            tensor_scale rts = row_amax ? nv_tensor(row_amax[b * rows + r0], p) : ts;
             if (vec) {
-                vec(x, out, sat, exps ? exps + rs * ntc + j0 : 0, off, nt, tile_c, p, &ts, &sr,
+                vec(x, out, sat, exps ? exps + rs * ntc + j0 : 0, off, nt, tile_c, p, &rts, &sr,
                     b * rows + r0, c0, ub, bam, stream);
                 continue;
             }
@@ -1030,7 +1034,7 @@ int qf_quantize(const void *x, int dtype, void *out, uint8_t *sat, int32_t *exps
                 dst = obuf;
             }
             run(src, narrowed ? w : cols, dst, narrowed ? w : cols, sat ? sat + off : 0, cols,
-                exps ? exps + rs * ntc + j0 : 0, cols - c0, nr, tile_c, nt, p, &ts, &sr,
+                exps ? exps + rs * ntc + j0 : 0, cols - c0, nr, tile_c, nt, p, &rts, &sr,
                 b * rows + r0, c0, ub, ubw);
             if (narrowed && out)
                 for (int64_t r = 0; r < nr; r++) narrow(obuf + r * w, out, off + r * cols, dtype, w);

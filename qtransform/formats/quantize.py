@@ -281,7 +281,7 @@ def fake_quantize(
     (`granularity`: blocks of `block_size` along `axis`, 2D tiles `block_shape` over the last
     two dims, whole rows per channel / per token, the whole tensor), the MX `scale_rule`, the
     element `rounding` (stochastic: the Philox stream of `seed`, or of one draw from
-    `generator`), and format options `nvfp4_variant`, `int_range`, `scale_dtype` and
+    `generator`), and format options `nvfp4_variant`, `int_range`, `fp8_variant`, `scale_dtype` and
     `zero_saturated_grad`. `amax` replaces x's own amax for the tensor-level scale (NVFP4's
     global scale, the scale of granularity "tensor"): a 0-dim tensor, or for NVFP4 one value
     per row (x's shape with the blocked axis 1). Invalid values raise ValueError listing what

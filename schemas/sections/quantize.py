@@ -85,6 +85,11 @@ class QuantRule(Selected):
         description=("int and fp8 formats: the float the scale and x/scale are rounded to; "
                      "input = the tensor's own dtype (compressed-tensors on a bf16 model)"),
     )
+    fp8_variant: StrictStr | None = Field(
+        None, json_schema_extra={"enum": [*_all_option_values("fp8_variant"), None]},
+        description=("fp8 formats only: whose order of operations; null = default "
+                     "(compressed-tensors': x / (amax / max)), modelopt (x * (max / amax))"),
+    )
     zero_saturated_grad: StrictBool = Field(
         False, description="no gradient through saturated elements (straight-through otherwise)")
     axis: Int | None = Field(None, description="blocking axis; null = the reduction axis")
@@ -369,14 +374,14 @@ def describe_rule(index: int, rule: QuantRule) -> str:
 def _scale_words(rule: QuantRule) -> str:
     """Where the rule's tensor-level scales come from, when that is not each tensor's own amax."""
     words = []
-    source = activation_global_scale(rule)
-    if source == "static" and any(t != "weight" for t in rule.tensors):
+    source = activation_global_scale(rule) if any(t != "weight" for t in rule.tensors) else None
+    if source == "static":
         words.append(f"Activation global scales are static: calibrated with the "
                      f"{observer_name(rule)} observer"
                      + (f" (averaging constant {rule.observer_kwargs.averaging_constant})"
                         if rule.observer_kwargs else "")
                      + ", then frozen (training and noise leave them unchanged).")
-    elif source == "token" and any(t != "weight" for t in rule.tensors):
+    elif source == "token":
         words.append("Activation global scales are per token (each row its own): a sequence's "
                      "outputs do not depend on its batch.")
     elif source == "tensor":

@@ -80,3 +80,36 @@ def test_save_transformed_carries_the_tokenizer_of_the_source_folder(tmp_path, t
     assert qtransform.models.load_tokenizer(tmp_path / "b") is None
     qtransform.save_transformed(built, EXAMPLE, tmp_path / "c", tokenizer=tiny_bpe_tokenizer())
     assert qtransform.models.load_tokenizer(tmp_path / "c")(TOKENIZER_TEXT)["input_ids"] == want
+
+
+STATIC = {"version": 1, "quantize": [{"targets": ["Linear"], "ignore": ["lm_head"], "format": "nvfp4",
+                                      "tensors": ["weight", "input"], "scale_source": "static",
+                                      "share_scale": "fused"}]}
+
+
+def test_calib_calibrates_static_scales_in_transform_plan_and_export(tmp_path, tiny):
+    model_dir = tmp_path / "qwen"
+    tiny("qwen2").save_pretrained(model_dir)
+    policy = tmp_path / "static.json"
+    policy.write_text(json.dumps(STATIC))
+    calib = tmp_path / "calib.json"
+    samples = [[int(t) for t in row] for row in torch.randint(0, 256, (4, 9), generator=torch.Generator().manual_seed(3))]
+    calib.write_text(json.dumps(samples))
+    res = _cli("transform", str(model_dir), str(policy), "--out", str(tmp_path / "none"))
+    assert res.returncode == 2 and "Traceback" not in res.stderr
+    assert "--calib FILE" in res.stderr and "calibration=batches" in res.stderr
+    res = _cli("transform", str(model_dir), str(policy), "--out", str(tmp_path / "out"), "--calib", str(calib))
+    assert res.returncode == 0, res.stderr
+    reloaded = qtransform.load_transformed(tmp_path / "out")
+    direct = qtransform.transform(qtransform.models.load_model(model_dir), STATIC,
+                                  calibration=[torch.tensor(samples)])
+    x = ids()
+    with torch.no_grad():
+        assert torch.equal(reloaded(input_ids=x).logits, direct(input_ids=x).logits)
+    res = _cli("plan", str(model_dir), str(policy), "--calib", str(calib))
+    assert res.returncode == 0, res.stderr
+    assert "global_scale=static (static_minmax), amax=" in res.stdout
+    assert "global scale shared with model.layers.0.self_attn.k_proj" in res.stdout
+    res = _cli("export", str(model_dir), "--policy", str(policy), "--out", str(tmp_path / "m.onnx"),
+               "--calib", str(calib))
+    assert res.returncode == 0, res.stderr

@@ -96,3 +96,18 @@ def test_static_scale_freezes_and_reports_missing_data():
     scale.freeze()
     assert scale.frozen and scale.amax.item() == 3.0 and scale.amax.dtype == torch.float32
     assert "amax" not in scale.state_dict() and not list(scale.parameters())
+
+
+def test_one_input_shared_by_sites_is_reduced_once_and_rewrites_are_seen():
+    from qtransform.core.observers import collect
+
+    q, k, v = (StaticScale("static_minmax", 4) for _ in range(3))
+    x = batch((-3.0, 2.0))
+    with collect():
+        q.observe(x)
+        k.observe(x)  # the same tensor: the statistics of q's call
+        x.mul_(2.0)  # written in place: read again
+        v.observe(x)
+    for s in (q, k, v):
+        s.freeze()
+    assert (q.amax.item(), k.amax.item(), v.amax.item()) == (3.0, 3.0, 6.0)

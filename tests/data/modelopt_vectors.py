@@ -3,11 +3,11 @@
     /tmp/modelopt-venv/bin/python tests/data/modelopt_vectors.py tests/data/modelopt-vectors.npz
 
 Runs where nvidia-modelopt 0.47 is installed (the main environment does not install it) and
-records ModelOpt's CPU integer quantizer, `modelopt.torch.quantization.tensor_quant._tensor_quant`
-(what `FakeTensorQuantFunction` runs for CPU tensors), with the amax its max calibration gives:
-int4 blocks of 128 along the last dim (INT4_BLOCKWISE_WEIGHT_ONLY_CFG: num_bits 4, block_sizes
-{-1: 128}, narrow_range False) and int8 per output channel (INT8 per-channel weights), fp32 and
-bf16. `tests/formats/test_formats_stacks.py` checks qtransform's `int_range: "modelopt"` against
+records ModelOpt's CPU quantizers, `modelopt.torch.quantization.tensor_quant._tensor_quant`
+(integers: what `FakeTensorQuantFunction` runs for CPU tensors) and `scaled_e4m3_impl` (FP8 E4M3,
+its eager CPU path), with the amax its max calibration gives: int4 blocks of 128 along the last
+dim (INT4_BLOCKWISE_WEIGHT_ONLY_CFG: num_bits 4, block_sizes {-1: 128}, narrow_range False), int8
+per output channel, FP8 per tensor (FP8_DEFAULT_CFG) and per channel, fp32 and bf16. `tests/formats/test_formats_stacks.py` checks qtransform's `int_range: "modelopt"` against
 them. Arrays hold bit patterns (int32 for fp32, int16 for bf16): `w/<dtype>` the input,
 `<case>/<dtype>` ModelOpt's output.
 """
@@ -18,7 +18,7 @@ import sys
 
 import numpy as np
 import torch
-from modelopt.torch.quantization.tensor_quant import _tensor_quant
+from modelopt.torch.quantization.tensor_quant import _tensor_quant, scaled_e4m3_impl
 
 
 def _weight(rows: int, cols: int, seed: int) -> torch.Tensor:
@@ -41,7 +41,18 @@ def _int8_channel(w: torch.Tensor) -> torch.Tensor:
     return _tensor_quant(w, amax, num_bits=8, unsigned=False, narrow_range=False)
 
 
-CASES = {"int4_block_128": _int4_blocks, "int8_channel": _int8_channel}
+def _fp8_tensor(w: torch.Tensor) -> torch.Tensor:
+    """FP8_DEFAULT_CFG (num_bits e4m3, axis None): one amax for the tensor."""
+    return scaled_e4m3_impl(w, w.abs().amax().float())
+
+
+def _fp8_channel(w: torch.Tensor) -> torch.Tensor:
+    """FP8 per channel (axis 0: one amax per output row)."""
+    return scaled_e4m3_impl(w, w.abs().amax(dim=-1, keepdim=True).float())
+
+
+CASES = {"int4_block_128": _int4_blocks, "int8_channel": _int8_channel,
+         "fp8_tensor": _fp8_tensor, "fp8_channel": _fp8_channel}
 DTYPES = {"float32": (torch.float32, torch.int32), "bfloat16": (torch.bfloat16, torch.int16)}
 
 

@@ -28,6 +28,11 @@ FORMATS = [
     ("nvfp4", {"nvfp4_variant": "one_level"}), ("int4", {}), ("int8", {"block_size": 32}),
     ("mxfp4", {"block_shape": (32, 32)}), ("mxfp4", {"rounding": "stochastic", "seed": 5}),
     ("nvfp4", {"rounding": "stochastic", "seed": 9}),
+    ("fp8_e4m3", {}), ("fp8_e4m3", {"granularity": "channel"}), ("fp8_e5m2", {"granularity": "tensor"}),
+    ("fp8_e4m3", {"granularity": "tensor", "fp8_variant": "modelopt"}),
+    ("fp8_e4m3", {"block_size": 100, "scale_dtype": "input"}),
+    ("int8", {"granularity": "token", "int_range": "full"}), ("int4", {"int_range": "modelopt"}),
+    ("mxfp8_e4m3", {"scale_rule": "compressed-tensors"}),
 ]
 
 

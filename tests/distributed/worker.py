@@ -31,6 +31,10 @@ NOISY = {"kind": "constant", "sigma_start": 0.05, "num_stages": 2, "total_steps"
 POLICIES: dict[str, dict[str, Any]] = {
     "nvfp4_w": {"quantize": [{**LINEAR, "format": "nvfp4"}]},
     "mxfp4_w4a4": {"quantize": [{**LINEAR, "format": "mxfp4", "tensors": ["weight", "input"]}]},
+    # fused q/k/v and gate/up global scales (sharded: read from every member in the forward),
+    # per-token activation global scales
+    "nvfp4_fused_w4a4": {"quantize": [{**LINEAR, "format": "nvfp4", "tensors": ["weight", "input"],
+                                       "share_scale": "fused"}]},
     "outputs_stochastic": {"quantize": [
         {**LINEAR, "format": "mxfp4", "rounding": "stochastic", "seed": 5},
         {**LINEAR, "format": "nvfp4", "tensors": ["output"], "name": "out"}]},

@@ -125,6 +125,8 @@ def granularity_configs() -> list[tuple[str, dict]]:
             out.append((fmt, opts | ({"int_range": r} if r else {})))
         out.append((fmt, {"block_shape": (16, 40)}))
         out.append((fmt, {"granularity": "channel", "axis": 0}))
+        if fmt.startswith("fp8"):
+            out += [(fmt, {"granularity": g, "fp8_variant": "modelopt"}) for g in ("tensor", "channel")]
     return out
 
 

@@ -159,6 +159,10 @@ def test_registry_element_bits():
     ("nvfp4", {"nvfp4_variant": "one_level"}, 1024, 4 + 8 / 16),  # no tensor scale
     ("int4", {}, 4096, 4 + 32 / 128),  # fp32 per group of 128, none per tensor
     ("int8", {"block_size": 24, "axis": 0}, 48, 8 + 32 / 24),
+    ("fp8_e4m3", {}, None, 8 + 32 / 128),
+    ("fp8_e4m3", {"granularity": "tensor"}, 4096, 8 + 32 / 4096),  # one fp32 scale per tensor
+    ("int8", {"granularity": "channel"}, 4096, 8),  # one per row: its length is not known here
+    ("fp8_e5m2", {"block_shape": [128, 128]}, None, 8 + 32 / 128**2),
 ])
 def test_effective_bits_charge_each_scale_where_it_is_stored(fmt, opts, numel, bits):
     from qtransform.formats.expected import effective_bits

@@ -454,3 +454,20 @@ def test_a_given_tensor_amax_is_bit_identical_on_both_paths(lib, variant, monkey
             assert _same(got, want), (variant, amax, xd.dtype)
         assert torch.equal(saturated(x, "nvfp4", nvfp4_variant=variant, amax=a_t),
                            _ref_sat(x, "nvfp4", monkeypatch, nvfp4_variant=variant, amax=a_t))
+
+
+@pytest.mark.parametrize("variant", ["default", "compressed-tensors"])
+def test_one_amax_per_row_is_bit_identical_on_both_paths(lib, variant, monkeypatch):
+    """Per-token NVFP4 global scales (`amax` shaped like x with the blocked axis 1) run in the
+    kernel, along either axis, NaN rows and rows of zeros included."""
+    for x in DATA:
+        for axis in (-1, 0):
+            rows = x.abs().amax(dim=axis, keepdim=True)
+            rows.view(-1)[:1] = float("nan")
+            rows.view(-1)[1:2] = 0.0
+            cfg = resolve("nvfp4", nvfp4_variant=variant, axis=axis)
+            assert fastpath.quantize(x, cfg, layout_for(x, cfg), False, amax=rows) is not None
+            for xd in (x, x.to(torch.bfloat16)):
+                got = fake_quantize(xd, "nvfp4", nvfp4_variant=variant, axis=axis, amax=rows)
+                want = _reference(xd, "nvfp4", monkeypatch, nvfp4_variant=variant, axis=axis, amax=rows)
+                assert _same(got.contiguous(), want.contiguous()), (variant, axis, xd.dtype)

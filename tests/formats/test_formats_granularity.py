@@ -164,6 +164,8 @@ def test_describe_never_prints_a_huge_block():
     assert resolve("fp8_e5m2", granularity="tensor").describe().startswith("fp8_e5m2 per tensor")
     assert resolve("fp8_e4m3", granularity="tile").describe().startswith("fp8_e4m3 block=128x128")
     assert resolve("fp8_e4m3").describe().startswith("fp8_e4m3 block=128,")
+    assert resolve("fp8_e4m3", granularity="tensor", fp8_variant="modelopt").describe() == (
+        "fp8_e4m3 per tensor, rounding=rne, scale_dtype=float32, fp8_variant=modelopt")
     cfg = resolve("int8", granularity="channel")
     assert cfg.options() == {"granularity": "channel", "axis": -1, "rounding": "rne",
                              "int_range": "restricted", "scale_dtype": "float32"}

@@ -43,7 +43,7 @@ def test_config_with_keyword_defaults_passes(cfg: QuantConfig) -> None:
     generator None, seed None), are not options: the config comes back unchanged, even though
     its own rounding (rna) differs from the forwarded default (rne)."""
     assert NEUTRAL == {"scale_rule": "floor", "rounding": "rne", "nvfp4_variant": "default",
-                       "int_range": "restricted", "scale_dtype": "float32"}
+                       "int_range": "restricted", "scale_dtype": "float32", "fp8_variant": "default"}
     out = resolve(
         cfg,
         block_size=None,

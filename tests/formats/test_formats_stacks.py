@@ -87,18 +87,25 @@ MODELOPT = np.load(Path(__file__).parents[1] / "data" / "modelopt-vectors.npz")
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize(("case", "fmt", "options"), [
-    ("int4_block_128", "int4", {"block_size": 128}),  # INT4_BLOCKWISE_WEIGHT_ONLY_CFG
-    ("int8_channel", "int8", {"granularity": "channel"}),
+@pytest.mark.parametrize(("case", "fmt", "options", "others"), [
+    # INT4_BLOCKWISE_WEIGHT_ONLY_CFG
+    ("int4_block_128", "int4", {"block_size": 128, "int_range": "modelopt"},
+     [{"int_range": "restricted"}, {"int_range": "full"}]),
+    ("int8_channel", "int8", {"granularity": "channel", "int_range": "modelopt"},
+     [{"int_range": "restricted"}, {"int_range": "full"}]),
+    ("fp8_tensor", "fp8_e4m3", {"granularity": "tensor", "fp8_variant": "modelopt"}, []),  # FP8_DEFAULT_CFG
+    ("fp8_channel", "fp8_e4m3", {"granularity": "channel", "fp8_variant": "modelopt"},
+     [{"fp8_variant": "default"}]),
 ])
-def test_modelopt_integers_bit_for_bit(case, fmt, options, dtype):
-    """ModelOpt 0.47's CPU integer quantizer (tests/data/modelopt_vectors.py): a multiplier
-    qmax / amax, round, clamp to [qmin, qmax], divide; blocks with amax <= 2^-24 give zeros.
-    `int_range: "modelopt"` gives its bits, signed zeros included; the other conventions do not."""
+def test_modelopt_bit_for_bit(case, fmt, options, others, dtype):
+    """ModelOpt 0.47's CPU quantizers (tests/data/modelopt_vectors.py), signed zeros included.
+    Integers: a multiplier qmax / amax, round, clamp to [qmin, qmax], divide; blocks with amax
+    <= 2^-24 give zeros (`int_range: "modelopt"`). FP8: a multiplier fl(1 / amax) * 448, the
+    product clamped and cast, times fl(1 / multiplier) (`fp8_variant: "modelopt"`). The other
+    conventions differ in the last bits (the per-tensor case happens not to show it)."""
     ints = torch.int32 if dtype == "float32" else torch.int16
     x = torch.from_numpy(MODELOPT[f"w/{dtype}"]).view(getattr(torch, dtype))
     want = torch.from_numpy(MODELOPT[f"{case}/{dtype}"])
-    got = fake_quantize(x, fmt, int_range="modelopt", **options)
-    assert torch.equal(got.view(ints), want)
-    for other in ("restricted", "full"):
-        assert not torch.equal(fake_quantize(x, fmt, int_range=other, **options).view(ints), want)
+    assert torch.equal(fake_quantize(x, fmt, **options).view(ints), want)
+    for other in others:
+        assert not torch.equal(fake_quantize(x, fmt, **{**options, **other}).view(ints), want)

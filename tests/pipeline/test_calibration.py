@@ -219,3 +219,27 @@ def test_tensor_global_scale_depends_on_the_batch(model):
     alone, inside = _alone_and_batched(t, batch, 0)
     assert not torch.equal(alone, inside)
     assert any("Outputs depend on the batch" in n for n in qtransform.plan(model, TENSOR).notes)
+
+
+def test_fp8_per_tensor_static_input_scale(model):
+    """FP8 with one fp32 scale per tensor (llm-compressor's FP8 scheme): the input scale is
+    amax / 448 with the static amax over the calibration set; dynamic, it is the call's own."""
+    rule = {"targets": ["Linear"], "ignore": ["lm_head"], "format": "fp8_e4m3", "granularity": "tensor",
+            "tensors": ["weight", "input"]}
+    data = batches()
+    t = qtransform.transform(model, {"version": 1, "quantize": [{**rule, "scale_source": "static"}]},
+                             calibration=data)
+    site = "model.layers.1.self_attn.q_proj"
+    amax = torch.stack(input_amaxes(model, data)[site]).amax()
+    fq = t.get_submodule(site).input_fake_quant
+    assert fq.static_scale.amax.item() == amax.item()
+    x = torch.randn(2, 5, 64)
+    want = fake_quantize(x, "fp8_e4m3", granularity="tensor", amax=amax)
+    assert torch.equal(fq(x), want) and not torch.equal(want, fake_quantize(x, "fp8_e4m3", granularity="tensor"))
+    plan = qtransform.plan(model, {"version": 1, "quantize": [rule]})
+    assert any("Outputs depend on the batch" in n for n in plan.notes)  # dynamic per tensor
+
+
+def test_explain_of_weight_only_rules_says_nothing_about_activations():
+    for rule in ({"format": "fp8_e4m3", "granularity": "tensor"}, {"format": "nvfp4"}):
+        assert "Activation" not in explain(load_policy({"version": 1, "quantize": [rule]}))

@@ -13,6 +13,7 @@ import qtransform
 from qtransform import fake_quantize
 from qtransform.errors import UserError
 from qtransform.formats import QuantConfig
+from qtransform.passes.fake_quant import FakeQuantize
 from tests.conftest import ids
 from tests.helpers import assert_untouched, snapshot
 
@@ -352,3 +353,23 @@ def test_a_block_longer_than_a_sites_axis_is_refused_at_plan_time(tiny):
                                         r"axis 0 of a tensor of shape \[128\]"):
         qtransform.plan(model, inputs)
     assert_untouched(before, model)
+
+
+def test_fake_quantize_module_takes_a_given_amax(tiny):
+    """`FakeQuantize.quantize(x, amax=)`: what fused and calibrated scales call. One amax for a
+    weight; for a fused experts weight [E, ...] one shared amax or one per expert ([E])."""
+    model = tiny("qwen2")
+    out = qtransform.transform(model, {"version": 1, "quantize": [
+        {"targets": ["*.q_proj"], "format": "nvfp4"}]})
+    fq = out.model.layers[0].self_attn.q_proj.weight_fake_quant
+    w = model.model.layers[0].self_attn.q_proj.weight.detach()
+    fused = torch.tensor(3.5)
+    assert torch.equal(fq.quantize(w, amax=fused), fake_quantize(w, "nvfp4", amax=fused))
+    assert not torch.equal(fq.quantize(w, amax=fused), fq.quantize(w))
+    experts = FakeQuantize(QuantConfig.from_options("nvfp4", {}), "e/weight_fake_quant", per_expert=True)
+    x = torch.randn(3, 8, 32)
+    each = torch.tensor([1.0, 2.0, 40.0])
+    assert torch.equal(experts.quantize(x, amax=each),
+                       torch.stack([fake_quantize(x[e], "nvfp4", amax=each[e]) for e in range(3)]))
+    assert torch.equal(experts.quantize(x, amax=fused),
+                       torch.stack([fake_quantize(x[e], "nvfp4", amax=fused) for e in range(3)]))

@@ -1,17 +1,38 @@
 """FP8 with a plain fp32 scale in ONNX: the shared body of `scaled.py` with a saturating
-float8 rounding. No QDQ form (yet): function and inline modes."""
+float8 rounding, or ModelOpt's order. No QDQ form (yet): function and inline modes."""
 
 from __future__ import annotations
 
-from qtransform.export.families.scaled import scaled_blocks
-from qtransform.export.functions import Body, OnnxFamily, register_onnx_family
+import numpy as np
+
+from qtransform.export.families.scaled import block_amax, scaled_blocks
+from qtransform.export.functions import (
+    Body,
+    OnnxFamily,
+    UnsupportedExport,
+    register_onnx_family,
+    round_signed,
+)
+from qtransform.formats.fp8 import MODELOPT_TINY
 from qtransform.formats.options import QuantConfig
 
 
-def fp8_blocks(b: Body, x: str, axes: str, cfg: QuantConfig) -> str:
-    """quantize_scaled with divisor and clamp at the element's max normal."""
-    m = cfg.spec.max_normal
-    return scaled_blocks(b, x, axes, cfg, cfg.spec.element, m, -m, m)
+def fp8_blocks(b: Body, x: str, axes: str, cfg: QuantConfig, amax_t: str | None = None) -> str:
+    """quantize_fp8: quantize_scaled with divisor and clamp at the element's max normal, or
+    ModelOpt's reciprocal multiplier."""
+    top = cfg.spec.max_normal
+    if cfg.fp8_variant == "default":
+        return scaled_blocks(b, x, axes, cfg, cfg.spec.element, top, -top, top, amax_t)
+    if cfg.scale_dtype != "float32":
+        raise UnsupportedExport(f"{cfg.name}: scale_dtype {cfg.scale_dtype!r} has no ONNX body; "
+                                "export with scale_dtype 'float32'")
+    amax = block_amax(b, x, axes, cfg, amax_t)
+    safe = b.op("Where", b.op("LessOrEqual", amax, b.const(MODELOPT_TINY)), b.const(1.0), amax)
+    m = b.op("Mul", b.op("Reciprocal", safe), b.const(top))
+    inv = b.op("Reciprocal", m)
+    y = b.op("Max", b.op("Min", b.op("Mul", x, m), b.const(top)), b.const(-top))
+    out = b.op("Mul", round_signed(b, y, cfg.spec.element, cfg.rounding), inv)
+    return b.op("Where", b.op("IsInf", amax), b.const(np.nan), out)
 
 
 register_onnx_family("fp8", OnnxFamily(fp8_blocks))

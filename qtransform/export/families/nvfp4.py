@@ -31,8 +31,9 @@ def _clamp6(b: Body, y: str) -> str:
     return b.op("Max", b.op("Min", y, b.const(6.0)), b.const(-6.0))
 
 
-def nvfp4_blocks(b: Body, x: str, axes: str, cfg: QuantConfig) -> str:
-    """quantize_nvfp4 in the variant's fp32 order of operations."""
+def nvfp4_blocks(b: Body, x: str, axes: str, cfg: QuantConfig, amax_t: str | None = None) -> str:
+    """quantize_nvfp4 in the variant's fp32 order of operations; `amax_t` replaces the tensor's
+    own amax (`fake_quantize`'s amax: a fixed value, or one per row)."""
     elem = cfg.spec.element
     if cfg.nvfp4_variant == "one_level":
         s = _e4m3(b, b.op("Min", b.op("Div", amax_nan(b, x, axes), b.const(6.0)), b.const(448.0)))
@@ -41,7 +42,8 @@ def nvfp4_blocks(b: Body, x: str, axes: str, cfg: QuantConfig) -> str:
         div = b.op("Div", x, b.op("Where", sz, b.const(1.0), s))
         y = b.op("Mul", div, b.op("Where", sz, b.const(0.0), b.const(1.0)))
         return b.op("Mul", round_signed(b, _clamp6(b, y), elem, cfg.rounding), s)
-    amax_t = amax_nan(b, x, None)
+    if amax_t is None:
+        amax_t = amax_nan(b, x, None)
     if cfg.nvfp4_variant == "default":
         amax_b = amax_or_inf(b, x, axes)  # a NaN anywhere makes every output NaN through g
         g = b.op("Min", b.op("Div", b.const(2688.0), amax_t), b.const(FLT_MAX))

@@ -16,9 +16,11 @@ from qtransform.formats.options import QuantConfig
 from qtransform.formats.registry import ElementSpec
 
 
-def block_amax(b: Body, x: str, axes: str, cfg: QuantConfig) -> str:
-    """max |x| per block (the whole tensor's for granularity "tensor"), +inf where the block
-    (tensor) holds a NaN or an Inf."""
+def block_amax(b: Body, x: str, axes: str, cfg: QuantConfig, amax_t: str | None = None) -> str:
+    """max |x| per block (the whole tensor's for granularity "tensor", or a given `amax_t`:
+    `fake_quantize`'s amax), +inf where the block (tensor) holds a NaN or an Inf."""
+    if amax_t is not None:
+        return b.op("Where", b.op("IsNaN", amax_t), b.const(np.inf), amax_t)
     a = b.op("Abs", x)
     clean = b.op("Where", b.op("IsNaN", a), b.const(np.inf), a)
     if cfg.granularity == "tensor":
@@ -27,13 +29,14 @@ def block_amax(b: Body, x: str, axes: str, cfg: QuantConfig) -> str:
 
 
 def scaled_blocks(b: Body, x: str, axes: str, cfg: QuantConfig, elem: ElementSpec,
-                  divisor: float, lo: float, hi: float) -> str:
-    """scale = amax / divisor (the whole tensor's amax for granularity "tensor"), zero -> fp32
-    eps, q = round(clamp(x / scale, lo, hi)), out = q * scale; a NaN/Inf block is NaN."""
+                  divisor: float, lo: float, hi: float, amax_t: str | None = None) -> str:
+    """scale = amax / divisor (the whole tensor's amax for granularity "tensor", or `amax_t`),
+    zero -> fp32 eps, q = round(clamp(x / scale, lo, hi)), out = q * scale; a NaN/Inf block is
+    NaN."""
     if cfg.scale_dtype != "float32":
         raise UnsupportedExport(f"{cfg.name}: scale_dtype {cfg.scale_dtype!r} has no ONNX body; "
                                 "export with scale_dtype 'float32'")
-    amax = block_amax(b, x, axes, cfg)
+    amax = block_amax(b, x, axes, cfg, amax_t)
     bad = b.op("IsInf", amax)
     scale = b.op("Div", amax, b.const(divisor))
     scale = b.op("Where", b.op("Equal", scale, b.const(0.0)),
