@@ -24,6 +24,7 @@ def add_common(p: argparse.ArgumentParser) -> None:
                    "(compressed-tensors' amax/(qmax+0.5))")
     p.add_argument("--scale-dtype", help="int and fp8: float32 (default), bfloat16, float16, "
                    "input (the tensor's dtype)")
+    p.add_argument("--fp8-variant", help="fp8: default (x / (amax/max)) or modelopt")
     p.add_argument("--json", action="store_true", help="print JSON on stdout instead of tables")
     p.add_argument("--no-progress", action="store_true", help="no progress bars on stderr")
 
