@@ -145,6 +145,8 @@ def _validate(args: argparse.Namespace) -> int:
 def _explain(args: argparse.Namespace) -> int:
     policy = _read(args)
     print(explain(policy))
+    if args.file != "-":
+        print(_calibrated(Path(args.file).parent), end="")
     if args.fields:
         print("\nSettings:\n" + fields(policy))
     return 0
@@ -156,3 +158,20 @@ def _presets(args: argparse.Namespace) -> int:
         checked = f" (checked against {preset.checked_against})" if preset.checked_against else ""
         print(f"{name}: {preset.reproduces}{checked}")
     return 0
+
+
+def _calibrated(folder: Path) -> str:
+    """The calibrated static scales saved beside a policy (a `save_transformed` folder), one
+    line each: what `qtransform transform --calib` froze."""
+    from qtransform.pipeline.saving import SCALES_FILE  # not at start-up: `policy` stays light
+
+    path = folder / SCALES_FILE
+    if not path.is_file():
+        return ""
+    from safetensors.torch import load_file
+
+    scales = load_file(str(path))
+    lines = [f"\nCalibrated static scales ({len(scales)}, from {SCALES_FILE}; amax of each):"]
+    lines += [f"  {name.removesuffix('.static_scale')}: {value.item():.6g}"
+              for name, value in sorted(scales.items())]
+    return "\n".join(lines) + "\n"

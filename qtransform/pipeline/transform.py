@@ -79,6 +79,9 @@ def transform_program(
     check_unwrapped(model)
     policy = load_policy(policy)
     static = static_rules(policy)
+    if static and mode == "graph":
+        raise UserError(f"the policy's {', '.join(static)} calibrate static scales, which need "
+                        'mode="module" (the model keeps its class and runs the calibration)')
     if static and calibration is None and scales is None:
         raise UserError(f"the policy's {', '.join(static)} calibrate static scales (scale_source "
                         '"static"): pass calibration=batches to qtransform.transform (CLI: '

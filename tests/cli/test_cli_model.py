@@ -106,6 +106,10 @@ def test_calib_calibrates_static_scales_in_transform_plan_and_export(tmp_path, t
     x = ids()
     with torch.no_grad():
         assert torch.equal(reloaded(input_ids=x).logits, direct(input_ids=x).logits)
+    res = _cli("policy", "explain", str(tmp_path / "out" / "qtransform_policy.json"))
+    assert res.returncode == 0, res.stderr
+    amax = reloaded.model.layers[0].mlp.down_proj.input_fake_quant.static_scale.amax.item()
+    assert f"model.layers.0.mlp.down_proj.input_fake_quant: {amax:.6g}" in res.stdout
     res = _cli("plan", str(model_dir), str(policy), "--calib", str(calib))
     assert res.returncode == 0, res.stderr
     assert "global_scale=static (static_minmax), amax=" in res.stdout

@@ -141,3 +141,20 @@ def test_explain_and_validate_of_a_preset_policy(capsys, tmp_path):
 def test_help_has_examples(capsys, command):
     code, out, _ = cli(capsys, command, "--help")
     assert code == 0 and f"qtransform policy {command}" in out.split("example", 1)[1]
+
+
+@pytest.mark.parametrize("command", ["scan", "sensitivity"])
+def test_every_format_option_has_a_flag(command):
+    """The scan commands hand every choice option of `QuantConfig` to the formats: each needs
+    its flag (a new option without one made every scan fail with an AttributeError)."""
+    from qtransform.cli.main import build_parser
+    from qtransform.cli.options import format_options
+    from qtransform.formats.options import CHOICE_OPTIONS
+
+    flags = [f"--{o.replace('_', '-')}" for o in ("granularity", *CHOICE_OPTIONS)]
+    values = ["token", "floor", "rne", "default", "full", "input", "modelopt"]
+    argv = [command, "builtin:qwen2", "--format", "int8", "--calib", "c.txt", "--out", "o"]
+    for flag, value in zip(flags, values, strict=True):
+        argv += [flag, value]
+    args = build_parser().parse_args(argv)
+    assert format_options(args) == dict(zip(("granularity", *CHOICE_OPTIONS), values, strict=True))

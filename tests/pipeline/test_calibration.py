@@ -243,3 +243,33 @@ def test_fp8_per_tensor_static_input_scale(model):
 def test_explain_of_weight_only_rules_says_nothing_about_activations():
     for rule in ({"format": "fp8_e4m3", "granularity": "tensor"}, {"format": "nvfp4"}):
         assert "Activation" not in explain(load_policy({"version": 1, "quantize": [rule]}))
+
+
+def test_static_scales_need_module_mode(model):
+    with pytest.raises(UserError, match='mode="module"'):
+        qtransform.transform(model, STATIC, {"input_ids": ids(1, 4)}, mode="graph", calibration=batches())
+
+
+def test_peft_model_saves_and_reloads_its_static_scales(model, tmp_path):
+    peft = pytest.importorskip("peft")
+    wrapped = peft.get_peft_model(copy.deepcopy(model), peft.LoraConfig(r=4, target_modules="all-linear"))
+    t = qtransform.transform(wrapped, STATIC, calibration=batches())
+    names = set(static_scales(t))
+    assert "base_model.model.model.layers.0.self_attn.q_proj.base_layer.input_fake_quant.static_scale" in names
+    qtransform.save_transformed(t, STATIC, tmp_path / "out")
+    back = qtransform.load_transformed(tmp_path / "out")
+    assert {n: s.amax.item() for n, s in static_scales(back).items()} == \
+        {n: s.amax.item() for n, s in static_scales(t).items()}
+
+
+def test_an_activation_scan_calibrates_static_scales_on_its_own_batches(model):
+    from qtransform.scan.setup import prepare_scan
+
+    data = torch.randint(0, 256, (4, 7), generator=torch.Generator().manual_seed(2))
+    setup = prepare_scan(model, STATIC, data)
+    site = "model.layers.1.mlp.up_proj"
+    want = torch.stack(input_amaxes(model, setup.batches)[site]).amax()
+    assert scale_of(setup.program.module(), site).amax.item() == want.item()
+    report = qtransform.scan_activations(model, STATIC, data)
+    inputs = [r for r in report.rows if r.point == "input"]
+    assert inputs and all(r.metrics["sqnr_db"] > 0 for r in inputs)  # measured on the scan's batches
