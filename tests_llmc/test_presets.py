@@ -11,7 +11,7 @@ import torch
 import qtransform
 from qtransform.models import build_tiny
 from qtransform.schemas.presets import preset_names
-from tests_llmc.conftest import llm_compressor_model
+from tests_llmc.oneshot import llm_compressor_model
 
 SCHEMES = ["NVFP4A16", "NVFP4", "MXFP4A16", "MXFP4", "FP8", "FP8_DYNAMIC", "FP8_BLOCK", "W4A16", "W8A8"]
 # hidden 128 (intermediate 256): llm-compressor's W4A16 groups and FP8_BLOCK's activation groups

@@ -8,7 +8,7 @@ import torch
 
 from qtransform.models import build_tiny
 from tests.llmc_reference import SCHEMES, reference_model
-from tests_llmc.conftest import llm_compressor_model
+from tests_llmc.oneshot import llm_compressor_model
 from tests_llmc.test_presets import HIDDEN, samples
 
 CASES = [(arch, scheme, dtype) for dtype in (torch.float32, torch.bfloat16)
