@@ -18,7 +18,7 @@ from qtransform.core.phase import in_rollout
 from qtransform.core.program import Program
 from qtransform.core.sharding import sharded
 from qtransform.core.streams import DrawStream
-from qtransform.core.versions import Watch
+from qtransform.core.versions import Watch, recheck
 from qtransform.formats import QuantConfig
 from qtransform.pipeline.base import Action, Pass, register_pass
 from qtransform.pipeline.selection import resolve_quantize
@@ -87,11 +87,21 @@ class FakeQuantize(nn.Module):
         self.stream = DrawStream(config.seed or 0, label) if config.stochastic else None
         self._watch = Watch()
         self._cached: Tensor | None = None
-        self.enabled = True  # eager only: off, the tensor passes unchanged (per-site sensitivity)
+        self.enabled = True
 
     def extra_repr(self) -> str:
         opts = ", ".join(f"{k}={v}" for k, v in self.config.options().items())
         return f"{self.config.name}, {opts}, label={self.label!r}"
+
+    @property
+    def enabled(self) -> bool:
+        """Eager only: off, the tensor passes unchanged (per-site sensitivity, parity)."""
+        return self._enabled
+
+    @enabled.setter
+    def enabled(self, on: bool) -> None:
+        self._enabled = on
+        recheck()  # a cached copy armed for a rollout block is not used past a switch
 
     def set_step(self, step: int, draws: int = 0) -> None:
         if self.stream is not None:
@@ -127,6 +137,7 @@ class FakeQuantize(nn.Module):
 
     def train(self, mode: bool = True) -> FakeQuantize:
         self._watch.recheck()  # a change of mode is a point where every byte is checked
+        recheck()  # ... also for a cached copy armed for a rollout block (core/shortcut.py)
         return super().train(mode)
 
     def quantized_copy(self, x: Tensor) -> Tensor:
@@ -142,6 +153,24 @@ class FakeQuantize(nn.Module):
         if not self.cache or sharded(self):
             self.clear_cache()  # a copy cached before the model was sharded goes
             return self.quantize(x)
+        cached = self._current(x)
+        if torch.is_grad_enabled() and x.requires_grad:
+            if self.config.zero_saturated_grad:
+                return self.quantize(x)
+            return _CachedSTE.apply(x, cached)
+        return cached
+
+    def cached_weight(self, weight: Tensor) -> Tensor | None:
+        """What `forward(weight)` returns when that is the cached copy, else None (switched
+        off, no cache, FSDP, a gradient through the weight): a site's shortcut
+        (core/shortcut.py) computes with it without calling the module."""
+        if (not self.enabled or not self.cache or sharded(self)
+                or (weight.requires_grad and torch.is_grad_enabled())):
+            return None
+        return self._current(weight)
+
+    def _current(self, x: Tensor) -> Tensor:
+        """The cached copy of `x`, quantized again if `x` changed since the last call."""
         if self._watch.changed(x, "identity" if in_rollout() else "sample") or self._cached is None:
             try:
                 with torch.no_grad():
@@ -149,10 +178,6 @@ class FakeQuantize(nn.Module):
             except BaseException:
                 self.clear_cache()  # the watch has seen x, the cache has not
                 raise
-        if torch.is_grad_enabled() and x.requires_grad:
-            if self.config.zero_saturated_grad:
-                return self.quantize(x)
-            return _CachedSTE.apply(x, self._cached)
         return self._cached
 
 
