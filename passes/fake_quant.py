@@ -161,13 +161,12 @@ class FakeQuantize(nn.Module):
         return cached
 
     def cached_weight(self, weight: Tensor) -> Tensor | None:
-        """What `forward(weight)` returns when that is the cached copy, else None (switched
-        off, no cache, FSDP, a gradient through the weight): a site's shortcut
-        (core/shortcut.py) computes with it without calling the module."""
-        if (not self.enabled or not self.cache or sharded(self)
-                or (weight.requires_grad and torch.is_grad_enabled())):
+        """What `forward(weight)` returns when that is the cached copy or, switched off, the
+        weight itself; None otherwise (no cache, FSDP, a gradient through the weight): a site's
+        shortcut (core/shortcut.py) computes with it without calling the module."""
+        if not self.cache or sharded(self) or (weight.requires_grad and torch.is_grad_enabled()):
             return None
-        return self._current(weight)
+        return self._current(weight) if self.enabled else weight
 
     def _current(self, x: Tensor) -> Tensor:
         """The cached copy of `x`, quantized again if `x` changed since the last call."""

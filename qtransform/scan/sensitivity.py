@@ -342,7 +342,9 @@ class _Reference:
         if self.causal:
             x = out.reshape(-1, out.shape[-1])
             plogp, psum = self.terms[index]
-            kl = plogp - torch.linalg.vecdot(ref, x) + torch.logsumexp(x, dim=-1) * psum
+            dot = (ref.unsqueeze(1) @ x.unsqueeze(-1)).reshape(-1)  # a batched BLAS dot: a
+            # fifth of vecdot's time on 64 x 49152 (vecdot is not vectorized here)
+            kl = plogp - dot + torch.logsumexp(x, dim=-1) * psum
             return float(kl.sum()), math.nan
         a, b = ref.reshape(-1, ref.shape[-1]), out.reshape(-1, out.shape[-1])
         cos = float(((a * b).sum(-1) / (a.norm(dim=-1) * b.norm(dim=-1))).sum())
