@@ -204,6 +204,9 @@ def library() -> ctypes.CDLL | None:
                     lib.qf_normal.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
                                               ctypes.c_uint64, ctypes.c_int, ctypes.c_float,
                                               ctypes.c_void_p, ctypes.c_int]
+                    lib.qf_lse_dot.restype = None
+                    lib.qf_lse_dot.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [
+                        ctypes.c_void_p] * 2 + [ctypes.c_int]
                     lib.qf_stats.restype = ctypes.c_int
                     lib.qf_stats.argtypes = [ctypes.c_void_p] * 3 + [
                         ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
@@ -386,3 +389,21 @@ def normal(seed: int, shape: tuple[int, ...], x: torch.Tensor | None = None, op:
     _lib.qf_normal(_ptr(xs), out.data_ptr(), n, seed % (1 << 64), NORMAL_OPS[op], scale,
                    _NORMAL_K.data_ptr(), torch.get_num_threads() if n >= MIN_PARALLEL else 1)
     return out
+
+
+def lse_dot(x: torch.Tensor, ref: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Per row of fp32 CPU logits x [rows, cols] and float64 ref of that shape: (float64
+    log-sum-exp of x, float64 dot product with ref) in one compiled pass without a float64 copy
+    of x (the sums' order differs from torch's by a few ulps); None where that does not apply."""
+    if (x.dtype != torch.float32 or ref.dtype != torch.float64 or not (x.is_cpu and ref.is_cpu)
+            or x.dim() != 2 or ref.shape != x.shape or x.shape[1] == 0 or not enabled()
+            or library() is None):
+        return None
+    x, ref = x.detach().contiguous(), ref.contiguous()
+    rows, cols = x.shape
+    lse = torch.empty(rows, dtype=torch.float64)
+    dot = torch.empty(rows, dtype=torch.float64)
+    assert _lib is not None
+    _lib.qf_lse_dot(x.data_ptr(), ref.data_ptr(), rows, cols, lse.data_ptr(), dot.data_ptr(),
+                    torch.get_num_threads() if x.numel() >= MIN_PARALLEL else 1)
+    return lse, dot

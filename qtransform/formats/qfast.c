@@ -1292,3 +1292,69 @@ void qf_normal(const float *x, float *out, int64_t n, uint64_t seed, int op, flo
         }
     }
 }
+
+/* ---- The terms of a KL against a cached reference (qtransform/scan/sensitivity.py) ----
+ * Per row r of fp32 logits x[rows, cols]: lse[r] = max + log(sum exp(x - max)) and
+ * dot[r] = sum ref[r, c] * x[r, c], all in float64, in one pass over x and ref and without a
+ * float64 copy of x. exp(t) for t <= 0: t = k ln2 + s with |s| <= ln2/2 (k rounded to nearest,
+ * ln2 in two parts), e^s by its Taylor series to s^13 (8 lanes) (relative error below 1e-15), times 2^k
+ * built in the exponent bits; terms below e^-700 add nothing a sum of at least 1 can hold.
+ * Only the summation order differs from torch's float64 logsumexp (a few ulps). */
+typedef double v8d __attribute__((vector_size(64)));
+typedef int64_t v8l __attribute__((vector_size(64)));
+
+static inline __attribute__((always_inline)) v8d exp_neg8(v8d t) {
+    const double ln2_hi = 0x1.62e42fefa3800p-1, ln2_lo = 0x1.ef35793c76730p-45;
+    const v8d magic = {0x1.8p52, 0x1.8p52, 0x1.8p52, 0x1.8p52, 0x1.8p52, 0x1.8p52, 0x1.8p52, 0x1.8p52}; /* rounds to nearest */
+    v8d kf = (t * 0x1.71547652b82fep0 + magic) - magic;
+    v8d s = (t - kf * ln2_hi) - kf * ln2_lo;
+    v8d p = s * (1.0 / 6227020800.0) + 1.0 / 479001600.0;
+    p = p * s + 1.0 / 39916800.0;
+    p = p * s + 1.0 / 3628800.0;
+    p = p * s + 1.0 / 362880.0;
+    p = p * s + 1.0 / 40320.0;
+    p = p * s + 1.0 / 5040.0;
+    p = p * s + 1.0 / 720.0;
+    p = p * s + 1.0 / 120.0;
+    p = p * s + 1.0 / 24.0;
+    p = p * s + 1.0 / 6.0;
+    p = p * s + 0.5;
+    p = p * s + 1.0;
+    p = p * s + 1.0;
+    v8l k = __builtin_convertvector(kf, v8l);
+    const v8l kmin = {-1000, -1000, -1000, -1000, -1000, -1000, -1000, -1000};
+    v8l low = k < kmin;
+    k = (k & ~low) | (kmin & low);
+    v8d scale = (v8d)((k + 1023) << 52);
+    v8l keep = t >= -700.0;
+    return (v8d)((v8l)(p * scale) & keep);
+}
+
+static void lse_dot_row(const float *x, const double *ref, int64_t cols, double *lse, double *dot) {
+    float m = x[0];
+    for (int64_t c = 1; c < cols; c++) m = x[c] > m ? x[c] : m;
+    double md = (double)m;
+    v8d acc = {0}, d = {0};
+    int64_t c = 0;
+    for (; c + 8 <= cols; c += 8) {
+        v8d v = {x[c], x[c + 1], x[c + 2], x[c + 3], x[c + 4], x[c + 5], x[c + 6], x[c + 7]}, r;
+        memcpy(&r, ref + c, sizeof r);
+        acc += exp_neg8(v - md);
+        d += r * v;
+    }
+    if (c < cols) { /* the tail, padded with terms that add nothing */
+        const double ninf = -__builtin_inf();
+        v8d v = {ninf, ninf, ninf, ninf, ninf, ninf, ninf, ninf}, r = {0}, vz = {0};
+        for (int j = 0; c + j < cols; j++) v[j] = x[c + j], r[j] = ref[c + j], vz[j] = x[c + j];
+        acc += exp_neg8(v - md);
+        d += r * vz;
+    }
+    *lse = md + __builtin_log(((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7])));
+    *dot = ((d[0] + d[1]) + (d[2] + d[3])) + ((d[4] + d[5]) + (d[6] + d[7]));
+}
+
+void qf_lse_dot(const float *x, const double *ref, int64_t rows, int64_t cols, double *lse,
+                double *dot, int nthreads) {
+#pragma omp parallel for num_threads(nthreads) schedule(dynamic, 1)
+    for (int64_t r = 0; r < rows; r++) lse_dot_row(x + r * cols, ref + r * cols, cols, lse + r, dot + r);
+}
