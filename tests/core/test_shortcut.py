@@ -219,19 +219,24 @@ def test_a_site_called_outside_the_models_forward_checks_its_own_weight():
 def test_a_switch_or_a_mode_change_inside_a_rollout_block_is_seen_by_the_next_forward():
     model, ids = _model(), _ids()
     fq = _q(model).weight_fake_quant
+    ref = _uncached(model)
+    with torch.no_grad():
+        ref.model.layers[1].self_attn.q_proj.weight_fake_quant.enabled = False
+        want_off = ref(ids).logits
+        ref.model.layers[1].self_attn.q_proj.weight_fake_quant.enabled = True
     with torch.no_grad(), qtransform.rollout():
         on = model(ids).logits
         fq.enabled = False
-        off = model(ids).logits
+        with _Calls(FakeQuantize.forward) as calls:
+            off = model(ids).logits  # switched off: the site computes with its own weight
+        assert calls == {}
         fq.enabled = True
         _q(model).weight.data[3, 5] += 1.0  # one element through .data: seen after eval()
         model.eval()
         again = model(ids).logits
-    ref = _uncached(model)
+    assert torch.equal(off, want_off) and not torch.equal(off, on)
     with torch.no_grad():
-        assert torch.equal(again, ref(ids).logits) and not torch.equal(again, on)
-        ref.model.layers[1].self_attn.q_proj.weight_fake_quant.enabled = False
-        assert not torch.equal(off, on)
+        assert torch.equal(again, _uncached(model)(ids).logits) and not torch.equal(again, on)
 
 
 def test_a_copy_and_a_pickled_model_arm_their_own_sites():
