@@ -1173,8 +1173,13 @@ int qf_stats(const void *x, const void *q, const uint8_t *sat, int64_t n, int dt
 enum { K_SQRT2, K_LN2, K_PI4, K_L1, K_L2, K_L3, K_L4, K_S1, K_S2, K_S3, K_S4,
        K_C1, K_C2, K_C3, K_C4, K_C5, N_K };
 #define NT 64 /* counters per tile: 256 normals */
+#if defined(__AVX512F__) && defined(__GNUC__) && !defined(__clang__)
+#define WIDE __attribute__((target("prefer-vector-width=512"))) /* 16 lanes: 15 vs 18 ms */
+#else
+#define WIDE
+#endif
 
-static inline __attribute__((always_inline)) void box_muller(const uint32_t *a, const uint32_t *b,
+WIDE static inline __attribute__((always_inline)) void box_muller(const uint32_t *a, const uint32_t *b,
                                                             const float *K, int m, float *zc,
                                                             float *zs) {
     const float sqrt2 = K[K_SQRT2], ln2 = K[K_LN2], pi4 = K[K_PI4];
@@ -1238,7 +1243,7 @@ static inline __attribute__((always_inline)) void box_muller(const uint32_t *a, 
 }
 
 /* The normals of counters c0 .. c0 + nc - 1 (nc <= NT) into z[4 * nc], in element order. */
-static void normal_tile(uint64_t c0, int nc, uint32_t k0, uint32_t k1, const float *K, float *z) {
+WIDE static void normal_tile(uint64_t c0, int nc, uint32_t k0, uint32_t k1, const float *K, float *z) {
     uint32_t a[2 * NT], b[2 * NT];
     const v8q lanes = {0, 1, 2, 3, 4, 5, 6, 7}, m32 = lanes * 0 + 0xffffffffu;
     for (int g = 0; g < nc; g += UGROUP) {
@@ -1263,7 +1268,7 @@ static void normal_tile(uint64_t c0, int nc, uint32_t k0, uint32_t k1, const flo
  * normals z of positions 0 .. n-1 of the stream of `seed`, fp32: the draw and its application
  * in one pass (the noise kinds "add" and "relative", in their torch order). Tiles are a
  * function of position only, so the thread count changes nothing. */
-void qf_normal(const float *x, float *out, int64_t n, uint64_t seed, int op, float scale,
+WIDE void qf_normal(const float *x, float *out, int64_t n, uint64_t seed, int op, float scale,
                const float *K, int nthreads) {
     uint32_t k0 = (uint32_t)seed, k1 = (uint32_t)(seed >> 32);
     int64_t ncount = (n + 3) / 4, ntiles = (ncount + NT - 1) / NT;
