@@ -132,8 +132,11 @@ class WeightCheck:
 
     def __call__(self, module: nn.Module, args: Any) -> None:
         self.stamp += 1
-        if ops.is_tracing(None):
-            return  # traced: every site runs its graph (the custom ops appear)
+        if ops.is_tracing(None):  # traced: every site runs its graph (the custom ops appear),
+            for site in self._sites or ():  # also inside a rollout block armed before
+                site.armed = None
+            self._block = None
+            return
         block = versions.epoch() if in_rollout() else None
         if block is not None and block == self._block:
             return  # armed at this block's first forward

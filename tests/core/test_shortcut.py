@@ -272,3 +272,21 @@ def test_a_hook_on_a_quantizer_or_a_gradient_through_the_weight_runs_the_module(
         model(ids).logits.sum().backward()  # the weights need gradients: the STE path
     assert calls["FakeQuantize.forward"] == sum(isinstance(m, FakeQuantize) for m in model.modules())
     assert _q(model).weight.grad is not None
+
+
+def test_an_export_inside_a_rollout_block_after_an_eager_forward_emits_the_fake_quant_ops():
+    """Sites armed by an eager forward of the block stand aside when traced (the entry drops
+    what it armed): torch.export's graph holds every fake-quant op, and the block's next eager
+    forward is armed again."""
+    model, ids = _model(), _ids()
+    n = sum(isinstance(m, FakeQuantize) for m in model.modules())
+    with torch.no_grad(), qtransform.rollout():
+        model(ids)  # arms every site for the block
+        ep = torch.export.export(model, (ids,), kwargs={"use_cache": False})
+        with _Calls(FakeQuantize.forward) as calls:
+            after = model(ids).logits
+    assert calls == {}
+    found = [node for node in ep.graph.nodes if node.target == torch.ops.qtransform.fake_quant.default]
+    assert len(found) == n
+    with torch.no_grad():
+        assert torch.equal(after, _uncached(model)(ids).logits)
