@@ -60,6 +60,7 @@ class ActivationNoise(NoiseModule):
     """Dropout or relative Gaussian noise on the activation it receives, fresh each forward."""
 
     noise_pass = "activation_noise"
+    counter_draws = True  # the Gaussian's normals: the fused Philox stream, as hardware error's
 
     def __init__(self, spec: ActivationNoiseSpec, label: str):
         super().__init__(KIND[spec.distribution], label, seed=spec.seed, stream_key=label,

@@ -26,7 +26,7 @@ from qtransform.core.scales import ScaleGroup
 from qtransform.core.sharding import sharded
 from qtransform.core.sites import Site
 from qtransform.core.streams import DrawStream
-from qtransform.core.versions import Watch
+from qtransform.core.versions import Watch, recheck
 from qtransform.errors import UserError
 from qtransform.formats import QuantConfig
 from qtransform.formats.quantize import check_fits
@@ -114,6 +114,16 @@ class FakeQuantize(nn.Module):
         scale = f", global_scale={self.global_scale}" if self.global_scale else ""
         return f"{self.config.name}, {opts}{scale}, label={self.label!r}"
 
+    @property
+    def enabled(self) -> bool:
+        """Eager only: off, the tensor passes unchanged (per-site sensitivity, parity)."""
+        return self._enabled
+
+    @enabled.setter
+    def enabled(self, on: bool) -> None:
+        self._enabled = on
+        recheck()  # a cached copy armed for a rollout block is not used past a switch
+
     def set_step(self, step: int, draws: int = 0) -> None:
         if self.stream is not None:
             self.stream.set_step(step, draws)
@@ -200,6 +210,7 @@ class FakeQuantize(nn.Module):
         self._watch.recheck()  # a change of mode is a point where every byte is checked
         if self.group is not None:
             self.group.recheck()
+        recheck()  # ... also for a cached copy armed for a rollout block (core/shortcut.py)
         return super().train(mode)
 
     def quantized_copy(self, x: Tensor) -> Tensor:
@@ -219,6 +230,26 @@ class FakeQuantize(nn.Module):
         if not self.cache or sharded(self):
             self.clear_cache()  # a copy cached before the model was sharded goes
             return self.quantize(x)
+        cached = self._current(x)
+        if torch.is_grad_enabled() and x.requires_grad:
+            if self.config.zero_saturated_grad:
+                return self.quantize(x)
+            return _CachedSTE.apply(x, cached)
+        return cached
+
+    def cached_weight(self, weight: Tensor) -> Tensor | None:
+        """What `forward(weight)` returns when that is the cached copy or, switched off, the
+        weight itself; None otherwise (no cache, FSDP, a gradient through the weight, a
+        calibration run): a site's shortcut (core/shortcut.py) computes with it without calling
+        the module."""
+        if (not self.cache or sharded(self) or collecting()
+                or (weight.requires_grad and torch.is_grad_enabled())):
+            return None
+        return self._current(weight) if self.enabled else weight
+
+    def _current(self, x: Tensor) -> Tensor:
+        """The cached copy of `x`, quantized again if `x` changed since the last call or, in a
+        scale group, if a member's change moved the group's amax."""
         regrouped = False
         if self.group is not None:
             self.group.amax(self._check())  # re-reads the members whose weights changed
@@ -232,10 +263,6 @@ class FakeQuantize(nn.Module):
             except BaseException:
                 self.clear_cache()  # the watch has seen x, the cache has not
                 raise
-        if torch.is_grad_enabled() and x.requires_grad:
-            if self.config.zero_saturated_grad:
-                return self.quantize(x)
-            return _CachedSTE.apply(x, self._cached)
         return self._cached
 
 

@@ -2,8 +2,9 @@
 (in whole-model graph mode) on attention matmul outputs.
 
 relative_gaussian models a multiplier whose result is off by a fraction of itself, y*(1 + s*z);
-absolute_gaussian an additive error y + s*z. z is fresh every forward, drawn in fp32 from a
-per-module generator seeded by (seed, site), so a run is reproducible.
+absolute_gaussian an additive error y + s*z. z is fresh every forward, drawn in fp32 from the
+counter-based Gaussian stream of (seed, site, step, forward) (formats/philox.py), so a run is
+reproducible and the same on every device.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ class HWError(NoiseModule):
     """
 
     noise_pass = "hw_error"
+    counter_draws = True  # one normal per output element and forward: the fused Philox stream
 
     def __init__(self, error_type: str, scale: float, label: str, *, seed: int, apply_during: str):
         super().__init__(OP_KIND[error_type], label, seed=seed, stream_key=label, apply_during=apply_during)

@@ -75,6 +75,10 @@ class NoiseModule(nn.Module):
     # draw on the CPU and move the draw, so every device gets the same bits (CPU and CUDA
     # generators are different streams): for weight-sized draws, where the copy is cheap
     portable_draws: ClassVar[bool] = False
+    # normal draws from the counter-based Gaussian stream (`DrawStream.counter_normal`: the same
+    # bits on every device, drawn and applied in one compiled pass on CPU) instead of a seeded
+    # torch.Generator: for activation-sized draws, one per output element and forward
+    counter_draws: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         """Checked when the class is defined (at import): the parts the controller and the
@@ -119,8 +123,11 @@ class NoiseModule(nn.Module):
     def sample(self, shape: torch.Size, like: Tensor, index: int | None) -> Tensor:
         """Draw `index` of the current step in the kind's distribution, fp32, on like's device
         (drawn on the CPU first with `portable_draws`)."""
+        draw = noise_kind(self.kind).draw
+        if self.counter_draws and draw == "normal":
+            return self.stream.counter_normal(shape, like.device, index)
         device = torch.device("cpu") if self.portable_draws else like.device
-        return self.stream.sample(noise_kind(self.kind).draw, shape, device, index).to(like.device)
+        return self.stream.sample(draw, shape, device, index).to(like.device)
 
     def draw(self, x: Tensor) -> Tensor:
         """The eager draw for this forward: fresh each forward, replayed under recompute."""
@@ -143,6 +150,12 @@ class NoiseModule(nn.Module):
         if scale == 0.0:
             return x
         kind = noise_kind(self.kind)
+        if (z is None and self.counter_draws and kind.draw == "normal" and x.dtype == torch.float32
+                and kind.name in ("add", "relative") and type(self).draw is NoiseModule.draw
+                and not (x.requires_grad and torch.is_grad_enabled())):
+            # draw and formula in one pass, the bits of `kind.apply` on the same draw
+            return self.stream.counter_normal(x.shape, x.device, self.stream.next_index(self.training),
+                                              x, kind.name, scale)
         if z is None and kind.apply_fresh is not None and type(self).draw is NoiseModule.draw:
             return kind.apply_fresh(x, self.draw(x), scale)  # the stream's draw is ours to overwrite
         return kind.apply(x, self.draw(x) if z is None else z, scale)

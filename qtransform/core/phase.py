@@ -37,6 +37,7 @@ def rollout() -> Iterator[None]:
         yield
     finally:
         _ROLLOUT.reset(token)
+        versions.recheck()  # what was armed for the block ends with it (core/shortcut.py)
 
 
 def in_rollout() -> bool:

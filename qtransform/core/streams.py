@@ -18,8 +18,12 @@ from collections import deque
 import torch
 
 from qtransform.core.sites import hf_name
+from qtransform.formats import fastpath, philox
 
 REPLAYABLE = 4096  # forwards of one step a checkpointed backward may still replay
+# 1: every normal from a seeded torch.Generator; 2: the normals of modules with counter draws
+# (hardware error, Gaussian activation noise) from the Gaussian stream of formats/philox.py
+STREAM_VERSION = 2
 
 
 def site_seed(seed: int, site: str, step: int, index: int | None = None) -> int:
@@ -88,3 +92,19 @@ class DrawStream:
         whatever the default dtype (a noise kind casts it where its formula says)."""
         sampler = {"normal": torch.randn, "uniform": torch.rand}[distribution]
         return sampler(shape, generator=self.generator(device, index), device=device, dtype=torch.float32)
+
+    def counter_normal(self, shape: torch.Size, device: torch.device, index: int | None,
+                       x: torch.Tensor | None = None, op: str = "draw", scale: float = 0.0) -> torch.Tensor:
+        """Draw `index` of this step from the counter-based Gaussian stream (formats/philox.py:
+        Philox4x32-10 keyed by the draw's seed, the element's position as counter), fp32, the
+        same bits on every device; with `op` "add" or "relative", x + scale*z or x*(1 + scale*z)
+        instead (fp32 x), drawn and applied in one compiled pass where the CPU kernel runs."""
+        seed = self.seed_at(index)
+        if device.type == "cpu":
+            out = fastpath.normal(seed, tuple(shape), x, op, scale)
+            if out is not None:
+                return out
+        z = philox.normal(seed, tuple(shape), device)
+        if op == "draw":
+            return z
+        return x + z.mul_(scale) if op == "add" else x * z.mul_(scale).add_(1)

@@ -61,6 +61,11 @@ def recheck() -> None:
     _epoch += 1
 
 
+def epoch() -> int:
+    """The `recheck()` count: a rollout block's entry moves it."""
+    return _epoch
+
+
 def bytes_hashed() -> int:
     """Bytes the content hash has read in this process: how a test sees that a forward whose
     weights did not change reads none of them."""

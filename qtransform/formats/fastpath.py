@@ -31,13 +31,15 @@ from pathlib import Path
 
 import torch
 
+from qtransform.formats import philox
 from qtransform.formats.blocking import BlockLayout
 from qtransform.formats.options import QuantConfig
 
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("qfast.c")
-BASE_FLAGS = ["-O3", "-std=gnu11", "-shared", "-fPIC", "-ffp-contract=off", "-fno-fast-math"]
+BASE_FLAGS = ["-O3", "-std=gnu11", "-shared", "-fPIC", "-ffp-contract=off", "-fno-fast-math",
+              "-fno-math-errno"]  # sqrt stays the correctly rounded instruction, without errno
 # tried in order: the first set that compiles is cached (no OpenMP runtime: single-threaded);
 # OpenMP only where torch runs GNU OpenMP itself (`torch_openmp`)
 FLAG_SETS = (["-march=native", "-fopenmp"], ["-fopenmp"], ["-march=native"], [])
@@ -199,6 +201,13 @@ def library() -> ctypes.CDLL | None:
                     lib.qf_bincount.restype = None
                     lib.qf_bincount.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32,
                                                 ctypes.c_int32, ctypes.c_void_p]
+                    lib.qf_normal.restype = None
+                    lib.qf_normal.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
+                                              ctypes.c_uint64, ctypes.c_int, ctypes.c_float,
+                                              ctypes.c_void_p, ctypes.c_int]
+                    lib.qf_lse_dot.restype = None
+                    lib.qf_lse_dot.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [
+                        ctypes.c_void_p] * 2 + [ctypes.c_int]
                     lib.qf_stats.restype = ctypes.c_int
                     lib.qf_stats.argtypes = [ctypes.c_void_p] * 3 + [
                         ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
@@ -374,3 +383,42 @@ def bincount(values: torch.Tensor, low: int, counts: torch.Tensor) -> bool:
     assert _lib is not None
     _lib.qf_bincount(v.data_ptr(), v.numel(), low, counts.numel() - 2, counts.data_ptr())
     return True
+
+
+NORMAL_OPS = {"draw": 0, "add": 1, "relative": 2}  # qf_normal's op codes
+_NORMAL_K = torch.tensor(philox.NORMAL_CONSTANTS, dtype=torch.float32)  # qf_normal reads it
+
+
+def normal(seed: int, shape: tuple[int, ...], x: torch.Tensor | None = None, op: str = "draw",
+           scale: float = 0.0) -> torch.Tensor | None:
+    """The Gaussian stream of `seed` (formats/philox.py), shaped `shape`, in one compiled pass:
+    the draws z (op "draw"), or x + scale*z ("add") or x*(1 + scale*z) ("relative") for an fp32
+    CPU tensor x of that shape, bit for bit the torch version's values; None where that does not
+    apply (another device or dtype, no compiler, `QTRANSFORM_FASTPATH=0`)."""
+    if (x is not None and (x.dtype != torch.float32 or not x.is_cpu)) or not enabled() or library() is None:
+        return None
+    n = math.prod(shape)
+    xs = None if x is None else x.detach().contiguous()
+    out = torch.empty(shape, dtype=torch.float32)
+    assert _lib is not None
+    _lib.qf_normal(_ptr(xs), out.data_ptr(), n, seed % (1 << 64), NORMAL_OPS[op], scale,
+                   _NORMAL_K.data_ptr(), torch.get_num_threads() if n >= MIN_PARALLEL else 1)
+    return out
+
+
+def lse_dot(x: torch.Tensor, ref: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Per row of fp32 CPU logits x [rows, cols] and float64 ref of that shape: (float64
+    log-sum-exp of x, float64 dot product with ref) in one compiled pass without a float64 copy
+    of x (the sums' order differs from torch's by a few ulps); None where that does not apply."""
+    if (x.dtype != torch.float32 or ref.dtype != torch.float64 or not (x.is_cpu and ref.is_cpu)
+            or x.dim() != 2 or ref.shape != x.shape or x.shape[1] == 0 or not enabled()
+            or library() is None):
+        return None
+    x, ref = x.detach().contiguous(), ref.contiguous()
+    rows, cols = x.shape
+    lse = torch.empty(rows, dtype=torch.float64)
+    dot = torch.empty(rows, dtype=torch.float64)
+    assert _lib is not None
+    _lib.qf_lse_dot(x.data_ptr(), ref.data_ptr(), rows, cols, lse.data_ptr(), dot.data_ptr(),
+                    torch.get_num_threads() if x.numel() >= MIN_PARALLEL else 1)
+    return lse, dot

@@ -13,6 +13,8 @@ are built from 16-bit halves); qfast.c computes the same words.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 M0, M1 = 0xD2511F53, 0xCD9E8D57  # round multipliers
@@ -57,6 +59,79 @@ def uniform_at(seed: int, positions: torch.Tensor) -> torch.Tensor:
     words = torch.stack(philox4x32((ctr & MASK32, ctr >> 32, zero, zero), split_seed(seed)), -1)
     word = words.gather(-1, (positions & 3).unsqueeze(-1)).squeeze(-1)
     return (word >> 8).to(torch.float32) * 2.0**-24
+
+
+# -- the Gaussian stream ------------------------------------------------------------------------
+# Counter c of Philox4x32-10 under the seed's key gives the standard normals of elements 4c .. 4c+3
+# (row-major position in the drawn tensor): words (w0, w1) and (w2, w3) are Box-Muller pairs, with
+# u1 = ((w_even >> 8) + 1) * 2^-24 in (0, 1] and the angle 2*pi * (w_odd >> 8) * 2^-24; element
+# 4c + 2p is r*cos(angle), 4c + 2p + 1 is r*sin(angle), r = sqrt(-2 ln u1) (so |z| <= 5.77).
+# ln, sin and cos are fixed polynomials after an exact range reduction (the exponent of u1, the
+# octant of the angle), and every operation is one IEEE-rounded fp32 +, -, *, / or sqrt in a
+# fixed order, so torch on any device and qfast.c (compiled without FMA contraction) give the same
+# bits. The constants, as fp32 values (qfast.c receives this very list):
+NORMAL_CONSTANTS = (math.sqrt(2.0), math.log(2.0), math.pi / 4,  # then ln's, sin's and cos's:
+                    1 / 3, 1 / 5, 1 / 7, 1 / 9,  # ln m = 2s (1 + s^2/3 + ...), s = (m-1)/(m+1)
+                    -1 / 6, 1 / 120, -1 / 5040, 1 / 362880,  # sin x = x (1 - x^2/6 + ...)
+                    -1 / 2, 1 / 24, -1 / 720, 1 / 40320, -1 / 3628800)  # cos x = 1 - x^2/2 + ...
+
+
+def _constants(device: torch.device) -> list[torch.Tensor]:
+    return list(torch.tensor(NORMAL_CONSTANTS, dtype=torch.float32, device=device).unbind())
+
+
+def _horner(x2: torch.Tensor, coefficients: list[torch.Tensor]) -> torch.Tensor:
+    """((c_n x2 + c_n-1) x2 + ... + c_1) x2 + 1, one rounding per operation."""
+    p = coefficients[-1] * x2
+    for c in reversed(coefficients[:-1]):
+        p = (p + c) * x2
+    return p + 1.0
+
+
+def box_muller(w_radius: torch.Tensor, w_angle: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(r cos, r sin) of Box-Muller pairs given as 32-bit words (int64 tensors), fp32."""
+    sqrt2, ln2, pi4, *k = _constants(w_radius.device)
+    f = ((w_radius >> 8) + 1).to(torch.float32)  # 1 .. 2^24, exact
+    bits = f.view(torch.int32)
+    e = (bits >> 23) - 127
+    m = ((bits & 0x7FFFFF) | 0x3F800000).view(torch.float32)  # [1, 2)
+    big = m > sqrt2
+    m = torch.where(big, m * 0.5, m)
+    e = e + big.to(torch.int32)
+    s = (m - 1.0) / (m + 1.0)
+    lnm = (s + s) * _horner(s * s, k[0:4])
+    ln = (e - 24).to(torch.float32) * ln2 + lnm
+    r = torch.sqrt((ln * -2.0).double()).float()  # torch.sqrt of fp32 is not correctly rounded
+    # on every CPU path; in float64 then rounded it is (53 >= 2 * 24 + 2 bits)
+    a = w_angle >> 8
+    octant, f21 = a >> 21, a & 0x1FFFFF
+    odd = (octant & 1) == 1
+    t = torch.where(odd, 0x200000 - f21, f21).to(torch.float32) * 2.0**-21  # exact
+    phi = t * pi4
+    x2 = phi * phi
+    sn = phi * _horner(x2, k[4:8])
+    cs = _horner(x2, k[8:13])
+    ca, sa = torch.where(odd, sn, cs), torch.where(odd, cs, sn)
+    q = octant >> 1
+    c = torch.where(q == 0, ca, torch.where(q == 1, -sa, torch.where(q == 2, -ca, sa)))
+    sv = torch.where(q == 0, sa, torch.where(q == 1, ca, torch.where(q == 2, -sa, -ca)))
+    return r * c, r * sv
+
+
+def normal_at(seed: int, positions: torch.Tensor) -> torch.Tensor:
+    """fp32 standard normals of the elements at linear `positions` (int64, on their device)."""
+    ctr = positions >> 2
+    zero = torch.zeros_like(ctr)
+    w = philox4x32((ctr & MASK32, ctr >> 32, zero, zero), split_seed(seed))
+    pair = (positions & 2) == 2
+    zc, zs = box_muller(torch.where(pair, w[2], w[0]), torch.where(pair, w[3], w[1]))
+    return torch.where((positions & 1) == 1, zs, zc)
+
+
+def normal(seed: int, shape: tuple[int, ...], device: torch.device | str = "cpu") -> torch.Tensor:
+    """The first numel(shape) normals of the stream of `seed`, shaped `shape`."""
+    n = math.prod(shape)
+    return normal_at(seed, torch.arange(n, device=device, dtype=torch.int64)).reshape(shape)
 
 
 def positions(shape: tuple[int, ...], dim: int = 0, start: int = 0, length: int | None = None,

@@ -1169,3 +1169,205 @@ int qf_stats(const void *x, const void *q, const uint8_t *sat, int64_t n, int dt
     if (part != one) free(part);
     return 0;
 }
+
+/* ---- The Gaussian stream (qtransform/formats/philox.py documents it) ----
+ * Counter c gives the normals of elements 4c..4c+3: its words (w0, w1) and (w2, w3) are two
+ * Box-Muller pairs, u1 = ((w >> 8) + 1) * 2^-24 in (0, 1] from the first word, the angle
+ * 2*pi*(w >> 8) * 2^-24 from the second; element 4c + 2p is r*cos, 4c + 2p + 1 is r*sin. The
+ * logarithm, sine and cosine are fixed polynomials after an exact range reduction, every
+ * operation one IEEE-rounded fp32 +, -, *, / or sqrt in the order philox.normal_at uses (no
+ * FMA: -ffp-contract=off), so this and the torch version give the same bits. K holds the
+ * constants, passed from Python so both read the very same floats. */
+enum { K_SQRT2, K_LN2, K_PI4, K_L1, K_L2, K_L3, K_L4, K_S1, K_S2, K_S3, K_S4,
+       K_C1, K_C2, K_C3, K_C4, K_C5, N_K };
+#define NT 64 /* counters per tile: 256 normals */
+#if defined(__AVX512F__) && defined(__GNUC__) && !defined(__clang__)
+#define WIDE __attribute__((target("prefer-vector-width=512"))) /* 16 lanes: 15 vs 18 ms */
+#else
+#define WIDE
+#endif
+
+WIDE static inline __attribute__((always_inline)) void box_muller(const uint32_t *a, const uint32_t *b,
+                                                            const float *K, int m, float *zc,
+                                                            float *zs) {
+    const float sqrt2 = K[K_SQRT2], ln2 = K[K_LN2], pi4 = K[K_PI4];
+    const float l1 = K[K_L1], l2 = K[K_L2], l3 = K[K_L3], l4 = K[K_L4];
+    const float s1 = K[K_S1], s2c = K[K_S2], s3 = K[K_S3], s4 = K[K_S4];
+    const float c1 = K[K_C1], c2 = K[K_C2], c3 = K[K_C3], c4 = K[K_C4], c5 = K[K_C5];
+    for (int i = 0; i < m; i++) {
+        float f = (float)((a[i] >> 8) + 1u); /* 1 .. 2^24, exact */
+        uint32_t bits = f2u(f);
+        int32_t e = (int32_t)(bits >> 23) - 127;
+        float mm = u2f((bits & 0x7fffffu) | 0x3f800000u); /* [1, 2) */
+        uint32_t big = mm > sqrt2; /* selects by bit masks: no control flow, the loop vectorizes */
+        mm = mm * u2f(0x3f800000u - (big << 23)); /* * 0.5 or * 1, exact */
+        e = e + (int32_t)big;
+        float s = (mm - 1.0f) / (mm + 1.0f);
+        float q2 = s * s;
+        float p = l4 * q2;
+        p = p + l3;
+        p = p * q2;
+        p = p + l2;
+        p = p * q2;
+        p = p + l1;
+        p = p * q2;
+        p = p + 1.0f;
+        float lnm = (s + s) * p;
+        float ln = (float)(e - 24) * ln2;
+        ln = ln + lnm;
+        float r = __builtin_sqrtf(ln * -2.0f); /* vsqrtps: correctly rounded */
+        uint32_t k = b[i] >> 8, oct = k >> 21, f21 = k & 0x1fffffu, odd = oct & 1u;
+        float t = (float)(f21 ^ ((f21 ^ (0x200000u - f21)) & -odd)) * 0x1p-21f; /* exact */
+        float phi = t * pi4;
+        float x2 = phi * phi;
+        float sp = s4 * x2;
+        sp = sp + s3;
+        sp = sp * x2;
+        sp = sp + s2c;
+        sp = sp * x2;
+        sp = sp + s1;
+        sp = sp * x2;
+        sp = sp + 1.0f;
+        float sn = phi * sp;
+        float cp = c5 * x2;
+        cp = cp + c4;
+        cp = cp * x2;
+        cp = cp + c3;
+        cp = cp * x2;
+        cp = cp + c2;
+        cp = cp * x2;
+        cp = cp + c1;
+        cp = cp * x2;
+        float cs = cp + 1.0f;
+        uint32_t usn = f2u(sn), ucs = f2u(cs), mo = -odd;
+        uint32_t ca = (usn & mo) | (ucs & ~mo), sa = (ucs & mo) | (usn & ~mo);
+        /* quadrant q: (cos, sin) = (ca, sa), (-sa, ca), (-ca, -sa), (sa, -ca) */
+        uint32_t qd = oct >> 1, mq = -(qd & 1u);
+        uint32_t c = ((sa & mq) | (ca & ~mq)) ^ (((qd ^ (qd >> 1)) & 1u) << 31);
+        uint32_t sv = ((ca & mq) | (sa & ~mq)) ^ ((qd >> 1) << 31);
+        zc[i] = r * u2f(c);
+        zs[i] = r * u2f(sv);
+    }
+}
+
+/* The normals of counters c0 .. c0 + nc - 1 (nc <= NT) into z[4 * nc], in element order. */
+WIDE static void normal_tile(uint64_t c0, int nc, uint32_t k0, uint32_t k1, const float *K, float *z) {
+    uint32_t a[2 * NT], b[2 * NT];
+    const v8q lanes = {0, 1, 2, 3, 4, 5, 6, 7}, m32 = lanes * 0 + 0xffffffffu;
+    for (int g = 0; g < nc; g += UGROUP) {
+        v8q ctr = lanes + (c0 + (uint64_t)g), w0 = ctr & m32, w1 = ctr >> 32, w2 = lanes * 0, w3 = w2;
+        uint64_t a0 = k0, a1 = k1;
+        for (int r = 0; r < 10; r++) {
+            if (r) a0 = (a0 + 0x9E3779B9u) & 0xffffffffu, a1 = (a1 + 0xBB67AE85u) & 0xffffffffu;
+            v8q p0 = w0 * 0xD2511F53u, p1 = w2 * 0xCD9E8D57u;
+            w0 = (p1 >> 32) ^ w1 ^ a0, w1 = p1 & m32, w2 = (p0 >> 32) ^ w3 ^ a1, w3 = p0 & m32;
+        }
+        for (int j = 0; j < UGROUP; j++) { /* pair p of counter g + j at 2 * (g + j) + p */
+            a[2 * (g + j)] = (uint32_t)w0[j], b[2 * (g + j)] = (uint32_t)w1[j];
+            a[2 * (g + j) + 1] = (uint32_t)w2[j], b[2 * (g + j) + 1] = (uint32_t)w3[j];
+        }
+    }
+    float zc[2 * NT], zs[2 * NT];
+    box_muller(a, b, K, 2 * nc, zc, zs);
+    for (int i = 0; i < 2 * nc; i++) z[2 * i] = zc[i], z[2 * i + 1] = zs[i];
+}
+
+/* out[i] = z[i] (op 0), x[i] + scale * z[i] (op 1) or x[i] * (1 + scale * z[i]) (op 2) for the
+ * normals z of positions 0 .. n-1 of the stream of `seed`, fp32: the draw and its application
+ * in one pass (the noise kinds "add" and "relative", in their torch order). Tiles are a
+ * function of position only, so the thread count changes nothing. */
+WIDE void qf_normal(const float *x, float *out, int64_t n, uint64_t seed, int op, float scale,
+               const float *K, int nthreads) {
+    uint32_t k0 = (uint32_t)seed, k1 = (uint32_t)(seed >> 32);
+    int64_t ncount = (n + 3) / 4, ntiles = (ncount + NT - 1) / NT;
+#pragma omp parallel for num_threads(nthreads) schedule(dynamic, 64)
+    for (int64_t t = 0; t < ntiles; t++) {
+        float z[4 * NT];
+        int64_t c0 = t * NT, i0 = 4 * c0;
+        int nc = ncount - c0 < NT ? (int)(ncount - c0) : NT;
+        int m = n - i0 < 4 * (int64_t)nc ? (int)(n - i0) : 4 * nc;
+        normal_tile((uint64_t)c0, nc, k0, k1, K, z);
+        const float *xs = x + i0;
+        float *o = out + i0;
+        if (op == 0) {
+            for (int i = 0; i < m; i++) o[i] = z[i];
+        } else if (op == 1) {
+            for (int i = 0; i < m; i++) {
+                float d = scale * z[i];
+                o[i] = xs[i] + d;
+            }
+        } else {
+            for (int i = 0; i < m; i++) {
+                float d = scale * z[i];
+                d = 1.0f + d;
+                o[i] = xs[i] * d;
+            }
+        }
+    }
+}
+
+/* ---- The terms of a KL against a cached reference (qtransform/scan/sensitivity.py) ----
+ * Per row r of fp32 logits x[rows, cols]: lse[r] = max + log(sum exp(x - max)) and
+ * dot[r] = sum ref[r, c] * x[r, c], all in float64, in one pass over x and ref and without a
+ * float64 copy of x. exp(t) for t <= 0: t = k ln2 + s with |s| <= ln2/2 (k rounded to nearest,
+ * ln2 in two parts), e^s by its Taylor series to s^13 (8 lanes) (relative error below 1e-15), times 2^k
+ * built in the exponent bits; terms below e^-700 add nothing a sum of at least 1 can hold.
+ * Only the summation order differs from torch's float64 logsumexp (a few ulps). */
+typedef double v8d __attribute__((vector_size(64)));
+typedef int64_t v8l __attribute__((vector_size(64)));
+
+static inline __attribute__((always_inline)) v8d exp_neg8(v8d t) {
+    const double ln2_hi = 0x1.62e42fefa3800p-1, ln2_lo = 0x1.ef35793c76730p-45;
+    const v8d magic = {0x1.8p52, 0x1.8p52, 0x1.8p52, 0x1.8p52, 0x1.8p52, 0x1.8p52, 0x1.8p52, 0x1.8p52}; /* rounds to nearest */
+    v8d kf = (t * 0x1.71547652b82fep0 + magic) - magic;
+    v8d s = (t - kf * ln2_hi) - kf * ln2_lo;
+    v8d p = s * (1.0 / 6227020800.0) + 1.0 / 479001600.0;
+    p = p * s + 1.0 / 39916800.0;
+    p = p * s + 1.0 / 3628800.0;
+    p = p * s + 1.0 / 362880.0;
+    p = p * s + 1.0 / 40320.0;
+    p = p * s + 1.0 / 5040.0;
+    p = p * s + 1.0 / 720.0;
+    p = p * s + 1.0 / 120.0;
+    p = p * s + 1.0 / 24.0;
+    p = p * s + 1.0 / 6.0;
+    p = p * s + 0.5;
+    p = p * s + 1.0;
+    p = p * s + 1.0;
+    v8l k = __builtin_convertvector(kf, v8l);
+    const v8l kmin = {-1000, -1000, -1000, -1000, -1000, -1000, -1000, -1000};
+    v8l low = k < kmin;
+    k = (k & ~low) | (kmin & low);
+    v8d scale = (v8d)((k + 1023) << 52);
+    v8l keep = t >= -700.0;
+    return (v8d)((v8l)(p * scale) & keep);
+}
+
+static void lse_dot_row(const float *x, const double *ref, int64_t cols, double *lse, double *dot) {
+    float m = x[0];
+    for (int64_t c = 1; c < cols; c++) m = x[c] > m ? x[c] : m;
+    double md = (double)m;
+    v8d acc = {0}, d = {0};
+    int64_t c = 0;
+    for (; c + 8 <= cols; c += 8) {
+        v8d v = {x[c], x[c + 1], x[c + 2], x[c + 3], x[c + 4], x[c + 5], x[c + 6], x[c + 7]}, r;
+        memcpy(&r, ref + c, sizeof r);
+        acc += exp_neg8(v - md);
+        d += r * v;
+    }
+    if (c < cols) { /* the tail, padded with terms that add nothing */
+        const double ninf = -__builtin_inf();
+        v8d v = {ninf, ninf, ninf, ninf, ninf, ninf, ninf, ninf}, r = {0}, vz = {0};
+        for (int j = 0; c + j < cols; j++) v[j] = x[c + j], r[j] = ref[c + j], vz[j] = x[c + j];
+        acc += exp_neg8(v - md);
+        d += r * vz;
+    }
+    *lse = md + __builtin_log(((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7])));
+    *dot = ((d[0] + d[1]) + (d[2] + d[3])) + ((d[4] + d[5]) + (d[6] + d[7]));
+}
+
+void qf_lse_dot(const float *x, const double *ref, int64_t rows, int64_t cols, double *lse,
+                double *dot, int nthreads) {
+#pragma omp parallel for num_threads(nthreads) schedule(dynamic, 1)
+    for (int64_t r = 0; r < rows; r++) lse_dot_row(x + r * cols, ref + r * cols, cols, lse + r, dot + r);
+}

@@ -17,6 +17,7 @@ from qtransform.core.phase import mark_rollout_generate
 from qtransform.core.plan import Plan, PlanRow
 from qtransform.core.program import Program
 from qtransform.core.sharding import check_unwrapped
+from qtransform.core.shortcut import install_shortcuts
 from qtransform.errors import UserError
 from qtransform.pipeline.base import Pass, registered_passes
 from qtransform.pipeline.manager import PassManager
@@ -103,6 +104,7 @@ def transform_program(
     if mode == "module":
         mark_rollout_generate(work)
         watch_lora(work)
+    install_shortcuts(program.module())
     return program
 
 

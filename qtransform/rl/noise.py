@@ -27,6 +27,7 @@ from torch import nn
 from qtransform.core.noise import LIVE_NOISE, NOISE_MODULES, NoiseCounts, NoiseModule, noise_modules
 from qtransform.core.phase import rollout
 from qtransform.core.schedule import sigma_at
+from qtransform.core.streams import STREAM_VERSION
 from qtransform.errors import UserError
 from qtransform.passes import AQNNoise, AQNNoisePass, FakeQuantize
 from qtransform.pipeline import registered_passes
@@ -125,11 +126,19 @@ class NoiseController:
     def state_dict(self) -> dict[str, Any]:
         """Step and the draws taken in it per site: enough to resume the exact noise sequence."""
         streams = {m.stream.key: m.stream.count for m in self._stepped()}
-        return {"step": self.current_step, "seed": self._seed(), "draws": streams}
+        return {"step": self.current_step, "seed": self._seed(), "draws": streams,
+                "stream_version": STREAM_VERSION}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         draws = state["draws"]
         mine = {m.stream.key: m for m in self._stepped()}
+        saved = state.get("stream_version", 1)  # states from before the key: version 1
+        if saved != STREAM_VERSION and any(m.counter_draws for m in mine.values()):
+            raise UserError(
+                f"noise state saved with draw stream version {saved}; this qtransform draws "
+                f"hardware error and Gaussian activation noise from version {STREAM_VERSION} "
+                "(docs/noise.md, 'The Gaussian stream'): the resumed noise would differ. Resume "
+                "with the qtransform that saved it, or start the noise sequence anew")
         missing, extra = sorted(set(mine) - set(draws)), sorted(set(draws) - set(mine))
         if missing or extra or state["seed"] != self._seed():
             raise UserError(

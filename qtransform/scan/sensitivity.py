@@ -43,6 +43,7 @@ from qtransform.core import io as qio
 from qtransform.core.io import encode_floats
 from qtransform.core.progress import Progress
 from qtransform.errors import UserError
+from qtransform.formats import fastpath
 from qtransform.formats.expected import effective_bits
 from qtransform.passes import FakeQuantPass
 from qtransform.scan.recommend import Budgeted, budget_policy
@@ -338,12 +339,17 @@ class _Reference:
     def compare(self, index: int, out: Tensor) -> tuple[float, float]:
         """(sum of per-token KL or of squared error, sum of token cosines) for one batch."""
         ref = self.outputs[index]
-        out = out.detach().double()
         if self.causal:
-            x = out.reshape(-1, out.shape[-1])
             plogp, psum = self.terms[index]
-            kl = plogp - torch.linalg.vecdot(ref, x) + torch.logsumexp(x, dim=-1) * psum
+            x = out.detach().reshape(-1, out.shape[-1])
+            fast = fastpath.lse_dot(x, ref)  # one pass in float64, no float64 copy of x
+            if fast is None:
+                x = x.double()
+                fast = torch.logsumexp(x, dim=-1), (ref.unsqueeze(1) @ x.unsqueeze(-1)).reshape(-1)
+            lse, dot = fast
+            kl = plogp - dot + lse * psum
             return float(kl.sum()), math.nan
+        out = out.detach().double()
         a, b = ref.reshape(-1, ref.shape[-1]), out.reshape(-1, out.shape[-1])
         cos = float(((a * b).sum(-1) / (a.norm(dim=-1) * b.norm(dim=-1))).sum())
         return float(((a - b) ** 2).sum()), cos

@@ -72,19 +72,25 @@ def test_apply_on_a_fresh_draw_equals_apply_bit_for_bit(kind, dtype, seed, scale
 
 
 def test_a_hardware_error_forward_equals_the_kinds_apply_on_its_stream_draw():
-    """The module's forward (which overwrites its own draw) gives the kind's formula on draw 0 of
-    step 0 of its stream, bit for bit, and keeps the gradient of that formula."""
+    """The module's forward gives the kind's formula on draw k of step 0 of its stream (the
+    counter-based Gaussian stream), bit for bit: with a gradient (draw, then formula) and without
+    (draw and formula fused in one compiled pass), and keeps the gradient of that formula."""
+    from qtransform.formats import philox
     from qtransform.passes.hw_error import HWError
 
     for error_type in ("relative_gaussian", "absolute_gaussian"):
         module = HWError(error_type, 0.05, "probe/output_hw_error", seed=3, apply_during="both")
         x = torch.randn(8, 16, requires_grad=True)
         y = module(x)
-        z = module.stream.sample("normal", x.shape, x.device, 0)
+        z = module.sample(x.shape, x, 0)
+        assert torch.equal(z, philox.normal(module.stream.seed_at(0), (8, 16)))
         spec = next(k for k in noise_kinds() if k.name == module.kind)
         assert torch.equal(y, spec.apply(x.detach(), z, 0.05))
         y.sum().backward()
         assert torch.equal(x.grad, spec.grad(torch.ones(8, 16), z, 0.05))
+        with torch.no_grad():
+            fused = module(x)  # draw 1
+        assert torch.equal(fused, spec.apply(x.detach(), module.sample(x.shape, x, 1), 0.05))
 
 
 @pytest.mark.parametrize("kind", [k.name for k in noise_kinds()])

@@ -126,7 +126,8 @@ def test_the_controller_steps_switches_and_resumes_it():
         controller.set_step(0)
         assert torch.equal(out(x), first)
     assert not torch.equal(first, second)
-    assert state == {"step": 1, "seed": None, "draws": {"0/output_activation_noise": 1}}
+    assert state == {"step": 1, "seed": None, "draws": {"0/output_activation_noise": 1},
+                     "stream_version": 2}
     assert controller.report()["passes"] == {"activation_noise": {
         "modules": 1, "forwards": 5, "noised_forwards": 5, "syncs": 0, "noised_syncs": 0}}
 

@@ -129,3 +129,34 @@ def test_export_shows_one_noise_node_per_insertion(tiny):
     assert sorted(n.args[4] for n in nodes) == [
         f"model.layers.{i}.self_attn.o_proj/output_hw_error" for i in range(2)]
     assert all(n.args[3] == "relative" and n.args[2] == 0.05 for n in nodes)
+
+
+def test_a_noise_state_saved_under_another_draw_stream_is_refused():
+    """Hardware error draws from stream version 2 (the Gaussian stream): a controller state of
+    version 1 (or from before the key existed) would resume other draws, so it is refused."""
+    out = qtransform.transform(single_linear(), hw_policy(seed=3))
+    controller = qtransform.noise_controller(out)
+    state = controller.state_dict()
+    assert state["stream_version"] == 2
+    controller.load_state_dict(state)
+    for old in ({**state, "stream_version": 1}, {k: v for k, v in state.items() if k != "stream_version"}):
+        with pytest.raises(UserError, match="stream version 1"):
+            controller.load_state_dict(old)
+
+
+def test_the_error_is_the_gaussian_streams_draw_of_its_seed_step_and_forward():
+    """Forward k of step t adds s*z with z the Gaussian stream (formats/philox.py) of the
+    stream's seed for (seed, site, t, k), bit for bit, in and out of a gradient."""
+    from qtransform.core.noise import NoiseModule
+    from qtransform.formats import philox
+
+    out = qtransform.transform(single_linear(), hw_policy(seed=3, error_type="absolute_gaussian"))
+    module = next(m for m in out.modules() if isinstance(m, NoiseModule))
+    x = torch.randn(4, 64)
+    clean = F.linear(x, out[0].weight, out[0].bias).detach()
+    with torch.no_grad():
+        first = out(x)
+    second = out(x)  # with a gradient: drawn, then the formula in torch
+    for k, y in enumerate((first, second)):
+        z = philox.normal(module.stream.seed_at(k), (4, 256))
+        assert torch.equal(y.detach(), clean + 0.05 * z)

@@ -364,3 +364,26 @@ def test_budget_guide_from_python():
         budget_guide(scan_weights(model, "nvfp4"), {"keep": 2}, model, ids, sensitivity=sens)
     with pytest.raises(UserError, match="report has 15"):
         budget_guide(scan_weights(model, "mxfp4"), {"keep": 20}, model, ids, sensitivity=sens)
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**31), rows=st.integers(1, 9), vocab=st.integers(1, 700),
+       spread=st.floats(0.01, 40.0), shift=st.floats(-1e3, 1e3), masked=st.booleans())
+def test_the_compiled_kl_terms_equal_torchs_float64_forms(seed, rows, vocab, spread, shift, masked):
+    """The compiled pass (log-sum-exp and dot product per row, float64, from fp32 logits) equals
+    torch's float64 logsumexp and dot to a few ulps, masked (-inf) logits included."""
+    from qtransform.formats import fastpath
+
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, vocab, generator=gen) * spread + shift
+    if masked and vocab > 1:
+        x[:, ::2] = -math.inf
+    ref = torch.softmax(torch.randn(rows, vocab, generator=gen, dtype=torch.float64), -1)
+    got = fastpath.lse_dot(x, ref)
+    if got is None:
+        pytest.skip(f"fast path unavailable: {fastpath.unavailable_reason()}")
+    finite = torch.where(x.isfinite(), x, 0.0).double()
+    lse, dot = torch.logsumexp(x.double(), -1), (ref * finite).sum(-1)
+    assert torch.allclose(got[0], lse, rtol=1e-14, atol=1e-14 * abs(shift))
+    if not masked:
+        assert torch.allclose(got[1], dot, rtol=1e-12, atol=1e-12 * (abs(shift) + spread))
