@@ -7,6 +7,8 @@ from the largest amax of the group; each member's rows are then its quantized we
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -84,6 +86,30 @@ def test_every_member_requantizes_when_one_weight_moves_the_group_amax():
     with torch.no_grad():  # q's own weight did not change, yet its global scale did
         assert torch.equal(attn.q_proj(h), F.linear(h, want[0], attn.q_proj.bias))
         assert torch.equal(attn.k_proj(h), F.linear(h, want[1], attn.k_proj.bias))
+
+
+def test_a_members_write_reaches_its_siblings_through_the_models_forward():
+    """Inside the model's forward a weight-only site computes with its cached copy without
+    calling its quantizer (core/shortcut.py): a write to v must still re-quantize q and k there,
+    between forwards and at a rollout block's entry. Reference: the same weights transformed
+    afresh, whose caches never saw the old ones."""
+    model = build_tiny("qwen2")
+    written = copy.deepcopy(model)  # the original with the same writes
+    t = qtransform.transform(model, FUSED)
+    x = ids(2, 6)
+    with torch.no_grad():
+        t(input_ids=x)  # every cache filled
+        for m in (t, written):
+            m.model.layers[0].self_attn.v_proj.weight.mul_(16.0)
+        got = t(input_ids=x).logits
+        assert torch.equal(got, qtransform.transform(written, FUSED)(input_ids=x).logits)
+        with qtransform.rollout():
+            t(input_ids=x)
+        for m in (t, written):
+            m.model.layers[1].self_attn.q_proj.weight.mul_(4.0)
+        with qtransform.rollout():  # a block's entry checks every byte
+            got = t(input_ids=x).logits
+        assert torch.equal(got, qtransform.transform(written, FUSED)(input_ids=x).logits)
 
 
 def test_training_step_keeps_the_group_consistent():
