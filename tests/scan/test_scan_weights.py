@@ -318,3 +318,38 @@ def test_a_stochastic_weight_scan_measures_the_transformed_models_first_draw():
     other = next(r for r in scan_weights(model, "mxfp4", options={"rounding": "stochastic", "seed": 6}).rows
                  if r.site == site)
     assert other.metrics["sqnr_db"] != row.metrics["sqnr_db"]  # another seed, another draw
+
+
+@pytest.mark.parametrize("share", ["fused", [["re:.*layers\\.0\\.mlp\\.(gate|up|down)_proj"]]],
+                         ids=["fused", "explicit"])
+def test_a_shared_global_scale_is_scanned_as_the_transformed_model_quantizes(share):
+    """`share_scale`: the scan quantizes each member of a group with the group's amax (the largest
+    of the group), so its quantized weights are the transformed model's, bit for bit."""
+    import qtransform
+    from qtransform.formats.quantize import quantize_with_info
+    from qtransform.models import build_tiny
+    from qtransform.scan.weights import WeightRef, policy_configs, share_amax, weight_refs
+
+    model = build_tiny("qwen2")
+    rule = {"name": "w", "targets": ["Linear"], "ignore": ["lm_head"], "format": "nvfp4",
+            "nvfp4_variant": "compressed-tensors", "tensors": ["weight"], "share_scale": share}
+    policy = {"version": 1, "quantize": [rule]}
+    seen = dict(qtransform.rollout_weights(qtransform.transform(model, policy)))
+    refs: list[WeightRef] = [r for r in weight_refs(model) if r.site.name != "lm_head"]
+    amax = share_amax(policy, refs)
+    members = ["model.layers.0.mlp.gate_proj", "model.layers.0.mlp.up_proj"]
+    assert set(members) <= set(amax) and torch.equal(amax[members[0]], amax[members[1]])
+    configs = policy_configs(policy, [r.site for r in refs])
+    rows = {r.site: r for r in scan_weights(model, policy=policy).rows}
+    alone = {r.site: r for r in scan_weights(model, policy={"version": 1, "quantize": [
+        {**rule, "share_scale": "tensor"}]}).rows}
+    differs = 0
+    for ref in refs:
+        name = ref.site.name
+        w = ref.load()
+        got = quantize_with_info(w, configs[name].bind(ref.site.reduction_axis), amax=amax.get(name))[0]
+        assert torch.equal(got, seen[f"{name}.weight"]), name
+        want = metrics_f64(w, seen[f"{name}.weight"])
+        assert rows[name].metrics["sqnr_db"] == pytest.approx(want["sqnr_db"], rel=1e-9), name
+        differs += alone[name].metrics["sqnr_db"] != rows[name].metrics["sqnr_db"]
+    assert differs  # the control: a scan with each weight's own scale measures other weights
