@@ -353,3 +353,26 @@ def test_a_shared_global_scale_is_scanned_as_the_transformed_model_quantizes(sha
         assert rows[name].metrics["sqnr_db"] == pytest.approx(want["sqnr_db"], rel=1e-9), name
         differs += alone[name].metrics["sqnr_db"] != rows[name].metrics["sqnr_db"]
     assert differs  # the control: a scan with each weight's own scale measures other weights
+
+
+def test_cli_weight_scan_of_a_checkpoint_takes_the_group_amax(tmp_path):
+    """`qtransform scan --policy` on a safetensors checkpoint: a member of an explicit scale group
+    is measured with the group's amax (q_proj's, the larger), not its own."""
+    from qtransform import fake_quantize
+
+    ckpt = qwen_checkpoint(tmp_path / "model.safetensors")
+    rule = {"name": "w", "targets": ["Linear"], "ignore": ["lm_head"], "format": "nvfp4", "tensors": ["weight"],
+            "share_scale": [["re:model\\.layers\\.2\\.self_attn\\.(q|k)_proj"]]}
+    (tmp_path / "p.json").write_text(json.dumps({"version": 1, "quantize": [rule]}))
+    out = tmp_path / "scan"
+    proc = run_cli("scan", str(ckpt), "--policy", str(tmp_path / "p.json"), "--out", str(out))
+    assert proc.returncode == 0, proc.stderr
+    row = next(r for r in ScanReport.load(out).rows if r.site == "model.layers.2.self_attn.k_proj")
+    with safe_open(ckpt, "pt") as f:
+        q, k = f.get_tensor("model.layers.2.self_attn.q_proj.weight"), f.get_tensor("model.layers.2.self_attn.k_proj.weight")
+    group = torch.maximum(q.abs().amax(), k.abs().amax())
+    assert group > k.abs().amax()  # the group amax is not k's own: the check can fail
+    want = metrics_f64(k, fake_quantize(k, "nvfp4", amax=group))
+    own = metrics_f64(k, fake_quantize(k, "nvfp4"))
+    assert row.metrics["sqnr_db"] == pytest.approx(want["sqnr_db"], rel=1e-9)
+    assert row.metrics["sqnr_db"] != pytest.approx(own["sqnr_db"], rel=1e-9)
