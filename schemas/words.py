@@ -82,6 +82,11 @@ def describe_format(rule: Any) -> str:
         value = getattr(cfg, option)
         if option == "rounding":
             parts.append(_ROUNDING[value] + (f" (seed {cfg.seed})" if cfg.seed is not None else ""))
+        elif option in cfg.family.quiet and value == cfg.family.default(option):
+            continue
+        elif option == "scale_dtype" and spec.family.name == "nvfp4":  # only its two divisions
+            where = "the input's dtype" if value == "input" else value
+            parts.append(f"2688/amax and amax/6 divided in {where}")
         elif option == "scale_dtype":
             parts.append("scales in the input's dtype" if value == "input" else f"{value} scales")
         else:

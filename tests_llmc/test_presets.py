@@ -18,14 +18,9 @@ SCHEMES = ["NVFP4A16", "NVFP4", "MXFP4A16", "MXFP4", "FP8", "FP8_DYNAMIC", "FP8_
 # are 128 wide and refuse narrower inputs.
 HIDDEN = 128
 CASES = [(arch, scheme, torch.float32) for arch in ("qwen2", "llama") for scheme in SCHEMES]
-# bf16: scales and x/scale are rounded to bf16 in compressed-tensors except where an fp32 global
-# scale promotes them (NVFP4), the cases where a float32-only simulation would drift.
-CASES += [("qwen2", scheme, torch.bfloat16) for scheme in ("FP8", "W8A8")]
-# compressed-tensors computes NVFP4's 448*6/amax and amax_block/6 as bf16 divisions in a bf16
-# model; qtransform's nvfp4 (compressed-tensors variant) divides in fp32 (docs/recipes.md).
-BF16_NVFP4 = pytest.param("qwen2", "NVFP4", torch.bfloat16, id="qwen2-NVFP4-bfloat16",
-                          marks=pytest.mark.xfail(strict=True, reason="bf16 divisions of the NVFP4 "
-                                                  "scales: max |diff| 0.152 in the logits"))
+# bf16: scales and x/scale are rounded to bf16 in compressed-tensors (NVFP4: its 2688/amax and
+# amax/6), the cases where a float32-only simulation would drift (scale_dtype "input").
+CASES += [("qwen2", scheme, torch.bfloat16) for scheme in ("FP8", "W8A8", "NVFP4", "NVFP4A16")]
 
 
 def samples(vocab: int) -> tuple[list[torch.Tensor], torch.Tensor]:
@@ -40,7 +35,7 @@ def test_every_llm_compressor_scheme_has_a_preset():
 
 @pytest.mark.parametrize(("arch", "scheme", "dtype"), [
     *(pytest.param(*case, id=f"{case[0]}-{case[1]}-{str(case[2]).removeprefix('torch.')}")
-      for case in CASES), BF16_NVFP4])
+      for case in CASES)])
 def test_preset_logits_equal_llm_compressor(arch, scheme, dtype, tmp_path):
     model = build_tiny(arch, hidden=HIDDEN, dtype=dtype)
     batches, ids = samples(model.config.vocab_size)

@@ -69,6 +69,7 @@ class Program:
     plan_rows: list[PlanRow] = field(default_factory=list)  # filled by the pass manager
     plan_notes: list[str] = field(default_factory=list)  # each pass's notes, by the manager
     skipped_routers: dict[str, list[str]] = field(default_factory=dict)  # router -> sections passing it by
+    preset_misses: list[str] = field(default_factory=list)  # preset entries matching no site (skipped)
     _graphs: dict[str, GraphSite] = field(default_factory=dict, repr=False)
     _trace: SiteTracer = field(default_factory=SiteTracer, repr=False)
     _states: dict[str, ModuleGraph] = field(default_factory=dict, repr=False)  # by module path
@@ -113,6 +114,7 @@ class Program:
         self.plan_rows.clear()
         self.plan_notes.clear()
         self.skipped_routers.clear()
+        self.preset_misses.clear()
 
     def record(self, insertion: Insertion) -> None:
         self.log.append(insertion)
@@ -134,7 +136,8 @@ class Program:
 
     def plan(self) -> Plan:
         """Every site with what each pass did to it (or nothing)."""
-        return Plan(list(self.sites.values()), list(self.plan_rows), list(self.plan_notes),
+        return Plan(list(self.sites.values()), list(self.plan_rows),
+                    list(self.plan_notes) + list(self.preset_misses),
                     {k: list(v) for k, v in self.skipped_routers.items()})
 
 

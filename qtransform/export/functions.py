@@ -63,7 +63,8 @@ def overload(cfg: QuantConfig, shape: Shape = None, extra: dict[str, Any] | None
     static bodies, the input shape (the function's IR 10 overload name)."""
     block = "x".join(map(str, cfg.tile)) if cfg.tile else str(cfg.block or cfg.granularity)
     parts = [f"b{block}", f"axis{cfg.block_axis}".replace("-", "m"), cfg.rounding]
-    parts += [getattr(cfg, o).replace("-", "_") for o in cfg.family.options if o != "rounding"]
+    parts += [value.replace("-", "_") for o in cfg.family.options if o != "rounding"
+              and ((value := getattr(cfg, o)) != cfg.family.default(o) or o not in cfg.family.quiet)]
     if static_blocks(cfg, shape):
         parts.append("s" + "x".join("d" if d is None else str(d) for d in shape or ()))
     extra = extra or {}

@@ -16,6 +16,7 @@ import warnings
 from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -82,14 +83,22 @@ def _opaque(op_type: str, kind: str, inputs: list, attrs: dict[str, Any]):
     return op(*inputs, **attrs)
 
 
+# onnxscript's names of the dtypes a fake-quant input may have -> qtransform's scale_dtype names
+_DTYPE_NAMES = {"FLOAT": "float32", "DataType.FLOAT": "float32", "BFLOAT16": "bfloat16",
+                "DataType.BFLOAT16": "bfloat16", "FLOAT16": "float16", "DataType.FLOAT16": "float16"}
+
+
 def _fake_quant_translation(x, fmt: str, options: str, label: str):
     try:
         cfg, extra = op_config(fmt, options)
         if cfg.stochastic:
             raise UnsupportedExport("stochastic rounding cannot be exported (its draws are not reproducible)")
+        dtype = _DTYPE_NAMES.get(str(getattr(x, "dtype", "")))
+        if cfg.scale_dtype == "input" and dtype:  # the exported tensor's: fp32 exports float32
+            cfg = replace(cfg, scale_dtype=dtype)
         if cfg.scale_dtype != "float32":
             raise UnsupportedExport(f"scale_dtype {cfg.scale_dtype!r} has no ONNX body; export "
-                                    "with scale_dtype 'float32'")
+                                    "the model in float32 or with scale_dtype 'float32'")
     except ValueError as exc:
         raise ExportError(f"fake-quant {label!r} ({fmt}): {exc}") from exc
     return _opaque(cfg.spec.onnx_op, "fake_quant", [x], {**attributes(cfg), **extra, "label": label})

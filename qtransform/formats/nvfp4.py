@@ -15,6 +15,8 @@ from qtransform.formats.registry import (
     E2M1,
     E4M3,
     ROUNDINGS,
+    SCALE_DTYPES,
+    SCALE_TORCH_DTYPES,
     Family,
     FormatSpec,
     register,
@@ -64,11 +66,21 @@ def _default(
 def _compressed_tensors(
     blocks: torch.Tensor, amax_t: torch.Tensor, cfg: QuantConfig, u: torch.Tensor | None
 ) -> Parts:
-    """compressed-tensors / llm-compressor order: scale = e4m3(g * amax_b / 6) / g, x / scale."""
-    g = amax_t.reciprocal() * GLOBAL_RANGE  # Python's `2688 / tensor` computes exactly this
-    g = torch.where(torch.isfinite(g), g, 1.0)  # amax 0, NaN, or so tiny that g overflows
+    """compressed-tensors / llm-compressor order: scale = e4m3(g * amax_b / 6) / g, x / scale.
+
+    With a bf16/fp16 `scale_dtype` (compressed-tensors on a model of that dtype) the two
+    divisions `2688 / amax_t` and `amax_b / 6` are that dtype's divisions, as its observers
+    compute them on the model's own tensors; the rest stays fp32."""
+    dtype = SCALE_TORCH_DTYPES[cfg.scale_dtype]
     amax_b = blocks.abs().amax(dim=1)
-    s = e4m3_rne(g * divide(amax_b, 6.0))  # clamped to 448 by e4m3_rne itself
+    if dtype == torch.float32:
+        g = amax_t.reciprocal() * GLOBAL_RANGE  # Python's `2688 / tensor` computes exactly this
+        sixth = divide(amax_b, 6.0)
+    else:  # the amaxes of a `dtype` tensor are `dtype` values: the casts in are exact
+        g = (GLOBAL_RANGE / amax_t.to(dtype)).to(torch.float32)
+        sixth = (amax_b.to(dtype) / 6.0).to(torch.float32)
+    g = torch.where(torch.isfinite(g), g, 1.0)  # amax 0, NaN, or so tiny that g overflows
+    s = e4m3_rne(g * sixth)  # clamped to 448 by e4m3_rne itself
     s = torch.where(s == 0, 0.125, s)
     scale = (s / g)[:, None]
     y = blocks / scale
@@ -133,10 +145,19 @@ def scale_values(scales: torch.Tensor, tensor_scale: torch.Tensor | None, cfg: Q
     return scales / tensor_scale if cfg.nvfp4_variant == "compressed-tensors" else scales * tensor_scale
 
 
+def _check(choices: dict[str, str]) -> str | None:
+    if choices["scale_dtype"] != "float32" and choices["nvfp4_variant"] != "compressed-tensors":
+        return (f"scale_dtype {choices['scale_dtype']!r} applies to nvfp4_variant "
+                "'compressed-tensors' only (its bf16/fp16 scale divisions); set that variant or "
+                "scale_dtype 'float32'")
+    return None
+
+
 NVFP4 = register_family(Family(
-    "nvfp4", {"rounding": ROUNDINGS, "nvfp4_variant": VARIANTS},
+    "nvfp4", {"rounding": ROUNDINGS, "nvfp4_variant": VARIANTS, "scale_dtype": SCALE_DTYPES},
     quantize=quantize_nvfp4, scale_values=scale_values,
-    per_tensor=lambda cfg: cfg.nvfp4_variant != "one_level", kernel_id=1,
+    per_tensor=lambda cfg: cfg.nvfp4_variant != "one_level", kernel_id=1, check=_check,
+    quiet=("scale_dtype",),
 ))
 register(FormatSpec(
     name="nvfp4", family=NVFP4, element=E2M1, default_block=16, scale="e4m3_fp32", tile=(16, 16),

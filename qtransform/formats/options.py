@@ -93,7 +93,9 @@ class QuantConfig:
             out = {"block_size": self.block}
         if self.axis is not None:
             out["axis"] = self.axis
-        out |= {option: getattr(self, option) for option in self.family.options}
+        fam = self.family
+        out |= {option: getattr(self, option) for option in fam.options
+                if option not in fam.quiet or getattr(self, option) != fam.default(option)}
         return out
 
     def options(self) -> dict[str, Any]:
@@ -275,6 +277,9 @@ def resolve(
                 f"allowed options: {', '.join(takes)}"
             )
     choices = _choices(spec, {k: v for k, v in options.items() if k in CHOICE_OPTIONS})
+    clash = spec.family.check(choices) if spec.family.check else None
+    if clash:
+        raise ValueError(f"{spec.name}: {clash}")
     zsg = options.get("zero_saturated_grad", False)
     if not isinstance(zsg, bool):
         raise ValueError(f"{spec.name}: zero_saturated_grad must be True or False, got {zsg!r}")

@@ -73,6 +73,7 @@ INT8_MX = ElementSpec("int8_mx", "int", 0, 6, emax=0, emin=0, max_normal=127 / 6
 INT4 = ElementSpec("int4", "int", 0, 0, emax=0, emin=0, max_normal=7.0, qmax=7)
 INT8 = ElementSpec("int8", "int", 0, 0, emax=0, emin=0, max_normal=127.0, qmax=127)
 SCALE_DTYPES = ("float32", "bfloat16", "float16", "input")  # fp32-scaled families' scale dtype
+SCALE_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 ROUNDINGS = ("rne", "rna", "stochastic")  # every family's element rounding
 # what one scale covers: a 1D block along an axis, a whole row of a weight (one scale per output
@@ -99,6 +100,9 @@ class Family:
     and `scale_values(scales, tensor_scale, cfg)` decodes stored scales into fp32 multipliers.
     `granularities` are what one of its scales may cover (`GRANULARITIES`): a family whose
     scale is a plain fp32 number takes them all; E8M0 and E4M3 block scales only blocks/tiles.
+    `quiet` options are spelled out only when they differ from their default, so the configs,
+    plans and ONNX attributes written before the family took them stay as they were.
+    `check(choices)` names a combination of choice values the family cannot compute.
     For "channel", "token" and "tensor" the kernel sees whole rows as blocks; "tensor" also gets
     the tensor's amax (`per_tensor` is true for it) and uses it for every row.
     """
@@ -111,6 +115,8 @@ class Family:
     exponents: Callable[[BlockQuant], torch.Tensor] | None = None
     kernel_id: int | None = None
     granularities: tuple[str, ...] = BLOCKED
+    check: Callable[[dict[str, str]], str | None] | None = None  # choices -> what clashes, or None
+    quiet: tuple[str, ...] = ()  # options left out of numerics() at their default (added later)
 
     def __repr__(self) -> str:
         return f"Family({self.name!r})"

@@ -18,9 +18,9 @@ import torch
 from qtransform.formats.blocking import BlockQuant
 from qtransform.formats.elements import CANONICAL_NAN, round_signed, round_to_integer
 from qtransform.formats.options import QuantConfig
-from qtransform.formats.registry import ElementSpec
+from qtransform.formats.registry import SCALE_TORCH_DTYPES, ElementSpec
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_DTYPES = SCALE_TORCH_DTYPES
 _NAMES = {v: k for k, v in _DTYPES.items()}
 
 

@@ -18,6 +18,7 @@ from qtransform.core.sites import LINEAR_KINDS, ROUTER_ROLE, Site, closest_names
 from qtransform.errors import UserError
 from qtransform.pipeline.base import Action
 from qtransform.schemas import QuantRule
+from qtransform.schemas.presets import own_entries
 from qtransform.schemas.selectors import (
     ROUTER_ENTRY,
     Selector,
@@ -30,8 +31,9 @@ from qtransform.schemas.selectors import (
 def select_sites(program: Program, section: Any, where: str, *, kinds: tuple[str, ...]) -> list[Site]:
     """Sites of the given kinds matched by a policy section's targets/ignore/layers.
 
-    Raises UserError when a target or ignore entry matches no site of those kinds, or when the
-    section as a whole selects nothing.
+    Raises UserError when a target or ignore entry matches no site of those kinds (a preset's own
+    entries excepted: they are listed in `program.preset_misses`), or when the section as a
+    whole selects nothing.
     """
     selector = Selector.from_section(section)
     candidates = [s for s in program.sites.values() if s.kind in kinds]
@@ -42,7 +44,13 @@ def select_sites(program: Program, section: Any, where: str, *, kinds: tuple[str
             f"{where}: layers {selector.layers_spec!r} selects no site; the model's layers are "
             + (f"{present[0]}-{present[-1]}" if present else "not numbered")
         )
+    lenient = own_entries(getattr(section, "name", None))
     for entry in selector.unmatched_entries(candidates):
+        if entry in lenient:  # the preset's own entry: its stack skips it silently, so do we
+            miss = f"{where} {section.name!r}: preset entry '{entry}' matches no site of this model (skipped)"
+            if miss not in program.preset_misses:
+                program.preset_misses.append(miss)
+            continue
         raise UserError(f"{where}: {entry!r} matches no {'/'.join(kinds)} site" + _hint(entry, candidates))
     chosen = [s for s in candidates if selector.matches(s)]
     for name in selector.passed_routers(candidates):

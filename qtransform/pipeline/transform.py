@@ -149,4 +149,5 @@ def plan(model: nn.Module, policy: PolicyLike, example_inputs: Any = None,
     selected = manager.select(program, policy)
     rows = [PlanRow(a.site.name, p.name, a.point, a.rule, p.describe(a)) for p, a in selected]
     notes = [line for p in manager.order for line in p.notes([a for q, a in selected if q is p])]
+    notes += program.preset_misses
     return Plan(list(program.sites.values()), rows, notes, dict(program.skipped_routers))

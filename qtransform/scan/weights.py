@@ -37,6 +37,7 @@ from torch import nn
 from qtransform import formats
 from qtransform.core.metrics import BlockExponentHistogram, ErrorStats
 from qtransform.core.progress import Progress
+from qtransform.core.scales import fused_groups, weight_amax
 from qtransform.core.sites import (
     EXPERT_PARAMS,
     LINEAR_KINDS,
@@ -62,6 +63,7 @@ from qtransform.scan.report import (
     check_flagging,
 )
 from qtransform.schemas import Selector, load_policy, resolve_quant_rules
+from qtransform.schemas.selectors import compile_entry
 
 GPT2_CONV1D_LEAVES = ("c_attn", "c_fc", "c_proj")
 DEFAULT_TARGET = "Linear"  # what a scan without a policy measures: every linear site but the routers
@@ -255,6 +257,34 @@ def policy_configs(policy: Any, sites: Sequence[Site]) -> dict[str, QuantConfig]
     return out
 
 
+def share_amax(policy: Any, refs: Sequence[WeightRef]) -> dict[str, torch.Tensor]:
+    """Site name -> the tensor-level amax of its weight where its rule shares one (`share_scale`:
+    "fused" siblings or explicit groups): the largest amax of its group, as the transformed
+    model's `ScaleGroup` computes it, so the scan measures the weights the model uses. Each
+    member of a group is read once more for it."""
+    sites = [r.site for r in refs]
+    by_name = {r.site.name: r for r in refs}
+    rules = load_policy(policy).quantize
+    owner = {name: rule for (name, tensor), (_, rule) in resolve_quant_rules(rules, sites).items()
+             if tensor == "weight"}
+    out: dict[str, torch.Tensor] = {}
+    for rule in rules:
+        cfg = rule.config()
+        if rule.share_scale == "tensor" or not cfg.family.per_tensor(cfg):
+            continue
+        own = [s for s in sites if owner.get(s.name) is rule]
+        if rule.share_scale == "fused":
+            groups = [g for g in fused_groups(sites) if all(owner.get(s.name) is rule for s in g)]
+        else:
+            groups = [[s for s in own if any(compile_entry(p).matches(s) for p in patterns)]
+                      for patterns in rule.share_scale]
+        for group in (g for g in groups if g):
+            amax = torch.stack([weight_amax(by_name[s.name].load(), s.kind == "experts")
+                                for s in group]).amax(dim=0)
+            out.update(dict.fromkeys((s.name for s in group), amax))
+    return out
+
+
 def policy_thresholds(policy: Any) -> dict[str, float]:
     pol = load_policy(policy)
     if pol.instrument is None:
@@ -269,7 +299,8 @@ def policy_rules(policy: Any) -> list[dict[str, Any]]:
 
 # -- measuring one tensor ---------------------------------------------------------------------
 def measure(
-    w: torch.Tensor, site: Site, cfg: QuantConfig, expert: int | None = None
+    w: torch.Tensor, site: Site, cfg: QuantConfig, expert: int | None = None,
+    amax: torch.Tensor | None = None,
 ) -> tuple[ErrorStats, BlockExponentHistogram | None, dict[str, float] | None]:
     """Fake-quantize one weight and accumulate its error, saturation, MX block exponents and the
     channel diagnostics that problem reasons quote (`channel_diagnostics`; 1-D blocks only).
@@ -277,14 +308,16 @@ def measure(
     One quantization gives all three (`quantize_with_info`); the metrics are one more pass. A
     fused experts weight is measured expert by expert and merged (`measure_experts`). Stochastic
     rounding draws what the transformed model's first forward draws for this weight
-    (`passes.fake_quant.first_weight_seed`), so the scan measures that very tensor.
+    (`passes.fake_quant.first_weight_seed`), so the scan measures that very tensor. `amax` is a
+    shared tensor-level amax (`share_amax`; one per expert for a fused experts weight).
     """
     if site.kind == "experts":
-        stats, hist, _ = measure_experts(w, site, cfg)
+        stats, hist, _ = measure_experts(w, site, cfg, amax)
         return stats, hist, None
     cfg = cfg.bind(site.reduction_axis)
     seed = first_weight_seed(cfg, site.name, expert)
-    xq, sat, exps = quantize_with_info(w, cfg, exponents=cfg.family.exponents is not None, seed=seed)
+    xq, sat, exps = quantize_with_info(w, cfg, exponents=cfg.family.exponents is not None, seed=seed,
+                                       amax=amax)
     stats = ErrorStats().update(w, xq, sat)
     hist = BlockExponentHistogram().update(exps) if exps is not None else None
     diagnostics = None
@@ -318,13 +351,14 @@ def channel_diagnostics(w: torch.Tensor, xq: torch.Tensor, axis: int, block: int
 
 
 def measure_experts(
-    w: torch.Tensor, site: Site, cfg: QuantConfig
+    w: torch.Tensor, site: Site, cfg: QuantConfig, amax: torch.Tensor | None = None
 ) -> tuple[ErrorStats, BlockExponentHistogram | None, list[ErrorStats]]:
     """Each expert's matrix of a fused [E, ...] weight measured as an nn.Linear weight; (all
     experts merged, their block exponents, each expert's stats)."""
     two_d = Site(site.name, site.cls_name, "linear", site.layer, site.role,
                  weight_shape=tuple(w.shape[1:]), weight_transposed=site.weight_transposed)
-    per_expert = [measure(w[e], two_d, cfg, expert=e) for e in range(w.shape[0])]
+    per_expert = [measure(w[e], two_d, cfg, expert=e, amax=None if amax is None else amax[e])
+                  for e in range(w.shape[0])]
     total = ErrorStats()
     hist = None
     for stats, h, _ in per_expert:
@@ -369,12 +403,13 @@ def _row(ref: WeightRef, cfg: QuantConfig, stats: ErrorStats, hist: BlockExponen
     return row
 
 
-def _measured_row(ref: WeightRef, w: torch.Tensor, cfg: QuantConfig) -> tuple[SiteRow, ErrorStats]:
+def _measured_row(ref: WeightRef, w: torch.Tensor, cfg: QuantConfig,
+                  amax: torch.Tensor | None = None) -> tuple[SiteRow, ErrorStats]:
     """The row of one weight (with per-expert entries for a fused experts weight) and its stats."""
     if ref.site.kind == "experts":
-        stats, hist, experts = measure_experts(w, ref.site, cfg)
+        stats, hist, experts = measure_experts(w, ref.site, cfg, amax)
         return _row(ref, cfg, stats, hist, experts), stats
-    stats, hist, diagnostics = measure(w, ref.site, cfg)
+    stats, hist, diagnostics = measure(w, ref.site, cfg, amax=amax)
     return _row(ref, cfg, stats, hist, diagnostics=diagnostics), stats
 
 
@@ -401,13 +436,14 @@ def scan_weights(
         raise UserError("give a format (e.g. mxfp4) or a policy with quantize rules")
     default = config_for(fmt, options) if fmt is not None else None
     pairs = _select(weight_refs(source), policy)
+    shared = share_amax(policy, [r for r, _ in pairs]) if default is None else {}
     rows = []
     with _progress([r for r, _ in pairs], progress, f"scan {fmt or 'policy'}") as bar:
         for ref, by_policy in pairs:
             cfg = default or by_policy
             assert cfg is not None
             w = ref.load()
-            rows.append(_measured_row(ref, w, cfg)[0])
+            rows.append(_measured_row(ref, w, cfg, shared.get(ref.site.name))[0])
             bar.update(w.numel())
             del w
     fmts = sorted({row.format for row in rows})

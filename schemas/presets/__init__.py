@@ -87,6 +87,20 @@ def find_preset(name: str) -> Preset | None:
     return by_key.get(name.lower())
 
 
+def own_entries(rule_name: str | None) -> frozenset[str]:
+    """The targets and ignore entries a preset itself gives the rule of that name ("<preset>
+    <part>"): a stack skips those silently where a model has no such module (llm-compressor's
+    `lm_head`, MoE patterns on a dense model), so selection treats them leniently."""
+    if not rule_name:
+        return frozenset()
+    preset = find_preset(rule_name.split(" ", 1)[0])  # preset names hold no space
+    if preset is None:
+        return frozenset()
+    return frozenset(entry for rules in preset.content.values() if isinstance(rules, list)
+                     for rule in rules if isinstance(rule, Mapping) and rule.get("name") == rule_name
+                     for key in ("targets", "ignore") for entry in rule.get(key) or ())
+
+
 def suggestion(name: str) -> str:
     """A ' (did you mean X?)' hint for a misspelt preset name, or ''."""
     lowered = {k.lower(): k for k in PRESETS}

@@ -24,7 +24,7 @@ TARGETS = ["Linear"]
 IGNORE = ["lm_head"]  # the examples' ignore list for dense models
 CALIBRATION = {"attention": "eager"}  # llm-compressor's calibration_forward_context
 
-NVFP4 = {"format": "nvfp4", "nvfp4_variant": "compressed-tensors"}
+NVFP4 = {"format": "nvfp4", "nvfp4_variant": "compressed-tensors", "scale_dtype": "input"}
 MXFP4 = {"format": "mxfp4", "scale_rule": "even"}
 FP8 = {"format": "fp8_e4m3", "scale_dtype": "input"}
 STATIC = {"scale_source": "static", "observer": "static_minmax"}

@@ -83,7 +83,8 @@ class QuantRule(Selected):
     scale_dtype: StrictStr = Field(
         OPTION_DEFAULTS["scale_dtype"], json_schema_extra={"enum": _all_option_values("scale_dtype")},
         description=("int and fp8 formats: the float the scale and x/scale are rounded to; "
-                     "input = the tensor's own dtype (compressed-tensors on a bf16 model)"),
+                     "nvfp4 (compressed-tensors variant): the float 2688/amax and amax/6 are "
+                     "divided in; input = the tensor's own dtype (compressed-tensors on a bf16 model)"),
     )
     fp8_variant: StrictStr | None = Field(
         None, json_schema_extra={"enum": [*_all_option_values("fp8_variant"), None]},

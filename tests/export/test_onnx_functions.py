@@ -142,8 +142,9 @@ def test_scale_dtype_other_than_fp32_is_refused_in_one_line():
     from qtransform.export.onnx import _fake_quant_translation
 
     with pytest.raises(ExportError, match=r"^fake-quant 'l/weight_fake_quant' \(fp8_e4m3\): scale_dtype "
-                       r"'input' has no ONNX body; export with scale_dtype 'float32'$"):
-        _fake_quant_translation(None, "fp8_e4m3", '{"scale_dtype": "input"}', "l/weight_fake_quant")
+                       r"'bfloat16' has no ONNX body; export the model in float32 or with scale_dtype "
+                       r"'float32'$"):
+        _fake_quant_translation(None, "fp8_e4m3", '{"scale_dtype": "bfloat16"}', "l/weight_fake_quant")
 
 
 def test_every_format_and_option_is_bit_exact_in_onnxruntime():

@@ -147,8 +147,13 @@ def test_fp8_and_per_channel_token_tensor_scales_export_bit_exactly(tmp_path):
 
 
 def test_scales_in_the_input_dtype_are_refused_before_anything_is_written(tmp_path):
+    """"input" is the exported tensor's dtype: a bf16 export is refused before anything is
+    written, an fp32 one takes the float32 bodies."""
     pol = {"version": 1, "quantize": [{"targets": ["0"], "format": "fp8_e4m3", "scale_dtype": "input"}]}
-    with pytest.raises(UserError, match=r"0/weight_fake_quant.*scale_dtype 'input' has no ONNX body; "
-                                        r"export with scale_dtype 'float32'"):
-        export_onnx(qtransform.transform(mlp(), pol), tmp_path / "b.onnx", x())
+    with pytest.raises(UserError, match=r"0/weight_fake_quant.*scale_dtype 'bfloat16' has no ONNX "
+                                        r"body; export the model in float32 or with scale_dtype 'float32'"):
+        export_onnx(qtransform.transform(mlp().to(torch.bfloat16), pol), tmp_path / "b.onnx",
+                    x().to(torch.bfloat16))
     assert not (tmp_path / "b.onnx").exists()
+    export_onnx(qtransform.transform(mlp(), pol), tmp_path / "f.onnx", x())
+    assert (tmp_path / "f.onnx").exists()

@@ -164,7 +164,7 @@ def test_tile_with_another_axis() -> None:
     ("fmt", "takes"),
     [
         ("mxfp4", "scale_rule, rounding, zero_saturated_grad, seed"),
-        ("nvfp4", "rounding, nvfp4_variant, zero_saturated_grad, seed"),
+        ("nvfp4", "rounding, nvfp4_variant, scale_dtype, zero_saturated_grad, seed"),
         ("int4", "rounding, int_range, scale_dtype, zero_saturated_grad, seed"),
     ],
 )

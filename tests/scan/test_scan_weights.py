@@ -318,3 +318,61 @@ def test_a_stochastic_weight_scan_measures_the_transformed_models_first_draw():
     other = next(r for r in scan_weights(model, "mxfp4", options={"rounding": "stochastic", "seed": 6}).rows
                  if r.site == site)
     assert other.metrics["sqnr_db"] != row.metrics["sqnr_db"]  # another seed, another draw
+
+
+@pytest.mark.parametrize("share", ["fused", [["re:.*layers\\.0\\.mlp\\.(gate|up|down)_proj"]]],
+                         ids=["fused", "explicit"])
+def test_a_shared_global_scale_is_scanned_as_the_transformed_model_quantizes(share):
+    """`share_scale`: the scan quantizes each member of a group with the group's amax (the largest
+    of the group), so its quantized weights are the transformed model's, bit for bit."""
+    import qtransform
+    from qtransform.formats.quantize import quantize_with_info
+    from qtransform.models import build_tiny
+    from qtransform.scan.weights import WeightRef, policy_configs, share_amax, weight_refs
+
+    model = build_tiny("qwen2")
+    rule = {"name": "w", "targets": ["Linear"], "ignore": ["lm_head"], "format": "nvfp4",
+            "nvfp4_variant": "compressed-tensors", "tensors": ["weight"], "share_scale": share}
+    policy = {"version": 1, "quantize": [rule]}
+    seen = dict(qtransform.rollout_weights(qtransform.transform(model, policy)))
+    refs: list[WeightRef] = [r for r in weight_refs(model) if r.site.name != "lm_head"]
+    amax = share_amax(policy, refs)
+    members = ["model.layers.0.mlp.gate_proj", "model.layers.0.mlp.up_proj"]
+    assert set(members) <= set(amax) and torch.equal(amax[members[0]], amax[members[1]])
+    configs = policy_configs(policy, [r.site for r in refs])
+    rows = {r.site: r for r in scan_weights(model, policy=policy).rows}
+    alone = {r.site: r for r in scan_weights(model, policy={"version": 1, "quantize": [
+        {**rule, "share_scale": "tensor"}]}).rows}
+    differs = 0
+    for ref in refs:
+        name = ref.site.name
+        w = ref.load()
+        got = quantize_with_info(w, configs[name].bind(ref.site.reduction_axis), amax=amax.get(name))[0]
+        assert torch.equal(got, seen[f"{name}.weight"]), name
+        want = metrics_f64(w, seen[f"{name}.weight"])
+        assert rows[name].metrics["sqnr_db"] == pytest.approx(want["sqnr_db"], rel=1e-9), name
+        differs += alone[name].metrics["sqnr_db"] != rows[name].metrics["sqnr_db"]
+    assert differs  # the control: a scan with each weight's own scale measures other weights
+
+
+def test_cli_weight_scan_of_a_checkpoint_takes_the_group_amax(tmp_path):
+    """`qtransform scan --policy` on a safetensors checkpoint: a member of an explicit scale group
+    is measured with the group's amax (q_proj's, the larger), not its own."""
+    from qtransform import fake_quantize
+
+    ckpt = qwen_checkpoint(tmp_path / "model.safetensors")
+    rule = {"name": "w", "targets": ["Linear"], "ignore": ["lm_head"], "format": "nvfp4", "tensors": ["weight"],
+            "share_scale": [["re:model\\.layers\\.2\\.self_attn\\.(q|k)_proj"]]}
+    (tmp_path / "p.json").write_text(json.dumps({"version": 1, "quantize": [rule]}))
+    out = tmp_path / "scan"
+    proc = run_cli("scan", str(ckpt), "--policy", str(tmp_path / "p.json"), "--out", str(out))
+    assert proc.returncode == 0, proc.stderr
+    row = next(r for r in ScanReport.load(out).rows if r.site == "model.layers.2.self_attn.k_proj")
+    with safe_open(ckpt, "pt") as f:
+        q, k = f.get_tensor("model.layers.2.self_attn.q_proj.weight"), f.get_tensor("model.layers.2.self_attn.k_proj.weight")
+    group = torch.maximum(q.abs().amax(), k.abs().amax())
+    assert group > k.abs().amax()  # the group amax is not k's own: the check can fail
+    want = metrics_f64(k, fake_quantize(k, "nvfp4", amax=group))
+    own = metrics_f64(k, fake_quantize(k, "nvfp4"))
+    assert row.metrics["sqnr_db"] == pytest.approx(want["sqnr_db"], rel=1e-9)
+    assert row.metrics["sqnr_db"] != pytest.approx(own["sqnr_db"], rel=1e-9)
