@@ -206,11 +206,14 @@ def test_the_error_written_into_the_linears_output_is_the_out_of_place_result(
     assert torch.equal(inplace(x), reference(x))  # grad enabled, nothing to record
 
 
+@pytest.mark.parametrize("fast", ["1", "0"], ids=["compiled", "torch"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_the_noise_module_overwrites_only_what_it_owns(dtype):
+def test_the_noise_module_overwrites_only_what_it_owns(monkeypatch, fast, dtype):
     """Called directly: with `owns_input` the result is x's own memory, the out-of-place bits;
     a hook on the module (which could keep x) or a non-contiguous x keeps x unchanged."""
     from qtransform.core.noise import noise_modules
+
+    monkeypatch.setenv("QTRANSFORM_FASTPATH", fast)
 
     owned, reference = (noise_modules(m)[0] for m in _noised_pair(dtype, True, "relative_gaussian"))
     owned.eval(), reference.eval()
