@@ -203,8 +203,15 @@ class GraphSite:
         return insertion
 
     def recompile(self) -> None:
-        """Make the host run the edited graph (once per pass, after the lint)."""
+        """Make the host run the edited graph (once per pass, after the lint), and tell each
+        inserted module that may work in place whether it owns its input now (a later pass may
+        have added a user of the value, so this is redone after every pass)."""
         self.host.recompile()
+        for node in self.graph.nodes:
+            if node.op == "call_module":
+                module = self.owner.get_submodule(str(node.target))
+                if hasattr(module, "owns_input"):
+                    module.owns_input = _owned_input(node)
 
     def _position(self, node: fx.Node) -> int:
         for i, n in enumerate(self.graph.nodes):
@@ -218,3 +225,21 @@ class GraphSite:
             i += 1
             name = f"{base}_{i}"
         return name
+
+
+# ops whose result is new memory, never a view of their inputs (a linear's bias form included:
+# its view's base is the op's own buffer, which nothing else holds)
+FRESH_OPS = frozenset({"linear", "addmm", "mm", "bmm", "matmul", "baddbmm", "scaled_dot_product_attention"})
+
+
+def _owned_input(node: fx.Node) -> bool:
+    """Whether `node`'s first argument is the fresh result of a compute op that `node` alone
+    uses: then its module may overwrite it (no tap, instrument or other pass reads the value)."""
+    if not node.args or not isinstance(node.args[0], fx.Node):
+        return False
+    producer = node.args[0]
+    name = getattr(producer.target, "__name__", "").split(".")[0]
+    others: list[fx.Node] = []
+    fx.node.map_arg((node.args[1:], node.kwargs), others.append)
+    return (producer.op == "call_function" and name in FRESH_OPS and list(producer.users) == [node]
+            and all(other is not producer for other in others))

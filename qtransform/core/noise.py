@@ -103,6 +103,9 @@ class NoiseModule(nn.Module):
         self.apply_during = apply_during
         self.enabled = True
         self.noise_override: Tensor | None = None
+        # set by the graph it is inserted into (`GraphSite.recompile`): x is the fresh result of
+        # a compute op that this module alone uses, so the noise may be written into it
+        self.owns_input = False
         self.stream = DrawStream(seed, stream_key)
         self.counts = NoiseCounts()
         LIVE_NOISE.add(self)
@@ -139,6 +142,11 @@ class NoiseModule(nn.Module):
             return torch.randn_like(x, dtype=torch.float32)
         return torch.rand_like(x, dtype=torch.float32)
 
+    def _may_overwrite(self, x: Tensor) -> bool:
+        """Whether this call may write into x, which the graph says is ours (`owns_input`): no
+        hook could have kept it, and it is one contiguous block (the compiled pass's layout)."""
+        return _no_hooks(self) and x.is_contiguous()
+
     def forward(self, x: Tensor) -> Tensor:
         in_phase = active(self.apply_during, self.training)
         scale = self.scale() if in_phase and self.enabled else 0.0
@@ -150,15 +158,25 @@ class NoiseModule(nn.Module):
         if scale == 0.0:
             return x
         kind = noise_kind(self.kind)
+        recorded = x.requires_grad and torch.is_grad_enabled()
+        inplace = self.owns_input and not recorded and self._may_overwrite(x)
         if (z is None and self.counter_draws and kind.draw == "normal" and x.dtype == torch.float32
-                and kind.name in ("add", "relative") and type(self).draw is NoiseModule.draw
-                and not (x.requires_grad and torch.is_grad_enabled())):
+                and kind.name in ("add", "relative") and type(self).draw is NoiseModule.draw and not recorded):
             # draw and formula in one pass, the bits of `kind.apply` on the same draw
             return self.stream.counter_normal(x.shape, x.device, self.stream.next_index(self.training),
-                                              x, kind.name, scale)
-        if z is None and kind.apply_fresh is not None and type(self).draw is NoiseModule.draw:
-            return kind.apply_fresh(x, self.draw(x), scale)  # the stream's draw is ours to overwrite
+                                              x, kind.name, scale, inplace)
+        if z is None and type(self).draw is NoiseModule.draw:  # the stream's draw is ours to overwrite
+            if inplace and kind.apply_inplace is not None:
+                return kind.apply_inplace(x, self.draw(x), scale)
+            if kind.apply_fresh is not None:
+                return kind.apply_fresh(x, self.draw(x), scale)
         return kind.apply(x, self.draw(x) if z is None else z, scale)
+
+
+def _no_hooks(module: nn.Module) -> bool:
+    """No hook of this module or of every module (torch's global ones) can hold its input."""
+    return not (module._forward_pre_hooks or module._forward_hooks
+                or nn.modules.module._global_forward_pre_hooks or nn.modules.module._global_forward_hooks)
 
 
 def noise_modules(model: nn.Module) -> list[NoiseModule]:

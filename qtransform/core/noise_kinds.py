@@ -45,7 +45,9 @@ class NoiseKind:
     value that leaves x unchanged at any scale (a graph input filled with it disables the
     noise), or None when no draw does (then only scale 0 or `noise="off"` does).
     `apply_fresh`, where given, is `apply` bit for bit that may overwrite z (a fresh draw no one
-    else holds): a forward then allocates one tensor instead of one per operation."""
+    else holds): a forward then allocates one tensor instead of one per operation.
+    `apply_inplace`, where given, is `apply` bit for bit written into x (a value no one else
+    holds, `NoiseModule.owns_input`) that may overwrite z: no output buffer at all."""
 
     name: str
     formula: str  # in words, for docs and errors: "x + s*z"
@@ -55,6 +57,7 @@ class NoiseKind:
     draw: Draw
     neutral: float | None
     apply_fresh: Callable[[Tensor, Tensor, float], Tensor] | None = None
+    apply_inplace: Callable[[Tensor, Tensor, float], Tensor] | None = None
 
     def __post_init__(self) -> None:
         missing = [part for part in ("apply", "grad", "onnx") if not callable(getattr(self, part))]
@@ -107,6 +110,14 @@ def _relative_fresh(x: Tensor, z: Tensor, scale: float) -> Tensor:
     return x * z.mul_(scale).add_(1)
 
 
+def _add_inplace(x: Tensor, z: Tensor, scale: float) -> Tensor:
+    return x.add_(z.to(x.dtype).mul_(scale))
+
+
+def _relative_inplace(x: Tensor, z: Tensor, scale: float) -> Tensor:
+    return x.mul_(z.to(x.dtype).mul_(scale).add_(1))
+
+
 def _relative_grad(grad: Tensor, z: Tensor, scale: float) -> Tensor:
     return grad * (1 + scale * z.to(grad.dtype))
 
@@ -125,6 +136,8 @@ def _relative_onnx(b: OnnxBuilder, scale: float) -> str:
 
 
 register_noise_kind(NoiseKind("add", "x + s*z", _add, lambda grad, z, scale: grad, _add_onnx,
-                              draw="normal", neutral=0.0, apply_fresh=_add_fresh))
+                              draw="normal", neutral=0.0, apply_fresh=_add_fresh,
+                              apply_inplace=_add_inplace))
 register_noise_kind(NoiseKind("relative", "x*(1 + s*z)", _relative, _relative_grad, _relative_onnx,
-                              draw="normal", neutral=0.0, apply_fresh=_relative_fresh))
+                              draw="normal", neutral=0.0, apply_fresh=_relative_fresh,
+                              apply_inplace=_relative_inplace))

@@ -94,17 +94,21 @@ class DrawStream:
         return sampler(shape, generator=self.generator(device, index), device=device, dtype=torch.float32)
 
     def counter_normal(self, shape: torch.Size, device: torch.device, index: int | None,
-                       x: torch.Tensor | None = None, op: str = "draw", scale: float = 0.0) -> torch.Tensor:
+                       x: torch.Tensor | None = None, op: str = "draw", scale: float = 0.0,
+                       inplace: bool = False) -> torch.Tensor:
         """Draw `index` of this step from the counter-based Gaussian stream (formats/philox.py:
         Philox4x32-10 keyed by the draw's seed, the element's position as counter), fp32, the
         same bits on every device; with `op` "add" or "relative", x + scale*z or x*(1 + scale*z)
-        instead (fp32 x), drawn and applied in one compiled pass where the CPU kernel runs."""
+        instead (fp32 x), drawn and applied in one compiled pass where the CPU kernel runs;
+        `inplace` writes that result into x (contiguous, no one else's), the same bits."""
         seed = self.seed_at(index)
         if device.type == "cpu":
-            out = fastpath.normal(seed, tuple(shape), x, op, scale)
+            out = fastpath.normal(seed, tuple(shape), x, op, scale, inplace)
             if out is not None:
                 return out
         z = philox.normal(seed, tuple(shape), device)
         if op == "draw":
             return z
+        if inplace:
+            return x.add_(z.mul_(scale)) if op == "add" else x.mul_(z.mul_(scale).add_(1))
         return x + z.mul_(scale) if op == "add" else x * z.mul_(scale).add_(1)

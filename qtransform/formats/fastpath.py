@@ -390,16 +390,20 @@ _NORMAL_K = torch.tensor(philox.NORMAL_CONSTANTS, dtype=torch.float32)  # qf_nor
 
 
 def normal(seed: int, shape: tuple[int, ...], x: torch.Tensor | None = None, op: str = "draw",
-           scale: float = 0.0) -> torch.Tensor | None:
+           scale: float = 0.0, inplace: bool = False) -> torch.Tensor | None:
     """The Gaussian stream of `seed` (formats/philox.py), shaped `shape`, in one compiled pass:
     the draws z (op "draw"), or x + scale*z ("add") or x*(1 + scale*z) ("relative") for an fp32
     CPU tensor x of that shape, bit for bit the torch version's values; None where that does not
-    apply (another device or dtype, no compiler, `QTRANSFORM_FASTPATH=0`)."""
+    apply (another device or dtype, no compiler, `QTRANSFORM_FASTPATH=0`). `inplace` writes the
+    result into x itself (contiguous): each element is read before it is written, at its own
+    position, so the bits are the same and no output memory is touched for the first time."""
+    if inplace and (x is None or not x.is_contiguous()):
+        raise ValueError("normal(inplace=True) writes into x, which must be a contiguous tensor")
     if (x is not None and (x.dtype != torch.float32 or not x.is_cpu)) or not enabled() or library() is None:
         return None
     n = math.prod(shape)
     xs = None if x is None else x.detach().contiguous()
-    out = torch.empty(shape, dtype=torch.float32)
+    out = xs if inplace else torch.empty(shape, dtype=torch.float32)
     assert _lib is not None
     _lib.qf_normal(_ptr(xs), out.data_ptr(), n, seed % (1 << 64), NORMAL_OPS[op], scale,
                    _NORMAL_K.data_ptr(), torch.get_num_threads() if n >= MIN_PARALLEL else 1)

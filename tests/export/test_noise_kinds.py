@@ -58,8 +58,9 @@ def test_onnx_form_equals_the_op_bit_for_bit(kind, dtype, seed, scale):
 @settings(max_examples=15, deadline=None)
 @given(seed=st.integers(0, 2**31 - 1), scale=st.floats(0.0, 0.95, allow_subnormal=False))
 def test_apply_on_a_fresh_draw_equals_apply_bit_for_bit(kind, dtype, seed, scale):
-    """A module's own draw goes through `apply_fresh`, which overwrites it: the same bits as
-    `apply` (what the op, the gradient and the ONNX form are checked against)."""
+    """A module's own draw goes through `apply_fresh`, which overwrites it, or `apply_inplace`,
+    which also overwrites x: the same bits as `apply` (what the op, the gradient and the ONNX
+    form are checked against)."""
     spec = next(k for k in noise_kinds() if k.name == kind)
     g = torch.Generator().manual_seed(seed)
     x = (torch.randn(4, 33, generator=g) * 10 ** torch.randint(-3, 4, (4, 33), generator=g)).to(dtype)
@@ -69,6 +70,12 @@ def test_apply_on_a_fresh_draw_equals_apply_bit_for_bit(kind, dtype, seed, scale
     assert got.dtype == want.dtype == dtype
     assert torch.equal(got.view(torch.int16 if dtype != torch.float32 else torch.int32),
                        want.view(torch.int16 if dtype != torch.float32 else torch.int32))
+    if spec.apply_inplace is not None:  # written into x itself (a linear's own output)
+        into = x.clone()
+        got = spec.apply_inplace(into, z.clone(), scale)
+        assert got.data_ptr() == into.data_ptr()
+        assert torch.equal(got.view(torch.int16 if dtype != torch.float32 else torch.int32),
+                           want.view(torch.int16 if dtype != torch.float32 else torch.int32))
 
 
 def test_a_hardware_error_forward_equals_the_kinds_apply_on_its_stream_draw():

@@ -160,3 +160,105 @@ def test_the_error_is_the_gaussian_streams_draw_of_its_seed_step_and_forward():
     for k, y in enumerate((first, second)):
         z = philox.normal(module.stream.seed_at(k), (4, 256))
         assert torch.equal(y.detach(), clean + 0.05 * z)
+
+
+# -- in place on a linear's own output ---------------------------------------------------------------
+def _noised_pair(dtype: torch.dtype, bias: bool, error_type: str, **policy) -> tuple[nn.Module, nn.Module]:
+    """The same transformed linear twice: its noise module as the graph decided, and forced to
+    the out-of-place path (the reference)."""
+    from qtransform.core.noise import noise_modules
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 96, bias=bias)).to(dtype)
+    pair = [qtransform.transform(model, {**hw_policy(seed=5, error_type=error_type), **policy}) for _ in range(2)]
+    for m in noise_modules(pair[1]):
+        m.owns_input = False
+    return pair[0], pair[1]
+
+
+@pytest.mark.parametrize("fast", ["1", "0"], ids=["compiled", "torch"])
+@pytest.mark.parametrize("error_type", ["relative_gaussian", "absolute_gaussian"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no_bias"])
+def test_the_error_written_into_the_linears_output_is_the_out_of_place_result(
+        monkeypatch, fast, error_type, dtype, bias):
+    """Where the graph gives the noise module the linear's output alone, it writes the error
+    into it: the same bits as the out-of-place path, under no_grad, with a gradient recorded
+    (out of place then) and with frozen weights (in place again), for every dtype, both
+    formulas, the compiled pass and torch."""
+    from qtransform.core.noise import noise_modules
+
+    monkeypatch.setenv("QTRANSFORM_FASTPATH", fast)
+    inplace, reference = _noised_pair(dtype, bias, error_type)
+    assert [m.owns_input for m in noise_modules(inplace)] == [True]
+    for shape in ((5, 64), (2, 3, 64), (1, 1, 64)):
+        x = torch.randn(shape, dtype=dtype)
+        with torch.no_grad():
+            assert torch.equal(inplace(x), reference(x))
+        y, want = inplace(x), reference(x)  # with a gradient: out of place in both
+        assert y.requires_grad and torch.equal(y.detach(), want.detach())
+        (grad,) = torch.autograd.grad(y.sum(), inplace[0].weight)
+        (grad_want,) = torch.autograd.grad(want.sum(), reference[0].weight)
+        assert torch.equal(grad, grad_want)
+    for model in (inplace, reference):
+        model.requires_grad_(False)
+    x = torch.randn(3, 64, dtype=dtype)
+    assert torch.equal(inplace(x), reference(x))  # grad enabled, nothing to record
+
+
+@pytest.mark.parametrize("fast", ["1", "0"], ids=["compiled", "torch"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_the_noise_module_overwrites_only_what_it_owns(monkeypatch, fast, dtype):
+    """Called directly: with `owns_input` the result is x's own memory, the out-of-place bits;
+    a hook on the module (which could keep x) or a non-contiguous x keeps x unchanged."""
+    from qtransform.core.noise import noise_modules
+
+    monkeypatch.setenv("QTRANSFORM_FASTPATH", fast)
+
+    owned, reference = (noise_modules(m)[0] for m in _noised_pair(dtype, True, "relative_gaussian"))
+    owned.eval(), reference.eval()
+    x = torch.randn(4, 96, dtype=dtype)
+    with torch.no_grad():
+        want = reference(x.clone())
+        y = x.clone()
+        out = owned(y)
+        assert out.data_ptr() == y.data_ptr() and torch.equal(out, want) and torch.equal(y, want)
+        kept = []
+        handle = owned.register_forward_pre_hook(lambda module, args: kept.append(args[0].clone()) or None)
+        y = x.clone()
+        assert torch.equal(owned(y), reference(x.clone())) and torch.equal(y, x)
+        handle.remove()
+        t = x.clone().t()  # not contiguous: out of place
+        assert torch.equal(owned(t), reference(x.clone().t())) and torch.equal(t, x.t())
+
+
+def test_a_tap_on_the_same_output_keeps_the_noise_out_of_place(tiny):
+    """An instrument tap reading the linear's raw output is a second user of the value: the
+    noise module then does not own it, and the model computes the same as without the tap."""
+    from qtransform.core.noise import noise_modules
+
+    policy = {"version": 1, "hw_error": {"error_scale": 0.05, "seed": 2, "targets": ["Linear"]}}
+    plain = qtransform.transform(tiny("llama"), policy)
+    tapped = qtransform.transform(tiny("llama"), {**policy, "instrument": {}})
+    assert all(m.owns_input for m in noise_modules(plain))
+    assert not any(m.owns_input for m in noise_modules(tapped))
+    x = ids()
+    with torch.no_grad():
+        assert torch.equal(plain(input_ids=x).logits, tapped(input_ids=x).logits)
+
+
+def test_in_place_in_the_whole_model_graph(tiny):
+    """In graph mode the linear and matmul op nodes' outputs are owned the same way, with the
+    same results as the out-of-place path."""
+    from qtransform.core.noise import noise_modules
+
+    x = ids()
+    policy = {"version": 1, "hw_error": {"error_scale": 0.05, "seed": 2, "targets": ["Linear"],
+                                         "include_matmuls": True}}
+    pair = [qtransform.transform(tiny("llama"), policy, {"input_ids": x}, mode="graph") for _ in range(2)]
+    assert all(m.owns_input for m in noise_modules(pair[0]))
+    for m in noise_modules(pair[1]):
+        m.owns_input = False
+    with torch.no_grad():
+        got, want = (m(input_ids=x, use_cache=False).logits for m in pair)
+    assert torch.equal(got, want)
