@@ -65,6 +65,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--static", action="store_true", help="fixed input shapes instead of dynamic batch/sequence")
     p.add_argument("--attention-mask", action="store_true",
                    help="an attention_mask input beside input_ids, so padded batches run")
+    p.add_argument("--optimize", action="store_true",
+                   help="run onnxscript's graph optimizer (fewer nodes; about half of the export time)")
     p.add_argument("--opset", type=_positive, default=None, help="ONNX opset (default 21; 24 for qdq)")
     p.add_argument("--json", action="store_true", help="print a JSON summary")
     add_calib(p)
@@ -101,7 +103,8 @@ def run_export(args: argparse.Namespace) -> int:
         start = time.perf_counter()
         path = export_onnx(model, args.out, {"input_ids": ids}, dynamic=not args.static,
                            fake_quant=args.fake_quant, taps=not args.no_taps, noise=args.noise,
-                           opset=args.opset, attention_mask=args.attention_mask)
+                           opset=args.opset, attention_mask=args.attention_mask,
+                           optimize=args.optimize)
     seconds = time.perf_counter() - start
     summary, log = export_summary(path, model, args.fake_quant)
     summary = {"out": summary["out"], "seconds": round(seconds, 2), **summary}

@@ -263,7 +263,8 @@ def _no_unit_dims(value: Any) -> Any:
 
 
 def _torch_export(module: nn.Module, signature_model: nn.Module, example_inputs: Any, *,
-                  dynamic: bool, opset: int, log: list[dict]) -> tuple[ModelProto, list[str]]:
+                  dynamic: bool, opset: int, log: list[dict], optimize: bool = False,
+                  ) -> tuple[ModelProto, list[str]]:
     """torch.onnx.export of the wrapped module; returns the raw proto and the noise input names."""
     args, kwargs = normalize_inputs(signature_model, example_inputs)
     if dynamic:  # torch.export fixes every dim of size 1 to 1 ("0/1 specialization")
@@ -294,6 +295,7 @@ def _torch_export(module: nn.Module, signature_model: nn.Module, example_inputs:
             program = torch.onnx.export(
                 wrapper, inputs, dynamo=True, opset_version=opset, input_names=input_names,
                 dynamic_shapes=shapes, custom_translation_table=translation_table(), verbose=False,
+                optimize=optimize,
             )
     except Exception as exc:
         raise ExportError(f"ONNX export of {type(signature_model).__name__} failed: {_explain(exc)}") from exc
@@ -344,6 +346,7 @@ def export_onnx(
     opset: int | None = None,
     external_data_threshold: int = PROTO_LIMIT,
     attention_mask: bool = False,
+    optimize: bool = False,
 ) -> Path:
     """Export a transformed model (or Program) to `path` and return the path.
 
@@ -356,6 +359,10 @@ def export_onnx(
     `example_inputs`: a dict of keyword tensors (`{"input_ids": ids}`), a tuple or one tensor.
     attention_mask: add an `attention_mask` input (all ones in the example) beside `input_ids`,
     dynamic like it, so left- or right-padded batches run through the file.
+    optimize: run onnxscript's graph optimizer inside torch.onnx (constant folding, a graph of
+    fewer nodes). Off by default: on SmolLM2-135M it is about half of the export's time, and
+    onnxruntime optimizes the graph itself when it opens the file, so the outputs are the same
+    (docs/benchmarks.md).
     """
     if fake_quant not in FAKE_QUANT_MODES:
         raise UserError(f"fake_quant must be one of {', '.join(FAKE_QUANT_MODES)}, got {fake_quant!r}")
@@ -366,7 +373,7 @@ def export_onnx(
     if attention_mask:
         example_inputs = with_attention_mask(signature_model, example_inputs)
     model, noise_inputs = _torch_export(module, signature_model, example_inputs,
-                                        dynamic=dynamic, opset=opset, log=log)
+                                        dynamic=dynamic, opset=opset, log=log, optimize=optimize)
     labels = finish_fake_quant(model, opset)
     audit(labels, log)
     name_dims(model)

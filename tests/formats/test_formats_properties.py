@@ -57,12 +57,33 @@ configs = st.one_of(
 )
 
 
+def stack_rounded_amax(fmt: str, opts: dict) -> bool:
+    """compressed-tensors' MX rule rounds a block's amax at E2M1's one mantissa bit whatever the
+    element: with a wider element, a block whose quantized amax lands on that rounding's tie
+    (1.75 x 2^k) takes the next exponent on a second pass. For mxfp4 it is `even`."""
+    return opts.get("scale_rule") == "compressed-tensors" and fmt != "mxfp4"
+
+
+def test_the_stacks_mx_rule_is_not_idempotent():
+    """The case hypothesis found: 6.9933 rounds (one mantissa bit) to 6, exponent 0, and is
+    quantized to 7.0 on E2M3's grid; 7.0 = 1.75 x 4 rounds half up to 8, so a second pass takes
+    exponent 1 and a coarser grid (-0.875 becomes -1.0). `even` (at E2M3's own three bits) keeps the first grid."""
+    x = torch.tensor([[6.9933, -0.88276]])
+    once = fake_quantize(x, "mxfp6_e2m3", scale_rule="compressed-tensors")
+    twice = fake_quantize(once, "mxfp6_e2m3", scale_rule="compressed-tensors")
+    assert once.tolist() == [[7.0, -0.875]] and twice.tolist() == [[7.0, -1.0]]
+    even = fake_quantize(x, "mxfp6_e2m3", scale_rule="even")
+    assert torch.equal(fake_quantize(even, "mxfp6_e2m3", scale_rule="even"), even)
+
+
 @SETTINGS
 @given(x=tensors(), cfg=configs)
 def test_idempotent(x, cfg):
     fmt, opts = cfg
     q = fake_quantize(x, fmt, **opts)
     qq = fake_quantize(q, fmt, **opts)
+    if fmt.startswith("mx") and stack_rounded_amax(fmt, opts):
+        return  # not idempotent by that stack's design: test_the_stacks_mx_rule_is_not_idempotent
     if fmt.startswith("mx"):  # power-of-two scales: exactly the same grid again
         assert same_or_both_nan(qq, q)
         return
