@@ -18,9 +18,9 @@ SCHEMES = ["NVFP4A16", "NVFP4", "MXFP4A16", "MXFP4", "FP8", "FP8_DYNAMIC", "FP8_
 # are 128 wide and refuse narrower inputs.
 HIDDEN = 128
 CASES = [(arch, scheme, torch.float32) for arch in ("qwen2", "llama") for scheme in SCHEMES]
-# bf16: scales and x/scale are rounded to bf16 in compressed-tensors (NVFP4: its 2688/amax and
-# amax/6), the cases where a float32-only simulation would drift (scale_dtype "input").
-CASES += [("qwen2", scheme, torch.bfloat16) for scheme in ("FP8", "W8A8", "NVFP4", "NVFP4A16")]
+# bf16, every scheme: compressed-tensors rounds scales and x/scale to bf16 (NVFP4: its 2688/amax
+# and amax/6), where a float32-only simulation would drift (the presets' scale_dtype "input").
+CASES += [(arch, scheme, torch.bfloat16) for arch in ("qwen2", "llama") for scheme in SCHEMES]
 
 
 def samples(vocab: int) -> tuple[list[torch.Tensor], torch.Tensor]:
