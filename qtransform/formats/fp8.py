@@ -25,10 +25,9 @@ from qtransform.formats.registry import (
     register,
     register_family,
 )
-from qtransform.formats.scaled import quantize_scaled
+from qtransform.formats.scaled import MODELOPT_TINY, quantize_scaled
 
 VARIANTS = ("default", "modelopt")
-MODELOPT_TINY = 2.0**-24  # ModelOpt: an amax at or below this is replaced by 1
 
 
 def quantize_fp8(blocks: torch.Tensor, cfg: QuantConfig, u: torch.Tensor | None,

@@ -26,10 +26,9 @@ from qtransform.formats.registry import (
     register,
     register_family,
 )
-from qtransform.formats.scaled import quantize_scaled
+from qtransform.formats.scaled import MODELOPT_TINY, quantize_scaled
 
 INT_RANGES = ("restricted", "full", "modelopt")
-MODELOPT_TINY = 2.0**-24  # ModelOpt: an amax at or below this quantizes its block to zeros
 
 
 def quantize_int(blocks: torch.Tensor, cfg: QuantConfig, u: torch.Tensor | None,

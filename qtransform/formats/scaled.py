@@ -21,6 +21,9 @@ from qtransform.formats.options import QuantConfig
 from qtransform.formats.registry import SCALE_TORCH_DTYPES, ElementSpec
 
 _DTYPES = SCALE_TORCH_DTYPES
+# ModelOpt's smallest amax it scales by: at or below it, its FP8 scales by 1 and its integers
+# quantize the block to zeros (`fp8.py`, `intgroup.py`)
+MODELOPT_TINY = 2.0**-24
 _NAMES = {v: k for k, v in _DTYPES.items()}
 
 

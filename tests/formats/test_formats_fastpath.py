@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import itertools
 import os
-import shutil
 import sys
 from pathlib import Path
 
@@ -15,9 +14,9 @@ from qtransform.core.metrics import ErrorStats
 from qtransform.formats import block_exponents, fake_quantize, fastpath, get, names, saturated
 from qtransform.formats.options import resolve
 from qtransform.formats.quantize import layout_for, quantize_with_info
+from tests.formats.conftest import HAS_CC
 
 NAN, INF = float("nan"), float("inf")
-HAS_CC = shutil.which("cc") is not None or shutil.which("gcc") is not None
 
 CONFIGS = (
     [(f, {"scale_rule": r, "rounding": o}) for f in names() if f.startswith("mx")
@@ -89,15 +88,6 @@ def _ref_sat(x: torch.Tensor, fmt: str, mp: pytest.MonkeyPatch, **opts) -> torch
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.dtype == b.dtype and torch.equal(a.view(torch.int32), b.view(torch.int32))
-
-
-@pytest.fixture(scope="module")
-def lib():
-    if not HAS_CC:
-        pytest.skip("fast path not testable here: no C compiler (cc/gcc) on PATH")
-    lib = fastpath.library()
-    assert lib is not None, f"a compiler is installed, so the fast path must build: {fastpath.unavailable_reason()}"
-    return lib
 
 
 def test_fast_path_builds_in_ci():

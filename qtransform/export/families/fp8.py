@@ -13,8 +13,8 @@ from qtransform.export.functions import (
     register_onnx_family,
     round_signed,
 )
-from qtransform.formats.fp8 import MODELOPT_TINY
 from qtransform.formats.options import QuantConfig
+from qtransform.formats.scaled import MODELOPT_TINY
 
 
 def fp8_blocks(b: Body, x: str, axes: str, cfg: QuantConfig, amax_t: str | None = None) -> str:

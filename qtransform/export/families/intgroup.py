@@ -16,8 +16,8 @@ from qtransform.export.functions import (
     round_to_integer,
     sign_of,
 )
-from qtransform.formats.intgroup import MODELOPT_TINY
 from qtransform.formats.options import QuantConfig
+from qtransform.formats.scaled import MODELOPT_TINY
 
 
 def int_blocks(b: Body, x: str, axes: str, cfg: QuantConfig, amax_t: str | None = None) -> str:
