@@ -82,7 +82,9 @@ class BackwardSpec:
         parts = []
         for role in ("grad", "weight", "input"):
             cfg = getattr(self, role)
-            parts.append(f"{role} {'unquantized' if cfg is None else cfg if isinstance(cfg, str) else cfg.describe()}")
+            text = ("unquantized" if cfg is None else "the forward's quantized copy"
+                    if isinstance(cfg, str) else cfg.describe())
+            parts.append(f"{role} {text}")
         if self.hadamard is not None:
             parts.append(f"wgrad {self.hadamard.kind} {self.hadamard.block}")
         return "backward quantized (" + "; ".join(parts) + ")"
