@@ -414,3 +414,33 @@ def test_onnx_export_is_the_forward_of_the_default_backward(tmp_path):
         ops.append(sorted(n.op_type for n in onnx.load(str(path)).graph.node))
     assert ops[0] == ops[1]
     assert (outputs[0] == outputs[1]).all()
+
+
+def test_the_noise_controller_steps_and_checkpoints_the_gradient_draws():
+    """With AQN in the policy, `noise_controller` steps the backward's stream with every other
+    stream and its state resumes the exact draws."""
+    from qtransform.models import build_tiny
+
+    policy = {"version": 1, "quantize": [{
+        "targets": ["Linear"], "ignore": ["lm_head"], "format": "mxfp4", "backward": "quantized",
+        "backward_roles": {"grad": {"format": "mxfp4", "rounding": "stochastic"}}}],
+        "noise": {"targets": ["RMSNorm"], "schedule": {"kind": "constant", "sigma_start": 0.01,
+                                                      "num_stages": 2, "total_steps": 2}}}
+    model = qtransform.transform(build_tiny("qwen2"), policy).train()
+    controller = qtransform.noise_controller(model)
+    backward = [m for m in model.modules() if isinstance(m, BackwardLinear)]
+    assert backward and all(m in controller.others for m in backward)
+    ids = torch.randint(0, 100, (1, 8))
+
+    def grads() -> list[torch.Tensor]:
+        model.zero_grad()
+        model(input_ids=ids, labels=ids).loss.backward()
+        return [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+    controller.step()
+    grads()
+    state = controller.state_dict()
+    assert state["step"] == 1 and state["draws"][backward[0].stream.key] == 1
+    want = grads()
+    controller.load_state_dict(state)
+    assert all(torch.equal(a, b) for a, b in zip(grads(), want, strict=True))
