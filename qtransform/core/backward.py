@@ -27,6 +27,7 @@ call has its own draws and a forward recomputed by gradient checkpointing replay
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -53,7 +54,14 @@ class Hadamard:
     seed: int = 0
 
     def signs(self, device: torch.device) -> Tensor | None:
-        return random_signs(self.block, self.seed, device) if self.kind == "random_hadamard" else None
+        return _signs(self.block, self.seed, device) if self.kind == "random_hadamard" else None
+
+
+@functools.lru_cache(maxsize=64)
+def _signs(block: int, seed: int, device: torch.device) -> Tensor:
+    """`random_signs`, computed once per (block, seed, device): it is the same every backward
+    (read only; a Philox evaluation per call cost as much as the rotation)."""
+    return random_signs(block, seed, device)
 
 
 @dataclass(frozen=True)
@@ -98,9 +106,10 @@ def _quantize(x: Tensor, cfg: QuantConfig | None, seed: int | None) -> Tensor:
 
 
 def _pad_tokens(x: Tensor, block: int) -> Tensor:
-    """x [rows, N] zero-padded along N to a multiple of `block`."""
+    """x [rows, N] zero-padded along N to a multiple of `block`, contiguous (a transposed view
+    made the rotation's blockwise matmul 4x slower)."""
     extra = -x.shape[-1] % block
-    return F.pad(x, (0, extra)) if extra else x
+    return F.pad(x, (0, extra)) if extra else x.contiguous()
 
 
 def backward_grads(spec: BackwardSpec, grad: Tensor, x: Tensor, w: Tensor, wq: Tensor,
