@@ -19,6 +19,7 @@ from torch import nn
 import qtransform
 from qtransform import formats
 from qtransform.core.backward import BackwardLinear
+from qtransform.core.lora import dense_weight
 from qtransform.core.streams import DrawStream
 from qtransform.errors import UserError
 from qtransform.formats import philox
@@ -383,6 +384,22 @@ def test_peft_lora_base_gemms_quantized_adapters_in_full_precision(order):
     (torch.nn.functional.linear(torch.nn.functional.linear(xa, wa), wb) * s * r).sum().backward()
     assert torch.equal(a.weight.grad, wa.grad) and torch.equal(b.weight.grad, wb.grad)
     assert torch.equal(x.grad, dx_base.reshape(x.shape) + xa.grad)
+    # rollouts compute with the dense weight quant(W) + s B A, as with the default backward
+    default_policy = {**policy, "quantize": [{**policy["quantize"][0], "backward": "dequantized"}]}
+    twin_model = build_tiny("qwen2")
+    if order == "peft_first":
+        default = qtransform.transform(peft.get_peft_model(twin_model, config), default_policy)
+    else:
+        default = peft.get_peft_model(qtransform.transform(twin_model, default_policy), config)
+    twin = default.base_model.model.model.layers[0].self_attn.q_proj
+    twin.lora_A["default"].weight.data.copy_(a.weight.data)
+    twin.lora_B["default"].weight.data.copy_(b.weight.data)
+    ids = torch.randint(0, 100, (1, 4))
+    with torch.no_grad(), qtransform.rollout():
+        lora(input_ids=ids), default(input_ids=ids)  # PEFT after transform: bound at a model forward
+        want = torch.nn.functional.linear(base.input_fake_quant(x), dense_weight(layer), base.bias)
+        assert torch.equal(layer(x), want)
+        assert torch.equal(twin(x), want)
 
 
 def test_torch_compile_runs_the_quantized_backward_eagerly():
