@@ -158,6 +158,10 @@ class _Linear(torch.autograd.Function):
     def forward(ctx, xq: Tensor, wq: Tensor, bias: Tensor | None, x: Tensor, w: Tensor,  # type: ignore[override]
                 spec: BackwardSpec, seeds: dict[str, int]) -> Tensor:
         ctx.spec, ctx.seeds, ctx.has_bias = spec, seeds, bias is not None
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        device = xq.device.type
+        # under autocast the forward GEMM ran in its dtype: so do the backward GEMMs
+        ctx.autocast = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
         ctx.save_for_backward(x, w, wq if spec.weight == "forward" else None)
         return F.linear(xq, wq, bias)
 
@@ -165,7 +169,15 @@ class _Linear(torch.autograd.Function):
     def backward(ctx, grad: Tensor):  # type: ignore[override]
         x, w, wq = ctx.saved_tensors
         need = (ctx.needs_input_grad[3], ctx.needs_input_grad[4], ctx.has_bias and ctx.needs_input_grad[2])
+        dtypes = (x.dtype, w.dtype)
+        if ctx.autocast is not None:  # the operands as autocast handed them to the forward GEMM
+            x, w = x.to(ctx.autocast), w.to(ctx.autocast)
+            wq = None if wq is None else wq.to(ctx.autocast)
         dx, dw, db = backward_grads(ctx.spec, grad, x, w, wq, ctx.seeds, need)
+        if ctx.autocast is not None:
+            dx = None if dx is None else dx.to(dtypes[0])
+            dw = None if dw is None else dw.to(dtypes[1])
+            db = None if db is None else db.to(ctx.bias_dtype)
         return None, None, db, dx, dw, None, None
 
 

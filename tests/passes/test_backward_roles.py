@@ -484,3 +484,28 @@ def test_the_example_policy_is_transformer_engines_nvfp4_recipe():
     want = _reference(x, model[0].weight.detach(), r, nv, ("nvfp4", {"block_shape": (16, 16)}), nv,
                       hadamard=(16, _signs(16, 0)))
     assert torch.equal(dx, want[0]) and torch.equal(dw, want[1])
+
+
+def test_under_autocast_the_backward_gemms_run_in_its_dtype():
+    """torch.autocast ran the forward GEMM in bf16: the backward GEMMs take the operands cast to
+    bf16 too (then quantized), and the gradients come back in the parameters' dtype; high
+    precision equals the unquantized Linear under autocast."""
+    model, x, r = _data()
+
+    def grads(m):
+        m.zero_grad(set_to_none=True)
+        xi = x.clone().requires_grad_(True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = m(xi)
+        (y.float() * r).sum().backward()
+        lin = m[0]
+        return xi.grad, lin.weight.grad, lin.bias.grad
+
+    high = grads(qtransform.transform(model, _policy("nvfp4", backward="high_precision")))
+    assert all(torch.equal(a, b) for a, b in zip(high, grads(model), strict=True))
+    quantized = grads(qtransform.transform(model, _policy("mxfp8_e4m3", backward="quantized")))
+    g = (r.to(torch.bfloat16))  # the upstream gradient of a bf16 output
+    q = ("mxfp8_e4m3", {})
+    want = _reference(x.to(torch.bfloat16), model[0].weight.detach().to(torch.bfloat16), g, q, q, q)
+    assert quantized[0].dtype == quantized[1].dtype == torch.float32
+    assert torch.equal(quantized[0], want[0].float()) and torch.equal(quantized[1], want[1].float())
