@@ -509,3 +509,16 @@ def test_under_autocast_the_backward_gemms_run_in_its_dtype():
     want = _reference(x.to(torch.bfloat16), model[0].weight.detach().to(torch.bfloat16), g, q, q, q)
     assert quantized[0].dtype == quantized[1].dtype == torch.float32
     assert torch.equal(quantized[0], want[0].float()) and torch.equal(quantized[1], want[1].float())
+
+
+def test_restoring_an_inplace_transform_removes_the_backward_module():
+    from qtransform.pipeline.transform import transform_program
+
+    model, x, r = _data()
+    before = _run(model, x, r)
+    program = transform_program(model, _policy("nvfp4", backward="quantized"), inplace=True)
+    assert any(isinstance(m, BackwardLinear) for m in model.modules())
+    program.restore()
+    assert not any(isinstance(m, BackwardLinear) for m in model.modules())
+    assert "forward" not in model[0].__dict__
+    assert all(torch.equal(a, b) for a, b in zip(_run(model, x, r), before, strict=True))
