@@ -112,31 +112,35 @@ def _pad_tokens(x: Tensor, block: int) -> Tensor:
     return F.pad(x, (0, extra)) if extra else x.contiguous()
 
 
-def backward_grads(spec: BackwardSpec, grad: Tensor, x: Tensor, w: Tensor, wq: Tensor,
-                   seeds: dict[str, int], need: tuple[bool, bool, bool]) -> tuple[Tensor | None, ...]:
+def backward_grads(spec: BackwardSpec, grad: Tensor, x: Tensor, w: Tensor, wq: Tensor | None,
+                   seeds: dict[str, int], need: tuple[bool, bool, bool],
+                   transposed: bool = False) -> tuple[Tensor | None, ...]:
     """(dX, dW, dB) of y = x·Wᵀ + b for the upstream gradient `grad`, per `spec`; x and w are the
     operands before the forward's quantization, wq the forward's quantized weight; `need` says
-    which of the three are wanted. Written with the ops torch's own linear backward uses
-    (G·W as mm, Gᵀ·X as mm), so "high_precision" equals the unquantized Linear's gradients."""
-    out_features = w.shape[0]
-    g2 = grad.reshape(-1, out_features)
+    which of the three are wanted; `transposed`: w is stored [in, out] (GPT-2's Conv1D, y =
+    addmm(b, x, w)). Written with the ops torch's own linear / addmm backward uses (G·W and
+    Gᵀ·X, or Xᵀ·G, as mm), so "high_precision" equals the unquantized op's gradients."""
+    w_lin = w.t() if transposed else w  # [out, in]
+    wq_lin = None if wq is None else (wq.t() if transposed else wq)
+    out_features, in_features = w_lin.shape
+    g2, x2 = grad.reshape(-1, out_features), x.reshape(-1, in_features)
     dx = dw = db = None
     if spec.mode == "high_precision":
         if need[0]:
-            dx = g2.mm(w).reshape(*grad.shape[:-1], w.shape[1])
+            dx = g2.mm(w_lin)
         if need[1]:
-            dw = g2.t().mm(x.reshape(-1, w.shape[1]))
+            dw = x2.t().mm(g2) if transposed else g2.t().mm(x2)
     else:
         if need[0]:
             gq = _quantize(g2, spec.config("grad_dgrad"), seeds.get("grad_dgrad"))
             if spec.weight == "forward":
-                dx = gq.mm(wq)
+                assert wq_lin is not None
+                dx = gq.mm(wq_lin)
             else:
-                wt = _quantize(w.t(), spec.config("weight_dgrad"), seeds.get("weight_dgrad"))
+                wt = _quantize(w_lin.t(), spec.config("weight_dgrad"), seeds.get("weight_dgrad"))
                 dx = gq.mm(wt.t())
-            dx = dx.reshape(*grad.shape[:-1], w.shape[1])
         if need[1]:
-            gt, xt = g2.t(), x.reshape(-1, w.shape[1]).t()
+            gt, xt = g2.t(), x2.t()
             if spec.hadamard is not None:
                 h = spec.hadamard
                 signs = h.signs(grad.device)
@@ -144,10 +148,19 @@ def backward_grads(spec: BackwardSpec, grad: Tensor, x: Tensor, w: Tensor, wq: T
                 xt = rotate(_pad_tokens(xt, h.block), h.block, signs)
             gtq = _quantize(gt, spec.config("grad_wgrad"), seeds.get("grad_wgrad"))
             xtq = _quantize(xt, spec.config("input_wgrad"), seeds.get("input_wgrad"))
-            dw = gtq.mm(xtq.t())
+            dw = xtq.mm(gtq.t()) if transposed else gtq.mm(xtq.t())
+    if dx is not None:
+        dx = dx.reshape(x.shape)
     if need[2]:
         db = g2.sum(0)
     return dx, dw, db
+
+
+def _op(xq: Tensor, wq: Tensor, bias: Tensor | None, transposed: bool) -> Tensor:
+    """The site's own forward op: linear(x, W, b), or Conv1D's addmm(b, x, W) (W [in, out])."""
+    if transposed:
+        return torch.addmm(bias, xq, wq) if bias is not None else xq.mm(wq)
+    return F.linear(xq, wq, bias)
 
 
 class _Linear(torch.autograd.Function):
@@ -156,14 +169,15 @@ class _Linear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, xq: Tensor, wq: Tensor, bias: Tensor | None, x: Tensor, w: Tensor,  # type: ignore[override]
-                spec: BackwardSpec, seeds: dict[str, int]) -> Tensor:
+                spec: BackwardSpec, seeds: dict[str, int], transposed: bool) -> Tensor:
         ctx.spec, ctx.seeds, ctx.has_bias = spec, seeds, bias is not None
         ctx.bias_dtype = None if bias is None else bias.dtype
         device = xq.device.type
         # under autocast the forward GEMM ran in its dtype: so do the backward GEMMs
         ctx.autocast = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+        ctx.transposed = transposed
         ctx.save_for_backward(x, w, wq if spec.weight == "forward" else None)
-        return F.linear(xq, wq, bias)
+        return _op(xq, wq, bias, transposed)
 
     @staticmethod
     def backward(ctx, grad: Tensor):  # type: ignore[override]
@@ -173,12 +187,12 @@ class _Linear(torch.autograd.Function):
         if ctx.autocast is not None:  # the operands as autocast handed them to the forward GEMM
             x, w = x.to(ctx.autocast), w.to(ctx.autocast)
             wq = None if wq is None else wq.to(ctx.autocast)
-        dx, dw, db = backward_grads(ctx.spec, grad, x, w, wq, ctx.seeds, need)
+        dx, dw, db = backward_grads(ctx.spec, grad, x, w, wq, ctx.seeds, need, ctx.transposed)
         if ctx.autocast is not None:
             dx = None if dx is None else dx.to(dtypes[0])
             dw = None if dw is None else dw.to(dtypes[1])
             db = None if db is None else db.to(ctx.bias_dtype)
-        return None, None, db, dx, dw, None, None
+        return None, None, db, dx, dw, None, None, None
 
 
 class BackwardLinear(nn.Module):
@@ -187,10 +201,11 @@ class BackwardLinear(nn.Module):
     with x and w the operands before the fake-quants. Traced (export) it is that plain linear:
     the forward is all a graph carries. Under torch.compile it runs eagerly (a graph break)."""
 
-    def __init__(self, spec: BackwardSpec, label: str):
+    def __init__(self, spec: BackwardSpec, label: str, transposed: bool = False):
         super().__init__()
         self.spec = spec
         self.label = label
+        self.transposed = transposed  # Conv1D: W stored [in, out], the op is addmm(b, x, W)
         self._roles = {op: cfg.seed or 0 for op in OPERANDS
                        if spec.mode == "quantized" and (cfg := spec.config(op)) is not None and cfg.stochastic}
         # one draw index per forward for every stochastic operand (None: nothing is drawn)
@@ -216,12 +231,12 @@ class BackwardLinear(nn.Module):
 
     def forward(self, xq: Tensor, wq: Tensor, bias: Tensor | None, x: Tensor, w: Tensor) -> Tensor:
         if ops.is_tracing(xq) and not torch.compiler.is_compiling():
-            return F.linear(xq, wq, bias)
+            return _op(xq, wq, bias, self.transposed)
         return self._eager(xq, wq, bias, x, w)
 
     @torch.compiler.disable
     def _eager(self, xq: Tensor, wq: Tensor, bias: Tensor | None, x: Tensor, w: Tensor) -> Tensor:
         seeds = self.seeds()  # taken by every forward, as the forward's stochastic rounding does
         if not torch.is_grad_enabled():
-            return F.linear(xq, wq, bias)
-        return _Linear.apply(xq, wq, bias, x, w, self.spec, seeds)
+            return _op(xq, wq, bias, self.transposed)
+        return _Linear.apply(xq, wq, bias, x, w, self.spec, seeds, self.transposed)

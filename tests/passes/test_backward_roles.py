@@ -522,3 +522,49 @@ def test_restoring_an_inplace_transform_removes_the_backward_module():
     assert not any(isinstance(m, BackwardLinear) for m in model.modules())
     assert "forward" not in model[0].__dict__
     assert all(torch.equal(a, b) for a, b in zip(_run(model, x, r), before, strict=True))
+
+
+def test_gpt2_conv1d_weights_stored_in_out():
+    """GPT-2's Conv1D computes addmm(b, x, W) with W [in, out]: the same backward per role, W's
+    roles read as the [out, in] matrix of the Linear it is; high precision equals the
+    unquantized Conv1D's gradients; graph mode computes the module mode's gradients."""
+    from qtransform.models import build_tiny
+
+    model = build_tiny("gpt2")
+    ids = torch.randint(0, 100, (2, 24))
+    rule = {"targets": ["Conv1D"], "format": "mxfp4", "tensors": ["weight", "input"]}
+    policy = {"version": 1, "quantize": [{**rule, "backward": "quantized"}]}
+    t, graph = (qtransform.transform(model, policy, {"input_ids": ids}, mode=mode) for mode in ("module", "graph"))
+    assert sum(isinstance(m, BackwardLinear) for m in t.modules()) == 8  # 4 Conv1D x 2 layers
+    assert sum(isinstance(m, BackwardLinear) for m in graph.modules()) == 8
+
+    def grads(m):
+        m.zero_grad(set_to_none=True)
+        logits = m(input_ids=ids, use_cache=False)["logits"]
+        (logits * torch.linspace(-1, 1, logits.shape[-1])).sum().backward()
+        return {n: p.grad for n, p in m.named_parameters() if p.grad is not None}
+
+    want = grads(t)
+    got = grads(graph)
+    assert got.keys() == want.keys() and all(torch.equal(g, want[n]) for n, g in got.items())
+    # one Conv1D on its own: against the hand computation, and high precision against the plain one
+    conv, plain = t.transformer.h[0].mlp.c_fc, model.transformer.h[0].mlp.c_fc
+    high = qtransform.transform(model, {"version": 1, "quantize": [{**rule, "backward": "high_precision"}]})
+    x = torch.randn(2, 24, conv.weight.shape[0])
+    r = torch.randn(2, 24, conv.weight.shape[1])
+
+    def site_grads(m):
+        m.zero_grad(set_to_none=True)
+        xi = x.clone().requires_grad_(True)
+        (m(xi) * r).sum().backward()
+        return xi.grad, m.weight.grad, m.bias.grad
+
+    high_grads = site_grads(high.transformer.h[0].mlp.c_fc)
+    assert all(torch.equal(a, b) for a, b in zip(high_grads, site_grads(plain), strict=True))
+    dx, dw, _ = site_grads(conv)
+    w_lin = conv.weight.detach().t()
+    g2, x2 = r.reshape(-1, w_lin.shape[0]), x.reshape(-1, w_lin.shape[1])
+    want_dx = formats.fake_quantize(g2, "mxfp4") @ formats.fake_quantize(w_lin, "mxfp4", axis=0)
+    xt, gt = formats.fake_quantize(x2, "mxfp4", axis=0), formats.fake_quantize(g2, "mxfp4", axis=0)
+    assert torch.equal(dx, want_dx.reshape(x.shape))
+    assert torch.equal(dw, xt.t() @ gt)
