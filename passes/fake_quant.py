@@ -344,7 +344,7 @@ class FakeQuantPass(Pass[list[QuantRule], QuantRule]):
                 module = BackwardLinear(spec, f"{name}/backward", transposed=gsite.site.kind == "conv1d")
                 gsite.replace_linear(module, before=before, tag="backward")
             except ValueError as exc:
-                raise UserError(f"{exc}: a non-default quantize backward needs a Linear site") from None
+                raise UserError(f"{exc}: a non-default quantize backward needs a Linear or Conv1D site") from None
 
     def build(self, program: Program, action: Action[QuantRule]) -> nn.Module:
         site, rule = action.site, action.payload

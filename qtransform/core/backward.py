@@ -196,7 +196,7 @@ class _Linear(torch.autograd.Function):
 
 
 class BackwardLinear(nn.Module):
-    """The Linear op of a site whose quantize rule asks for another backward than the default:
+    """The Linear op (or Conv1D's addmm) of a site whose quantize rule asks for another backward:
     called as `(xq, wq, bias, x, w)` in place of `linear(xq, wq, bias)` (the same forward bits),
     with x and w the operands before the fake-quants. Traced (export) it is that plain linear:
     the forward is all a graph carries. Under torch.compile it runs eagerly (a graph break)."""

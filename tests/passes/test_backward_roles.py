@@ -568,3 +568,11 @@ def test_gpt2_conv1d_weights_stored_in_out():
     xt, gt = formats.fake_quantize(x2, "mxfp4", axis=0), formats.fake_quantize(g2, "mxfp4", axis=0)
     assert torch.equal(dx, want_dx.reshape(x.shape))
     assert torch.equal(dw, xt.t() @ gt)
+
+
+def test_fused_experts_are_refused_with_the_fix():
+    from qtransform.models import build_tiny
+
+    policy = {"version": 1, "quantize": [{"targets": ["Linear"], "format": "mxfp4", "backward": "high_precision"}]}
+    with pytest.raises(UserError, match=r"experts.*Linear and Conv1D sites only.*ignore"):
+        qtransform.transform(build_tiny("mixtral", hidden=32), policy)
