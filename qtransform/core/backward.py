@@ -47,14 +47,20 @@ OPERANDS = ("grad_dgrad", "grad_wgrad", "weight_dgrad", "input_wgrad")
 @dataclass(frozen=True)
 class Hadamard:
     """The rotation of both wgrad operands along the tokens: `kind` "hadamard" or
-    "random_hadamard" (signs from `formats.hadamard.random_signs(block, seed)`)."""
+    "random_hadamard", whose signs are `fixed` (a stack's own vector, e.g. Transformer Engine's)
+    or `formats.hadamard.random_signs(block, seed)`."""
 
     kind: str
     block: int
     seed: int = 0
+    fixed: tuple[int, ...] | None = None
 
     def signs(self, device: torch.device) -> Tensor | None:
-        return _signs(self.block, self.seed, device) if self.kind == "random_hadamard" else None
+        if self.kind != "random_hadamard":
+            return None
+        if self.fixed is not None:
+            return torch.tensor(self.fixed, dtype=torch.float32, device=device)
+        return _signs(self.block, self.seed, device)
 
 
 @functools.lru_cache(maxsize=64)
@@ -75,10 +81,12 @@ class BackwardSpec:
     weight: QuantConfig | str | None = None
     input: QuantConfig | None = None
     hadamard: Hadamard | None = None
+    grad_wgrad: QuantConfig | str | None = "same"  # G in wgrad: "same" = `grad`
 
     def config(self, operand: str) -> QuantConfig | None:
         """The config of one operand (OPERANDS), bound to its last axis; None if unquantized."""
-        cfg = {"grad_dgrad": self.grad, "grad_wgrad": self.grad, "input_wgrad": self.input,
+        cfg = {"grad_dgrad": self.grad, "input_wgrad": self.input,
+               "grad_wgrad": self.grad if self.grad_wgrad == "same" else self.grad_wgrad,
                "weight_dgrad": None if self.weight == "forward" else self.weight}[operand]
         assert not isinstance(cfg, str)
         return None if cfg is None else cfg.bind(-1)
@@ -93,8 +101,12 @@ class BackwardSpec:
             text = ("unquantized" if cfg is None else "the forward's quantized copy"
                     if isinstance(cfg, str) else cfg.describe())
             parts.append(f"{role} {text}")
+        if self.grad_wgrad != "same":
+            cfg = self.config("grad_wgrad")
+            parts.append(f"grad in wgrad {'unquantized' if cfg is None else cfg.describe()}")
         if self.hadamard is not None:
-            parts.append(f"wgrad {self.hadamard.kind} {self.hadamard.block}")
+            fixed = ", fixed signs" if self.hadamard.fixed is not None else ""
+            parts.append(f"wgrad {self.hadamard.kind} {self.hadamard.block}{fixed}")
         return "backward quantized (" + "; ".join(parts) + ")"
 
 

@@ -576,3 +576,49 @@ def test_fused_experts_are_refused_with_the_fix():
     policy = {"version": 1, "quantize": [{"targets": ["Linear"], "format": "mxfp4", "backward": "high_precision"}]}
     with pytest.raises(UserError, match=r"experts.*Linear and Conv1D sites only.*ignore"):
         qtransform.transform(build_tiny("mixtral", hidden=32), policy)
+
+
+def test_grad_wgrad_gives_g_its_own_role_in_wgrad():
+    """torchao's wgrad_with_hp: G quantized in dgrad only (grad_wgrad null, input left out), so dW
+    is the plain Linear's; or G in wgrad in another format than in dgrad."""
+    model, x, r = _data()
+    mx = ("mxfp8_e4m3", {"scale_rule": "rceil"})
+    role = {"format": "mxfp8_e4m3", "scale_rule": "rceil"}
+    hp = qtransform.transform(model, _policy("mxfp8_e4m3", backward="quantized", backward_roles={
+        "grad": role, "weight": role, "grad_wgrad": None}))
+    dx, dw, _ = _run(hp, x, r)
+    want_dx, _ = _reference(x, model[0].weight.detach(), r, mx, mx)
+    assert torch.equal(dx, want_dx)
+    assert torch.equal(dw, _run(model, x, r)[1])  # Gᵀ·X in high precision, bit for bit
+    own = qtransform.transform(model, _policy("nvfp4", backward="quantized", backward_roles={
+        "grad": {"format": "nvfp4"}, "grad_wgrad": role, "input": role}))
+    _, dw, _ = _run(own, x, r)
+    g2, x2 = r.reshape(-1, OUT), x.reshape(-1, IN)
+    want_dw = (formats.fake_quantize(g2, "mxfp8_e4m3", axis=0, scale_rule="rceil").t()
+               @ formats.fake_quantize(x2, "mxfp8_e4m3", axis=0, scale_rule="rceil"))
+    assert torch.equal(dw, want_dw)
+
+
+TE_SIGNS = [1, 1, 1, -1, 1, -1, -1, -1, -1, -1, -1, 1, -1, 1, -1, -1]  # Transformer Engine's wgrad vector
+
+
+def test_wgrad_hadamard_takes_a_fixed_sign_vector():
+    model, x, r = _data()
+    nv = ("nvfp4", {})
+    t = qtransform.transform(model, _policy("nvfp4", backward="quantized",
+                                            wgrad_hadamard={"block_size": 16, "signs": TE_SIGNS}))
+    _, dw, _ = _run(t, x, r)
+    _, want = _reference(x, model[0].weight.detach(), r, nv, nv, nv,
+                         hadamard=(16, torch.tensor(TE_SIGNS, dtype=torch.float32)))
+    assert torch.equal(dw, want)
+
+
+@pytest.mark.parametrize(("hadamard", "path", "words"), [
+    ({"signs": [1, -1]}, "signs", "16"),
+    ({"signs": TE_SIGNS, "seed": 2}, "seed", "not both"),
+    ({"kind": "hadamard", "signs": TE_SIGNS}, "signs", "random_hadamard"),
+])
+def test_bad_sign_vectors_name_their_path(hadamard, path, words):
+    with pytest.raises(PolicyError) as err:
+        load_policy(_policy("nvfp4", backward="quantized", wgrad_hadamard=hadamard))
+    assert f"quantize[0].wgrad_hadamard.{path}:" in str(err.value) and words in str(err.value)
