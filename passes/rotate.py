@@ -196,6 +196,10 @@ class RotatePass(Pass[list[RotateRule], Rotation]):
             for site in select_sites(program, rule, where, kinds=LINEAR_KINDS):
                 if site.weight_shape is None:
                     continue
+                if program.mode == "graph" and site.kind == "experts":
+                    raise UserError(f"{where}: {site.name} is a fused experts parameter, whose input the "
+                                    "whole-model graph does not expose; rotate it in module mode (the "
+                                    "default) or add it to the rule's ignore")
                 block = block_for(rule, where, site, matrix)
                 operand = rotation_operand(rule.kind, block, rule.seed, matrix)
                 chosen[site.name] = (site, Rotation(rule, where, block, operand))

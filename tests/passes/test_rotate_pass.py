@@ -273,3 +273,13 @@ def test_fake_quant_follows_the_rotation_in_every_site_graph():
     order = [(i.point, i.pass_name) for i in program.insertions(site="model.layers.0.self_attn.o_proj")]
     assert order == [("weight", "rotate"), ("input", "rotate"), ("weight", "fake_quant"), ("input", "fake_quant")]
     assert isinstance(site.weight_fake_quant, FakeQuantize)
+
+
+def test_the_whole_model_graph_rotates_as_the_module_graphs_do():
+    model = build_tiny("qwen2")
+    pol = rotate_policy("random_hadamard", 32, quantize=True, seed=4)
+    graph = qtransform.transform(model, pol, example_inputs={"input_ids": IDS}, mode="graph")
+    with torch.no_grad():
+        assert torch.equal(graph(input_ids=IDS, use_cache=False).logits, logits(qtransform.transform(model, pol)))
+    with pytest.raises(UserError, match="fused experts parameter"):
+        qtransform.transform(build_tiny("qwen2_moe"), rotate_policy(), example_inputs={"input_ids": IDS}, mode="graph")
