@@ -177,6 +177,26 @@ def block_for(rule: RotateRule, where: str, site: Site, matrix: Tensor | None) -
     return rule.block_size
 
 
+def site_rotation(rule: RotateRule, where: str, site: Site, matrix: Tensor | None) -> Rotation:
+    """The rotation `rule` gives `site` (its block checked against the site's input features)."""
+    block = block_for(rule, where, site, matrix)
+    return Rotation(rule, where, block, rotation_operand(rule.kind, block, rule.seed, matrix))
+
+
+def resolve_rotations(rules: list[RotateRule], sites: list[Site]) -> dict[str, Rotation]:
+    """Site name -> its rotation among `sites` (the last rule naming a site wins), without the
+    pass's "matched nothing" checks: what a weight scan of a checkpoint measures."""
+    chosen: dict[str, Rotation] = {}
+    for i, rule in enumerate(rules):
+        where = rule_label(i, rule)
+        selector = rule.selector()
+        matched = [s for s in sites if s.kind in LINEAR_KINDS and s.weight_shape is not None and selector.matches(s)]
+        matrix = load_matrix(rule.matrix, where) if rule.kind == "matrix" and matched else None
+        for site in matched:
+            chosen[site.name] = site_rotation(rule, where, site, matrix)
+    return chosen
+
+
 @register_pass
 class RotatePass(Pass[list[RotateRule], Rotation]):
     """Inserts `Rotate` on the input and the weight of every site the `rotate` rules select."""
@@ -200,9 +220,7 @@ class RotatePass(Pass[list[RotateRule], Rotation]):
                     raise UserError(f"{where}: {site.name} is a fused experts parameter, whose input the "
                                     "whole-model graph does not expose; rotate it in module mode (the "
                                     "default) or add it to the rule's ignore")
-                block = block_for(rule, where, site, matrix)
-                operand = rotation_operand(rule.kind, block, rule.seed, matrix)
-                chosen[site.name] = (site, Rotation(rule, where, block, operand))
+                chosen[site.name] = (site, site_rotation(rule, where, site, matrix))
         actions = []
         for site, rotation in chosen.values():
             actions.append(Action(site, "weight", rotation.where, rotation))

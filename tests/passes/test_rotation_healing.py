@@ -34,3 +34,22 @@ def test_a_scan_reports_the_same_sites_with_and_without_the_rotation():
     # the outlier channels flush their blocks without the rotation; rotated, the quantization
     # error of x·R against x·R is that of a well-spread block
     assert rows["rotated"][site].metrics["sqnr_db"] > rows["plain"][site].metrics["sqnr_db"] + 3
+
+
+def test_a_weight_scan_of_a_rotating_policy_measures_what_the_taps_see():
+    """scan_weights reads the weights, never runs the model: with a rotate rule it measures the
+    rotated weight, the very tensor the transformed model's weight tap compares."""
+    import qtransform
+    from qtransform.scan.weights import scan_weights
+
+    model = planted_outliers()
+    pol = {**policy(H32, ["lm_head"]), "instrument": {"points": ["weight"]}}
+    scanned = {r.site: r for r in scan_weights(model, policy=pol).rows}
+    transformed = qtransform.transform(model, pol)
+    with torch.no_grad():
+        transformed(input_ids=IDS[:1, :8])
+    taps = {m.site: m.result()["quant"] for m in transformed.modules() if type(m).__name__ == "Tap"}
+    site = "model.layers.1.mlp.up_proj"
+    assert scanned[site].metrics["sqnr_db"] == taps[site]["sqnr_db"]
+    plain = {r.site: r for r in scan_weights(model, policy=policy(None, ["lm_head"])).rows}
+    assert scanned[site].metrics["sqnr_db"] > plain[site].metrics["sqnr_db"] + 3  # healed
