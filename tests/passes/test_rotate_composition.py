@@ -199,3 +199,32 @@ def test_a_saved_rotated_model_reloads_with_its_rotations(tmp_path):
     qtransform.save_transformed(model, pol, tmp_path / "out")
     again = qtransform.load_transformed(tmp_path / "out")
     assert torch.equal(logits(again), logits(model))
+
+
+@pytest.mark.parametrize("mode", ["inline", "qdq"])
+def test_rotations_export_in_the_inline_and_qdq_encodings(tmp_path, mode):
+    import onnx
+
+    pol = {"version": 1, "rotate": [ROT],
+           "quantize": [{"targets": ["Linear"], "ignore": ["lm_head"], "format": "int8", "block_size": 32}]}
+    model = qtransform.transform(build_tiny("qwen2"), pol)
+    path = qtransform.export_onnx(model, tmp_path / "m.onnx", {"input_ids": IDS}, fake_quant=mode)
+    proto = onnx.load(str(path))
+    rotate_fns = [f for f in proto.functions if f.name == "Rotate"]
+    assert (not rotate_fns) if mode == "inline" else bool(rotate_fns)
+    out = ort.InferenceSession(str(path)).run(None, {"input_ids": IDS.numpy()})[0]
+    np.testing.assert_allclose(out, logits(model).numpy(), rtol=0, atol=1e-5)
+
+
+def test_a_bf16_model_rotates_in_fp32_and_keeps_its_outputs():
+    model = build_tiny("llama", dtype=torch.bfloat16)
+    out = logits(qtransform.transform(model, {"version": 1, "rotate": [ROT]})).float()
+    want = logits(model).float()
+    assert (out - want).abs().max() <= 0.05 * want.abs().max()  # bf16 rounding of x·R and W·R
+    site = qtransform.transform(model, {"version": 1, "rotate": [ROT]}).model.layers[0].mlp.up_proj
+    rotated = site.weight_rotate(site.weight)
+    assert rotated.dtype == torch.bfloat16
+    r = block_diag(dense_rotation(32, "random_hadamard", 9), 64)
+    exact = site.weight.double() @ r
+    # rounded once to bf16 (8 significant bits): within half a bf16 step of the exact product
+    assert ((rotated.double() - exact).abs() <= 2 ** -8 * exact.abs() + 1e-30).all()
