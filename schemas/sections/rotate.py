@@ -55,10 +55,10 @@ class RotateRule(Selected):
         issues = []
         if self.kind == "matrix" and self.matrix is None:
             issues.append(Issue(("matrix",), "kind 'matrix' needs the path of its matrix file",
-                                hint="set matrix to a .safetensors or .pt file"))
+                                hint=" (set matrix to a .safetensors or .pt file)"))
         if self.kind != "matrix" and self.matrix is not None:
             issues.append(Issue(("matrix",), f"a matrix file is read only by kind 'matrix', not {self.kind!r}",
-                                self.matrix, hint='remove it, or set "kind": "matrix"'))
+                                self.matrix, hint=' (remove it, or set "kind": "matrix")'))
         if self.matrix is not None and not self.matrix.endswith(MATRIX_SUFFIXES):
             issues.append(Issue(("matrix",), "a rotation matrix file must be .safetensors, .pt or .pth",
                                 self.matrix))
@@ -68,7 +68,7 @@ class RotateRule(Selected):
         b = self.block_size
         if b is not None and self.kind != "matrix" and b & (b - 1):
             issues.append(Issue(("block_size",), "a Hadamard block size must be a power of two", b,
-                                hint=f"e.g. {1 << (b.bit_length() - 1)} or {1 << b.bit_length()}"))
+                                hint=f" (e.g. {1 << (b.bit_length() - 1)} or {1 << b.bit_length()})"))
         if issues:
             raise problems_error(issues)
         return self

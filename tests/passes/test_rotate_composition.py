@@ -228,3 +228,13 @@ def test_a_bf16_model_rotates_in_fp32_and_keeps_its_outputs():
     exact = site.weight.double() @ r
     # rounded once to bf16 (8 significant bits): within half a bf16 step of the exact product
     assert ((rotated.double() - exact).abs() <= 2 ** -8 * exact.abs() + 1e-30).all()
+
+
+def test_the_cli_reports_a_misfit_block_in_one_line_with_exit_2(tmp_path):
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps({"version": 1, "rotate": [{"targets": ["Linear"], "block_size": 128}]}))
+    res = subprocess.run([sys.executable, "-m", "qtransform.cli.main", "plan", "builtin:qwen2", str(path)],
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 2 and "Traceback" not in res.stderr
+    assert "rotate[0].block_size: 128 does not divide the 64 input features" in res.stderr
+    assert "block sizes that fit: 2, 4, 8, 16, 32, 64" in res.stderr
