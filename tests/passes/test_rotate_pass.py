@@ -283,3 +283,23 @@ def test_the_whole_model_graph_rotates_as_the_module_graphs_do():
         assert torch.equal(graph(input_ids=IDS, use_cache=False).logits, logits(qtransform.transform(model, pol)))
     with pytest.raises(UserError, match="fused experts parameter"):
         qtransform.transform(build_tiny("qwen2_moe"), rotate_policy(), example_inputs={"input_ids": IDS}, mode="graph")
+
+
+def test_moe_expert_weights_quantize_as_hand_rotation_then_float64_mxfp4_apart_from_ties():
+    model = build_tiny("qwen2_moe")
+    ours = qtransform.transform(model, rotate_policy("hadamard", 64, quantize=True))
+    r = dense_rotation(64)
+    experts = ours.model.layers[1].mlp.experts
+    for param in ("gate_up_proj", "down_proj"):
+        w = getattr(experts, param)
+        rotated = getattr(experts, f"{param}__weight_rotate")(w).detach()
+        exact = (w.detach().double() @ block_diag(r, w.shape[-1])).float()
+        assert (rotated - exact).abs().max() <= 2e-6 * exact.abs().max()
+        quant = getattr(experts, f"{param}__weight_fake_quant")(rotated)
+        assert torch.equal(quant, mxfp4_f64(rotated)[0])  # each expert's matrix along its rows
+        differ = quant != mxfp4_f64(exact)[0]
+        assert torch.equal(differ, differ & _boundary_ties(rotated, exact))
+        assert int(differ.sum()) <= 0.002 * quant.numel()
+    out, want = logits(ours), logits(model)
+    kl = F.kl_div(F.log_softmax(out, -1), F.log_softmax(want, -1), log_target=True, reduction="batchmean")
+    assert 0 < float(kl) < 0.5  # quantized, and still the model
