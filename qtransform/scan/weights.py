@@ -37,6 +37,7 @@ from torch import nn
 from qtransform import formats
 from qtransform.core.metrics import BlockExponentHistogram, ErrorStats
 from qtransform.core.progress import Progress
+from qtransform.core.rotation import apply_rotation
 from qtransform.core.scales import fused_groups, weight_amax
 from qtransform.core.sites import (
     EXPERT_PARAMS,
@@ -53,6 +54,7 @@ from qtransform.formats import QuantConfig
 from qtransform.formats.options import CHOICE_OPTIONS, FORMAT_KEYS
 from qtransform.formats.quantize import quantize_with_info
 from qtransform.passes.fake_quant import first_weight_seed
+from qtransform.passes.rotate import resolve_rotations
 from qtransform.scan.checkpoint import Checkpoint
 from qtransform.scan.compare import Comparison
 from qtransform.scan.report import (
@@ -427,7 +429,8 @@ def scan_weights(
     """Scan every Linear-like weight of `source` under `fmt` (with `fake_quantize` `options`).
 
     With a `policy` (Policy, dict or path): its quantize rules select the sites and, when `fmt` is
-    None, give each site its format and options; its `instrument.thresholds` flag problems
+    None, give each site its format and options; a site its `rotate` rules select is measured
+    rotated (W·R, what the transformed model quantizes); its `instrument.thresholds` flag problems
     (`thresholds` overrides both). `flagging`: "expected" flags sites worse than the format does
     on Gaussian data of their block structure or outliers among the model's sites; "absolute"
     applies the fixed thresholds (docs/metrics.md).
@@ -437,12 +440,16 @@ def scan_weights(
     default = config_for(fmt, options) if fmt is not None else None
     pairs = _select(weight_refs(source), policy)
     shared = share_amax(policy, [r for r, _ in pairs]) if default is None else {}
+    rotations = resolve_rotations(load_policy(policy).rotate, [r.site for r, _ in pairs]) if policy is not None else {}
     rows = []
     with _progress([r for r, _ in pairs], progress, f"scan {fmt or 'policy'}") as bar:
         for ref, by_policy in pairs:
             cfg = default or by_policy
             assert cfg is not None
             w = ref.load()
+            rotation = rotations.get(ref.site.name)
+            if rotation is not None:  # the policy rotates it: measure the weight quantized, W·R
+                w = apply_rotation(w, rotation.operand, ref.site.reduction_axis)
             rows.append(_measured_row(ref, w, cfg, shared.get(ref.site.name))[0])
             bar.update(w.numel())
             del w

@@ -23,7 +23,7 @@ from qtransform.core.backward import BackwardLinear
 from qtransform.core.noise import NoiseModule
 from qtransform.errors import UserError
 from qtransform.models import build_tiny
-from qtransform.passes import FakeQuantize
+from qtransform.passes import FakeQuantize, Rotate
 
 STEPS = 3
 VOCAB = 97  # odd: FSDP2 pads the embedding's shards (uneven dim 0)
@@ -57,6 +57,10 @@ POLICIES: dict[str, dict[str, Any]] = {
         "wgrad_hadamard": {"block_size": 16}}]},
     "mxfp8_backward_high_precision": {"quantize": [{
         **LINEAR, "format": "mxfp8_e4m3", "tensors": ["weight", "input"], "backward": "high_precision"}]},
+    # a random Hadamard rotation before MXFP4 W4A4 (issue 31): the rotated weight is recomputed
+    # in every sharded forward and kept by nobody
+    "rotated_w4a4": {"rotate": [{**LINEAR, "kind": "random_hadamard", "block_size": 32, "seed": 4}],
+                     "quantize": [{**LINEAR, "format": "mxfp4", "tensors": ["weight", "input"]}]},
 }
 WRAPS = ("fsdp", "fsdp_no_reshard", "fsdp_checkpointing", "ddp", "ddp_checkpointing")
 
@@ -75,7 +79,8 @@ def held_elements(model: nn.Module) -> int:
         if isinstance(value, (list, tuple)):
             return sum(count(v) for v in value)
         return 0
-    return sum(count(vars(m)) for m in model.modules() if isinstance(m, (FakeQuantize, NoiseModule, BackwardLinear)))
+    return (sum(count(vars(m)) for m in model.modules() if isinstance(m, (FakeQuantize, NoiseModule, BackwardLinear)))
+            + sum(count(m._cached) for m in model.modules() if isinstance(m, Rotate)))  # its operand is a constant
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
