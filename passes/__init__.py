@@ -1,8 +1,10 @@
 """The passes, one per file. Importing this package registers each of them (`register_pass`),
-in pipeline order: fake-quant first, then noise, then instrumentation (taps see what the model
-computes). Each module also registers what it brings besides its pass (a noise kind)."""
+in pipeline order: rotations first (fake quantization sees the rotated tensors), then
+fake-quant, then noise, then instrumentation (taps see what the model computes). Each module also registers what it
+brings besides its pass (a noise kind)."""
 
-from qtransform.passes.aqn_noise import AQNNoise, AQNNoisePass  # noqa: I001 - registration order
+from qtransform.passes.rotate import Rotate, RotatePass  # noqa: I001 - registration order
+from qtransform.passes.aqn_noise import AQNNoise, AQNNoisePass
 from qtransform.passes.fake_quant import FakeQuantize, FakeQuantPass
 from qtransform.passes.hw_error import HWError, HWErrorPass
 from qtransform.passes.activation_noise import ActivationNoise, ActivationNoisePass
@@ -10,4 +12,4 @@ from qtransform.passes.clamp import Clamp, ClampPass
 from qtransform.passes.instrument import InstrumentPass, Tap
 
 __all__ = ["AQNNoise", "AQNNoisePass", "ActivationNoise", "ActivationNoisePass", "Clamp", "ClampPass", "FakeQuantPass", "FakeQuantize", "HWError", "HWErrorPass",
-           "InstrumentPass", "Tap"]
+           "InstrumentPass", "Rotate", "RotatePass", "Tap"]

@@ -65,7 +65,8 @@ class GraphSite:
     Each point has a *raw* value (what the site computed on before any pass) and a *head* (the
     newest inserted node on it). An insertion consumes the head and becomes the new head, so
     later insertions stack closer to the consumer: fake-quant then tap means the tap sees the
-    quantized weight, and can ask for the raw one as an extra argument.
+    quantized weight, and can ask for the raw one as an extra argument. A module marked
+    `rebases` (a rotation: a change of basis, not an error) also becomes the raw value.
     """
 
     def __init__(self, site: Site, host: GraphHost, owner: nn.Module, prefix: str,
@@ -197,6 +198,8 @@ class GraphSite:
         else:
             head.replace_all_uses_with(new, delete_user_cb=lambda user: user is not new)
         self.heads[point] = new  # the caller lints and recompiles (once per pass, not per insertion)
+        if getattr(module, "rebases", False):  # a change of basis (rotation): what later passes
+            self.raw[point] = new  # measure against is the rotated full-precision value
         path = f"{self.prefix}.{attr}" if self.prefix else attr
         insertion = Insertion(self.site.name, point, pass_name, tag, new.name, path)
         self.log.append(insertion)

@@ -17,6 +17,11 @@ the quantize rule (`lora`, described by `LORA_HELP`):
   rollout weights are quant(W + s B A). LoRA dropout does not apply (the adapters are inside
   the weight).
 
+A rotated site (the rotate pass: x·R and W·R) is a change of basis the adapters live outside of
+by default (the rotate rule's `lora`, "unrotated"): PEFT's adapters see x, so the dense weight
+adds the rotated delta, rot(W) and rot(s B A) alike. With lora "rotated" the adapters see x·R
+(a forward pre-hook on each lora_A rotates its input), and the delta enters unrotated.
+
 A dense forward runs the site's own graph with the dense weight in the weight slot and the
 site's weight insertions passed over (the weight is final), so input-side insertions still apply
 and the arithmetic is the original class's (`linear`, GPT-2's `addmm`).
@@ -52,9 +57,14 @@ def _passthrough(x: Tensor) -> Tensor:
     return x
 
 
+def _changes_weight(child: object) -> bool:
+    """Fake quantizers (`quantize`), rotations (`rotate_weight`) and noise modules."""
+    return hasattr(child, "quantize") or hasattr(child, "rotate_weight") or isinstance(child, NoiseModule)
+
+
 def weight_chain(module: nn.Module) -> list[tuple[str, nn.Module]]:
     """(child name, module) of the insertions that change `module`'s weight, in order: the
-    fake quantizers (they have `quantize`) and noise modules; observers (taps) are left out."""
+    rotations, fake quantizers and noise modules; observers (taps) are left out."""
     state = module_graph(module)
     if state is None:
         return []
@@ -62,7 +72,7 @@ def weight_chain(module: nn.Module) -> list[tuple[str, nn.Module]]:
     for ins in state.insertions:
         name = ins.module_path.rsplit(".", 1)[-1]
         child = module._modules.get(name)
-        if ins.point == "weight" and (hasattr(child, "quantize") or isinstance(child, NoiseModule)):
+        if ins.point == "weight" and _changes_weight(child):
             chain.append((name, child))
     return chain
 
@@ -71,7 +81,9 @@ def apply_chain(chain: list[tuple[str, nn.Module]], tensor: Tensor) -> Tensor:
     """`tensor` through a weight chain, without caches (gradients straight through); a fake
     quantizer switched off (`enabled`, as sensitivity scans do) passes it unchanged."""
     for _, module in chain:
-        if not hasattr(module, "quantize"):
+        if hasattr(module, "rotate_weight"):
+            tensor = module.rotate_weight(tensor)
+        elif not hasattr(module, "quantize"):
             tensor = module(tensor)  # a noise module: its phase and switch apply
         elif getattr(module, "enabled", True):
             tensor = module.quantize(tensor)
@@ -154,16 +166,44 @@ def unmerge(weight: Tensor, layer_deltas: list[Tensor]) -> Tensor:
     return weight
 
 
+def input_rotation(site: nn.Module) -> nn.Module | None:
+    """The rotation on a site's input (the rotate pass's module), or None."""
+    state = module_graph(site)
+    for ins in state.insertions if state is not None else ():
+        child = site._modules.get(ins.module_path.rsplit(".", 1)[-1])
+        if ins.point == "input" and hasattr(child, "rotate_weight"):
+            return child
+    return None
+
+
 def dense_weight(layer: nn.Module, base: Tensor | None = None) -> Tensor:
     """The one weight a LoRA layer's rollout computes with and its rollout weight carries:
-    quant(W) + s B A ("beside") or quant(W + s B A) ("merged"), W the base weight (or `base`)."""
+    quant(W) + s B A ("beside") or quant(W + s B A) ("merged"), W the base weight (or `base`);
+    on a rotated site rot(W) and, for adapters outside the rotation, rot(s B A)."""
     site = layer.base_layer
     chain = weight_chain(site)
-    weight = _full(site.weight) if base is None else base
-    layer_deltas = deltas(layer)
+    rotations = [(n, m) for n, m in chain if hasattr(m, "rotate_weight")]
+    rest = [(n, m) for n, m in chain if not hasattr(m, "rotate_weight")]
+    weight = apply_chain(rotations, _full(site.weight) if base is None else base)
+    outside = getattr(input_rotation(site), "lora", "rotated") == "unrotated"
+    layer_deltas = [apply_chain(rotations, d) if outside else d for d in deltas(layer)]
     if lora_mode(site) == "merged":
-        return apply_chain(chain, merge(weight, layer_deltas))
-    return merge(apply_chain(chain, weight), layer_deltas)
+        return apply_chain(rest, merge(weight, layer_deltas))
+    return merge(apply_chain(rest, weight), layer_deltas)
+
+
+class RotatedAdapterInput:
+    """A forward pre-hook on a lora_A: its input x·R when the base layer's rotation says the
+    adapters see the rotated input (lora "rotated"); x otherwise. An object, so models pickle."""
+
+    def __init__(self, layer: nn.Module):
+        self.layer = layer
+
+    def __call__(self, module: nn.Module, args: tuple) -> tuple | None:
+        rotation = input_rotation(self.layer.base_layer)
+        if rotation is None or getattr(rotation, "lora", None) != "rotated" or not args:
+            return None
+        return (rotation(args[0]), *args[1:])
 
 
 class LoraForward:
@@ -226,6 +266,8 @@ def bind(layer: nn.Module) -> None:
     if not isinstance(layer.__dict__.get("forward"), LoraForward):
         _check_plain(layer)
         layer.__dict__["forward"] = LoraForward(layer)
+        for adapter in layer.lora_A.values():
+            adapter.register_forward_pre_hook(RotatedAdapterInput(layer))
 
 
 def lora_layers(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:

@@ -1,7 +1,7 @@
 """Custom ops: what torch.export, torch.compile and the ONNX exporter see of qtransform.
 
 Inserted modules run plain PyTorch in eager mode (fast paths, caches, accumulators) and call these
-ops when traced, so an exported graph shows exactly one named node per fake-quant, tap or noise
+ops when traced, so an exported graph shows exactly one named node per fake-quant, tap, noise or rotate
 insertion. A fake-quant's `QuantConfig` travels as its canonical JSON (`QuantConfig.to_json`)
 because custom-op schemas take only simple types.
 """
@@ -17,6 +17,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 from qtransform import formats
 from qtransform.core.noise_kinds import noise_kind
+from qtransform.core.rotation import apply_rotation, unrotate
 from qtransform.formats import QuantConfig
 
 # besides the config, a fake-quant's options may name its tensor-level amax when it is not the
@@ -144,3 +145,28 @@ def split_expert_label(label: str) -> tuple[str, int | None]:
     """(the insertion's label, the expert index) of a node label; None for a whole-tensor node."""
     base, sep, index = label.rpartition(EXPERT_SUFFIX)
     return (base, int(index)) if sep and index.isdigit() else (label, None)
+
+
+@torch.library.custom_op("qtransform::rotate", mutates_args=())
+def rotate(x: Tensor, operand: Tensor, kind: str, label: str) -> Tensor:
+    """x rotated along its last axis per block (`core.rotation.apply_rotation`: `kind`'s
+    Hadamard signs [b] or matrix [b, b]); `label` names the site tensor in exported graphs."""
+    return apply_rotation(x, operand).clone()
+
+
+@rotate.register_fake
+def _(x: Tensor, operand: Tensor, kind: str, label: str) -> Tensor:
+    return torch.empty_like(x)
+
+
+def _rotate_setup(ctx, inputs, output) -> None:
+    ctx.save_for_backward(inputs[1])
+
+
+def _rotate_backward(ctx, grad: Tensor):
+    """The transpose of the rotation, per block: g·Mᵀ, or (g·H)·diag(s) (H is symmetric)."""
+    (operand,) = ctx.saved_tensors
+    return unrotate(grad, operand), None, None, None
+
+
+rotate.register_autograd(_rotate_backward, setup_context=_rotate_setup)

@@ -44,6 +44,7 @@ from qtransform.export.graph import (
     rename_value,
 )
 from qtransform.export.modes import inline_functions, to_qdq
+from qtransform.export.rotation_onnx import finish_rotations
 from qtransform.formats.options import CHOICE_OPTIONS
 from qtransform.passes.fake_quant import FakeQuantize
 
@@ -63,6 +64,7 @@ _OP_ATTRS = {  # every attribute an opaque node may carry, by op
                    **dict.fromkeys(CHOICE_OPTIONS, _A.STRING)},
     "Tap": {"label": _A.STRING},
     "Noise": {"scale": _A.FLOAT, "kind": _A.STRING, "label": _A.STRING},
+    "Rotate": {"kind": _A.STRING, "label": _A.STRING},
 }
 
 
@@ -74,7 +76,7 @@ def _opaque(op_type: str, kind: str, inputs: list, attrs: dict[str, Any]):
         S = onnx.defs.OpSchema
         _SCHEMAS[op_type] = S(
             op_type, DOMAIN, 1,
-            inputs=[S.FormalParameter(name, "T") for name in ("X", "Z")[: len(inputs)]],
+            inputs=[S.FormalParameter(name, "T") for name in (("X", "R") if kind == "Rotate" else ("X", "Z"))[: len(inputs)]],
             outputs=[S.FormalParameter("Y", "T")],
             type_constraints=[("T", ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"], "")],
             attributes=[S.Attribute(k, t, "", required=False) for k, t in _OP_ATTRS[kind].items()],
@@ -112,11 +114,16 @@ def _noise_translation(x, z, scale: float, kind: str, label: str):
     return _opaque("Noise", "Noise", [x, z], {"scale": float(scale), "kind": kind, "label": label})
 
 
+def _rotate_translation(x, operand, kind: str, label: str):
+    return _opaque("Rotate", "Rotate", [x, operand], {"kind": kind, "label": label})
+
+
 def translation_table() -> dict[Callable, Callable]:
     return {
         torch.ops.qtransform.fake_quant.default: _fake_quant_translation,
         torch.ops.qtransform.tap.default: _tap_translation,
         torch.ops.qtransform.noise.default: _noise_translation,
+        torch.ops.qtransform.rotate.default: _rotate_translation,
     }
 
 
@@ -375,6 +382,7 @@ def export_onnx(
     model, noise_inputs = _torch_export(module, signature_model, example_inputs,
                                         dynamic=dynamic, opset=opset, log=log, optimize=optimize)
     labels = finish_fake_quant(model, opset)
+    finish_rotations(model, opset, log)
     audit(labels, log)
     name_dims(model)
     finish_taps(model, taps)

@@ -27,9 +27,10 @@ from qtransform.core.phase import syncing
 from qtransform.core.sites import ADAPTER_KEYS, hf_name
 from qtransform.core.tracing import module_graph
 from qtransform.errors import UserError
-from qtransform.passes import AQNNoisePass, FakeQuantize, FakeQuantPass
+from qtransform.passes import AQNNoisePass, FakeQuantize, FakeQuantPass, RotatePass
 
-_WEIGHT_PASSES = (FakeQuantPass.name, AQNNoisePass.name)  # what changes a weight; taps only observe
+# what changes a weight (a rotated site sends W·R: the engine rotates its input, docs/rotations.md)
+_WEIGHT_PASSES = (RotatePass.name, FakeQuantPass.name, AQNNoisePass.name)
 
 
 def _weight_chains(model: nn.Module) -> dict[str, list[nn.Module]]:

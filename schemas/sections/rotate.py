@@ -1,0 +1,127 @@
+"""The `rotate` section: orthogonal rotations of a Linear's reduction axis before quantization.
+
+A rotation R (orthogonal, b×b, applied per block of b consecutive input features) maps the input
+x ↦ x·R and the weight W ↦ W·R, so the full-precision product is unchanged ((x·R)(W·R)ᵀ = x·Wᵀ)
+while an outlier channel is spread over its block before a fake quantization sees it (QuaRot,
+SpinQuant, FP-Quant's Hadamard groups, compressed-tensors' transforms). Rules run before any
+`quantize` rule at the same points; a later rule overrides an earlier one for the same site.
+docs/rotations.md has the kinds, the points reached and what an engine must apply online.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import AfterValidator, Field, StrictStr, model_validator
+
+from ..base import NonNegInt, PosInt, Selected
+from ..errors import Issue, problems_error
+from ..words import describe_selector
+from . import Section, register_section
+
+KINDS = ("hadamard", "random_hadamard", "matrix")
+MATRIX_SUFFIXES = (".safetensors", ".pt", ".pth")
+LORA_MODES = ("unrotated", "rotated")
+
+
+class RotateRule(Selected):
+    """Rotate the reduction axis of the selected Linear sites (input and weight alike)."""
+
+    name: Annotated[StrictStr, Field(min_length=1)] | None = Field(
+        None, description="the rule's name in plans, logs and reports (unique)")
+    kind: Literal[KINDS] = Field(  # type: ignore[valid-type]
+        "hadamard", description=(
+            "hadamard: the Sylvester Walsh-Hadamard matrix H_b/sqrt(b); random_hadamard: "
+            "diag(signs)·H_b with signs from the Philox stream of `seed`; matrix: an orthogonal "
+            "b×b matrix read from the file `matrix` (a learned SpinQuant rotation)"))
+    block_size: PosInt | None = Field(
+        None, description=("features per rotated block: a power of two that divides the axis "
+                           "(hadamard kinds); null = the whole axis (a power of two), or the "
+                           "matrix's size for kind matrix"))
+    seed: NonNegInt = Field(0, description="random_hadamard: the seed of the sign stream")
+    matrix: StrictStr | None = Field(
+        None, description=("kind matrix: path of a .safetensors (one tensor) or .pt file holding "
+                           "a square orthogonal matrix, read when the policy is applied"))
+    point: Literal["input"] = Field(
+        "input", description=("where the rotation acts: input = the reduction axis of a "
+                              "Linear (x ↦ x·R and W ↦ W·R, output unchanged)"))
+    lora: Literal[LORA_MODES] = Field(  # type: ignore[valid-type]
+        "unrotated", description=("what a PEFT LoRA adapter on a rotated site sees: unrotated = "
+                                  "the input x as PEFT passes it (its A acts on x); rotated = x·R "
+                                  "(its A acts in the rotated basis, as a merged weight would)"))
+
+    @model_validator(mode="after")
+    def _kind_fields(self) -> RotateRule:
+        issues = []
+        if self.kind == "matrix" and self.matrix is None:
+            issues.append(Issue(("matrix",), "kind 'matrix' needs the path of its matrix file",
+                                hint="set matrix to a .safetensors or .pt file"))
+        if self.kind != "matrix" and self.matrix is not None:
+            issues.append(Issue(("matrix",), f"a matrix file is read only by kind 'matrix', not {self.kind!r}",
+                                self.matrix, hint='remove it, or set "kind": "matrix"'))
+        if self.matrix is not None and not self.matrix.endswith(MATRIX_SUFFIXES):
+            issues.append(Issue(("matrix",), "a rotation matrix file must be .safetensors, .pt or .pth",
+                                self.matrix))
+        if self.kind != "random_hadamard" and self.seed:
+            issues.append(Issue(("seed",), f"only kind 'random_hadamard' draws signs; {self.kind!r} "
+                                "has no seed", self.seed))
+        b = self.block_size
+        if b is not None and self.kind != "matrix" and b & (b - 1):
+            issues.append(Issue(("block_size",), "a Hadamard block size must be a power of two", b,
+                                hint=f"e.g. {1 << (b.bit_length() - 1)} or {1 << b.bit_length()}"))
+        if issues:
+            raise problems_error(issues)
+        return self
+
+
+def _names_unique(rules: list[RotateRule]) -> list[RotateRule]:
+    seen: set[str] = set()
+    issues = []
+    for i, rule in enumerate(rules):
+        if rule.name is not None and rule.name in seen:
+            issues.append(Issue((i, "name"), "rule names must be unique", rule.name))
+        seen.add(rule.name or "")
+    if issues:
+        raise problems_error(issues)
+    return rules
+
+
+def rule_label(index: int, rule: RotateRule) -> str:
+    """How plans and errors name a rule: `rotate[0] 'h32'`."""
+    return f"rotate[{index}]" + (f" {rule.name!r}" if rule.name else "")
+
+
+def kind_words(rule: RotateRule) -> str:
+    """'a 32-wide Hadamard rotation', 'a random Hadamard rotation (seed 3) over the whole axis'."""
+    width = f"{rule.block_size}-wide " if rule.block_size else ""
+    what = {"hadamard": "Hadamard rotation", "random_hadamard": "random Hadamard rotation",
+            "matrix": "learned rotation"}[rule.kind]
+    tail = "" if rule.block_size else (" over the whole axis" if rule.kind != "matrix" else " of the matrix's size")
+    extra = f" (seed {rule.seed})" if rule.kind == "random_hadamard" else (
+        f" ({rule.matrix})" if rule.kind == "matrix" else "")
+    return f"a {width}{what}{extra}{tail}"
+
+
+def describe(rules: list[RotateRule]) -> list[str]:
+    lines = []
+    for i, rule in enumerate(rules):
+        adapters = (" LoRA adapters see the rotated input." if rule.lora == "rotated" else "")
+        lines.append(f"{rule_label(i, rule).capitalize()}: the inputs and weights of "
+                     f"{describe_selector(rule).rstrip(',')} get {kind_words(rule)} along their "
+                     "reduction axis, before any fake quantization (the full-precision output is "
+                     f"unchanged).{adapters}")
+    if len(rules) > 1:
+        lines.append("A later rule overrides an earlier one for the same module.")
+    return lines
+
+
+def summary(rules: list[RotateRule]) -> str:
+    kinds = ", ".join(f"{r.kind}{'/' + str(r.block_size) if r.block_size else ''}" for r in rules)
+    return f"{len(rules)} rotate rule(s) ({kinds})"
+
+
+register_section(Section(
+    "rotate", Annotated[list[RotateRule], AfterValidator(_names_unique)], [], describe, summary,
+    order=-1,
+    description="rotations of a Linear's reduction axis (x·R, W·R) before quantization, in order",
+    example=[{"targets": ["Linear"], "ignore": ["lm_head"], "kind": "hadamard", "block_size": 32}]))
