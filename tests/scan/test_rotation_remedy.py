@@ -5,6 +5,7 @@ rotation (`hadamard.rotate`, a matmul) and float64 metrics, not from the fast pa
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -14,7 +15,7 @@ from qtransform.errors import UserError
 from qtransform.formats import fake_quantize
 from qtransform.formats import hadamard as H
 from qtransform.models import build_tiny
-from qtransform.scan import compare_formats, scan_weights
+from qtransform.scan import compare_formats, guide, recommend, scan_weights
 from qtransform.scan.remedy import Rotation
 from qtransform.scan.report import ScanReport
 
@@ -113,3 +114,66 @@ def test_a_bad_rotation_names_the_syntax(text):
 def test_whole_axis_rotation_label_round_trips():
     assert Rotation.parse("hadamard") == Rotation("hadamard", None) == Rotation.parse("hadamard-axis")
     assert Rotation.parse(Rotation("random_hadamard", 64, 7).label) == Rotation("random_hadamard", 64, 7)
+
+
+def test_recommend_rotates_the_planted_site_instead_of_a_wider_format():
+    """Flagged for its deadzone, healed by the rotation: the recommendation rotates it (no bit)
+    rather than keeping it in high precision (+11.75 bits per weight) or moving to MXFP8 (+4)."""
+    model = planted()
+    report = scan_weights(model, "mxfp4", rotation="hadamard-32")
+    assert [r.site for r, _ in report.problems()] == [PLANTED]
+    assert recommend(scan_weights(model, "mxfp4")).kept_sites  # without the rotation: kept in bf16
+    rec = recommend(report)
+    assert rec.kind == "rotate" and rec.rotated_sites == [PLANTED] and rec.kept_sites == []
+    assert rec.policy["rotate"] == [{"name": "remedy hadamard-32", "targets": [PLANTED],
+                                     "kind": "hadamard", "block_size": 32}]
+    assert "ignore" not in rec.policy["quantize"][0] or rec.policy["quantize"][0]["ignore"] == []
+    assert "no extra bit" in rec.text and "11.75 more bits per weight" in rec.text
+    assert "4.00 more in mxfp8_e4m3" in rec.text
+
+
+def test_the_rotated_policy_heals_the_site_in_the_transformed_model():
+    """The guide's policy, applied by the rotate pass: the planted site's weight as the model
+    now computes it (fake-quantized W·R, rotated back) has the rotated error the scan reported."""
+    from qtransform import transform
+
+    model = planted()
+    report = scan_weights(model, "mxfp4", rotation="hadamard-32")
+    policy = guide(report)
+    out = transform(model, policy)
+    x = torch.eye(128)  # the site's 128 inputs, one at a time: rows of W_effᵀ
+    site = out.get_submodule(PLANTED)
+    with torch.no_grad():
+        w_eff = site(x).T  # [out, in]
+    weight = model.get_submodule(PLANTED).weight.detach()
+    rotated = next(r for r in report.rows if r.site == PLANTED).remedies["hadamard-32"]["metrics"]["sqnr_db"]
+    assert sqnr_db(weight, w_eff) == pytest.approx(rotated, abs=0.05)
+
+
+def test_gaussian_weights_get_no_rotation_even_when_flagged():
+    """A strict absolute SQNR limit flags every MXFP4 site of the Gaussian model; a rotation
+    gains nothing on Gaussian weights, so only more bits help: the usual format change."""
+    report = scan_weights(build_tiny("qwen2", num_layers=4, hidden=64), "mxfp4", rotation="hadamard-32",
+                          flagging="absolute", thresholds={"sqnr_db": 25.0})
+    assert len(report.problems()) == len(report.rows)
+    rec = recommend(report)
+    assert rec.kind == "change_format" and rec.rotated_sites == [] and "rotate" not in rec.policy
+    unflagged = scan_weights(build_tiny("qwen2", num_layers=4, hidden=64), "mxfp4", rotation="hadamard-32")
+    assert unflagged.problems() == [] and "rotate" not in recommend(unflagged).policy
+
+
+def test_guide_cli_writes_the_rotate_rule(tmp_path, capsys):
+    from qtransform.cli.main import main
+
+    model_dir = tmp_path / "model"
+    planted().save_pretrained(model_dir)
+    assert main(["scan", str(model_dir), "--format", "mxfp4", "--rotation", "hadamard-32",
+                 "--out", str(tmp_path / "scan")]) == 0
+    capsys.readouterr()
+    assert main(["guide", str(tmp_path / "scan"), "--out", str(tmp_path / "policy.json")]) == 0
+    policy = json.loads((tmp_path / "policy.json").read_text())
+    assert policy["rotate"][0]["targets"] == [PLANTED]
+    assert "heals 1 flagged site" in capsys.readouterr().err
+    assert main(["scan", str(model_dir), "--format", "mxfp4", "--rotation", "hadamard-24",
+                 "--out", str(tmp_path / "bad")]) == 2
+    assert "KIND-BLOCK" in capsys.readouterr().err
