@@ -177,3 +177,67 @@ def test_guide_cli_writes_the_rotate_rule(tmp_path, capsys):
     assert main(["scan", str(model_dir), "--format", "mxfp4", "--rotation", "hadamard-24",
                  "--out", str(tmp_path / "bad")]) == 2
     assert "KIND-BLOCK" in capsys.readouterr().err
+
+
+ACT_SITES = [f"model.layers.1.self_attn.{p}_proj" for p in "qkv"]
+
+
+def act_outliers() -> torch.nn.Module:
+    """Four input channels of layer 1's attention 30x larger (its input norm's weight): the
+    activation outliers a rotation is for."""
+    model = build_tiny("qwen2", num_layers=2, hidden=64)
+    with torch.no_grad():
+        model.model.layers[1].input_layernorm.weight[[3, 17, 40, 51]] *= 30
+    return model
+
+
+def hand_rotated_kl(model: torch.nn.Module, site: str, ids: torch.Tensor) -> float:
+    """KL(fp‖q) per token with only `site` W4A4 MXFP4 after a dense 32-wide Hadamard rotation of
+    its input and weight, written out by hand (F.linear on the rotated, quantized operands)."""
+    import torch.nn.functional as F
+
+    linear = model.get_submodule(site)
+    with torch.no_grad():
+        ref = model(input_ids=ids, use_cache=False).logits.double()
+        wq = fake_quantize(H.rotate(linear.weight, 32), "mxfp4")
+        handle = linear.register_forward_hook(
+            lambda mod, args, out: F.linear(fake_quantize(H.rotate(args[0], 32), "mxfp4"), wq, mod.bias))
+        try:
+            got = model(input_ids=ids, use_cache=False).logits.double()
+        finally:
+            handle.remove()
+    logp, logq = ref.log_softmax(-1), got.log_softmax(-1)
+    return float((logp.exp() * (logp - logq)).sum(-1).mean())
+
+
+def test_sensitivity_measures_each_site_with_and_without_the_rotation(tmp_path):
+    from qtransform.scan.sensitivity import SensitivityReport, site_sensitivity
+
+    model = act_outliers()
+    ids = torch.randint(0, 256, (4, 16), generator=torch.Generator().manual_seed(2))
+    report = site_sensitivity(model, "mxfp4", ids, activations=True, rotation="hadamard-32")
+    rows = {r.site: r for r in report.rows}
+    assert report.meta["rotation"] == "hadamard-32"
+    for site in ACT_SITES:  # the outlier inputs: the rotation lowers their KL
+        assert rows[site].rotated < rows[site].exact, site
+        # equal to the hand-written rotation apart from rounding-boundary ties of the fp32 paths
+        assert rows[site].rotated == pytest.approx(hand_rotated_kl(model, site, ids), rel=1e-4)
+    report.save(tmp_path)
+    back = SensitivityReport.load(tmp_path)
+    assert [r.rotated for r in back.ranked()] == [r.rotated for r in report.ranked()]
+    assert "| with hadamard-32 | rotated / exact |" in (tmp_path / "sensitivity.md").read_text()
+    with pytest.raises(UserError, match="rotated measure is exact"):
+        site_sensitivity(model, "mxfp4", ids, method="estimate", rotation="hadamard-32")
+
+
+def test_sensitivity_cli_takes_a_rotation(tmp_path, capsys):
+    from qtransform.cli.main import main
+
+    act_outliers().save_pretrained(tmp_path / "model")
+    calib = tmp_path / "calib.json"
+    calib.write_text(json.dumps(torch.randint(0, 256, (4, 16), generator=torch.Generator().manual_seed(2)).tolist()))
+    assert main(["sensitivity", str(tmp_path / "model"), "--format", "mxfp4", "--activations",
+                 "--calib", str(calib), "--rotation", "hadamard-32", "--out", str(tmp_path / "s")]) == 0
+    assert "with hadamard-32" in capsys.readouterr().out
+    rows = json.loads((tmp_path / "s" / "sensitivity.json").read_text())["rows"]
+    assert all(isinstance(r["rotated"], float) for r in rows)
