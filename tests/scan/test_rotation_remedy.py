@@ -241,3 +241,15 @@ def test_sensitivity_cli_takes_a_rotation(tmp_path, capsys):
     assert "with hadamard-32" in capsys.readouterr().out
     rows = json.loads((tmp_path / "s" / "sensitivity.json").read_text())["rows"]
     assert all(isinstance(r["rotated"], float) for r in rows)
+
+
+def test_compare_cli_takes_a_rotation(tmp_path, capsys):
+    from qtransform.cli.main import main
+
+    assert main(["compare", "builtin:qwen2", "--formats", "mxfp4,nvfp4", "--rotation", "hadamard-32",
+                 "--out", str(tmp_path / "c")]) == 0
+    assert "| sqnr_db | " in capsys.readouterr().out
+    data = json.loads((tmp_path / "c" / "comparison.json").read_text())
+    assert data["formats"] == ["mxfp4", "mxfp4 with hadamard-32", "nvfp4", "nvfp4 with hadamard-32"]
+    assert main(["compare", "builtin:qwen2", "--formats", "mxfp4", "--rotation", "givens-4"]) == 2
+    assert "KIND-BLOCK" in capsys.readouterr().err
