@@ -102,6 +102,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "(absolute); sqnr_margin_db, deadzone_margin, saturation_margin, outlier_z, "
                         "outlier_min_db (expected)")
     add_flagging(s)
+    s.add_argument("--rotation", metavar="ROT",
+                   help="weight scan: also measure each weight rotated along its reduction axis "
+                        "(hadamard-32, random_hadamard-64:SEED, hadamard = the whole axis); the "
+                        "report shows the gain and `guide` proposes a rotate rule where it heals")
     s.add_argument("--fail-on-problematic", action="store_true",
                    help="exit 1 when any site is problematic")
     s.add_argument("--no-onnx", action="store_true",
@@ -114,6 +118,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     c.add_argument("model", help="safetensors file, HF/safetensors folder, builtin:<arch> or demo")
     c.add_argument("--formats", required=True, help="comma-separated formats")
     c.add_argument("--policy", help="policy JSON whose quantize rules select the sites")
+    c.add_argument("--rotation", metavar="ROT",
+                   help="add a column 'FORMAT with ROT' beside each format: the weights rotated "
+                        "along their reduction axis first (e.g. hadamard-32)")
     c.add_argument("--out", help="folder for comparison.json and comparison.md")
     c.add_argument("--force", action="store_true",
                    help="replace --out even when it is a folder qtransform did not write")
@@ -169,6 +176,9 @@ def run_scan(args: argparse.Namespace) -> int:
                            protect=input_paths(args.model, args.policy, args.calib)) as staging:
         if args.sequential and args.calib is None:
             raise UserError("--sequential is a mode of the activation scan: give --calib too")
+        if args.rotation and args.calib is not None:
+            raise UserError("--rotation is measured by the weight scan: drop --calib, or measure a "
+                            "rotation end to end with `qtransform sensitivity --rotation`")
         if args.calib is not None:
             report = _activation_scan(args)
             # the weights again, for the page's histograms: cheap for a checkpoint or builtin
@@ -178,7 +188,8 @@ def run_scan(args: argparse.Namespace) -> int:
             source = _source(args.model)
             report = scan_weights(source, args.format, policy=args.policy,
                                   options=format_options(args), thresholds=thresholds(args.threshold),
-                                  flagging=flagging(args), progress=progress(args))
+                                  flagging=flagging(args), progress=progress(args),
+                                  rotation=args.rotation)
         files = report.save(staging)
         files["html"] = write_scan_page(report, staging / "report.html", source=source,
                                         command=command_line())
@@ -253,7 +264,8 @@ def run_compare(args: argparse.Namespace) -> int:
         staging = None if args.out is None else stack.enter_context(qio.output_folder(
             args.out, "compare", force=args.force, protect=input_paths(args.model, args.policy)))
         result = compare_formats(_source(args.model), names, policy=args.policy,
-                                 options=format_options(args), progress=progress(args))
+                                 options=format_options(args), progress=progress(args),
+                                 rotation=args.rotation)
         if staging is not None:
             qio.write_json(staging / "comparison.json", result.to_dict())
             qio.write_text(staging / "comparison.md", result.to_markdown())

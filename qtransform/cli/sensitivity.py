@@ -45,6 +45,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="exact: one run per site; estimate: one backward pass per batch and draw "
                         "(large models); both: records their agreement")
     p.add_argument("--activations", action="store_true", help="W4A4: quantize each site's input too")
+    p.add_argument("--rotation", metavar="ROT",
+                   help="also measure each site exactly with this rotation on it (e.g. hadamard-32): "
+                        "the KL with and without it, side by side")
     p.add_argument("--draws", type=int, default=4, help="estimate: sampled backward passes per batch")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--max-length", type=int, default=128)
@@ -117,7 +120,7 @@ def run_sensitivity(args: argparse.Namespace) -> int:
                              activations=args.activations)
         calib = CalibrationSpec(samples, tokenizer, args.batch_size, args.max_length, source=args.calib)
         report = site_sensitivity(model, policy, calib, method=args.method, draws=args.draws,
-                                  progress=progress(args))
+                                  progress=progress(args), rotation=args.rotation)
         report.meta["source"] = args.model
         files = list(report.save(staging).values())
         files.append(sensitivity_page(report, command=command_line()).write(staging / "sensitivity.html"))

@@ -14,8 +14,6 @@ to fp32 rounding. A matrix is one fp32 matmul per block (its summation order is 
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import Tensor
 
@@ -24,27 +22,14 @@ from qtransform.formats import hadamard
 
 def hadamard_scale(block: int) -> float:
     """fl32(1/sqrt(b)): the one multiplication the butterfly ends with."""
-    return float(torch.tensor(1.0 / math.sqrt(block), dtype=torch.float32))
+    return hadamard.scale_of(block)
 
 
 def walsh_hadamard(x: Tensor, signs: Tensor) -> Tensor:
     """(x·diag(signs))·H_b/√b per block of b = len(signs) along the last axis, in the butterfly
-    order above (fp32 inside, x's dtype out)."""
-    b, n = signs.shape[0], x.shape[-1]
-    if not hadamard.is_power_of_two(b):
-        raise ValueError(f"a Hadamard block size must be a power of two, got {b}")
-    if n % b:
-        raise ValueError(f"axis of {n} is not a multiple of the block size {b}")
-    v = x.to(torch.float32).reshape(-1, n // b, b) * signs.to(x.device, torch.float32)
-    v = v.reshape(-1, n)
-    h = 1
-    while h < b:
-        pairs = v.reshape(v.shape[0], n // (2 * h), 2, h)
-        lo, hi = pairs[:, :, 0], pairs[:, :, 1]
-        v = torch.stack((lo + hi, lo - hi), dim=2).reshape(-1, n)
-        h *= 2
-    v = v * torch.tensor(hadamard_scale(b), dtype=torch.float32, device=v.device)
-    return v.reshape(x.shape).to(x.dtype)
+    order above (fp32 inside, x's dtype out): `formats.hadamard.fwht`, the compiled kernel on
+    CPU, Triton on CUDA, the torch butterfly elsewhere (the same bits on each)."""
+    return hadamard.fwht(x, signs.shape[0], signs)
 
 
 def rotation_operand(kind: str, block: int, seed: int = 0, matrix: Tensor | None = None) -> Tensor:

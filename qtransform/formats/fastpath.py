@@ -211,6 +211,9 @@ def library() -> ctypes.CDLL | None:
                     lib.qf_stats.restype = ctypes.c_int
                     lib.qf_stats.argtypes = [ctypes.c_void_p] * 3 + [
                         ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
+                    lib.qf_fwht.restype = ctypes.c_int
+                    lib.qf_fwht.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p] + [
+                        ctypes.c_int64] * 3 + [ctypes.c_void_p, ctypes.c_float, ctypes.c_int]
                     _lib = lib
             except OSError as err:
                 log.debug("fast path: could not build or load the kernel: %s", err)
@@ -283,14 +286,16 @@ def _call(cfg: QuantConfig, layout: BlockLayout, dtype: torch.dtype) -> _Call | 
 def quantize(
     x: torch.Tensor, cfg: QuantConfig, layout: BlockLayout, want_sat: bool, *,
     exponents: bool = False, values: bool = True, seed: int | None = None,
-    amax: torch.Tensor | None = None,
+    amax: torch.Tensor | None = None, out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None] | None:
     """(fake-quantized values shaped `layout.shape` in x's dtype (fp32 for float64) unless not
     `values`, saturation mask if `want_sat`, MX block exponents int32 shaped `layout.grid_shape`
     if `exponents`) from one pass, or None when the fast path does not apply (the caller then
     runs the reference path). Stochastic rounding draws from the Philox stream of `seed`;
     NVFP4's tensor scale comes from `amax` when given (0-dim fp32, or one per row of 1D
-    blocks: x's shape with the blocked axis 1), else from x."""
+    blocks: x's shape with the blocked axis 1), else from x. `out`
+    (blocks along x's last axis, a contiguous tensor of x's shape and dtype) receives the values
+    instead of a new tensor; it may be x itself: the kernel reads each block before writing it."""
     if (
         (amax is not None and amax.ndim and layout.tile)
         or not x.is_cpu
@@ -318,7 +323,12 @@ def quantize(
     if xs.shape != layout.shape:
         xs = xs.reshape(layout.shape)
     xm = (xs.movedim(layout.axis, -1) if call.moved else xs).contiguous()
-    out = torch.empty_like(xm) if values else None  # written natively
+    if out is not None and (call.moved or not out.is_contiguous() or out.shape != xm.shape
+                            or out.dtype != xm.dtype or not out.is_cpu):
+        raise ValueError("quantize(out=...) needs blocks along the last axis and a contiguous "
+                         "CPU tensor of x's shape and dtype")
+    if values and out is None:
+        out = torch.empty_like(xm)  # written natively
     sat = torch.empty(call.shape, dtype=torch.bool) if want_sat and values else None
     exps = torch.empty(call.grid, dtype=torch.int32) if exponents else None
     assert _lib is not None
@@ -426,3 +436,26 @@ def lse_dot(x: torch.Tensor, ref: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
     _lib.qf_lse_dot(x.data_ptr(), ref.data_ptr(), rows, cols, lse.data_ptr(), dot.data_ptr(),
                     torch.get_num_threads() if x.numel() >= MIN_PARALLEL else 1)
     return lse, dot
+
+
+def fwht(x: torch.Tensor, block_size: int, signs: torch.Tensor | None, scale: float, *,
+         out: torch.Tensor | None = None) -> torch.Tensor | None:
+    """The blockwise Walsh-Hadamard transform of `formats.hadamard.fwht` along the last axis of
+    an fp32/bf16/fp16 CPU tensor, in one compiled pass per row (the same fp32 butterflies as the
+    torch version, so the same bits), written into `out` (x's shape and dtype, contiguous; x
+    itself for in place) or a new tensor; None where that does not apply."""
+    code = _DTYPES.get(x.dtype)
+    if code is None or not x.is_cpu or x.numel() == 0 or not enabled() or library() is None:
+        return None
+    n = x.shape[-1]
+    xs = x.detach().contiguous()
+    if out is None:
+        out = torch.empty_like(xs)
+    if not (out.is_contiguous() and out.dtype == x.dtype and out.shape == x.shape and out.is_cpu):
+        raise ValueError("fwht(out=...) must be a contiguous CPU tensor of x's shape and dtype")
+    sg = None if signs is None else signs.to(torch.float32).contiguous()
+    assert _lib is not None
+    if _lib.qf_fwht(xs.data_ptr(), code, out.data_ptr(), xs.numel() // n, n, block_size, _ptr(sg) or None,
+                    scale, torch.get_num_threads() if xs.numel() >= MIN_PARALLEL else 1):
+        raise MemoryError("qf_fwht: out of memory")
+    return out

@@ -1371,3 +1371,64 @@ void qf_lse_dot(const float *x, const double *ref, int64_t rows, int64_t cols, d
 #pragma omp parallel for num_threads(nthreads) schedule(dynamic, 1)
     for (int64_t r = 0; r < rows; r++) lse_dot_row(x + r * cols, ref + r * cols, cols, lse + r, dot + r);
 }
+
+/* ---- Blockwise Walsh-Hadamard transform (qtransform/formats/hadamard.py `fwht`) ----
+ * Each row of n elements (blocks of b, a power of two dividing n) is multiplied by the signs,
+ * then transformed by log2(b) butterfly stages in place (stage h: v[j], v[j+h] <- v[j] + v[j+h],
+ * v[j] - v[j+h] over groups of 2h, which never straddle a block), then multiplied by `scale`
+ * (fl32(1/sqrt(b))). The torch and Triton butterflies do the same fp32 operations in the same
+ * order, so the three agree bit for bit; the dense reference `rotate` agrees to rounding.
+ * O(n log b) per row, the row in L1 for every stage. */
+static inline void fwht8(float *v) { /* stages h = 1, 2, 4 on 8 consecutive elements */
+    float a0 = v[0] + v[1], a1 = v[0] - v[1], a2 = v[2] + v[3], a3 = v[2] - v[3];
+    float a4 = v[4] + v[5], a5 = v[4] - v[5], a6 = v[6] + v[7], a7 = v[6] - v[7];
+    float b0 = a0 + a2, b2 = a0 - a2, b1 = a1 + a3, b3 = a1 - a3;
+    float b4 = a4 + a6, b6 = a4 - a6, b5 = a5 + a7, b7 = a5 - a7;
+    v[0] = b0 + b4; v[4] = b0 - b4; v[1] = b1 + b5; v[5] = b1 - b5;
+    v[2] = b2 + b6; v[6] = b2 - b6; v[3] = b3 + b7; v[7] = b3 - b7;
+}
+
+static void fwht_row(float *restrict v, int64_t n, int64_t b, float scale) {
+    int64_t h = 1;
+    if (b >= 8) {
+        for (int64_t i = 0; i < n; i += 8) fwht8(v + i);
+        h = 8;
+    }
+    for (; h < b; h <<= 1)
+        for (int64_t i = 0; i < n; i += 2 * h) {
+            float *restrict lo = v + i, *restrict hi = v + i + h;
+            for (int64_t j = 0; j < h; j++) {
+                float a = lo[j], c = hi[j];
+                lo[j] = a + c;
+                hi[j] = a - c;
+            }
+        }
+    for (int64_t i = 0; i < n; i++) v[i] *= scale;
+}
+
+/* x, out: rows x n in `dtype` (may be the same memory); signs: b floats or NULL. Returns 1 when
+ * a row buffer cannot be allocated. */
+int qf_fwht(const void *x, int dtype, void *out, int64_t rows, int64_t n, int64_t b,
+            const float *signs, float scale, int nthreads) {
+    int failed = 0;
+#pragma omp parallel num_threads(nthreads) reduction(|| : failed)
+    {
+        float *buf = dtype == DT_F32 ? NULL : malloc((size_t)n * sizeof(float));
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; r++) {
+            float *v = dtype == DT_F32 ? (float *)out + r * n : buf;
+            if (v == NULL) { /* every thread still runs the loop: a worksharing construct */
+                failed = 1;
+                continue;
+            }
+            if (dtype != DT_F32) widen(x, r * n, dtype, v, n);
+            else if (v != (const float *)x + r * n) memcpy(v, (const float *)x + r * n, (size_t)n * sizeof(float));
+            if (signs)
+                for (int64_t i = 0; i < n; i++) v[i] *= signs[i & (b - 1)];
+            fwht_row(v, n, b, scale);
+            if (dtype != DT_F32) narrow(v, out, r * n, dtype, n);
+        }
+        free(buf);
+    }
+    return failed;
+}

@@ -247,3 +247,64 @@ def quantize(x: torch.Tensor, cfg: QuantConfig, layout: BlockLayout, want_sat: b
         return None
     return run(x, cfg, layout, want_sat)
 
+
+
+FWHT_DTYPES = _DTYPES  # `formats.hadamard.fwht` sends these here on CUDA
+FWHT_ELEMENTS = 4096  # elements per program: whole blocks, at least one
+
+
+@triton.jit
+def _fwht_kernel(x_ptr, out_ptr, signs_ptr, n_blocks, SCALE: tl.constexpr, BLOCK: tl.constexpr,
+                 STAGES: tl.constexpr, GROUP: tl.constexpr, SIGNS: tl.constexpr,
+                 KIND: tl.constexpr):
+    """GROUP blocks of BLOCK (= 2^STAGES) contiguous elements per program: the signs, the
+    butterflies of `hadamard.butterfly` (stage h: (a + c, a - c) for the pairs h apart, as a
+    reshape to [.., 2, h], a split and a join) in registers, then SCALE (fl32(1/sqrt(b)))."""
+    pid = tl.program_id(0)
+    bid = pid.to(tl.int64) * GROUP + tl.arange(0, GROUP).to(tl.int64)
+    k = tl.arange(0, BLOCK)
+    offs = bid[:, None] * BLOCK + k[None, :]
+    mask = tl.broadcast_to((bid < n_blocks)[:, None], (GROUP, BLOCK))
+    if KIND == 1:  # bf16 widened on the bits
+        raw = tl.load(x_ptr.to(tl.pointer_type(tl.int16)) + offs, mask=mask, other=0)
+        v = ((raw.to(tl.int32) & 0xFFFF) << 16).to(tl.float32, bitcast=True)
+    else:
+        v = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    if SIGNS:
+        v = v * tl.load(signs_ptr + k)[None, :]
+    for s in tl.static_range(STAGES):
+        h: tl.constexpr = 1 << s
+        w = tl.permute(tl.reshape(v, (GROUP, BLOCK // (2 * h), 2, h)), (0, 1, 3, 2))
+        lo, hi = tl.split(w)
+        w = tl.join(lo + hi, lo - hi)
+        v = tl.reshape(tl.permute(w, (0, 1, 3, 2)), (GROUP, BLOCK))
+    v = v * SCALE
+    if KIND == 0:
+        tl.store(out_ptr + offs, v, mask=mask)
+    else:
+        if KIND == 1:  # round to nearest even on the bits
+            bits = v.to(tl.int32, bitcast=True)
+            narrow = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).to(tl.int16)
+            canon = 0x7FC0
+        else:
+            narrow = v.to(tl.float16).to(tl.int16, bitcast=True)
+            canon = 0x7E00
+        narrow = tl.where(v != v, tl.full(v.shape, canon, tl.int16), narrow)
+        tl.store(out_ptr.to(tl.pointer_type(tl.int16)) + offs, narrow, mask=mask)
+
+
+def fwht(x: torch.Tensor, block_size: int, signs: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """`formats.hadamard.fwht` along the last axis on x's device (CUDA, or CPU under
+    TRITON_INTERPRET=1): a new tensor of x's shape and dtype, the butterflies' exact bits."""
+    xs = x.detach().contiguous()
+    out = torch.empty_like(xs)
+    n_blocks = xs.numel() // block_size
+    group = max(1, FWHT_ELEMENTS // block_size)
+    sg = xs.new_zeros(1, dtype=torch.float32) if signs is None else \
+        signs.to(device=x.device, dtype=torch.float32).contiguous()
+    _fwht_kernel[(triton.cdiv(n_blocks, group),)](
+        xs, out, sg, n_blocks, SCALE=scale, BLOCK=block_size,
+        STAGES=block_size.bit_length() - 1, GROUP=group, SIGNS=signs is not None,
+        KIND=_DTYPES.index(x.dtype), enable_fp_fusion=False,
+    )
+    return out

@@ -7,6 +7,10 @@ The rule reads the share of problematic decoder layers (a layer is as bad as its
   precision and train the rest with SRDD-guided AQN: sigma multipliers by SQNR tier;
 - over 30 %: the format is too coarse for this model: try a finer one (e.g. MXFP8).
 
+A report that measured a rotation (`scan_weights(rotation=...)`, scan/remedy.py) first rotates
+the flagged sites the rotation heals (its cost model: an online transform of the activations
+against the bits of higher precision), then applies the rule above to what is still flagged.
+
 Every recommendation carries a policy dict that does it, validated by `qtransform.schemas`.
 """
 
@@ -21,6 +25,7 @@ from qtransform import formats
 from qtransform.errors import UserError
 from qtransform.formats.expected import effective_bits
 from qtransform.formats.options import FORMAT_KEYS
+from qtransform.scan.remedy import Rotation, healed_sites
 from qtransform.schemas import load_policy
 from qtransform.schemas.selectors import format_layers
 
@@ -30,13 +35,14 @@ if TYPE_CHECKING:
 DEFAULT_TIERS = (1.5, 1.2, 1.0)
 AQN_SCHEDULE = {"kind": "exponential", "sigma_start": 1e-2, "sigma_end": 1e-4, "num_stages": 10}
 KEEP_BELOW, CHANGE_ABOVE = 0.10, 0.30
+SHOWN_DISAGREEMENTS = 6  # sites named per kind of disagreement; the rest are counted
 
 
 @dataclass
 class Recommendation:
     """What to do about a scan, why, and the policy that does it."""
 
-    kind: str  # keep_high_precision | high_precision_and_aqn | change_format
+    kind: str  # rotate | keep_high_precision | high_precision_and_aqn | change_format
     share: float  # problematic layers / layers (sites / sites when no row has a layer)
     problematic_layers: list[int]
     kept_layers: list[int]
@@ -45,6 +51,7 @@ class Recommendation:
     policy: dict[str, Any]
     ranking: str | None = None  # the sensitivity measure the kept sites follow (None: weight error)
     disagreements: list[str] = field(default_factory=list)  # where the two views differ, in words
+    rotated_sites: list[str] = field(default_factory=list)  # healed by the measured rotation
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -111,10 +118,41 @@ def recommend(
 ) -> Recommendation:
     """The recommendation for a report (see the module docstring for the rule). With a
     `sensitivity` report of the same run, the sites kept in high precision follow its ranking
-    instead (`follow_sensitivity`)."""
-    rec = _by_weight_error(report, tiers, keep_fraction=keep_fraction, total_steps=total_steps)
-    return rec if sensitivity is None else follow_sensitivity(report, rec, sensitivity, tiers,
-                                                              total_steps=total_steps)
+    instead (`follow_sensitivity`). Sites that a rotation measured in the report heals are
+    rotated first (`with_rotation`); the rule then judges the report with them rotated."""
+    label, healed, residual = healed_sites(report)
+    rec = _by_weight_error(residual, tiers, keep_fraction=keep_fraction, total_steps=total_steps)
+    if sensitivity is not None:
+        rec = follow_sensitivity(residual, rec, sensitivity, tiers, total_steps=total_steps)
+    return with_rotation(report, rec, label, healed) if label is not None and healed else rec
+
+
+def with_rotation(report: ScanReport, rec: Recommendation, label: str, healed: list[str]) -> Recommendation:
+    """`rec` (made on the report with `healed` rotated) with the `rotate` rule that heals them
+    and the costs that make it the cheaper remedy (scan/remedy.py): the rotation's online
+    additions per input element against the bits per weight higher precision would add."""
+    rotation = Rotation.parse(label)
+    rows = {r.site: r for r in report.rows}
+    fmt = str(report.meta.get("format"))
+    gains = [(s, rows[s].metrics["sqnr_db"], rows[s].remedies[label]["metrics"]["sqnr_db"]) for s in healed]
+    named = ", ".join(f"{s} {a:.1f} -> {b:.1f} dB" for s, a, b in gains[:SHOWN_DISAGREEMENTS])
+    more = f" and {len(gains) - SHOWN_DISAGREEMENTS} more" if len(gains) > SHOWN_DISAGREEMENTS else ""
+    length = rows[healed[0]].shape[0 if rows[healed[0]].kind == "conv1d" else -1]
+    cost = f"{rotation.online_adds(length)} additions per input element online, no extra bit"
+    if fmt in formats.names():
+        bits = effective_bits(fmt, report.meta.get("options") or {})
+        finer = finer_format(fmt)
+        alt = f"{HIGH_PRECISION_BITS - bits:.2f} more bits per weight kept in high precision"
+        if finer is not None:
+            alt += f", {effective_bits(finer) - bits:.2f} more in {finer}"
+        cost += f" (against {alt})"
+    text = (f"A {label} rotation heals {len(healed)} flagged site{'s' * (len(healed) > 1)} "
+            f"({named}{more}) at {cost}: rotate {'them' if len(healed) > 1 else 'it'}.")
+    policy = {**rec.policy, "rotate": [rotation.rule(healed)]}
+    still = rec.kept_sites or rec.kind == "change_format" or "noise" in rec.policy
+    return Recommendation(rec.kind if still else "rotate", rec.share, rec.problematic_layers,
+                          rec.kept_layers, rec.kept_sites, text + (" " + rec.text if still else ""),
+                          _validated(policy), rec.ranking, rec.disagreements, healed)
 
 
 def _by_weight_error(report: ScanReport, tiers: Sequence[float], *, keep_fraction: float,
@@ -162,9 +200,6 @@ def _by_weight_error(report: ScanReport, tiers: Sequence[float], *, keep_fractio
             f"SRDD-guided AQN (sigma x{'/'.join(f'{t:g}' for t in tiers)} by SQNR tier, worst first).")
     policy = {"version": 1, "quantize": _ignoring(rules, kept), "noise": noise}
     return Recommendation("high_precision_and_aqn", share, bad_layers, kept_layers, kept, text, _validated(policy))
-
-
-SHOWN_DISAGREEMENTS = 6  # sites named per kind of disagreement; the rest are counted
 
 
 def follow_sensitivity(report: ScanReport, rec: Recommendation, sensitivity: Any,
@@ -271,6 +306,7 @@ def guide(
         "version": 1,
         "quantize": _ignoring(_rules(report), rec.kept_sites),
         "noise": aqn_section({k: sqnr[k] for k in rest}, tiers, total_steps=total_steps, layers=rest),
+        **({"rotate": rec.policy["rotate"]} if "rotate" in rec.policy else {}),
     }
     return _validated(policy)
 

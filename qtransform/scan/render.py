@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from qtransform.core import io as qio
 from qtransform.core.io import encode_floats
 from qtransform.scan.recommend import recommend
+from qtransform.scan.remedy import healed_sites
 from qtransform.schemas.selectors import format_layers
 
 if TYPE_CHECKING:
@@ -142,9 +143,29 @@ def to_markdown(report: ScanReport) -> str:
           "; ".join(report.row_problems(r))] for r in report.rows],
     )
     lines += experts_markdown(report)
+    lines += remedy_markdown(report)
     lines += ["", "*mean relative error is dominated by small values that quantize to zero; "
               "it is reported for comparison with older SRDD scans only (docs/metrics.md)."]
     return "\n".join(lines) + "\n"
+
+def remedy_markdown(report: ScanReport) -> list[str]:
+    """The rotation a weight scan measured (scan/remedy.py), beside each site's error: its SQNR
+    with the rotation, the gain, and whether it heals a flagged site (empty without one)."""
+    label, healed, _ = healed_sites(report)
+    if label is None:
+        return []
+    rows = [r for r in report.rows if r.remedies and label in r.remedies]
+    return ["", f"## Rotation remedy: {label}", "",
+            "The format's error on each weight rotated along its reduction axis (W·R: the same "
+            "SQNR as on W under the rotation). It costs an online transform of the site's "
+            "inputs, no bit; `guide` rotates the flagged sites it heals.", "",
+            *_md_table(["site", "SQNR dB", f"with {label}", "gain dB", "flagged", "healed"],
+                       [[r.site, format_metric("sqnr_db", r.metrics["sqnr_db"]),
+                         format_metric("sqnr_db", r.remedies[label]["metrics"]["sqnr_db"]),
+                         f"{r.remedies[label]['metrics']['sqnr_db'] - r.metrics['sqnr_db']:+.2f}",
+                         "yes" if report.row_problems(r) else "", "yes" if r.site in healed else ""]
+                        for r in rows])]
+
 
 def end_to_end_text(report: ScanReport) -> str:
     """The activation scan's whole-model effect in one line: loss and perplexity of causal LMs

@@ -133,6 +133,9 @@ class SiteRow:
     # "metrics" and "state" None
     experts: list[dict[str, Any]] | None = None
     diagnostics: dict[str, float] | None = None  # weight scans: outlier channels (problem reasons)
+    # weight scans given a rotation to try (scan/remedy.py): label -> {"metrics", "state"} of
+    # the format's error on the rotated weight W·R (the same SQNR and MSE as on W)
+    remedies: dict[str, dict[str, Any]] | None = None
 
     @classmethod
     def from_stats(
@@ -156,6 +159,7 @@ class SiteRow:
             "metrics": self.metrics, "state": self.state, "block_exponents": self.block_exponents,
             **({"experts": self.experts} if self.experts is not None else {}),
             "diagnostics": self.diagnostics,
+            **({"remedies": self.remedies} if self.remedies is not None else {}),
         }
 
     @classmethod
@@ -168,6 +172,8 @@ class SiteRow:
               "state": _decode_numbers(e["state"]) if e.get("state") else None}
              for e in d["experts"]] if d.get("experts") is not None else None,
             _decode_numbers(d["diagnostics"]) if d.get("diagnostics") else None,
+            {label: {"metrics": _decode_numbers(r["metrics"]), "state": _decode_numbers(r["state"])}
+             for label, r in d["remedies"].items()} if d.get("remedies") else None,
         )
 
 
@@ -210,6 +216,11 @@ class ScanReport:
         if self.flagging == "absolute":
             return t[check.threshold]
         return _expected_limit(row, check, t)
+
+    def over_limits(self, row: SiteRow) -> set[str]:
+        """The metrics of `row` beyond their `flag_limit` (robust-outlier flags aside)."""
+        return {c.metric for c in CHECKS if (limit := self.flag_limit(row, c.metric)) is not None
+                and c.worse(row.metrics[c.metric], limit)}
 
     def problems(self) -> list[tuple[SiteRow, list[str]]]:
         """Every problematic row with its reasons, in row order."""

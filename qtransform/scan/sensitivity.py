@@ -47,6 +47,7 @@ from qtransform.formats import fastpath
 from qtransform.formats.expected import effective_bits
 from qtransform.passes import FakeQuantPass
 from qtransform.scan.recommend import Budgeted, budget_policy
+from qtransform.scan.remedy import Rotation
 from qtransform.scan.report import VERSION, ScanReport
 from qtransform.scan.setup import (
     CalibrationSpec,
@@ -55,7 +56,7 @@ from qtransform.scan.setup import (
     prepare_scan,
     primary_output,
 )
-from qtransform.schemas import load_policy
+from qtransform.schemas import dump_policy, load_policy
 
 SCHEMA = "qtransform.sensitivity"
 SCHEMA_VERSION = "1"
@@ -78,6 +79,7 @@ class SensitivityRow:
     exact: float = math.nan  # mean KL per token (causal LM) or output nsr
     estimate: float = math.nan
     extra: dict[str, float] = field(default_factory=dict)  # encoders: sqnr_db, mean_token_cosine
+    rotated: float = math.nan  # exact, with the rotation of meta["rotation"] on the site's input
     rank: int | None = None  # 1 = most sensitive, by exact (else by estimate)
     estimate_rank: int | None = None
 
@@ -156,11 +158,12 @@ class SensitivityReport:
         buf = io.StringIO()
         writer = csv.writer(buf, lineterminator="\n")
         writer.writerow(["rank", "site", "layer", "role", "params", "format", "points",
-                         f"{self.measure}_exact", f"{self.measure}_estimate", "estimate_rank"])
+                         f"{self.measure}_exact", f"{self.measure}_estimate", "estimate_rank",
+                         f"{self.measure}_rotated"])
         for r in self.ranked():
             writer.writerow([r.rank, r.site, "" if r.layer is None else r.layer, r.role, r.params,
                              r.format, "+".join(r.points), r.exact, r.estimate,
-                             "" if r.estimate_rank is None else r.estimate_rank])
+                             "" if r.estimate_rank is None else r.estimate_rank, r.rotated])
         return buf.getvalue()
 
     def table(self, limit: int | None = None) -> list[str]:
@@ -168,11 +171,14 @@ class SensitivityReport:
         unit = measure_label(self.measure)
         cols = [k for k in ("exact", "estimate") if any(not math.isnan(getattr(r, k)) for r in self.rows)]
         both = len(cols) == 2
-        head = ["rank", "site", "layer", *(f"{unit} ({k})" for k in cols), *(["estimate rank"] if both else [])]
+        rotation = self.meta.get("rotation")
+        head = ["rank", "site", "layer", *(f"{unit} ({k})" for k in cols), *(["estimate rank"] if both else []),
+                *([f"with {rotation}", "rotated / exact"] if rotation else [])]
         lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         for r in self.ranked()[:limit]:
             cells = [r.rank, r.site, "" if r.layer is None else r.layer,
-                     *(_num(getattr(r, k)) for k in cols), *([r.estimate_rank] if both else [])]
+                     *(_num(getattr(r, k)) for k in cols), *([r.estimate_rank] if both else []),
+                     *([_num(r.rotated), _num(r.rotated / r.exact if r.exact else math.nan)] if rotation else [])]
             lines.append("| " + " | ".join(str(c) for c in cells) + " |")
         return lines
 
@@ -185,6 +191,10 @@ class SensitivityReport:
                  f"- method: {m['method']}; {timing_text(m)}"]
         if m.get("spearman") is not None:
             lines.append(f"- estimate vs exact: Spearman {m['spearman']:.3f} over {len(self.rows)} sites")
+        if m.get("rotation"):
+            lines.append(f"- with {m['rotation']}: each site measured again with the rotation on its "
+                         "input and weight (the rotate pass), its quantizers alone switched on; "
+                         f"n/a where the rotation does not fit the site's input features")
         lines += ["", *self.table()]
         return "\n".join(lines) + "\n"
 
@@ -477,17 +487,23 @@ def _ranks_desc(values: list[float]) -> list[int]:
 def site_sensitivity(model: nn.Module, policy_or_format: Any, calib: Calibration | CalibrationSpec, *,
                      tokenizer: Any = None, method: str = "exact", activations: bool = False,
                      draws: int = 4, seed: int = 0, batch_size: int = 8, max_length: int = 128,
-                     progress: bool | None = False) -> SensitivityReport:
+                     progress: bool | None = False, rotation: str | Rotation | None = None) -> SensitivityReport:
     """Rank the policy's quantized sites by what quantizing each alone does to the model's output
     (see the module docstring for the measures). `method`: exact (one run per site), estimate
     (one forward and `draws` backward passes per batch for all sites) or both (then
     `meta.spearman` records their agreement). `activations`: W4A4, each site's input quantized
     too, for a format name and a policy alike (`setup.scan_policy`). `progress`: see
-    `core.progress`. `model` is left as it was."""
+    `core.progress`. `rotation` (e.g. "hadamard-32", `scan.remedy.Rotation`): each site is
+    measured exactly again with that rotation on it (a `rotate` rule for every site it fits),
+    into `SensitivityRow.rotated`: the end-to-end gain of the remedy, site by site. `model` is
+    left as it was."""
     if method not in METHODS:
         raise UserError(f"method {method!r}: use one of {', '.join(METHODS)}")
     if draws < 1:
         raise UserError("draws must be at least 1")
+    rot = Rotation.parse(rotation) if isinstance(rotation, str) else rotation
+    if rot is not None and method == "estimate":
+        raise UserError("the rotated measure is exact: use method 'exact' or 'both' with a rotation")
     spec = CalibrationSpec.of(calib, tokenizer, batch_size, max_length)
     with eval_mode(model):
         setup = prepare_scan(model, policy_or_format, spec, instrument=False, activations=activations)
@@ -514,6 +530,11 @@ def site_sensitivity(model: nn.Module, policy_or_format: Any, calib: Calibration
             meta["estimate_seconds"] = time.perf_counter() - start
             for row in rows:
                 row.estimate = est[row.site]
+        if rot is not None:
+            start = time.perf_counter()
+            _rotated_runs(setup, sites, rot, rows, ref, progress)
+            meta["rotation"] = rot.label
+            meta["rotated_seconds_per_site"] = (time.perf_counter() - start) / len(rows)
     for row, rank in zip(rows, _ranks_desc([r.score() for r in rows]), strict=True):
         row.rank = rank
     if method in ("estimate", "both"):
@@ -532,6 +553,24 @@ def site_sensitivity(model: nn.Module, policy_or_format: Any, calib: Calibration
         **meta, "qtransform_version": VERSION,
     }
     return SensitivityReport(meta, rows)
+
+
+def _rotated_runs(setup: ScanSetup, sites: dict[str, Any], rotation: Rotation,
+                  rows: list[SensitivityRow], ref: _Reference, progress: bool | None) -> None:
+    """`row.rotated` of every site the rotation fits: the policy plus a `rotate` rule on those
+    sites (the rotate pass; full precision unchanged, so `ref` still holds), one exact run per
+    site with only its quantizers on, over the same batches."""
+    fits = [r.site for r in rows if sites[r.site].weight_shape
+            and rotation.block_for(sites[r.site].weight_shape[sites[r.site].reduction_axis])]
+    if not fits:
+        return
+    data = dump_policy(setup.policy)
+    data["rotate"] = [*data.get("rotate", []), rotation.rule(fits)]
+    q = _quantized(prepare_scan(setup.model, data, setup.calibration, instrument=False))
+    for row in Progress([r for r in rows if r.site in fits], desc=f"sensitivity with {rotation.label}",
+                        unit="site", enabled=progress):
+        with _enabled(q, {row.site}):
+            row.rotated = _run(q.model, setup.batches, ref)[0]
 
 
 def measure_policy(model: nn.Module, policy: Any, calib: Calibration | CalibrationSpec, *, tokenizer: Any = None,

@@ -57,6 +57,7 @@ from qtransform.passes.fake_quant import first_weight_seed
 from qtransform.passes.rotate import resolve_rotations
 from qtransform.scan.checkpoint import Checkpoint
 from qtransform.scan.compare import Comparison
+from qtransform.scan.remedy import Rotation
 from qtransform.scan.report import (
     DEFAULT_THRESHOLDS,
     ScanReport,
@@ -415,6 +416,18 @@ def _measured_row(ref: WeightRef, w: torch.Tensor, cfg: QuantConfig,
     return _row(ref, cfg, stats, hist, diagnostics=diagnostics), stats
 
 
+def _rotated_row(ref: WeightRef, w: torch.Tensor, cfg: QuantConfig,
+                 rotation: Rotation) -> tuple[SiteRow, ErrorStats] | None:
+    """The row of the rotated weight W·R (scan/remedy.py: its SQNR and MSE are W's under the
+    rotation); None where the rotation does not fit the site's reduction axis."""
+    rotated = rotation.apply(w.detach(), ref.site.reduction_axis)
+    return None if rotated is None else _measured_row(ref, rotated, cfg)
+
+
+def _rotation(rotation: str | Rotation | None) -> Rotation | None:
+    return Rotation.parse(rotation) if isinstance(rotation, str) else rotation
+
+
 # -- public API -------------------------------------------------------------------------------
 def scan_weights(
     source: nn.Module | str | os.PathLike[str],
@@ -425,6 +438,7 @@ def scan_weights(
     thresholds: dict[str, float] | None = None,
     flagging: str = "expected",
     progress: bool | None = False,
+    rotation: str | Rotation | None = None,
 ) -> ScanReport:
     """Scan every Linear-like weight of `source` under `fmt` (with `fake_quantize` `options`).
 
@@ -433,11 +447,14 @@ def scan_weights(
     rotated (W·R, what the transformed model quantizes); its `instrument.thresholds` flag problems
     (`thresholds` overrides both). `flagging`: "expected" flags sites worse than the format does
     on Gaussian data of their block structure or outliers among the model's sites; "absolute"
-    applies the fixed thresholds (docs/metrics.md).
+    applies the fixed thresholds (docs/metrics.md). `rotation` (e.g. "hadamard-32", see
+    `scan.remedy.Rotation`) also measures every weight rotated along its reduction axis, into
+    each row's `remedies`, where `recommend` weighs it against higher precision.
     """
     if fmt is None and policy is None:
         raise UserError("give a format (e.g. mxfp4) or a policy with quantize rules")
     default = config_for(fmt, options) if fmt is not None else None
+    rot = _rotation(rotation)
     pairs = _select(weight_refs(source), policy)
     shared = share_amax(policy, [r for r, _ in pairs]) if default is None else {}
     rotations = resolve_rotations(load_policy(policy).rotate, [r.site for r, _ in pairs]) if policy is not None else {}
@@ -450,13 +467,18 @@ def scan_weights(
             rotation = rotations.get(ref.site.name)
             if rotation is not None:  # the policy rotates it: measure the weight quantized, W·R
                 w = apply_rotation(w, rotation.operand, ref.site.reduction_axis)
-            rows.append(_measured_row(ref, w, cfg, shared.get(ref.site.name))[0])
+            row = _measured_row(ref, w, cfg, shared.get(ref.site.name))[0]
+            rotated = _rotated_row(ref, w, cfg, rot) if rot is not None else None
+            if rot is not None and rotated is not None:
+                row.remedies = {rot.label: {"metrics": rotated[1].result(), "state": rotated[1].state()}}
+            rows.append(row)
             bar.update(w.numel())
             del w
     fmts = sorted({row.format for row in rows})
     meta = build_meta(
         kind="weight_scan", source=source_label(source), fmt=fmts[0] if len(fmts) == 1 else "mixed",
         options=default.options() if default else {}, quantize=_rules(policy, default),
+        **({"rotation": rot.label} if rot is not None else {}),
     )
     return ScanReport(meta=meta, rows=rows, thresholds=_limits(policy, thresholds),
                       flagging=check_flagging(flagging))
@@ -486,12 +508,16 @@ def compare_formats(
     policy: Any = None,
     options: dict[str, Any] | None = None,
     progress: bool | None = False,
+    rotation: str | Rotation | None = None,
 ) -> Comparison:
     """Quantize the same weights with each format; totals sum the accumulators over all tensors.
 
     Per-layer dB values are never averaged: a model-wide SQNR is the signal energy of all weights
     over their total error energy. Shared `options` go to the formats that take them. Each tensor
-    is read once for all formats.
+    is read once for all formats. `rotation` (e.g. "hadamard-32") adds, beside each format, the
+    column "FORMAT with ROTATION": the same format on the weights rotated along their reduction
+    axis (scan/remedy.py); a site the rotation does not fit counts unrotated there (a note
+    says how many).
     """
     if len(formats_) < 1:
         raise UserError("give at least one format to compare")
@@ -499,25 +525,40 @@ def compare_formats(
     for fmt in formats_:
         cfg = config_for(fmt, applicable_options(fmt, options))
         choices[cfg.name] = cfg
+    rot = _rotation(rotation)
+    columns = {f: (f, None) for f in choices}
+    if rot is not None:
+        columns = {k: v for f in choices for k, v in ((f, (f, None)), (f"{f} with {rot.label}", (f, rot)))}
     pairs = _select(weight_refs(source), policy)
-    rows: dict[str, list[SiteRow]] = {f: [] for f in choices}
-    totals = {f: ErrorStats() for f in choices}
+    rows: dict[str, list[SiteRow]] = {c: [] for c in columns}
+    totals = {c: ErrorStats() for c in columns}
+    unfit = set()
     with _progress([r for r, _ in pairs], progress, "compare") as bar:
         for ref, _ in pairs:
             w = ref.load()
-            for f, cfg in choices.items():
-                row, stats = _measured_row(ref, w, cfg)
-                totals[f].merge(stats)
-                rows[f].append(row)
+            for column, (f, how) in columns.items():
+                measured = _rotated_row(ref, w, choices[f], how) if how is not None else None
+                if how is not None and measured is None:
+                    unfit.add(ref.site.name)
+                row, stats = measured or _measured_row(ref, w, choices[f])
+                totals[column].merge(stats)
+                rows[column].append(row)
             bar.update(w.numel())
             del w
     limits = _limits(policy, None)
     reports = {
-        f: ScanReport(
+        column: ScanReport(
             meta=build_meta(kind="weight_scan", source=source_label(source), fmt=f,
-                            options=c.options(), quantize=_rules(policy, c)),
-            rows=rows[f], thresholds=limits,
+                            options=choices[f].options(), quantize=_rules(policy, choices[f]),
+                            **({"rotation": how.label} if how is not None else {})),
+            rows=rows[column], thresholds=limits,
         )
-        for f, c in choices.items()
+        for column, (f, how) in columns.items()
     }
-    return Comparison.of({f: t.result() for f, t in totals.items()}, reports)
+    comparison = Comparison.of({c: t.result() for c, t in totals.items()}, reports)
+    if unfit and rot is not None:
+        comparison.notes.append(
+            f"{rot.label} does not fit the reduction axis of {len(unfit)} of {len(pairs)} sites "
+            f"(not a multiple of its block, or not a power of two): those count unrotated in the "
+            f"'with {rot.label}' columns.")
+    return comparison
