@@ -257,7 +257,9 @@ class FakeQuantize(nn.Module):
             regrouped = self.group.version != self._group_version
         if self._watch.changed(x, self._check()) or self._cached is None or regrouped:
             try:
-                with torch.no_grad():
+                # a normal tensor even under inference_mode, so that a later training forward
+                # can save it for backward (and a rotation's Watch can read its version)
+                with torch.inference_mode(False), torch.no_grad():
                     self._cached = self.quantize(x.detach())
                 if self.group is not None:
                     self._group_version = self.group.version

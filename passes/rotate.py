@@ -92,7 +92,9 @@ class Rotate(nn.Module):
         check = "identity" if in_rollout() else "sample"
         if self._watch.changed(x, check) or self._cached is None:
             try:
-                with torch.no_grad():
+                # a normal tensor even under inference_mode: the fake quant after it watches its
+                # version counter, which inference tensors do not have
+                with torch.inference_mode(False), torch.no_grad():
                     self._cached = apply_rotation(x.detach(), self.operand, self.axis)
             except BaseException:
                 self.clear_cache()

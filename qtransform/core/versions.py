@@ -127,8 +127,8 @@ class Watch:
         """Whether `x` differs from the tensor of the previous call (True at the first call).
         `check` is the most done while `x` looks the same (tier 1 holds); "identity" still
         samples once after each `recheck()`."""
-        ident = (x.data_ptr(), x.storage_offset(), x._version, x.shape, x.stride(), x.dtype,
-                 x.device)
+        version = None if x.is_inference() else x._version  # inference tensors keep none
+        ident = (x.data_ptr(), x.storage_offset(), version, x.shape, x.stride(), x.dtype, x.device)
         same_tensor = check != "content" and self._ref is not None and self._ref() is x
         if same_tensor and not self._full and ident == self._ident:
             if check == "identity" and self._epoch == _epoch:
