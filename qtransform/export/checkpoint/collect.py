@@ -44,6 +44,7 @@ class Collected:
     the refusals common to every format."""
 
     linears: dict[str, LinearExport] = field(default_factory=dict)
+    embeddings: list[str] = field(default_factory=list)  # nn.Embedding modules, kept as they are
     left_out: list[str] = field(default_factory=list)
     refusals: list[str] = field(default_factory=list)
 
@@ -84,6 +85,8 @@ def collect(model: nn.Module, *, requantize_lora: bool = False) -> Collected:
         if is_lora_layer(module):
             out.linears.setdefault(key, LinearExport(key, module.base_layer)).lora = module
             continue
+        if isinstance(module, nn.Embedding):
+            out.embeddings.append(key)
         if isinstance(module, nn.Linear):
             out.linears.setdefault(key, LinearExport(key, module)).module = module
         _insertions(out, key, module)
