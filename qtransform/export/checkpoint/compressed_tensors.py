@@ -30,12 +30,11 @@ from torch import Tensor
 
 from qtransform.core.observers import StaticScale
 from qtransform.export.checkpoint.collect import Collected, LinearExport, Reason, fused_sets
-from qtransform.export.checkpoint.packing import pack_int32, pack_nibbles
+from qtransform.export.checkpoint.packing import e2m1_codes, pack_int32, pack_nibbles
 from qtransform.export.checkpoint.source import source_weight
 from qtransform.export.checkpoint.tensors import scale_of, stored_scale_dtype, weight_chunks
 from qtransform.export.checkpoint.writer import Entry, Spec
 from qtransform.formats import QuantConfig
-from qtransform.formats.elements import encode_elements
 from qtransform.passes import FakeQuantize
 
 NAME = "compressed-tensors"
@@ -303,11 +302,10 @@ def _tensors(entry: LinearExport, scheme: Scheme, specs: list[Spec]) -> dict[str
     prefix = entry.name + "."
     amax = fq.amax_for(weight)
     cfg = fq.config
-    elem = cfg.spec.element
     for chunk in weight_chunks(weight, cfg, amax):
         rows = slice(chunk.start, chunk.start + chunk.elements.shape[0])
         if scheme.kind in ("nvfp4", "mxfp4"):
-            out[prefix + "weight_packed"][rows] = pack_nibbles(encode_elements(chunk.elements, elem))
+            out[prefix + "weight_packed"][rows] = pack_nibbles(e2m1_codes(chunk.elements))
             scales = chunk.scales if scheme.kind == "mxfp4" else chunk.scales.to(torch.float8_e4m3fn)
             out[prefix + "weight_scale"][rows] = scales
             if chunk.tensor_scale is not None:

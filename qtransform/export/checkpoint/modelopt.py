@@ -27,11 +27,10 @@ from torch import Tensor
 
 from qtransform.core.observers import StaticScale
 from qtransform.export.checkpoint.collect import Collected, LinearExport, Reason, fused_sets
-from qtransform.export.checkpoint.packing import pack_nibbles
+from qtransform.export.checkpoint.packing import e2m1_codes, pack_nibbles
 from qtransform.export.checkpoint.source import source_weight
 from qtransform.export.checkpoint.tensors import scale_of, weight_chunks
 from qtransform.export.checkpoint.writer import Entry, Spec
-from qtransform.formats.elements import encode_elements
 from qtransform.passes import FakeQuantize
 
 NAME = "modelopt"
@@ -183,7 +182,7 @@ def _tensors(entry: LinearExport, scheme: Scheme, specs: list[Spec]) -> dict[str
         if scheme.algo == "NVFP4":
             # ModelOpt's sign bit is the input's (`weight < 0`), so a negative value rounded to
             # zero is stored as -0 (code 8) although it decodes to +0
-            codes = encode_elements(chunk.elements.abs(), cfg.spec.element)
+            codes = e2m1_codes(chunk.elements.abs())
             codes |= (weight[rows] < 0).to(torch.uint8) << 3
             out[prefix + "weight"][rows] = pack_nibbles(codes)
             out[prefix + "weight_scale"][rows] = chunk.scales.to(torch.float8_e4m3fn)

@@ -15,6 +15,14 @@ import math
 import torch
 
 
+def e2m1_codes(q: torch.Tensor) -> torch.Tensor:
+    """uint8 E2M1 codes (magnitude index in 0, .5, 1, 1.5, 2, 3, 4, 6; sign in bit 3, -0 included)
+    of values exactly on the E2M1 grid: 2|q| is one of 0..4, 6, 8, 12."""
+    m = (q.abs() * 2).to(torch.uint8)
+    code = torch.where(m <= 4, m, torch.where(m == 12, 7, (m >> 1) + 2))
+    return code | (torch.signbit(q).to(torch.uint8) << 3)
+
+
 def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
     """uint8 codes of 4 bits, shape [..., n] with n even -> uint8 [..., n / 2]."""
     if codes.shape[-1] % 2:

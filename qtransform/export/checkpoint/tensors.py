@@ -10,14 +10,14 @@ of the tensor and the result is that of the whole tensor at once.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
 
 from qtransform.formats import QuantConfig
-from qtransform.formats.blocking import from_blocks, per_block, tensor_amax
-from qtransform.formats.quantize import quantize_blocks
+from qtransform.formats.blocking import from_blocks, per_block, tensor_amax, to_blocks
+from qtransform.formats.quantize import fake_quantize, layout_for, quantize_blocks
 from qtransform.formats.registry import SCALE_TORCH_DTYPES
 from qtransform.formats.scaled import bind_dtype
 
@@ -45,10 +45,52 @@ def weight_chunks(weight: Tensor, config: QuantConfig, amax: Tensor | None) -> I
     with torch.no_grad():
         for start in range(0, rows, step):
             part = weight[start:start + step]
-            row_amax = amax if amax is None or not amax.ndim else amax[start:start + step]
-            res, layout = quantize_blocks(part, config, amax_t=row_amax)
-            yield Chunk(start, from_blocks(res.q, layout), per_block(res.scales, layout),
-                        res.tensor_scale)
+            yield _fast(part, start, config, amax) or _reference(part, start, config, amax)
+
+
+def _reference(part: Tensor, start: int, config: QuantConfig, amax: Tensor | None) -> Chunk:
+    """The formats' reference path on the chunk: elements and scales from one quantization."""
+    res, layout = quantize_blocks(part, config, amax_t=amax)
+    return Chunk(start, from_blocks(res.q, layout), per_block(res.scales, layout), res.tensor_scale)
+
+
+def _fast(part: Tensor, start: int, config: QuantConfig, amax: Tensor | None) -> Chunk | None:
+    """The same numbers from `fake_quantize` (the compiled kernel where it applies) and the scales
+    of the block amaxes alone (the family's scale arithmetic on one-element blocks); the elements
+    are the values over their multipliers, snapped to the grid and checked: decoding them must
+    give the fake-quantized values bit for bit, else None (the reference path decides)."""
+    per_tensor = config.family.per_tensor(config)
+    out = fake_quantize(part, config, amax=amax if per_tensor else None)
+    layout = layout_for(part, config)
+    block_amax = to_blocks(part.detach(), layout).abs().amax(dim=1)  # exact in part's dtype
+    one = replace(config, block=1, tile=None, granularity="block", axis=-1)
+    res, _ = quantize_blocks(block_amax.reshape(-1, 1), one, amax_t=amax if per_tensor else None)
+    mult = config.family.scale_values(res.scales, res.tensor_scale, config)
+    if not bool(torch.isfinite(mult).all()) or not bool((mult > 0).all()):
+        return None
+    spread = from_blocks(mult[:, None].expand(-1, layout.tile[0] * layout.tile[1] if layout.tile
+                                              else layout.block), layout)
+    q = _snap(out.to(torch.float32) / spread, config)
+    if q is None or not torch.equal((q * spread).to(part.dtype), out):
+        return None
+    return Chunk(start, q, per_block(res.scales, layout), res.tensor_scale)
+
+
+def _snap(y: Tensor, config: QuantConfig) -> Tensor | None:
+    """Values within rounding of the element grid, put on it (None: no fast rule here)."""
+    elem = config.spec.element
+    if elem.kind == "int":
+        return torch.round(y)
+    if elem.name == "e2m1":
+        return torch.copysign(_e2m1(y.abs()), y)
+    if elem.name == "e4m3":
+        return y.to(torch.float8_e4m3fn).to(torch.float32)
+    return None
+
+
+def _e2m1(a: Tensor) -> Tensor:
+    """|y| near an E2M1 value (0, .5, 1, 1.5, 2, 3, 4, 6) -> that value: 2|y| rounds to 0..4, 6, 8, 12."""
+    return torch.round(a * 2) / 2
 
 
 def scale_of(config: QuantConfig, amax: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor | None]:
