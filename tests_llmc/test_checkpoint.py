@@ -74,3 +74,26 @@ def test_transformers_loads_the_export_into_the_fake_quant_logits(scheme, tmp_pa
         plain = AutoModelForCausalLM.from_pretrained(tmp_path / "source", dtype=torch.bfloat16)(ids).logits
     assert not torch.equal(expected, plain)  # the scheme changed something
     assert torch.equal(got, expected), f"max |diff| {(got - expected).float().abs().max().item():.3g}"
+
+
+def test_transformers_loads_a_sharded_lora_merged_export(tmp_path):
+    """PEFT LoRA merged then quantized (lora "merged"), written in several shards with an index:
+    transformers loads it into the trained model's logits."""
+    import peft
+    from transformers import AutoModelForCausalLM
+
+    build_tiny("llama", hidden=HIDDEN).save_pretrained(tmp_path / "source")
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "source", dtype=torch.bfloat16).eval()
+    batches, ids = samples(model.config.vocab_size)
+    policy = {"preset": "llm-compressor/W4A16",
+              "quantize": [{"name": "llm-compressor/W4A16 weights", "lora": "merged"}]}
+    ours = qtransform.transform(model, policy)
+    torch.manual_seed(3)
+    ours = peft.get_peft_model(ours, peft.LoraConfig(r=4, target_modules=["q_proj", "down_proj"],
+                                                     init_lora_weights=False)).eval()
+    qtransform.export_checkpoint(ours, tmp_path / "export", max_shard_size="200KB")
+    assert (tmp_path / "export" / "model.safetensors.index.json").exists()
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "export", dtype=torch.bfloat16).eval()
+    with torch.no_grad():
+        expected, got = ours(input_ids=ids).logits, loaded(ids).logits
+    assert torch.equal(got, expected), f"max |diff| {(got - expected).float().abs().max().item():.3g}"

@@ -232,3 +232,19 @@ def test_a_tokenizer_is_written_beside_the_weights(tmp_path):
                                  tokenizer=tok)
     assert (tmp_path / "out" / "tokenizer.json").exists()
     assert (tmp_path / "out" / "tokenizer_config.json").exists()
+
+
+def test_a_tied_embedding_is_stored_once(tmp_path):
+    import transformers as tf
+
+    from qtransform.models import tiny_config
+
+    config = tiny_config("qwen2", hidden=HIDDEN)
+    config.tie_word_embeddings = True
+    torch.manual_seed(0)
+    model = tf.AutoModelForCausalLM.from_config(config).eval()
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    qtransform.export_checkpoint(model, tmp_path / "out", policy={"preset": "llm-compressor/FP8_DYNAMIC"})
+    tensors = read(tmp_path / "out")
+    assert "model.embed_tokens.weight" in tensors and "lm_head.weight" not in tensors
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["tie_word_embeddings"] is True
