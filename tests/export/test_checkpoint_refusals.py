@@ -3,6 +3,7 @@ that says why (docs/export.md); never a folder that loads into other numbers."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -145,3 +146,18 @@ def test_the_cli_writes_a_checkpoint_and_refuses_onnx_options(tmp_path):
 
     with safe_open(str(out / "model.safetensors"), "pt") as f:
         assert f.get_tensor("model.layers.0.mlp.up_proj.weight").dtype == torch.float8_e4m3fn
+
+
+def test_the_cli_calibrates_and_writes_a_sharded_modelopt_checkpoint(tmp_path):
+    calib = tmp_path / "calib.json"
+    calib.write_text(json.dumps([list(range(1, 17)), list(range(20, 180, 10))]))
+    out = tmp_path / "mo"
+    run = subprocess.run([sys.executable, "-m", "qtransform.cli.main", "export", "builtin:qwen2",
+                          "--policy", '{"preset": "modelopt/NVFP4_DEFAULT_CFG"}', "--to", "modelopt",
+                          "--out", str(out), "--calib", str(calib), "--max-shard-size", "40KB"],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert json.loads((out / "hf_quant_config.json").read_text())["quantization"]["quant_algo"] == "NVFP4"
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert "model.layers.0.mlp.up_proj.input_scale" in index["weight_map"]
+    assert len(set(index["weight_map"].values())) > 1
