@@ -248,3 +248,27 @@ def test_a_tied_embedding_is_stored_once(tmp_path):
     tensors = read(tmp_path / "out")
     assert "model.embed_tokens.weight" in tensors and "lm_head.weight" not in tensors
     assert json.loads((tmp_path / "out" / "config.json").read_text())["tie_word_embeddings"] is True
+
+
+@pytest.mark.parametrize("rule", [
+    {"format": "fp8_e4m3", "granularity": "channel", "fp8_variant": "modelopt"},
+    {"format": "fp8_e4m3", "block_shape": [64, 64]},
+    {"format": "mxfp4", "scale_rule": "floor"},
+    {"format": "int8", "granularity": "channel"},
+    {"format": "int4", "block_size": 32},
+    {"format": "nvfp4", "nvfp4_variant": "compressed-tensors", "share_scale": "fused", "rounding": "rna"},
+], ids=["fp8-modelopt-channel", "fp8-tile64", "mxfp4-floor", "int8-restricted", "int4-g32", "nvfp4-rna"])
+def test_any_weight_quantization_that_decodes_exactly_is_stored(rule, tmp_path):
+    """Weights only: the stored elements and scales decode to the fake-quant weight, whatever
+    rule chose them (the engine does not recompute weight scales)."""
+    model = qtransform.transform(build_tiny("qwen2", hidden=HIDDEN),
+                                 {"quantize": [{"targets": ["Linear"], "ignore": ["lm_head"], **rule}]})
+    qtransform.export_checkpoint(model, tmp_path / "out")
+    tensors = read(tmp_path / "out")
+    (group,) = json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"][
+        "config_groups"].values()
+    for name, module in model.named_modules():
+        fq = getattr(module, "weight_fake_quant", None)
+        if fq is not None:
+            assert torch.equal(decode(tensors, name, group["weights"], torch.float32),
+                               fq.quantized_copy(module.weight)), name

@@ -75,7 +75,7 @@ def _strategy(cfg: QuantConfig) -> dict[str, Any]:
 
 
 def _axis_ok(cfg: QuantConfig) -> bool:
-    return cfg.tile is not None or cfg.granularity in ("tensor",) or cfg.block_axis in (-1, 1)
+    return cfg.tile is not None or cfg.granularity == "tensor" or cfg.block_axis in (-1, 1)
 
 
 def weight_args(fq: FakeQuantize, entry: LinearExport) -> tuple[str, str] | Reason:
@@ -88,8 +88,8 @@ def weight_args(fq: FakeQuantize, entry: LinearExport) -> tuple[str, str] | Reas
     if fam == "nvfp4":
         if cfg.nvfp4_variant != "compressed-tensors":
             return Reason(f"{where}: nvfp4_variant {cfg.nvfp4_variant!r} scales as q * s * d, compressed-tensors "
-                    "decodes q * s / g; use nvfp4_variant 'compressed-tensors' (format='modelopt' "
-                    "takes 'modelopt')")
+                          "decodes q * s / g; use nvfp4_variant 'compressed-tensors' (format='modelopt' "
+                          "takes 'modelopt')")
         if cfg.tile or cols % 16:
             return Reason(f"{where}: NVFP4 in compressed-tensors is 1x16 blocks along rows of a multiple of 16")
         return _args(num_bits=4, type="float", strategy="tensor_group", group_size=16,
@@ -99,9 +99,7 @@ def weight_args(fq: FakeQuantize, entry: LinearExport) -> tuple[str, str] | Reas
             return Reason(f"{where}: MXFP4 in compressed-tensors is 1x32 blocks along rows of a multiple of 32")
         return _args(num_bits=4, type="float", strategy="group", group_size=32,
                      observer=WEIGHT_OBSERVER, scale_dtype="torch.uint8"), "mxfp4"
-    if cfg.name == "fp8_e4m3":
-        if cfg.fp8_variant != "default":
-            return Reason(f"{where}: fp8_variant {cfg.fp8_variant!r}; compressed-tensors' FP8 is the 'default' order")
+    if cfg.name == "fp8_e4m3":  # either fp8_variant: the stored scale is the one it multiplies by
         return _args(num_bits=8, type="float", observer=WEIGHT_OBSERVER, **_strategy(cfg)), "fp8"
     if fam == "int":
         bits = 4 if cfg.name == "int4" else 8
@@ -113,7 +111,7 @@ def weight_args(fq: FakeQuantize, entry: LinearExport) -> tuple[str, str] | Reas
         kind = "int" if entry.input is not None else "int-packed"
         return _args(num_bits=bits, type="int", observer=WEIGHT_OBSERVER, **strategy), kind
     return Reason(f"{where}: format {cfg.name} has no compressed-tensors form here (nvfp4, mxfp4, "
-            "fp8_e4m3, int4, int8 do)")
+                  "fp8_e4m3, int4, int8 do)")
 
 
 def input_args(fq: FakeQuantize, entry: LinearExport) -> str | Reason:
@@ -129,17 +127,17 @@ def input_args(fq: FakeQuantize, entry: LinearExport) -> str | Reason:
     if cfg.family.name == "nvfp4":
         if cfg.nvfp4_variant != "compressed-tensors" or not _scale_in_model_dtype(cfg, dtype):
             return Reason(f"{where}: compressed-tensors quantizes NVFP4 activations in its own order with "
-                    "scales in the model's dtype; use nvfp4_variant 'compressed-tensors' and "
-                    "scale_dtype 'input' (the llm-compressor/NVFP4 preset's options)")
+                          "scales in the model's dtype; use nvfp4_variant 'compressed-tensors' and "
+                          "scale_dtype 'input' (the llm-compressor/NVFP4 preset's options)")
         if fq.global_scale != "static":
             return Reason(f"{where}: NVFP4 activations in compressed-tensors take one calibrated global "
-                    "scale (input_global_scale); set scale_source 'static'")
+                          "scale (input_global_scale); set scale_source 'static'")
         return _args(num_bits=4, type="float", strategy="tensor_group", group_size=16, dynamic="local",
                      observer=observer, scale_dtype="torch.float8_e4m3fn")
     if cfg.name == "mxfp4":
         if cfg.scale_rule not in ("even", "compressed-tensors") or cfg.block != 32:
             return Reason(f"{where}: scale_rule {cfg.scale_rule!r}; compressed-tensors computes MXFP4 "
-                    "activation scales with rule 'even' on blocks of 32 and has no field for another rule")
+                          "activation scales with rule 'even' on blocks of 32 and has no field for another rule")
         return _args(num_bits=4, type="float", strategy="group", group_size=32, dynamic=True,
                      scale_dtype="torch.uint8")
     if cfg.name in ("fp8_e4m3", "int8"):
@@ -147,11 +145,11 @@ def input_args(fq: FakeQuantize, entry: LinearExport) -> str | Reason:
             return Reason(f"{where}: fp8_variant {cfg.fp8_variant!r}; compressed-tensors' FP8 is the 'default' order")
         if cfg.name == "int8" and cfg.int_range != "full":
             return Reason(f"{where}: int_range {cfg.int_range!r}; compressed-tensors quantizes int8 "
-                    "activations over the full range (amax / 127.5): use int_range 'full'")
+                          "activations over the full range (amax / 127.5): use int_range 'full'")
         if not _scale_in_model_dtype(cfg, dtype):
             return Reason(f"{where}: scale_dtype {cfg.scale_dtype!r} on a {str(dtype).removeprefix('torch.')} "
-                    "model; compressed-tensors computes activation scales in the model's dtype: "
-                    "use scale_dtype 'input'")
+                          "model; compressed-tensors computes activation scales in the model's dtype: "
+                          "use scale_dtype 'input'")
         if cfg.tile:
             return Reason(f"{where}: activation tiles have no compressed-tensors field")
         kind = {"num_bits": 8, "type": "float" if cfg.name == "fp8_e4m3" else "int"}
