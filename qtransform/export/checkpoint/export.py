@@ -27,7 +27,7 @@ from qtransform.export.checkpoint.rotations import rotation_config
 from qtransform.export.checkpoint.source import source_weight
 from qtransform.export.checkpoint.writer import DEFAULT_SHARD, Entry, Spec, shard_size, write_shards
 from qtransform.models import source_tokenizer
-from qtransform.pipeline import transform
+from qtransform.pipeline import transform_program
 
 FORMATS = (compressed_tensors.NAME, modelopt.NAME)
 COMMAND = "export"  # the manifest's command: `qtransform export` writes these folders
@@ -75,11 +75,13 @@ def export_checkpoint(
         raise UserError(f"format {format!r}: choose one of {', '.join(FORMATS)}")
     shard_size(max_shard_size)
     qio.check_folder_target(folder, COMMAND, force=force)
+    program = None
     if policy is not None:
         if insertion_log(model):
             raise UserError("the model is already transformed; pass it without policy=, or pass "
                             "the plain model with the policy")
-        model = transform(model, policy, calibration=calibration)
+        program = transform_program(model, policy, calibration=calibration)
+        model = program.module()
     elif not insertion_log(model):
         raise UserError("the model has no quantization: pass a transformed model "
                         "(qtransform.transform) or policy=")
@@ -91,7 +93,7 @@ def export_checkpoint(
         if not found:
             raise UserError("no Linear of the model is quantized: nothing to export in a "
                             f"{format} checkpoint")
-        transform_config = rotation_config(model)
+        transform_config = rotation_config(model, policy, program)
         entries = tensor_entries(model, collected, found, writer)
         tokenizer = source_tokenizer(model) if tokenizer is None else tokenizer
         with qio.output_folder(folder, COMMAND, force=force) as staging:
