@@ -62,35 +62,41 @@ def _fast(part: Tensor, start: int, config: QuantConfig, amax: Tensor | None) ->
     per_tensor = config.family.per_tensor(config)
     out = fake_quantize(part, config, amax=amax if per_tensor else None)
     layout = layout_for(part, config)
-    block_amax = to_blocks(part.detach(), layout).abs().amax(dim=1)  # exact in part's dtype
+    rows, cols = part.shape
+    # blocks along whole rows (the usual Linear weight): 3-D views instead of block copies
+    flat = layout.tile is None and layout.axis == 1 and cols % layout.block == 0
+    shape3 = (rows, cols // max(layout.block, 1), layout.block)
+    blocks = part.detach().reshape(shape3) if flat else to_blocks(part.detach(), layout)
+    block_amax = blocks.abs().amax(dim=-1).reshape(-1)  # exact in part's dtype
     one = replace(config, block=1, tile=None, granularity="block", axis=-1)
     res, _ = quantize_blocks(block_amax.reshape(-1, 1), one, amax_t=amax if per_tensor else None)
     mult = config.family.scale_values(res.scales, res.tensor_scale, config)
     if not bool(torch.isfinite(mult).all()) or not bool((mult > 0).all()):
         return None
-    spread = from_blocks(mult[:, None].expand(-1, layout.tile[0] * layout.tile[1] if layout.tile
-                                              else layout.block), layout)
-    q = _snap(out.to(torch.float32) / spread, config)
-    if q is None or not torch.equal((q * spread).to(part.dtype), out):
+    if flat:
+        spread = mult.reshape(shape3[0], shape3[1], 1)
+        y = out.reshape(shape3).to(torch.float32, copy=True).div_(spread)
+    else:
+        spread = from_blocks(mult[:, None].expand(-1, layout.tile[0] * layout.tile[1] if layout.tile
+                                                  else layout.block), layout)
+        y = out.to(torch.float32, copy=True).div_(spread)
+    q = _snap(y, config)
+    if q is None or not torch.equal((q * spread).to(part.dtype), out.reshape(q.shape)):
         return None
-    return Chunk(start, q, per_block(res.scales, layout), res.tensor_scale)
+    return Chunk(start, q.reshape(rows, cols), per_block(res.scales, layout), res.tensor_scale)
 
 
 def _snap(y: Tensor, config: QuantConfig) -> Tensor | None:
-    """Values within rounding of the element grid, put on it (None: no fast rule here)."""
+    """Values within rounding of the element grid, put on it (None: no fast rule here); `y` is
+    a scratch tensor the caller gives up."""
     elem = config.spec.element
     if elem.kind == "int":
-        return torch.round(y)
-    if elem.name == "e2m1":
-        return torch.copysign(_e2m1(y.abs()), y)
+        return y.round_()
+    if elem.name == "e2m1":  # 2|y| rounds to one of 0..4, 6, 8, 12
+        return y.abs().mul_(2).round_().div_(2).copysign_(y)
     if elem.name == "e4m3":
         return y.to(torch.float8_e4m3fn).to(torch.float32)
     return None
-
-
-def _e2m1(a: Tensor) -> Tensor:
-    """|y| near an E2M1 value (0, .5, 1, 1.5, 2, 3, 4, 6) -> that value: 2|y| rounds to 0..4, 6, 8, 12."""
-    return torch.round(a * 2) / 2
 
 
 def scale_of(config: QuantConfig, amax: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor | None]:
