@@ -1,0 +1,142 @@
+"""Checkpoint export: throughput (quantized parameters per second) and peak extra memory of
+`export_checkpoint` on a config-built Qwen2-shaped bf16 model, NVFP4 in compressed-tensors' layout.
+
+    .venv/bin/python benches/bench_export.py [--layers 4] [--hidden 2048] [--threads 2] [--repeats 3]
+
+Variants, timed interleaved round by round (medians): the llm-compressor/NVFP4A16 preset (scale
+divisions in bf16, as compressed-tensors does on a bf16 model: formats' reference path), the same
+rule with fp32 scale divisions (`scale_dtype: float32`, which the compiled kernel covers), and
+the write of the same model's dense tensors alone (the I/O every export pays). Peak extra memory
+is measured in a fresh process per variant (`--memory NAME`), with glibc's mmap threshold fixed
+(`MALLOC_MMAP_THRESHOLD_`, so freed tensors leave the resident set instead of being reused) and
+`malloc_trim` before the baseline: the largest resident set size seen during one export
+(sampled every 2 ms) above the size before it, set against the largest tensor of the model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+import qtransform
+from qtransform.export.checkpoint.writer import Entry, Spec, write_shards
+from qtransform.models import build_tiny
+
+PAGE = os.sysconf("SC_PAGE_SIZE")
+FP32_SCALES = {"preset": "llm-compressor/NVFP4A16",
+               "quantize": [{"name": "llm-compressor/NVFP4A16 weights", "scale_dtype": "float32"}]}
+
+
+def rss() -> int:
+    with open("/proc/self/statm") as fh:
+        return int(fh.read().split()[1]) * PAGE
+
+
+class PeakRSS:
+    """The largest resident set size while the block runs, sampled by a thread."""
+
+    def __enter__(self) -> PeakRSS:
+        self.base = self.peak = rss()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.002):
+            self.peak = max(self.peak, rss())
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, rss())
+
+
+def dense_write(model: torch.nn.Module, folder: Path) -> None:
+    entries = [Entry((Spec(n, t.dtype, tuple(t.shape)),), lambda n=n, t=t: {n: t.detach()})
+               for n, t in model.state_dict().items()]
+    write_shards(folder, entries, "5GB")
+
+
+def build(args: argparse.Namespace) -> tuple[torch.nn.Module, dict[str, torch.nn.Module]]:
+    plain = build_tiny("qwen2", num_layers=args.layers, hidden=args.hidden, vocab=32000,
+                       dtype=torch.bfloat16)
+    return plain, {"preset (bf16 scale divisions)": qtransform.transform(plain, {"preset": "llm-compressor/NVFP4A16"}),
+                   "fp32 scale divisions (C kernel)": qtransform.transform(plain, FP32_SCALES)}
+
+
+def variants(args: argparse.Namespace, tmp: str) -> tuple[torch.nn.Module, dict]:
+    plain, models = build(args)
+    out = {name: (lambda m=m, i=i: qtransform.export_checkpoint(m, Path(tmp) / f"v{i}", force=True))
+           for i, (name, m) in enumerate(models.items())}
+    out["dense write only"] = lambda: dense_write(plain, Path(tmp))
+    return plain, out
+
+
+def memory(args: argparse.Namespace) -> None:
+    """One export of one variant in this fresh process, after a warm-up one: print its peak
+    extra bytes."""
+    with tempfile.TemporaryDirectory() as tmp:
+        _, runs = variants(args, tmp)
+        runs[args.memory]()  # warm-up: the compiled kernel, thread pools, imports
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+        with PeakRSS() as peak:
+            runs[args.memory]()
+    print(peak.peak - peak.base)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--hidden", type=int, default=2048)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--memory", help=argparse.SUPPRESS)  # the child process of one measurement
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    if args.memory:
+        memory(args)
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        plain, runs = variants(args, tmp)
+        linear = [m.weight for n, m in plain.named_modules()
+                  if isinstance(m, torch.nn.Linear) and not n.endswith("lm_head")]
+        params = sum(w.numel() for w in linear)
+        largest = max(t.numel() * t.element_size() for t in plain.state_dict().values())
+        largest_linear = max(w.numel() * w.element_size() for w in linear)
+        print(f"model: {args.layers} layers, hidden {args.hidden}, {params / 1e6:.1f} M quantized "
+              f"parameters, largest tensor {largest / 2**20:.1f} MiB (largest Linear "
+              f"{largest_linear / 2**20:.1f} MiB), {args.threads} threads, load {os.getloadavg()[0]:.1f}")
+        times: dict[str, list[float]] = {name: [] for name in runs}
+        for fn in runs.values():
+            fn()  # warm-up (the compiled kernel, page cache)
+        for _ in range(args.repeats):
+            for name, fn in runs.items():
+                start = time.perf_counter()
+                fn()
+                times[name].append(time.perf_counter() - start)
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072"}
+    base = [sys.executable, __file__, "--layers", str(args.layers), "--hidden", str(args.hidden),
+            "--threads", str(args.threads)]
+    print(f"{'variant':34s} {'median s':>9s} {'M params/s':>11s} {'peak extra MiB':>15s} {'/ largest':>10s}")
+    for name, values in times.items():
+        run = subprocess.run([*base, "--memory", name], env=env, capture_output=True, text=True, check=True)
+        peak = int(run.stdout.split()[-1])
+        median = statistics.median(values)
+        print(f"{name:34s} {median:9.3f} {params / median / 1e6:11.1f} {peak / 2**20:15.1f} "
+              f"{peak / largest:10.2f}")
+    print(f"load average after: {os.getloadavg()[0]:.1f}")
+
+
+if __name__ == "__main__":
+    main()

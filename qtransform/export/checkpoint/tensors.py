@@ -1,0 +1,113 @@
+"""The stored numbers of a fake-quantized weight: its elements on the format's grid and its
+scales, computed by the formats' own kernels (`formats.quantize.quantize_blocks`), so that a
+checkpoint decodes to exactly what the simulation computed.
+
+A weight is quantized in chunks of whole rows (whole tiles), each chunk with the tensor-level
+amax the site's fake-quant uses (its own, its scale group's), so the temporaries stay a fraction
+of the tensor and the result is that of the whole tensor at once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+
+import torch
+from torch import Tensor
+
+from qtransform.formats import QuantConfig
+from qtransform.formats.blocking import from_blocks, per_block, tensor_amax, to_blocks
+from qtransform.formats.quantize import fake_quantize, layout_for, quantize_blocks
+from qtransform.formats.registry import SCALE_TORCH_DTYPES
+from qtransform.formats.scaled import bind_dtype
+
+CHUNK_ELEMENTS = 1 << 20  # elements of the weight quantized at once
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """Rows `start:start + rows` of a quantized 2-D weight."""
+
+    start: int
+    elements: Tensor  # fp32 values on the signed element grid, [rows, in]
+    scales: Tensor  # per block, [rows / tile rows, blocks per row]: E8M0 codes, E4M3 values or plain scales
+    tensor_scale: Tensor | None  # NVFP4 two-level: the per-tensor factor (0-dim fp32)
+
+
+def weight_chunks(weight: Tensor, config: QuantConfig, amax: Tensor | None) -> Iterator[Chunk]:
+    """`weight` [out, in] quantized with `config` (blocks along its last axis) in row chunks;
+    `amax` replaces the tensor's own amax for the tensor-level scale (None: its own)."""
+    if amax is None and config.family.per_tensor(config):
+        amax = tensor_amax(weight)
+    rows, cols = weight.shape
+    unit = config.tile[0] if config.tile else 1
+    step = max(unit, CHUNK_ELEMENTS // max(cols, 1) // unit * unit)
+    with torch.no_grad():
+        for start in range(0, rows, step):
+            part = weight[start:start + step]
+            yield _fast(part, start, config, amax) or _reference(part, start, config, amax)
+
+
+def _reference(part: Tensor, start: int, config: QuantConfig, amax: Tensor | None) -> Chunk:
+    """The formats' reference path on the chunk: elements and scales from one quantization."""
+    res, layout = quantize_blocks(part, config, amax_t=amax)
+    return Chunk(start, from_blocks(res.q, layout), per_block(res.scales, layout), res.tensor_scale)
+
+
+def _fast(part: Tensor, start: int, config: QuantConfig, amax: Tensor | None) -> Chunk | None:
+    """The same numbers from `fake_quantize` (the compiled kernel where it applies) and the scales
+    of the block amaxes alone (the family's scale arithmetic on one-element blocks); the elements
+    are the values over their multipliers, snapped to the grid and checked: decoding them must
+    give the fake-quantized values bit for bit, else None (the reference path decides)."""
+    per_tensor = config.family.per_tensor(config)
+    out = fake_quantize(part, config, amax=amax if per_tensor else None)
+    layout = layout_for(part, config)
+    rows, cols = part.shape
+    # blocks along whole rows (the usual Linear weight): 3-D views instead of block copies
+    flat = layout.tile is None and layout.axis == 1 and cols % layout.block == 0
+    shape3 = (rows, cols // max(layout.block, 1), layout.block)
+    blocks = part.detach().reshape(shape3) if flat else to_blocks(part.detach(), layout)
+    block_amax = blocks.abs().amax(dim=-1).reshape(-1)  # exact in part's dtype
+    one = replace(config, block=1, tile=None, granularity="block", axis=-1)
+    res, _ = quantize_blocks(block_amax.reshape(-1, 1), one, amax_t=amax if per_tensor else None)
+    mult = config.family.scale_values(res.scales, res.tensor_scale, config)
+    if not bool(torch.isfinite(mult).all()) or not bool((mult > 0).all()):
+        return None
+    if flat:
+        spread = mult.reshape(shape3[0], shape3[1], 1)
+        y = out.reshape(shape3).to(torch.float32, copy=True).div_(spread)
+    else:
+        spread = from_blocks(mult[:, None].expand(-1, layout.tile[0] * layout.tile[1] if layout.tile
+                                                  else layout.block), layout)
+        y = out.to(torch.float32, copy=True).div_(spread)
+    q = _snap(y, config)
+    if q is None or not torch.equal((q * spread).to(part.dtype), out.reshape(q.shape)):
+        return None
+    return Chunk(start, q.reshape(rows, cols), per_block(res.scales, layout), res.tensor_scale)
+
+
+def _snap(y: Tensor, config: QuantConfig) -> Tensor | None:
+    """Values within rounding of the element grid, put on it (None: no fast rule here); `y` is
+    a scratch tensor the caller gives up."""
+    elem = config.spec.element
+    if elem.kind == "int":
+        return y.round_()
+    if elem.name == "e2m1":  # 2|y| rounds to one of 0..4, 6, 8, 12
+        return y.abs().mul_(2).round_().div_(2).copysign_(y)
+    if elem.name == "e4m3":
+        return y.to(torch.float8_e4m3fn).to(torch.float32)
+    return None
+
+
+def scale_of(config: QuantConfig, amax: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor | None]:
+    """The scale (and NVFP4 tensor scale) `config` computes from a tensor-level `amax` for a
+    tensor of `dtype`: what a static activation scale is stored as."""
+    zeros = torch.zeros(1, max(config.block, 1), dtype=dtype)
+    res, _ = quantize_blocks(zeros, config, amax_t=amax.to(torch.float32))
+    return res.scales[0], res.tensor_scale
+
+
+def stored_scale_dtype(config: QuantConfig, dtype: torch.dtype) -> torch.dtype:
+    """The dtype a plain (FP8 / integer) scale is computed in, and so stored in, for a tensor of
+    `dtype` (`scale_dtype` "input" is the tensor's own)."""
+    return SCALE_TORCH_DTYPES[bind_dtype(config, dtype).scale_dtype]
