@@ -324,25 +324,27 @@ def _scaled(q: Tensor, scale: Tensor, zp: Tensor | None, w: TensorScheme, where:
     s = scale.to(torch.float32)
     z = None if zp is None else zp.to(torch.float32)
     rows, cols = q.shape
+    misfit = UserError(f"{where}: weight_scale of shape {list(scale.shape)} does not fit "
+                       f"{w.label()} on a [{rows}, {cols}] weight")
     if w.strategy in ("tensor", "channel") or s.numel() == 1:
-        s = s.reshape(-1, 1) if s.numel() == rows else s.reshape(1, 1)
+        if s.numel() not in (1, rows):
+            raise misfit
+        s = s.reshape(-1, 1)
         z = None if z is None else z.reshape(s.shape)
     elif w.strategy in ("group", "tensor_group"):
         size = w.group_size or cols
         if s.shape != (rows, -(-cols // size)):
-            raise UserError(f"{where}: weight_scale of shape {list(s.shape)} does not fit groups of "
-                            f"{size} on a [{rows}, {cols}] weight")
+            raise misfit
         s = s.repeat_interleave(size, dim=1)[:, :cols]
         z = None if z is None else z.repeat_interleave(size, dim=1)[:, :cols]
     elif w.strategy == "block" and w.block:
         bh, bw = w.block
+        if s.shape != (-(-rows // bh), -(-cols // bw)):
+            raise misfit
         s = s.repeat_interleave(bh, dim=0).repeat_interleave(bw, dim=1)[:rows, :cols]
         z = None if z is None else z.repeat_interleave(bh, dim=0).repeat_interleave(bw, dim=1)[:rows, :cols]
     else:
         raise UserError(f"{where}: weight strategy {w.strategy!r} is not read")
-    if s.shape[0] not in (1, rows) or s.shape[1] not in (1, cols):
-        raise UserError(f"{where}: weight_scale of shape {list(scale.shape)} does not fit a "
-                        f"[{rows}, {cols}] weight")
     return (q if z is None else q - z) * s
 
 
