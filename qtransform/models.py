@@ -282,6 +282,15 @@ def _config_dtype(config) -> torch.dtype:
     return value if isinstance(value, torch.dtype) else torch.float32
 
 
+def is_quantized_folder(source: str | os.PathLike) -> bool:
+    """Whether `source` is a model folder of packed quantized weights (compressed-tensors,
+    ModelOpt), which only `load_model` decompresses."""
+    path = Path(source)
+    if not path.is_dir() or not (path / "config.json").is_file():
+        return False
+    return (path / checkpoints.MODELOPT_FILE).exists() or "quantization_config" in read_config(path)
+
+
 def loaded_checkpoint(model: nn.Module) -> checkpoints.Checkpoint | None:
     """The description of the quantized checkpoint `model` was opened from, or None."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model  # PEFT

@@ -13,6 +13,8 @@ from qtransform.errors import UserError
 from qtransform.models import BUILTIN, checkpoint_policy, input_paths, load_model, loaded_checkpoint
 from qtransform.pipeline import plan, transform, transform_program
 from qtransform.pipeline.saving import write_transformed
+from qtransform.scan.grid import grid_line
+from qtransform.scan.weights import weight_grids
 from qtransform.schemas import load_policy
 
 EPILOG_PLAN = """example:
@@ -74,7 +76,13 @@ def run_plan(args: argparse.Namespace) -> int:
     else:  # the plan of the calibrated model: static scales with their values
         batches = calib_batches(args.calib, args.model, model)
         result = transform_program(model, policy, inplace=True, calibration=batches).plan()
-    print(json.dumps(result.to_dict(), indent=2) if args.json else result.to_text())
+    grids = weight_grids(model)
+    if args.json:
+        print(json.dumps({**result.to_dict(), "grids": grids}, indent=2))
+    else:
+        print(result.to_text())
+        if line := grid_line(grids):
+            print(line)
     return 0
 
 

@@ -52,9 +52,11 @@ from qtransform.errors import UserError
 from qtransform.formats import QuantConfig
 from qtransform.formats.options import CHOICE_OPTIONS, FORMAT_KEYS
 from qtransform.formats.quantize import quantize_with_info
+from qtransform.models import is_quantized_folder, load_model
 from qtransform.passes.fake_quant import first_weight_seed
 from qtransform.scan.checkpoint import Checkpoint
 from qtransform.scan.compare import Comparison
+from qtransform.scan.grid import grid_fit
 from qtransform.scan.report import (
     DEFAULT_THRESHOLDS,
     ScanReport,
@@ -211,6 +213,8 @@ def weight_refs(source: nn.Module | str | os.PathLike[str]) -> list[WeightRef]:
     """The weights of a module, or of a safetensors file / folder."""
     if isinstance(source, nn.Module):
         return module_weights(source)
+    if is_quantized_folder(source):  # packed tensors: read them through our decompression
+        return module_weights(load_model(source))
     return checkpoint_weights(source)
 
 
@@ -438,18 +442,21 @@ def scan_weights(
     pairs = _select(weight_refs(source), policy)
     shared = share_amax(policy, [r for r, _ in pairs]) if default is None else {}
     rows = []
+    grids = {}
     with _progress([r for r, _ in pairs], progress, f"scan {fmt or 'policy'}") as bar:
         for ref, by_policy in pairs:
             cfg = default or by_policy
             assert cfg is not None
             w = ref.load()
+            if (fit := grid_fit(w)) is not None:
+                grids[ref.site.name] = fit.to_dict()
             rows.append(_measured_row(ref, w, cfg, shared.get(ref.site.name))[0])
             bar.update(w.numel())
             del w
     fmts = sorted({row.format for row in rows})
     meta = build_meta(
         kind="weight_scan", source=source_label(source), fmt=fmts[0] if len(fmts) == 1 else "mixed",
-        options=default.options() if default else {}, quantize=_rules(policy, default),
+        options=default.options() if default else {}, quantize=_rules(policy, default), grids=grids,
     )
     return ScanReport(meta=meta, rows=rows, thresholds=_limits(policy, thresholds),
                       flagging=check_flagging(flagging))
@@ -470,6 +477,15 @@ def _rules(policy: Any, cfg: QuantConfig | None) -> list[dict[str, Any]]:
     fields = {"format": cfg.name, **cfg.options()}
     return [{**{k: v for k, v in r.items() if k not in (*FORMAT_KEYS, "format")}, **fields}
             for r in rules]
+
+
+def weight_grids(source: nn.Module | str | os.PathLike[str]) -> dict[str, dict[str, Any]]:
+    """Every Linear-like weight of `source` already on a coarse grid (`scan.grid`): site -> fit."""
+    fits = {}
+    for ref in weight_refs(source):
+        if (fit := grid_fit(ref.load())) is not None:
+            fits[ref.site.name] = fit.to_dict()
+    return fits
 
 
 def compare_formats(
