@@ -140,6 +140,11 @@ class FakeQuantize(nn.Module):
             return x.detach().abs().amax(dim=self.config.block_axis, keepdim=True).to(torch.float32)
         return self._fixed_amax()
 
+    def amax_for(self, x: Tensor) -> Tensor | None:
+        """The tensor-level amax this module quantizes `x` with (None: x's own): what a
+        checkpoint writer needs to store the same scales."""
+        return self._amax(x)
+
     def _fixed_amax(self) -> Tensor | None:
         """A static scale's or the scale group's amax (None for the other sources)."""
         if self.global_scale == "group":

@@ -5,7 +5,8 @@ The public API. Transform: `transform`, `transform_program`, `plan`, `capture`, 
 `Policy`, `load_policy`; presets named after the stacks: `preset_names`, `register_preset`,
 `Preset` (docs/recipes.md). Scans: `scan_weights`, `compare_formats`, `scan_activations`,
 `gain_scan`, `kurtosis_scan`, `instability_scan`, `ScanReport`, `guide`. Runs side by side:
-`compare_runs`, `report_runs`. Export: `export_onnx`. Pages: `Page`, `scan_page`,
+`compare_runs`, `report_runs`. Export: `export_onnx`; deployable checkpoints
+(compressed-tensors, ModelOpt): `export_checkpoint`. Pages: `Page`, `scan_page`,
 `write_scan_page` (one self-contained HTML page per result). Checkpoints: `load_model` (also
 opens compressed-tensors and ModelOpt folders), `checkpoint_policy`; weights already on a grid:
 `grid_fit`, `GridFit`.
@@ -20,6 +21,7 @@ from qtransform.core.program import Program, insertion_log
 from qtransform.core.sites import Site
 from qtransform.errors import UserError
 from qtransform.export import export_onnx
+from qtransform.export.checkpoint import export_checkpoint
 from qtransform.formats import fake_quantize
 from qtransform.models import checkpoint_policy, load_model
 from qtransform.pipeline import Pass, PassManager, Plan, plan, transform, transform_program
@@ -95,3 +97,4 @@ __all__ += ["compare_runs", "report_runs"]
 __all__ += ["Page", "scan_page", "write_scan_page"]
 __all__ += ["Preset", "preset_names", "register_preset"]
 __all__ += ["load_model", "checkpoint_policy", "grid_fit", "GridFit"]
+__all__ += ["export_checkpoint"]

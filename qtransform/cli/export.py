@@ -1,4 +1,5 @@
-"""`qtransform export`: a model with a policy applied, as an instrumented ONNX file."""
+"""`qtransform export`: a model with a policy applied, as an instrumented ONNX file (`--to onnx`,
+the default) or a deployable checkpoint folder (`--to compressed-tensors` / `modelopt`)."""
 
 from __future__ import annotations
 
@@ -11,8 +12,9 @@ import torch
 from qtransform.cli.options import add_calib, calib_batches
 from qtransform.core import io as qio
 from qtransform.errors import UserError
+from qtransform.export.checkpoint import FORMATS, export_checkpoint
 from qtransform.export.onnx import check_opset, export_onnx
-from qtransform.models import load_model
+from qtransform.models import input_paths, load_model, load_tokenizer
 from qtransform.pipeline import transform
 from qtransform.report.page import page_beside
 from qtransform.report.run_pages import export_page, export_summary
@@ -25,11 +27,17 @@ examples:
   qtransform export ./Qwen2.5-0.5B --policy policy.json --out q.onnx --seq-len 128 --noise off
   qtransform export ./model --policy p.json --out q_qdq.onnx --fake-quant qdq --no-taps
   qtransform export ./model --policy p.json --out q.onnx --attention-mask   # padded batches
+  qtransform export ./Qwen2.5-0.5B --policy '{"preset": "llm-compressor/NVFP4"}' --calib calib.jsonl \
+      --to compressed-tensors --out qwen-nvfp4        # a folder vLLM and transformers load
 
 The file runs in plain onnxruntime (fake-quant nodes carry their ONNX function bodies), taps are
 graph outputs `tap:<site>:<point>`, noise draws graph inputs `noise:<site>/<point>` (zeros turn
 the noise off). --fake-quant qdq writes QuantizeLinear/DequantizeLinear for deployment
-toolchains (opset 24; onnxruntime 1.31 cannot run it). See docs/onnx.md."""
+toolchains (opset 24; onnxruntime 1.31 cannot run it). See docs/onnx.md.
+
+--to compressed-tensors writes llm-compressor's checkpoint layout, --to modelopt ModelOpt's
+(NVFP4, FP8): the quantized weights, config.json with the scheme, the tokenizer; what the format
+cannot express is refused before anything is written. See docs/export.md."""
 
 
 MAX_BATCH = 4096  # an example batch only shapes the trace; larger ones just cost memory
@@ -49,12 +57,20 @@ def _positive(text: str) -> int:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("export", help="export a transformed model to ONNX (taps, noise inputs)",
-                       description="Apply POLICY to MODEL and export it to ONNX.",
+    p = sub.add_parser("export", help="export a transformed model to ONNX or a deployable checkpoint",
+                       description="Apply POLICY to MODEL and export it to ONNX (default) or as a "
+                                   "quantized checkpoint folder (--to).",
                        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model", metavar="MODEL", help="local HF model folder, or builtin:<arch>")
     p.add_argument("--policy", required=True, metavar="P", help="policy JSON file")
-    p.add_argument("--out", required=True, metavar="FILE", help="output .onnx file (written atomically)")
+    p.add_argument("--out", required=True, metavar="PATH",
+                   help="output .onnx file, or the checkpoint folder with --to (written atomically)")
+    p.add_argument("--to", choices=("onnx", *FORMATS), default="onnx",
+                   help="onnx (default), or a checkpoint folder in compressed-tensors' or ModelOpt's layout")
+    p.add_argument("--max-shard-size", default="5GB", metavar="SIZE",
+                   help="checkpoints: shard the weights past this size (default 5GB)")
+    p.add_argument("--force", action="store_true",
+                   help="checkpoints: replace an existing --out folder that qtransform did not write")
     p.add_argument("--seq-len", type=_positive, default=16, metavar="N", help="example sequence length (default 16)")
     p.add_argument("--batch", type=_positive, default=1, metavar="B", help="example batch size (default 1)")
     p.add_argument("--fake-quant", choices=("function", "inline", "qdq"), default="function",
@@ -91,7 +107,17 @@ def example_input_ids(model, batch: int, seq_len: int):
     return torch.randint(0, vocab, (batch, seq_len), generator=torch.Generator().manual_seed(0))
 
 
+# ONNX-only options and their defaults: given with a checkpoint --to, they would do nothing
+ONNX_ONLY = {"seq_len": 16, "batch": 1, "fake_quant": "function", "no_taps": False, "noise": "input",
+             "static": False, "attention_mask": False, "optimize": False, "opset": None}
+
+
 def run_export(args: argparse.Namespace) -> int:
+    if args.to != "onnx":
+        return run_checkpoint(args)
+    if args.max_shard_size != "5GB" or args.force:
+        raise UserError("--max-shard-size and --force apply to checkpoints (--to compressed-tensors "
+                        "or modelopt), not to ONNX files")
     check_opset(args.fake_quant, args.opset)
     qio.check_file_target(page_beside(args.out))  # the page beside the model, before any work
     with qio.output_file(args.out):
@@ -116,4 +142,26 @@ def run_export(args: argparse.Namespace) -> int:
         noise = sum(1 for i in summary["inputs"] if i.startswith("noise:"))
         print(f"exported {path} in {seconds:.1f} s: {summary['fake_quant_nodes']} fake-quant nodes "
               f"({args.fake_quant}), {taps} taps, {noise} noise inputs")
+    return 0
+
+
+def run_checkpoint(args: argparse.Namespace) -> int:
+    """`--to compressed-tensors | modelopt`: the transformed model as a checkpoint folder."""
+    extra = [f"--{k.replace('_', '-')}" for k, v in ONNX_ONLY.items() if getattr(args, k) != v]
+    if extra:
+        raise UserError(f"{', '.join(extra)} apply to ONNX exports; drop them with --to {args.to}")
+    qio.check_folder_target(args.out, "export", force=args.force, protect=input_paths(args.model, args.policy))
+    policy = load_policy(args.policy)
+    model = load_model(args.model)
+    start = time.perf_counter()
+    model = transform(model, policy, inplace=True, calibration=calib_batches(args.calib, args.model, model))
+    out = export_checkpoint(model, args.out, format=args.to, tokenizer=load_tokenizer(args.model),
+                            max_shard_size=args.max_shard_size, force=args.force)
+    seconds = time.perf_counter() - start
+    files = sorted(p.name for p in out.iterdir() if not p.name.startswith("."))
+    summary = {"out": str(out), "format": args.to, "seconds": round(seconds, 2), "files": files}
+    if args.json:
+        print(json.dumps(summary, indent=2))
+    else:
+        print(f"exported {out} ({args.to}) in {seconds:.1f} s: {', '.join(files)}")
     return 0

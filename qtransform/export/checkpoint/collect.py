@@ -1,0 +1,166 @@
+"""What a transformed model asks a checkpoint to hold: its Linears with their weight and input
+fake-quants, its LoRA layers, and what cannot go into any quantized checkpoint.
+
+The checkpoint is the model as deployed: noise (AQN, hardware error, activation noise) is left
+out, as `qtransform.evaluation` switches it off; taps only observe. Everything else that changes
+numbers and has no field in a checkpoint format is refused here, before a file is written, one
+line per reason (`Refusals`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from torch import nn
+
+from qtransform.core.lora import is_lora_layer, lora_mode
+from qtransform.core.noise import NoiseModule
+from qtransform.core.scales import FUSED_NAMES
+from qtransform.core.sites import ADAPTER_KEYS, hf_name
+from qtransform.core.tracing import module_graph
+from qtransform.errors import UserError
+from qtransform.passes import FakeQuantize
+from qtransform.passes.instrument import InstrumentPass
+
+
+@dataclass
+class LinearExport:
+    """One nn.Linear of the model under its Hugging Face name, as the checkpoint stores it."""
+
+    name: str
+    module: nn.Linear
+    weight: FakeQuantize | None = None  # None: kept in high precision
+    input: FakeQuantize | None = None
+    lora: nn.Module | None = None  # the PEFT LoRA layer around it
+
+    @property
+    def quantized(self) -> bool:
+        return self.weight is not None or self.input is not None
+
+
+@dataclass
+class Collected:
+    """The model's Linears (every one, by HF name, in module order), what was left out, and
+    the refusals common to every format."""
+
+    linears: dict[str, LinearExport] = field(default_factory=dict)
+    embeddings: list[str] = field(default_factory=list)  # nn.Embedding modules, kept as they are
+    left_out: list[str] = field(default_factory=list)
+    refusals: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Reason:
+    """Why something has no form in a format (a value, so callers collect every reason)."""
+
+    text: str
+
+
+class Refused(UserError):
+    """The model cannot be written in the asked format: one line per reason."""
+
+
+def raise_refusals(refusals: list[str], fmt: str) -> None:
+    """One UserError listing every reason, or nothing."""
+    if not refusals:
+        return
+    unique = list(dict.fromkeys(refusals))
+    if len(unique) == 1:
+        raise Refused(f"cannot export as {fmt}: {unique[0]}")
+    more = "; ".join(unique[1:4]) + (f"; and {len(unique) - 4} more" if len(unique) > 4 else "")
+    raise Refused(f"cannot export as {fmt}: {unique[0]} (also: {more})")
+
+
+def _is_adapter(name: str) -> bool:
+    return any(part in ADAPTER_KEYS for part in name.split("."))
+
+
+def collect(model: nn.Module, *, requantize_lora: bool = False) -> Collected:
+    """Walk `model` (a qtransform-transformed model, PEFT-wrapped or not)."""
+    out = Collected()
+    for name, module in model.named_modules():
+        if _is_adapter(name):
+            continue
+        key = hf_name(name)
+        if is_lora_layer(module):
+            out.linears.setdefault(key, LinearExport(key, module.base_layer)).lora = module
+            continue
+        if isinstance(module, nn.Embedding):
+            out.embeddings.append(key)
+        if isinstance(module, nn.Linear):
+            out.linears.setdefault(key, LinearExport(key, module)).module = module
+        _insertions(out, key, module)
+    for entry in out.linears.values():
+        _check_lora(out, entry, requantize_lora)
+    _check_fused(out)
+    return out
+
+
+def _insertions(out: Collected, key: str, module: nn.Module) -> None:
+    state = module_graph(module)
+    if state is None:
+        return
+    for ins in state.insertions:
+        child = module._modules.get(ins.module_path.rsplit(".", 1)[-1])
+        where = f"{key} ({ins.point})"
+        if isinstance(child, NoiseModule):
+            out.left_out.append(f"{ins.pass_name} at {where}")
+        elif ins.pass_name == InstrumentPass.name:
+            continue  # a tap observes, it changes nothing
+        elif isinstance(child, FakeQuantize):
+            if not child.enabled:
+                out.left_out.append(f"switched-off fake-quant at {where}")
+            elif not isinstance(module, nn.Linear):
+                out.refusals.append(f"{where} is quantized but is not an nn.Linear "
+                                    f"({type(module).__name__}); checkpoints store quantized Linear "
+                                    "weights only: leave it out of the quantize rules")
+            elif ins.point == "output":
+                out.refusals.append(f"{where}: output quantization has no field in a checkpoint "
+                                    "(engines quantize weights and inputs); drop the rule's 'output' tensor")
+            elif child.config.stochastic:
+                out.refusals.append(f"{where}: stochastic rounding draws new values every forward, "
+                                    "a checkpoint holds one rounding; use rounding 'rne'")
+            else:
+                setattr(out.linears[key], ins.point, child)
+        else:
+            out.refusals.append(f"{where}: the {ins.pass_name!r} pass changes the values and no "
+                                "checkpoint field holds it; transform without it")
+
+
+def _check_lora(out: Collected, entry: LinearExport, requantize_lora: bool) -> None:
+    if entry.lora is None or entry.weight is None:
+        return
+    if lora_mode(entry.module) == "beside" and not requantize_lora:
+        out.refusals.append(
+            f"{entry.name}: its LoRA adapter runs beside the quantized weight (lora 'beside': "
+            "quant(W) + s B A), which no quantized checkpoint holds; train with lora 'merged' "
+            "(quant(W + s B A)), or pass requantize_lora=True to store quant(W + s B A)")
+
+
+def fused_sets(linears: dict[str, LinearExport]) -> list[tuple[str, list[LinearExport]]]:
+    """(parent, members) of the siblings an engine fuses into one Linear (q/k/v, gate/up)."""
+    by_parent: dict[str, dict[str, LinearExport]] = {}
+    for entry in linears.values():
+        parent, _, leaf = entry.name.rpartition(".")
+        by_parent.setdefault(parent, {})[leaf] = entry
+    return [(parent, [children[n] for n in names]) for parent, children in by_parent.items()
+            for names in FUSED_NAMES if all(n in children for n in names)]
+
+
+def _check_fused(out: Collected) -> None:
+    """Siblings an engine fuses into one Linear must be quantized alike."""
+    for parent, members in fused_sets(out.linears):
+        names = [m.name.rpartition(".")[2] for m in members]
+        quantized = [n for n, m in zip(names, members, strict=True) if m.quantized]
+        if quantized and len(quantized) < len(members):
+            rest = [n for n in names if n not in quantized]
+            out.refusals.append(
+                f"{parent}: {'/'.join(names)} run as one fused Linear in the engines, but "
+                f"{', '.join(quantized)} {'is' if len(quantized) == 1 else 'are'} quantized and "
+                f"{', '.join(rest)} not: quantize all of them or none")
+            continue
+        configs = {(m.weight.config if m.weight else None, m.input.config if m.input else None)
+                   for m in members}
+        if len(configs) > 1:
+            out.refusals.append(f"{parent}: {'/'.join(names)} run as one fused Linear in the "
+                                "engines but are quantized differently: give them one rule")

@@ -1,0 +1,59 @@
+"""Bit packing of quantized elements, as the checkpoint formats lay them out (our own code: the
+main environment has no compressed-tensors).
+
+- 4-bit float elements (E2M1 codes, sign in bit 3): two per byte, the even column in the low
+  nibble (compressed-tensors' `pack_fp4_to_uint8`, ModelOpt's NVFP4 export).
+- integers of b <= 8 bits: offset to unsigned (q + 2^(b-1)) and packed densely into int32 words,
+  element i at bit i*b of its row's bit stream, little end first (compressed-tensors'
+  `pack_to_int32`, format `pack-quantized`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 codes of 4 bits, shape [..., n] with n even -> uint8 [..., n / 2]."""
+    if codes.shape[-1] % 2:
+        raise ValueError(f"4-bit packing needs an even row length, got {codes.shape[-1]}")
+    c = codes.to(torch.uint8)
+    return c[..., 0::2] | (c[..., 1::2] << 4)
+
+
+def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """Inverse of `pack_nibbles`: uint8 [..., m] -> uint8 codes [..., 2m]."""
+    return torch.stack((packed & 0x0F, packed >> 4), dim=-1).flatten(-2)
+
+
+def pack_int32(values: torch.Tensor, bits: int) -> torch.Tensor:
+    """Signed integers in [-2^(bits-1), 2^(bits-1) - 1], shape [rows, n] -> int32
+    [rows, ceil(n * bits / 32)]: each row one little-endian bit stream of offset values."""
+    if not 1 <= bits <= 8:
+        raise ValueError(f"int32 packing takes 1..8 bits, got {bits}")
+    rows, n = values.shape
+    words = math.ceil(n * bits / 32)
+    u = (values.to(torch.int64) + (1 << (bits - 1))) & ((1 << bits) - 1)
+    pos = torch.arange(n, dtype=torch.int64) * bits
+    out = torch.zeros(rows, words + 1, dtype=torch.int64)
+    word, shift = pos // 32, pos % 32
+    out.scatter_add_(1, word.expand(rows, n), u << shift)  # bits that fit in the word
+    spill = shift + bits - 32  # bits that run past the word go to the next one
+    over = spill > 0
+    if bool(over.any()):
+        out.scatter_add_(1, (word[over] + 1).expand(rows, -1), u[:, over] >> (bits - spill[over]))
+    out = out[:, :words] & 0xFFFFFFFF
+    return torch.where(out >= 2**31, out - 2**32, out).to(torch.int32)
+
+
+def unpack_int32(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
+    """Inverse of `pack_int32`: int32 [rows, words] -> int8 [rows, n]."""
+    w = packed.to(torch.int64) & 0xFFFFFFFF
+    w = torch.cat([w, torch.zeros_like(w[:, :1])], dim=1)
+    pos = torch.arange(n, dtype=torch.int64) * bits
+    word, shift = pos // 32, pos % 32
+    both = w[:, word] | (w[:, word + 1] << 32)  # the element may straddle two words
+    u = (both >> shift) & ((1 << bits) - 1)
+    return (u - (1 << (bits - 1))).to(torch.int8)
