@@ -15,9 +15,9 @@ model whose weights are the checkpoint's dequantized values, and knows which sch
 - ModelOpt (`hf_quant_config.json`, `quant_algo` NVFP4 or FP8): `weight` (packed E2M1 or FP8),
   `weight_scale`, `weight_scale_2` (NVFP4's global decode scale), `input_scale`.
 
-Each value is dequantized as its library does (the product in fp32, then rounded once to the
-dtype the library returns), so a bf16 model equals compressed-tensors' own decompression bit
-for bit. What these readers do not know is refused with a UserError naming it, never guessed.
+Each value is dequantized as its library does (the product in fp32, rounded once to the model's
+dtype), so a bf16 model equals compressed-tensors' own decompression bit for bit. (For FP4 that
+library returns bf16 whatever the model's dtype; here an fp32 model keeps the exact products.) What these readers do not know is refused with a UserError naming it, never guessed.
 The policy is a plain dict (the policy layer sits above this one); `describe` says in words
 what the checkpoint is.
 """
@@ -306,7 +306,7 @@ def _decode(group: Group, p: dict[str, Tensor], where: str) -> Tensor:
         else:  # compressed-tensors: the E4M3 scale in bf16, divided by the fp32 global scale
             g = _need(p, "weight_global_scale", where).to(torch.float32).reshape(())
             scale = raw.to(torch.bfloat16).to(torch.float32) / g
-        return _blockwise(codes, scale.to(torch.float32), w.group_size or 16, where).to(torch.bfloat16)
+        return _blockwise(codes, scale.to(torch.float32), w.group_size or 16, where)
     scale = _need(p, "weight_scale", where)
     if group.format == "pack-quantized":
         shape = [int(v) for v in _need(p, "weight_shape", where).tolist()]
