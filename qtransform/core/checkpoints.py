@@ -493,8 +493,9 @@ def static_amax(checkpoint: Checkpoint, module: str) -> Tensor | None:
         return None
     s = checkpoint.groups[checkpoint.modules[module]].inputs
     if s is not None and s.bits == 4:
-        return (scale * FP4_FP8_MAX if checkpoint.producer == MODELOPT
-                else FP4_FP8_MAX / scale).to(torch.float32)
+        if checkpoint.producer == MODELOPT:
+            return scale * FP4_FP8_MAX
+        return torch.full_like(scale, FP4_FP8_MAX) / scale  # true division (scalar / tensor is not)
     return (scale * 448.0).to(torch.float32)
 
 

@@ -286,3 +286,32 @@ def test_asymmetric_int4_with_packed_zero_points(tmp_path):
     opened = check(folder, expected)
     with pytest.raises(UserError, match="asymmetric integers"):
         checkpoint_policy(opened)
+
+
+def test_cli_transform_and_scan_a_checkpoint_without_a_policy(tmp_path, tiny_bf16):
+    def pack(module, w):
+        enc = encode(w, "nvfp4", nvfp4_variant="compressed-tensors")
+        return ({"weight_packed": nibbles(enc.codes.reshape(w.shape)),
+                 "weight_scale": enc.scales.reshape(w.shape[0], -1).to(torch.float8_e4m3fn),
+                 "weight_global_scale": enc.tensor_scale.reshape(1),
+                 "input_global_scale": torch.tensor([448.0])}, encode_decode(enc))
+    nv = args("float", 4, "tensor_group", 16)
+    folder, _ = write_folder(tmp_path, tiny_bf16, pack, ct_config(
+        "nvfp4-pack-quantized", nv, {**nv, "dynamic": "local"}))
+    cli = [sys.executable, "-m", "qtransform.cli.main"]
+    out = subprocess.run([*cli, "transform", str(folder), "--out", str(tmp_path / "t")],
+                         capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    saved = qtransform.load_transformed(tmp_path / "t")
+    scales = {m.amax.item() for m in saved.modules() if type(m).__name__ == "StaticScale"}
+    assert scales == {6.0}  # g = 2688 / amax = 448
+    out = subprocess.run([*cli, "scan", str(folder), "--format", "mxfp4", "--out", str(tmp_path / "s"),
+                          "--no-progress"], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert ("weights of 14 sites already on an nvfp4 (E2M1 per 16) grid: re-quantizing stacks two "
+            "roundings") in out.stdout
+    plain = tmp_path / "plain"
+    tiny_bf16.save_pretrained(plain)
+    out = subprocess.run([*cli, "plan", str(plain)], capture_output=True, text=True)
+    assert out.returncode == 2 and "no policy given, and the model is not a quantized checkpoint" in out.stderr
+    assert "Traceback" not in out.stderr
