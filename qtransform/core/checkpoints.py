@@ -184,11 +184,11 @@ def _args(a: Any, where: str) -> TensorScheme | None:
         raise UserError(f"{where}: 4-bit floats with strategy {strategy!r} and group_size "
                         f"{a.get('group_size')}: only NVFP4 (tensor_group 16) and MXFP4 (group 32) "
                         "are read")
-    if kind == "float" and bits not in (4, 8) or kind == "int" and bits not in (4, 8):
-        raise UserError(f"{where}: {bits}-bit {kind} elements, which qtransform has no format for "
-                        "(it reads fp4, fp8, int4 and int8)")
     if kind not in ("int", "float"):
         raise UserError(f"{where}: element type {kind!r} is unknown")
+    if bits not in (4, 8):
+        raise UserError(f"{where}: {bits}-bit {kind} elements, which qtransform has no format for "
+                        "(it reads fp4, fp8, int4 and int8)")
     if strategy not in ("tensor", "channel", "group", "tensor_group", "block", "token"):
         raise UserError(f"{where}: strategy {strategy!r}, which qtransform does not read")
     block = a.get("block_structure")

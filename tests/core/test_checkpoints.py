@@ -315,3 +315,13 @@ def test_cli_transform_and_scan_a_checkpoint_without_a_policy(tmp_path, tiny_bf1
     out = subprocess.run([*cli, "plan", str(plain)], capture_output=True, text=True)
     assert out.returncode == 2 and "no policy given, and the model is not a quantized checkpoint" in out.stderr
     assert "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize("entry", ["lm_head", "Linear", "re:.*mlp.gate", "model.layers.0.mlp.down_proj",
+                                   "re:model\\.layers\\.[0-9]+\\.self_attn.*"])
+def test_selector_entries_mean_what_the_llm_compressor_presets_mean(entry):
+    """The core layer cannot import the presets' translation; both must agree."""
+    from qtransform.core.checkpoints import ct_entry
+    from qtransform.schemas.presets.patterns import from_llm_compressor
+
+    assert ct_entry(entry) == from_llm_compressor(entry)
