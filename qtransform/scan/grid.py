@@ -30,6 +30,7 @@ TOLERANCE = 2.0**-7  # relative: a code times its scale rounded once to bf16, th
 MIN_ELEMENTS = 256  # fewer elements say nothing about a grid
 SAMPLE_ROWS = 8  # rows every check tries first
 LEVEL_ROWS = 64  # rows the distinct levels are counted on
+CONFIRM_ROWS = 256  # rows spread over the tensor that must fit too
 E2M1_MAGNITUDES = E2M1.grid()
 E4M3_MAGNITUDES = E4M3.grid()
 E2M1_TOPS = (6.0, 4.0, 3.0, 2.0, 1.5, 1.0, 0.5)  # which code a block's amax may be
@@ -133,7 +134,9 @@ def grid_fit(w: Tensor) -> GridFit | None:
     """The coarse grid `w` (a weight, reduction axis last) already sits on, or None; `levels`
     is the median distinct values per 32-block of its first rows.
 
-    Checked in order, the most specific scheme first; the first that every block fits wins."""
+    Checked in order, the most specific scheme first; the first that every block of the first
+    rows and of up to CONFIRM_ROWS rows spread over the tensor fits wins (a sample: the answer
+    names a grid, it does not prove every element sits on it)."""
     if w.ndim < 2 or w.numel() < MIN_ELEMENTS or not w.is_floating_point():
         return None
     rows = w.detach().reshape(-1, w.shape[-1])
@@ -141,13 +144,7 @@ def grid_fit(w: Tensor) -> GridFit | None:
     if not torch.isfinite(sample).all():
         return None
     levels = distinct_levels(rows[:LEVEL_ROWS].float())
-    whole: list[Tensor] = []  # the fp32 rows, converted once a sample fits
-
-    def full() -> Tensor:
-        if not whole:
-            whole.append(rows.float())
-        return whole[0]
-
+    spread = rows[torch.linspace(0, len(rows) - 1, min(len(rows), CONFIRM_ROWS)).long()].float()
     amax = w.detach().abs().amax().float().reshape(1, 1)
     checks = []
     if levels <= 30:  # 4-bit grids: at most 15 levels per 16-block, 16 per 32-block
@@ -164,8 +161,8 @@ def grid_fit(w: Tensor) -> GridFit | None:
         ("fp8 e4m3 per tensor", lambda r: _fp8(r, amax)),
         ("fp8 e4m3 per channel", lambda r: _fp8(r)),
     ]
-    for name, fits in checks:  # a few rows first: trained weights fail there, cheaply
-        if fits(sample) and (len(rows) <= SAMPLE_ROWS or fits(full())):
+    for name, fits in checks:  # a few rows first (trained weights fail there), then rows spread
+        if fits(sample) and (len(rows) <= SAMPLE_ROWS or fits(spread)):
             return GridFit(name, levels)
     return None
 
