@@ -7,7 +7,9 @@ The public API. Transform: `transform`, `transform_program`, `plan`, `capture`, 
 `gain_scan`, `kurtosis_scan`, `instability_scan`, `ScanReport`, `guide`. Runs side by side:
 `compare_runs`, `report_runs`. Export: `export_onnx`; deployable checkpoints
 (compressed-tensors, ModelOpt): `export_checkpoint`. Pages: `Page`, `scan_page`,
-`write_scan_page` (one self-contained HTML page per result).
+`write_scan_page` (one self-contained HTML page per result). Checkpoints: `load_model` (also
+opens compressed-tensors and ModelOpt folders), `checkpoint_policy`; weights already on a grid:
+`grid_fit`, `GridFit`.
 
 This façade is the top of the layers (docs/architecture.md): it imports every stage, which also
 registers the passes of `qtransform.passes` with the pipeline.
@@ -21,6 +23,7 @@ from qtransform.errors import UserError
 from qtransform.export import export_onnx
 from qtransform.export.checkpoint import export_checkpoint
 from qtransform.formats import fake_quantize
+from qtransform.models import checkpoint_policy, load_model
 from qtransform.pipeline import Pass, PassManager, Plan, plan, transform, transform_program
 from qtransform.pipeline.saving import load_transformed, save_transformed
 from qtransform.report import Page, scan_page, write_scan_page
@@ -46,6 +49,7 @@ from qtransform.scan import (
     scan_activations,
     scan_weights,
 )
+from qtransform.scan.grid import GridFit, grid_fit
 from qtransform.scan.runs import compare_runs
 from qtransform.schemas import Policy, load_policy
 from qtransform.schemas.presets import Preset, preset_names, register_preset
@@ -92,4 +96,5 @@ __all__ += ["Correction", "log_to", "mismatch_metrics"]
 __all__ += ["compare_runs", "report_runs"]
 __all__ += ["Page", "scan_page", "write_scan_page"]
 __all__ += ["Preset", "preset_names", "register_preset"]
+__all__ += ["load_model", "checkpoint_policy", "grid_fit", "GridFit"]
 __all__ += ["export_checkpoint"]

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from qtransform.core import checkpoints
 from qtransform.core import io as qio
 from qtransform.errors import UserError
 
@@ -208,8 +209,9 @@ def load_model(spec: str | os.PathLike, *, dtype: torch.dtype | None = None) -> 
         raise missing_source(text)
     if not path.is_dir():
         raise UserError(f"{text}: not a folder; give the model's folder (config.json and weights)")
-    read_config(path)
+    raw_config = read_config(path)
     check_weight_files(path)
+    checkpoint = checkpoints.detect(path, raw_config)
     import transformers as tf
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -219,6 +221,8 @@ def load_model(spec: str | os.PathLike, *, dtype: torch.dtype | None = None) -> 
         raise UserError(f"{path}: transformers {tf.__version__} cannot read this config "
                         f"({_first_line(exc)}); unsupported model_type or a damaged config.json") from None
     cls = model_class(config)
+    if checkpoint is not None:
+        return load_checkpoint(path, cls, config, checkpoint, dtype)
     kwargs = {"dtype": dtype} if dtype is not None else {}
     from transformers.utils import logging as hf_logging
 
@@ -234,6 +238,74 @@ def load_model(spec: str | os.PathLike, *, dtype: torch.dtype | None = None) -> 
         if bars:
             hf_logging.enable_progress_bar()
     return model.eval()
+
+
+def load_checkpoint(path: Path, cls, config, checkpoint: checkpoints.Checkpoint,
+                    dtype: torch.dtype | None) -> nn.Module:
+    """A quantized folder as a plain model of its dequantized weights (our own decompression:
+    transformers would need compressed-tensors or ModelOpt), in `dtype` or the config's dtype.
+    The description stays on the model for `checkpoint_policy`; the config loses its
+    quantization_config, so saving the model never claims packed weights it does not hold."""
+    from safetensors import safe_open
+
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    want = dtype or _config_dtype(config)
+    model = cls._from_config(config, dtype=want)
+
+    def tensors():
+        for file in sorted(path.glob("*.safetensors")):
+            with safe_open(str(file), framework="pt") as fh:
+                for key in fh.keys():  # noqa: SIM118 (safe_open has no __iter__)
+                    yield key, fh.get_tensor(key)
+
+    state = checkpoints.decompress(checkpoint, tensors(), want)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    tied = {k for k in missing if k.endswith("lm_head.weight")} if getattr(
+        config, "tie_word_embeddings", False) else set()
+    missing = [k for k in missing if k not in tied]
+    if missing or unexpected:
+        raise UserError(f"{path}: the checkpoint's tensors do not fit {cls.__name__} ("
+                        + (f"missing {missing[0]}" if missing else f"unexpected {unexpected[0]}")
+                        + f", {len(missing)} missing, {len(unexpected)} unexpected); check the "
+                        "folder's weights and config")
+    if tied:
+        model.tie_weights()
+    setattr(model, checkpoints.ATTRIBUTE, checkpoint)
+    return model.eval()
+
+
+def _config_dtype(config) -> torch.dtype:
+    value = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    if isinstance(value, str):
+        value = getattr(torch, value, None)
+    return value if isinstance(value, torch.dtype) else torch.float32
+
+
+def is_quantized_folder(source: str | os.PathLike) -> bool:
+    """Whether `source` is a model folder of packed quantized weights (compressed-tensors,
+    ModelOpt), which only `load_model` decompresses."""
+    path = Path(source)
+    if not path.is_dir() or not (path / "config.json").is_file():
+        return False
+    return (path / checkpoints.MODELOPT_FILE).exists() or "quantization_config" in read_config(path)
+
+
+def loaded_checkpoint(model: nn.Module) -> checkpoints.Checkpoint | None:
+    """The description of the quantized checkpoint `model` was opened from, or None."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # PEFT
+    return getattr(base, checkpoints.ATTRIBUTE, None)
+
+
+def checkpoint_policy(model: nn.Module) -> dict | None:
+    """The qtransform policy (a JSON dict) describing the quantization of the checkpoint `model`
+    was loaded from (load_model of a compressed-tensors or ModelOpt folder); None for a plain
+    model. Transforming the model with it reproduces the checkpoint's quantized model."""
+    checkpoint = loaded_checkpoint(model)
+    if checkpoint is None:
+        return None
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return checkpoints.policy(checkpoint, [name for name, _ in base.named_modules()])
 
 
 def _first_line(exc: BaseException) -> str:

@@ -36,6 +36,7 @@ from qtransform.report.scan_pages import (
 )
 from qtransform.scan import compare_formats
 from qtransform.scan.activations import scan_activations
+from qtransform.scan.grid import grid_line
 from qtransform.scan.recommend import guide, recommend
 from qtransform.scan.render import end_to_end_text
 from qtransform.scan.render import format_metric as fm
@@ -242,6 +243,8 @@ def scan_table(report) -> str:
                      f"{fm('sqnr_db', m['sqnr_db']):>7} {fm('rel_rmse', m['rel_rmse']):>9} "
                      f"{fm('deadzone', m['deadzone']):>9} {fm('saturation', m['saturation']):>8} "
                      f"{1 if report.row_problems(row) else '':>4}")
+    if grid := grid_line(report.meta.get("grids") or {}):
+        lines += ["", grid]
     problems = report.problems()
     if problems:
         lines += ["", f"problematic sites ({len(problems)}):"]

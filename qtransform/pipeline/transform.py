@@ -10,6 +10,7 @@ from typing import Any
 from torch import Tensor, nn
 
 from qtransform.calibration import CalibrationBatches, calibrate
+from qtransform.core import checkpoints
 from qtransform.core.capture import capture
 from qtransform.core.lora import watch_lora
 from qtransform.core.observers import StaticScale, static_scales
@@ -19,6 +20,7 @@ from qtransform.core.program import Program
 from qtransform.core.sharding import check_unwrapped
 from qtransform.core.shortcut import install_shortcuts
 from qtransform.errors import UserError
+from qtransform.models import loaded_checkpoint
 from qtransform.pipeline.base import Pass, registered_passes
 from qtransform.pipeline.manager import PassManager
 from qtransform.schemas import Policy, load_policy
@@ -84,6 +86,8 @@ def transform_program(
         raise UserError(f"the policy's {', '.join(static)} calibrate static scales, which need "
                         'mode="module" (the model keeps its class and runs the calibration)')
     if static and calibration is None and scales is None:
+        scales = checkpoint_scales(model)
+    if static and calibration is None and scales is None:
         raise UserError(f"the policy's {', '.join(static)} calibrate static scales (scale_source "
                         '"static"): pass calibration=batches to qtransform.transform (CLI: '
                         "--calib FILE)")
@@ -93,7 +97,7 @@ def transform_program(
     try:
         manager.run(program, policy)
         if scales is not None:
-            load_scales(work, scales)
+            load_scales(work, by_path(work, scales))
         elif calibration is not None:
             calibrate(work, calibration, attention=policy.calibration.attention
                       if policy.calibration is not None else "model")
@@ -106,6 +110,30 @@ def transform_program(
         watch_lora(work)
     install_shortcuts(program.module())
     return program
+
+
+def checkpoint_scales(model: nn.Module) -> dict[str, Tensor] | None:
+    """The static input scales stored in the quantized checkpoint `model` was opened from, as
+    amax by module name (`by_path` places them on the policy's static scales), or None."""
+    checkpoint = loaded_checkpoint(model)
+    if checkpoint is None or not checkpoint.input_scales:
+        return None
+    return {name: amax for name in checkpoint.input_scales
+            if (amax := checkpoints.static_amax(checkpoint, name)) is not None}
+
+
+def by_path(model: nn.Module, scales: Mapping[str, Tensor]) -> Mapping[str, Tensor]:
+    """Scales keyed by static-scale path as they are, or keyed by the module that owns each
+    static scale (a checkpoint's input scales) moved onto that scale's path."""
+    own = static_scales(model)
+    if set(scales) & set(own) or not own:
+        return scales
+    moved = {}
+    for path in own:
+        owner = max((name for name in scales if path.startswith(name + ".")), key=len, default=None)
+        if owner is not None:
+            moved[path] = scales[owner]
+    return moved
 
 
 def static_rules(policy: Policy) -> list[str]:

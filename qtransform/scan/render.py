@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from qtransform.core import io as qio
 from qtransform.core.io import encode_floats
+from qtransform.scan.grid import grid_line
 from qtransform.scan.recommend import recommend
 from qtransform.scan.remedy import healed_sites
 from qtransform.schemas.selectors import format_layers
@@ -121,6 +122,8 @@ def to_markdown(report: ScanReport) -> str:
     end = end_to_end_text(report)
     if end:
         lines.append(f"- end to end: {end}")
+    if grid := grid_line(report.meta.get("grids") or {}):
+        lines.append(f"- {grid}")
     lines += ["", "## Recommendation", "", rec.text, "", "```json",
               json.dumps(rec.policy, indent=2), "```", "", "## Layers", ""]
     lines += ["One row per layer and point kind (weight, input, output): their errors are never "

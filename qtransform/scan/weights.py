@@ -53,10 +53,12 @@ from qtransform.errors import UserError
 from qtransform.formats import QuantConfig
 from qtransform.formats.options import CHOICE_OPTIONS, FORMAT_KEYS
 from qtransform.formats.quantize import quantize_with_info
+from qtransform.models import is_quantized_folder, load_model
 from qtransform.passes.fake_quant import first_weight_seed
 from qtransform.passes.rotate import resolve_rotations
 from qtransform.scan.checkpoint import Checkpoint
 from qtransform.scan.compare import Comparison
+from qtransform.scan.grid import grid_fit
 from qtransform.scan.remedy import Rotation
 from qtransform.scan.report import (
     DEFAULT_THRESHOLDS,
@@ -214,6 +216,8 @@ def weight_refs(source: nn.Module | str | os.PathLike[str]) -> list[WeightRef]:
     """The weights of a module, or of a safetensors file / folder."""
     if isinstance(source, nn.Module):
         return module_weights(source)
+    if is_quantized_folder(source):  # packed tensors: read them through our decompression
+        return module_weights(load_model(source))
     return checkpoint_weights(source)
 
 
@@ -459,11 +463,14 @@ def scan_weights(
     shared = share_amax(policy, [r for r, _ in pairs]) if default is None else {}
     rotations = resolve_rotations(load_policy(policy).rotate, [r.site for r, _ in pairs]) if policy is not None else {}
     rows = []
+    grids = {}
     with _progress([r for r, _ in pairs], progress, f"scan {fmt or 'policy'}") as bar:
         for ref, by_policy in pairs:
             cfg = default or by_policy
             assert cfg is not None
             w = ref.load()
+            if (fit := grid_fit(w)) is not None:  # the stored weight, before any rotation
+                grids[ref.site.name] = fit.to_dict()
             rotation = rotations.get(ref.site.name)
             if rotation is not None:  # the policy rotates it: measure the weight quantized, W·R
                 w = apply_rotation(w, rotation.operand, ref.site.reduction_axis)
@@ -477,7 +484,7 @@ def scan_weights(
     fmts = sorted({row.format for row in rows})
     meta = build_meta(
         kind="weight_scan", source=source_label(source), fmt=fmts[0] if len(fmts) == 1 else "mixed",
-        options=default.options() if default else {}, quantize=_rules(policy, default),
+        options=default.options() if default else {}, quantize=_rules(policy, default), grids=grids,
         **({"rotation": rot.label} if rot is not None else {}),
     )
     return ScanReport(meta=meta, rows=rows, thresholds=_limits(policy, thresholds),
@@ -499,6 +506,15 @@ def _rules(policy: Any, cfg: QuantConfig | None) -> list[dict[str, Any]]:
     fields = {"format": cfg.name, **cfg.options()}
     return [{**{k: v for k, v in r.items() if k not in (*FORMAT_KEYS, "format")}, **fields}
             for r in rules]
+
+
+def weight_grids(source: nn.Module | str | os.PathLike[str]) -> dict[str, dict[str, Any]]:
+    """Every Linear-like weight of `source` already on a coarse grid (`scan.grid`): site -> fit."""
+    fits = {}
+    for ref in weight_refs(source):
+        if (fit := grid_fit(ref.load())) is not None:
+            fits[ref.site.name] = fit.to_dict()
+    return fits
 
 
 def compare_formats(
