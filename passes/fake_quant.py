@@ -19,6 +19,7 @@ from torch import Tensor, nn
 
 from qtransform import formats
 from qtransform.core import ops
+from qtransform.core.backward import BackwardLinear, BackwardSpec
 from qtransform.core.observers import StaticScale, collecting
 from qtransform.core.phase import in_rollout
 from qtransform.core.program import Program
@@ -277,6 +278,25 @@ def _tensor_shape(site: Site, point: str) -> tuple[int, ...] | None:
     return (shape[red] if point == "input" else shape[other],)
 
 
+def _backward_specs(actions: list[Action[QuantRule]]) -> dict[str, BackwardSpec]:
+    """Site name -> the non-default backward its weight/input rules ask for; two rules that ask
+    one site for different ones, or a site that is not a Linear, are refused."""
+    found: dict[str, tuple[BackwardSpec, str]] = {}
+    for action in actions:
+        spec = action.payload.backward_spec()
+        if spec is None or action.point == "output":
+            continue
+        site = action.site
+        if site.kind != "linear" or site.param:
+            raise UserError(f"{action.rule} at {site.name}: backward {spec.mode!r} is available on "
+                            f"Linear sites only (this is a {site.kind} site); exclude it with ignore")
+        known = found.setdefault(site.name, (spec, action.rule))
+        if known[0] != spec:
+            raise UserError(f"{site.name}: {known[1]} and {action.rule} ask its GEMMs for different "
+                            "backward passes; give both rules the same backward fields")
+    return {name: spec for name, (spec, _) in found.items()}
+
+
 @register_pass
 class FakeQuantPass(Pass[list[QuantRule], QuantRule]):
     """Inserts `FakeQuantize` on every (site, tensor) the policy's `quantize` rules select."""
@@ -288,6 +308,7 @@ class FakeQuantPass(Pass[list[QuantRule], QuantRule]):
     def __init__(self) -> None:
         self._groups: dict[str, list[Site]] = {}  # site name -> its scale group (select)
         self._shared: dict[str, ScaleGroup] = {}  # first member's name -> the group (build)
+        self._backward: dict[str, BackwardSpec] = {}  # site name -> its non-default backward
 
     def select(self, program: Program, spec: list[QuantRule]) -> list[Action[QuantRule]]:
         """The rules' actions; a block or tile longer than the axis it runs along at a site
@@ -304,7 +325,24 @@ class FakeQuantPass(Pass[list[QuantRule], QuantRule]):
                 except UserError as exc:
                     raise UserError(f"{action.rule} at {action.site.name} ({action.point}): {exc}") from None
         self._groups = {s.name: group for group in share_groups(program, spec, actions) for s in group}
+        self._backward = _backward_specs(actions)
         return actions
+
+    def finish(self, program: Program, actions: list[Action[QuantRule]]) -> None:
+        """Sites whose rule asks for another backward than the straight-through one run their
+        linear op through `BackwardLinear` (core/backward.py), given the operands before the
+        fake-quants."""
+        for name, spec in self._backward.items():
+            gsite = program.site_graph(name)
+            before = {}
+            for point in ("weight", "input"):
+                head = gsite.heads.get(point)
+                if head is not None and head.meta.get("qtransform", {}).get("pass") == self.name:
+                    before[point] = head.args[0]
+            try:
+                gsite.replace_linear(BackwardLinear(spec, f"{name}/backward"), before=before, tag="backward")
+            except ValueError as exc:
+                raise UserError(f"{exc}: a non-default quantize backward needs a Linear site") from None
 
     def build(self, program: Program, action: Action[QuantRule]) -> nn.Module:
         site, rule = action.site, action.payload
@@ -337,6 +375,9 @@ class FakeQuantPass(Pass[list[QuantRule], QuantRule]):
 
     def describe(self, action: Action[QuantRule]) -> str:
         text = action.payload.config().describe()
+        backward = self._backward.get(action.site.name)
+        if backward is not None and action.point != "output":
+            text += f", {backward.describe()}"
         if action.point == "weight":
             group = self._groups.get(action.site.name)
             if group is not None:

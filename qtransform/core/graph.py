@@ -85,6 +85,7 @@ class GraphSite:
                 continue
         bias = self._bias()
         self.heads: dict[str, fx.Node] = dict(self.raw)
+        self.replaced: list[str] = []  # children `replace_linear` added (not insertions)
         if bias is not None:  # readable as "raw:bias" (shadow computations), never a head
             self.raw["bias"] = bias
         counts = self._tagged(COUNTS) if site.param and op_node is None else None
@@ -201,6 +202,37 @@ class GraphSite:
         insertion = Insertion(self.site.name, point, pass_name, tag, new.name, path)
         self.log.append(insertion)
         return insertion
+
+    def replace_linear(self, module: nn.Module, *, before: dict[str, fx.Node], tag: str) -> str:
+        """Run the site's linear op through `module` instead, called as `module(x_head, w_head,
+        bias, x_before, w_before)` (`before`: the nodes an operand had before a pass's insertion
+        on it; the head itself otherwise): a Linear with its own backward. Not an insertion
+        (nothing is logged; the forward computes the same values). Returns the child's name."""
+        op = self.op_node if self.op_node is not None else next(
+            (n for n in self.graph.nodes if n.op == "call_function"
+             and n.target in (torch._C._nn.linear, nn.functional.linear)), None)
+        if op is None or op.target not in (torch._C._nn.linear, nn.functional.linear,
+                                           torch.ops.aten.linear.default):
+            raise ValueError(f"{self.site.name}: no linear op in its graph")
+        x, w = op.args[0], op.args[1]
+        bias = op.args[2] if len(op.args) > 2 else op.kwargs.get("bias")
+        base = f"{_safe(self.site.name)}__" if self.op_node is not None else ""
+        attr = self._free_attr(f"{base}linear_{tag}")
+        self.owner.add_module(attr, module)
+        args = (x, w, bias, before.get("input", x), before.get("weight", w))
+        with self.graph.inserting_before(op):
+            new = self.graph.call_module(attr, args)
+        new.meta.update({k: v for k, v in op.meta.items() if k in ("val", "tensor_meta", "nn_module_stack")})
+        op.replace_all_uses_with(new)
+        self.graph.erase_node(op)
+        for table in (self.raw, self.heads):
+            for point, node in table.items():
+                if node is op:
+                    table[point] = new
+        if self.op_node is op:
+            self.op_node = new
+        self.replaced.append(attr)
+        return attr
 
     def recompile(self) -> None:
         """Make the host run the edited graph (once per pass, after the lint), and tell each

@@ -107,7 +107,7 @@ class Program:
         inserted children, the attached graph and the instance forward go, newest first."""
         for gsite in reversed(self._graphs.values()):
             if gsite.op_node is None:
-                detach(gsite.owner, [i.module_path.rsplit(".", 1)[-1] for i in gsite.log])
+                detach(gsite.owner, [i.module_path.rsplit(".", 1)[-1] for i in gsite.log] + gsite.replaced)
         self._graphs.clear()
         self._states.clear()
         self.log.clear()

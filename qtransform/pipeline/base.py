@@ -70,6 +70,10 @@ class Pass(ABC, Generic[SpecT, PayloadT]):
     def build(self, program: Program, action: Action[PayloadT]) -> nn.Module:
         """The module to insert for one action."""
 
+    def finish(self, program: Program, actions: list[Action[PayloadT]]) -> None:
+        """After this pass's insertions, before the lint: edits that span several insertions
+        of a site (the fake-quant pass's Linear with its own backward). Nothing by default."""
+
     def describe(self, action: Action[PayloadT]) -> str:
         """One line for plans: what the inserted module does ("mxfp4 block=32")."""
         return ""

@@ -88,6 +88,7 @@ class PassManager:
                 program.plan_rows.append(PlanRow(action.site.name, p.name, action.point, action.rule,
                                                  p.describe(action)))
                 touched[id(gsite.graph)] = gsite
+            self._guarded(p, "finish", p.finish, program, selected[p.name])
             for gsite in touched.values():  # lint after each pass: a broken graph names its pass
                 try:
                     gsite.graph.lint()

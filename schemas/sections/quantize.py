@@ -10,8 +10,10 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, Field, StrictBool, StrictStr, field_validator, model_validator
 
+from qtransform.core.backward import MODES, BackwardSpec, Hadamard
 from qtransform.core.lora import LORA_HELP
 from qtransform.formats import registry
+from qtransform.formats.hadamard import is_power_of_two
 from qtransform.formats.options import CHOICE_OPTIONS, QuantConfig
 from qtransform.formats.registry import GRANULARITIES
 
@@ -41,6 +43,131 @@ class ObserverKwargs(StrictModel):
 
     averaging_constant: Annotated[Fraction, Field(gt=0)] = Field(
         0.01, description="minmax: weight of the newest batch in the moving average")
+
+
+ROLE_ROUNDING = {"nearest": "rne", "stochastic": "stochastic"}  # a role's rounding -> the format's
+
+
+class RoleQuant(StrictModel):
+    """How one operand of the backward GEMMs is fake-quantized (along its GEMM's reduction axis)."""
+
+    format: StrictStr = Field(json_schema_extra={"enum": list(registry.names())},
+                              description="a registered format, e.g. nvfp4, mxfp4, mxfp8_e4m3")
+    granularity: Literal[GRANULARITIES] | None = Field(  # type: ignore[valid-type]
+        None, description="what one scale covers (block, tensor, ...; tile for the weight role "
+        "only); null = block of block_size, or tile when block_shape is given")
+    block_size: PosInt | None = Field(None, description="elements per block; null = format default")
+    block_shape: tuple[PosInt, PosInt] | None = Field(
+        None, description="weight role only: 2D tiles (16x16 for NVFP4), one copy valid in both "
+        "orientations")
+    scale_rule: StrictStr = Field(
+        OPTION_DEFAULTS["scale_rule"], json_schema_extra={"enum": _all_option_values("scale_rule")},
+        description="how an MX block's shared exponent is chosen (MX formats only)")
+    scale_dtype: StrictStr = Field(
+        OPTION_DEFAULTS["scale_dtype"], json_schema_extra={"enum": _all_option_values("scale_dtype")},
+        description="the float scales are computed in (formats that take it)")
+    rounding: Literal["nearest", "stochastic"] = Field(
+        "nearest", description="nearest = half to even; stochastic = the Philox stream of seed "
+        "(unbiased), new draws for every backward call")
+    seed: Int | None = Field(None, description="seed of stochastic rounding's stream (default 0)")
+
+    @field_validator("format", mode="before")
+    @classmethod
+    def _format_lower(cls, value: Any) -> Any:
+        return value.lower() if isinstance(value, str) else value
+
+    @field_validator("format")
+    @classmethod
+    def _format_known(cls, value: str) -> str:
+        known = registry.names()
+        if value not in known:
+            raise problems_error(
+                [Issue((), "unknown format", value, known, registry.suggest(value, known))])
+        return value
+
+    @model_validator(mode="after")
+    def _options_fit_format(self) -> RoleQuant:
+        spec = registry.get(self.format)
+        issues = []
+        for option in ("scale_rule", "scale_dtype"):
+            value = getattr(self, option)
+            allowed = spec.options.get(option) or (OPTION_DEFAULTS[option],)
+            if value not in allowed:
+                issues.append(Issue((option,), f"not supported by {spec.name}", value, allowed,
+                                    registry.suggest(value, allowed)))
+        if self.rounding == "stochastic" and "stochastic" not in spec.options.get("rounding", ()):
+            issues.append(Issue(("rounding",), f"{spec.name} has no stochastic rounding", self.rounding))
+        if self.seed is not None and self.rounding != "stochastic":
+            issues.append(Issue(("seed",), "only used with rounding 'stochastic'", self.seed))
+        if not issues:
+            try:
+                self.config()
+            except ValueError as exc:
+                issues.append(Issue((), str(exc)))
+        if issues:
+            raise problems_error(issues)
+        return self
+
+    def config(self) -> QuantConfig:
+        """The role's format and options (axis unset: the backward binds it to the last axis of
+        the operand matrix, which is its GEMM's reduction axis)."""
+        spec = registry.get(self.format)
+        opts: dict[str, Any] = {"granularity": self.granularity, "block_size": self.block_size,
+                                "block_shape": self.block_shape, "axis": None,
+                                "rounding": ROLE_ROUNDING[self.rounding],
+                                "seed": (self.seed or 0) if self.rounding == "stochastic" else None}
+        opts |= {o: getattr(self, o) for o in ("scale_rule", "scale_dtype") if o in spec.options}
+        return QuantConfig.from_options(spec, opts)
+
+
+class BackwardRoles(StrictModel):
+    """The quantization of each operand of the backward GEMMs (a role left out stays unquantized)."""
+
+    grad: RoleQuant | None = Field(
+        None, description="the output gradient G: along the output features for dgrad, along the "
+        "tokens for wgrad")
+    weight: RoleQuant | Literal["forward"] | None = Field(
+        None, description='W in dgrad, along the output features; "forward" = the forward\'s '
+        "quantized weight as it is (one copy for both orientations: exact with 2D tiles)")
+    input: RoleQuant | None = Field(None, description="X in wgrad, along the tokens")
+
+    @field_validator("weight", mode="before")
+    @classmethod
+    def _weight_word(cls, value: Any) -> Any:
+        if isinstance(value, str) and value != "forward":
+            raise problems_error([Issue((), 'expected "forward" or a role object such as '
+                                        '{"format": "nvfp4"}', value, ["forward"],
+                                        registry.suggest(value, ["forward"]))])
+        return value
+
+
+class WgradHadamard(StrictModel):
+    """A Hadamard rotation of both wgrad operands along the tokens before they are quantized."""
+
+    kind: Literal["random_hadamard", "hadamard"] = Field(
+        "random_hadamard", description="random_hadamard = random signs then H (Transformer "
+        "Engine's RHT); hadamard = H alone")
+    block_size: PosInt = Field(16, description="tokens per rotated block (a power of two)")
+    seed: Int | None = Field(None, description="random_hadamard: the seed of the signs (default 0)")
+
+    @model_validator(mode="after")
+    def _check(self) -> WgradHadamard:
+        issues = []
+        if not is_power_of_two(self.block_size):
+            issues.append(Issue(("block_size",), "a Hadamard block must be a power of two",
+                                self.block_size, hint=" (e.g. 16)"))
+        if self.seed is not None and self.kind != "random_hadamard":
+            issues.append(Issue(("seed",), "only used with kind 'random_hadamard'", self.seed))
+        if issues:
+            raise problems_error(issues)
+        return self
+
+
+BACKWARD_HELP = ('what the backward GEMMs use: dequantized (default) = straight-through with the '
+                 "forward's quantized operands, dX = G·Q(W), dW = Gᵀ·Q(X); high_precision = the "
+                 "operands before quantization, dX = G·W, dW = Gᵀ·X; quantized = every operand "
+                 "fake-quantized along its GEMM's reduction axis (backward_roles, wgrad_hadamard); "
+                 "docs/training.md")
 
 
 class QuantRule(Selected):
@@ -110,6 +237,13 @@ class QuantRule(Selected):
         None, description="NVFP4 activations with dynamic scales: token (default) = one global "
         "scale per token row, so a sequence's outputs never depend on its batch; tensor = the "
         "amax of the whole call (outputs then depend on the other sequences of the batch)")
+    backward: Literal[MODES] = Field("dequantized", description=BACKWARD_HELP)  # type: ignore[valid-type]
+    backward_roles: BackwardRoles | None = Field(
+        None, description='backward "quantized": the format of each operand role (grad, weight, '
+        "input); null = all three in the rule's format")
+    wgrad_hadamard: WgradHadamard | None = Field(
+        None, description='backward "quantized": rotate both wgrad operands along the tokens '
+        "before quantizing them")
     share_scale: Literal["tensor", "fused"] | list[Annotated[list[StrictStr], Field(min_length=1)]] = Field(
         "tensor", description="weights of two-level formats (NVFP4): tensor = one global scale "
         "per weight; fused = one per group of siblings a serving stack fuses (q/k/v of an "
@@ -145,6 +279,7 @@ class QuantRule(Selected):
                                 '(tensors must include "weight")', self.lora))
         if self.seed is not None and self.rounding != "stochastic":
             issues.append(Issue(("seed",), "only used with rounding 'stochastic'", self.seed))
+        issues += _backward_issues(self)
         if not issues:  # the scale fields are checked against a valid format config
             issues += _scale_issues(self, spec)
         if issues:
@@ -163,6 +298,56 @@ class QuantRule(Selected):
         }
         opts |= {o: getattr(self, o) for o in CHOICE_OPTIONS if o in spec.options}
         return QuantConfig.from_options(spec, opts)
+
+
+    def backward_spec(self) -> BackwardSpec | None:
+        """What the backward GEMMs of the rule's Linear sites compute; None for the default
+        (straight-through through the forward's quantized operands)."""
+        if self.backward == "dequantized":
+            return None
+        if self.backward == "high_precision":
+            return BackwardSpec("high_precision")
+        roles = self.backward_roles
+        if roles is None:
+            own = RoleQuant(format=self.format).config()
+            return BackwardSpec("quantized", own, own, own, _hadamard(self.wgrad_hadamard))
+        weight = roles.weight if isinstance(roles.weight, str) or roles.weight is None else roles.weight.config()
+        return BackwardSpec("quantized", roles.grad and roles.grad.config(), weight,
+                            roles.input and roles.input.config(), _hadamard(self.wgrad_hadamard))
+
+
+def _hadamard(spec: WgradHadamard | None) -> Hadamard | None:
+    return None if spec is None else Hadamard(spec.kind, spec.block_size, spec.seed or 0)
+
+
+def _backward_issues(rule: QuantRule) -> list[Issue]:
+    """backward_roles / wgrad_hadamard only with backward "quantized"; what a non-default
+    backward cannot combine with; tiles only for the weight role."""
+    issues = []
+    for key in ("backward_roles", "wgrad_hadamard"):
+        if getattr(rule, key) is not None and rule.backward != "quantized":
+            issues.append(Issue((key,), 'only used with backward "quantized"',
+                                getattr(rule, key).model_dump(exclude_defaults=True), hint=' (set backward: "quantized")'))
+    if rule.backward == "dequantized":
+        return issues
+    if not {"weight", "input"} & set(rule.tensors):
+        issues.append(Issue(("backward",), "changes the backward of a Linear's GEMMs: tensors "
+                            'must include "weight" or "input"', rule.backward))
+    if rule.zero_saturated_grad:
+        issues.append(Issue(("zero_saturated_grad",), "is part of the straight-through backward "
+                            f'(backward "dequantized"); backward {rule.backward!r} computes its '
+                            "own gradients", True))
+    if rule.lora == "merged":
+        issues.append(Issue(("lora",), f'backward {rule.backward!r} is not available with lora '
+                            '"merged"; use lora "beside"', rule.lora))
+    roles = rule.backward_roles
+    if roles is not None:
+        for role in ("grad", "input"):
+            quant = getattr(roles, role)
+            if quant is not None and (quant.block_shape is not None or quant.granularity == "tile"):
+                issues.append(Issue(("backward_roles", role, "block_shape"), "2D tiles are for the "
+                                    "weight role only; use block_size", quant.block_shape))
+    return issues
 
 
 def observer_name(rule: QuantRule) -> str | None:
