@@ -118,11 +118,13 @@ class Grads:
 
 
 def te_nvfp4_linear(x: torch.Tensor, w: torch.Tensor, g: torch.Tensor, switches: TESwitches = TESwitches(),
-                    u_dgrad: torch.Tensor | None = None, u_wgrad: torch.Tensor | None = None) -> Grads:
+                    u_dgrad: torch.Tensor | None = None, u_wgrad: torch.Tensor | None = None,
+                    rht_signs: tuple[int, ...] = TE_RHT_SIGNS) -> Grads:
     """Forward and both gradients of y = x @ w.T under NVFP4BlockScaling, fp32 GEMMs.
 
     x: (tokens, in), w: (out, in), g = dL/dy: (tokens, out). `u_dgrad` (tokens, out) and `u_wgrad`
-    (out, tokens) are the stochastic draws of G's two copies (ignored when the switch disables it).
+    (out, tokens) are the stochastic draws of G's two copies (ignored when the switch disables it);
+    `rht_signs` the Hadamard's sign vector (TE's own by default).
     """
     w_tile = (1, 16) if switches.disable_2d_quantization else (16, 16)
     xq = nvfp4(x)
@@ -136,7 +138,7 @@ def te_nvfp4_linear(x: torch.Tensor, w: torch.Tensor, g: torch.Tensor, switches:
     g_row = nvfp4(g, u=u_dgrad if sr else None)
     w_col = wq if w_tile == (16, 16) else nvfp4(w.T.contiguous()).T
     dx = g_row @ w_col
-    rot = (lambda t: t) if switches.disable_rht else te_rht
+    rot = (lambda t: t) if switches.disable_rht else (lambda t: te_rht(t, rht_signs))
     g_col = nvfp4(rot(g.T.contiguous()), u=u_wgrad if sr else None)  # (out, tokens)
     x_col = nvfp4(rot(x.T.contiguous()))  # (in, tokens)
     dw = g_col @ x_col.T
