@@ -9,14 +9,13 @@ which compute what its GPU kernels compute: tests/training/test_torchao_presets.
 - forward: X and W in MXFP8 E4M3 blocks of 32 along the input features;
 - dgrad: G along the output features, W along the output features (a second copy, from the
   high-precision W);
-- wgrad: G and X along the tokens, both from high precision; MXFP8_RCEIL_WGRAD_WITH_HP computes
-  wgrad from the unquantized G and X instead;
+- wgrad: G and X along the tokens, both from high precision (torchao's MXFP8_RCEIL_WGRAD_WITH_HP,
+  which computes wgrad from the unquantized G and X while dgrad keeps G in MXFP8, needs a grad
+  role per GEMM: not registered, docs/training.md);
 - E8M0 scales `2^ceil(log2(amax / 448))` (ScaleCalculationMode.RCEIL, qtransform's `rceil`).
 """
 
 from __future__ import annotations
-
-from typing import Any
 
 from . import Preset, register_preset
 
@@ -27,10 +26,8 @@ IGNORE = ["re:lm_head"]  # torchtitan's MXFP8 converter leaves the output projec
 MXFP8 = {"format": "mxfp8_e4m3", "block_size": 32, "scale_rule": "rceil"}
 
 
-def recipe_preset(recipe: str, what: str, wgrad_with_hp: bool) -> Preset:
-    roles: dict[str, Any] = {"grad": dict(MXFP8), "weight": dict(MXFP8)}
-    if not wgrad_with_hp:
-        roles["input"] = dict(MXFP8)
+def recipe_preset(recipe: str, what: str) -> Preset:
+    roles = {"grad": dict(MXFP8), "weight": dict(MXFP8), "input": dict(MXFP8)}
     rule = {"name": f"{STACK}/{recipe} weights and inputs", "targets": list(TARGETS), "ignore": list(IGNORE),
             "tensors": ["weight", "input"], **MXFP8, "backward": "quantized", "backward_roles": roles}
     return register_preset(Preset(
@@ -41,6 +38,4 @@ def recipe_preset(recipe: str, what: str, wgrad_with_hp: bool) -> Preset:
     ))
 
 
-MXFP8_RCEIL = recipe_preset("MXFP8_RCEIL", "every GEMM operand in MXFP8 E4M3 along its reduction axis", False)
-MXFP8_RCEIL_WGRAD_WITH_HP = recipe_preset(
-    "MXFP8_RCEIL_WGRAD_WITH_HP", "forward and dgrad in MXFP8 E4M3, wgrad in high precision", True)
+MXFP8_RCEIL = recipe_preset("MXFP8_RCEIL", "every GEMM operand in MXFP8 E4M3 along its reduction axis")
