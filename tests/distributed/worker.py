@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 import qtransform
+from qtransform.core.backward import BackwardLinear
 from qtransform.core.noise import NoiseModule
 from qtransform.errors import UserError
 from qtransform.models import build_tiny
@@ -47,6 +48,15 @@ POLICIES: dict[str, dict[str, Any]] = {
         "noise": {"targets": ["RMSNorm"], "schedule": NOISY, "resample": "forward", "apply_during": "both"},
         "hw_error": {**LINEAR, "error_type": "absolute_gaussian", "error_scale": 0.01,
                      "injection_point": "input", "apply_during": "train"}},
+    # issue 32: the backward GEMMs quantized per role (Transformer Engine's NVFP4 recipe: stochastic
+    # gradient rounding, the forward's weight, a random Hadamard on wgrad), and high precision
+    "nvfp4_backward_quantized": {"quantize": [{
+        **LINEAR, "format": "nvfp4", "tensors": ["weight", "input"], "backward": "quantized",
+        "backward_roles": {"grad": {"format": "nvfp4", "rounding": "stochastic", "seed": 3},
+                           "weight": "forward", "input": {"format": "nvfp4"}},
+        "wgrad_hadamard": {"block_size": 16}}]},
+    "mxfp8_backward_high_precision": {"quantize": [{
+        **LINEAR, "format": "mxfp8_e4m3", "tensors": ["weight", "input"], "backward": "high_precision"}]},
 }
 WRAPS = ("fsdp", "fsdp_no_reshard", "fsdp_checkpointing", "ddp", "ddp_checkpointing")
 
@@ -65,7 +75,7 @@ def held_elements(model: nn.Module) -> int:
         if isinstance(value, (list, tuple)):
             return sum(count(v) for v in value)
         return 0
-    return sum(count(vars(m)) for m in model.modules() if isinstance(m, (FakeQuantize, NoiseModule)))
+    return sum(count(vars(m)) for m in model.modules() if isinstance(m, (FakeQuantize, NoiseModule, BackwardLinear)))
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:

@@ -35,7 +35,7 @@ def _run(model: nn.Module, x: torch.Tensor, r: torch.Tensor) -> tuple[torch.Tens
     model.zero_grad(set_to_none=True)
     x = x.detach().clone().requires_grad_(True)
     (model(x) * r).sum().backward()
-    lin = model[0]
+    lin = getattr(model, "_orig_mod", model)[0]  # torch.compile wraps the model
     return x.grad, lin.weight.grad, lin.bias.grad
 
 
@@ -320,3 +320,55 @@ def test_two_rules_asking_one_site_for_different_backwards_are_refused():
     model, _, _ = _data()
     with pytest.raises(UserError, match="different backward"):
         qtransform.transform(model, policy)
+
+
+@pytest.mark.parametrize("order", ["peft_first", "transform_first"])
+def test_peft_lora_base_gemms_quantized_adapters_in_full_precision(order):
+    """Under PEFT LoRA the frozen base weight gets no gradient (no wgrad GEMM runs); the base
+    layer's dgrad is quantized, dX_base = Q(G)·Q(W); the adapters A and B are separate Linears
+    the rule does not select, so their GEMMs are plain autograd on the unquantized G and x:
+    dB = (sG)ᵀ(Ax), dA = (sGB)ᵀx, and dX = dX_base + (sGB)A."""
+    peft = pytest.importorskip("peft")
+    from qtransform.models import build_tiny
+
+    policy = {"version": 1, "quantize": [{"targets": ["Linear"], "ignore": ["lm_head"], "format": "nvfp4",
+                                          "tensors": ["weight", "input"], "backward": "quantized"}]}
+    config = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+    model = build_tiny("qwen2")
+    if order == "peft_first":
+        lora = qtransform.transform(peft.get_peft_model(model, config), policy)
+    else:
+        lora = peft.get_peft_model(qtransform.transform(model, policy), config)
+    layer = lora.base_model.model.model.layers[0].self_attn.q_proj
+    torch.nn.init.normal_(layer.lora_B["default"].weight)
+    base, a, b = layer.base_layer, layer.lora_A["default"], layer.lora_B["default"]
+    s = layer.scaling["default"]
+    assert not base.weight.requires_grad
+    torch.manual_seed(1)
+    x = torch.randn(2, 16, 64, requires_grad=True)
+    r = torch.randn(2, 16, base.out_features)
+    (layer(x) * r).sum().backward()
+    assert base.weight.grad is None
+    g2 = r.reshape(-1, base.out_features)
+    wq = formats.fake_quantize(base.weight.detach(), "nvfp4", axis=0)
+    dx_base = formats.fake_quantize(g2, "nvfp4") @ wq
+    # the adapters: plain autograd on an independent copy of their arithmetic
+    xa = x.detach().clone().requires_grad_(True)
+    wa, wb = a.weight.detach().clone().requires_grad_(True), b.weight.detach().clone().requires_grad_(True)
+    (torch.nn.functional.linear(torch.nn.functional.linear(xa, wa), wb) * s * r).sum().backward()
+    assert torch.equal(a.weight.grad, wa.grad) and torch.equal(b.weight.grad, wb.grad)
+    assert torch.equal(x.grad, dx_base.reshape(x.shape) + xa.grad)
+
+
+def test_torch_compile_runs_the_quantized_backward_eagerly():
+    """torch.compile: the fake-quants compile to their custom ops, the site's linear runs its own
+    backward eagerly (a graph break), so the gradients equal the eager model's."""
+    model, x, r = _data()
+    t = qtransform.transform(model, _policy("nvfp4", backward="quantized", wgrad_hadamard={}))
+    eager = _run(t, x, r)
+    compiled = torch.compile(t, backend="aot_eager")
+    got = _run(compiled, x, r)
+    for a, b in zip(got, eager, strict=True):
+        assert torch.equal(a, b)
+    straight = _run(qtransform.transform(model, _policy("nvfp4")), x, r)
+    assert not torch.equal(got[1], straight[1])  # the quantized backward ran, not the default
