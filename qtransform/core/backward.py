@@ -35,7 +35,7 @@ from torch import Tensor, nn
 
 from qtransform import formats
 from qtransform.core import ops
-from qtransform.core.streams import DrawStream
+from qtransform.core.streams import DrawStream, site_seed
 from qtransform.formats import QuantConfig
 from qtransform.formats.hadamard import random_signs, rotate
 
@@ -82,7 +82,9 @@ class BackwardSpec:
         parts = []
         for role in ("grad", "weight", "input"):
             cfg = getattr(self, role)
-            parts.append(f"{role} {'unquantized' if cfg is None else cfg if isinstance(cfg, str) else cfg.describe()}")
+            text = ("unquantized" if cfg is None else "the forward's quantized copy"
+                    if isinstance(cfg, str) else cfg.describe())
+            parts.append(f"{role} {text}")
         if self.hadamard is not None:
             parts.append(f"wgrad {self.hadamard.kind} {self.hadamard.block}")
         return "backward quantized (" + "; ".join(parts) + ")"
@@ -168,21 +170,28 @@ class BackwardLinear(nn.Module):
         super().__init__()
         self.spec = spec
         self.label = label
-        stochastic = [op for op in OPERANDS if (cfg := spec.config(op)) is not None and cfg.stochastic]
-        self.streams = {op: DrawStream(spec.config(op).seed or 0, f"{label}/{op}")  # type: ignore[union-attr]
-                        for op in stochastic} if spec.mode == "quantized" else {}
+        self._roles = {op: cfg.seed or 0 for op in OPERANDS
+                       if spec.mode == "quantized" and (cfg := spec.config(op)) is not None and cfg.stochastic}
+        # one draw index per forward for every stochastic operand (None: nothing is drawn)
+        self.stream = DrawStream(0, label) if self._roles else None
 
     def extra_repr(self) -> str:
         return f"{self.spec.describe()}, label={self.label!r}"
 
     def set_step(self, step: int, draws: int = 0) -> None:
         """Go to training step `step`: the draws of stochastic gradient rounding are redone."""
-        for stream in self.streams.values():
-            stream.set_step(step, draws)
+        if self.stream is not None:
+            self.stream.set_step(step, draws)
 
     def seeds(self) -> dict[str, int]:
-        """This forward's Philox seed per stochastic operand (replayed under recomputation)."""
-        return {op: s.seed_at(s.next_index(self.training)) for op, s in self.streams.items()}
+        """This forward's Philox seed per stochastic operand: draw `index` of the stream
+        `DrawStream(role seed, "<label>/<operand>")` at the current step, the index shared by the
+        operands (replayed when gradient checkpointing recomputes the forward)."""
+        if self.stream is None:
+            return {}
+        s = self.stream
+        index = s.next_index(self.training)
+        return {op: site_seed(seed, f"{s.key}/{op}", s.step, index) for op, seed in self._roles.items()}
 
     def forward(self, xq: Tensor, wq: Tensor, bias: Tensor | None, x: Tensor, w: Tensor) -> Tensor:
         if ops.is_tracing(xq) and not torch.compiler.is_compiling():

@@ -24,6 +24,7 @@ from typing import Any
 
 from torch import nn
 
+from qtransform.core.backward import BackwardLinear
 from qtransform.core.noise import LIVE_NOISE, NOISE_MODULES, NoiseCounts, NoiseModule, noise_modules
 from qtransform.core.phase import rollout
 from qtransform.core.schedule import sigma_at
@@ -40,7 +41,8 @@ class NoiseController:
     Call `step()` once per optimizer step. The state lives in the modules; this object is a view.
     `noise` holds every noise module (`core.noise.NoiseModule`: AQN, hardware error, activation
     noise, whatever pass inserted it); `modules` the AQN ones by site (their schedule and sigma);
-    `others` the stochastic-rounding fake-quants, whose streams are stepped too.
+    `others` the stochastic-rounding fake-quants and backward roles (`core.backward`), whose
+    streams are stepped too.
     """
 
     def __init__(self, noise: list[NoiseModule], others: list[nn.Module] | None = None):
@@ -165,7 +167,8 @@ def noise_sections() -> list[str]:
 
 def noise_controller(model: nn.Module) -> NoiseController:
     """The controller of a transformed model's noise (found by walking its modules)."""
-    stochastic = [m for m in model.modules() if isinstance(m, FakeQuantize) and m.stream is not None]
+    stochastic = [m for m in model.modules()
+                  if isinstance(m, (FakeQuantize, BackwardLinear)) and m.stream is not None]
     return NoiseController(noise_modules(model), stochastic)
 
 

@@ -553,8 +553,20 @@ def describe_rule(index: int, rule: QuantRule) -> str:
               if rule.lora == "merged" else "")
     return (
         f"{label} quantizes {tensor_words(rule)} of {describe_selector(rule)} "
-        f"to {describe_format(rule)}.{merged}{_scale_words(rule)}"
+        f"to {describe_format(rule)}.{merged}{_scale_words(rule)}{_backward_words(rule)}"
     )
+
+
+def _backward_words(rule: QuantRule) -> str:
+    """What the backward GEMMs compute, when that is not the straight-through default."""
+    spec = rule.backward_spec()
+    if spec is None:
+        return ""
+    if spec.mode == "high_precision":
+        return (" The backward GEMMs use the operands before quantization (dX = G·W, dW = Gᵀ·X: "
+                "backward high_precision).")
+    return (f" The backward GEMMs quantize their operands along their reduction axes: "
+            f"{spec.describe()[len('backward quantized ('):-1]}.")
 
 
 def _scale_words(rule: QuantRule) -> str:

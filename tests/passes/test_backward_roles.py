@@ -12,6 +12,8 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 import qtransform
@@ -74,7 +76,7 @@ def _rotate_tokens(m: torch.Tensor, b: int, signs: torch.Tensor | None) -> torch
 def _reference(x, w, g, grad_q=None, weight_q=None, input_q=None, hadamard=None):
     """dX, dW by hand; *_q = (format, options) or None for an unquantized operand; `hadamard`
     = (block, signs) rotates G and X along the tokens before they are quantized."""
-    g2, x2 = g.reshape(-1, OUT), x.reshape(-1, IN)
+    g2, x2 = g.reshape(-1, w.shape[0]), x.reshape(-1, w.shape[1])
     fq = formats.fake_quantize
     gd = g2 if grad_q is None else fq(g2, grad_q[0], axis=-1, **grad_q[1])  # along out features
     # W along the output features (a 2-D tile covers both orientations: W itself)
@@ -110,6 +112,28 @@ def test_quantized_backward_equals_the_hand_computed_gemms(fmt, opts):
     assert torch.equal(dw, want_dw)
     assert torch.equal(db, r.reshape(-1, OUT).sum(0))  # the bias from the unquantized G
     assert not torch.equal(dw, r.reshape(-1, OUT).t() @ x.reshape(-1, IN))  # quantization acted
+
+
+@settings(max_examples=20, deadline=None)
+@given(tokens=st.integers(1, 70), features=st.sampled_from([(16, 48), (64, 32), (40, 24)]),
+       fmt=st.sampled_from(["nvfp4", "mxfp4", "mxfp8_e4m3"]), hadamard=st.sampled_from([None, 4, 16]),
+       seed=st.integers(0, 2**31))
+def test_quantized_backward_equals_the_reference_on_any_shape(tokens, features, fmt, hadamard, seed):
+    """Any token count (blocks and Hadamard blocks padded), any feature sizes (rows padded)."""
+    n_in, n_out = features
+    torch.manual_seed(seed)
+    lin = nn.Linear(n_in, n_out)
+    x, r = torch.randn(1, tokens, n_in), torch.randn(1, tokens, n_out)
+    rule = {"backward": "quantized"} | ({"wgrad_hadamard": {"block_size": hadamard, "seed": seed}}
+                                       if hadamard else {})
+    t = qtransform.transform(nn.Sequential(lin), _policy(fmt, **rule))
+    xi = x.clone().requires_grad_(True)
+    (t(xi) * r).sum().backward()
+    q = (fmt, {})
+    want = _reference(x, lin.weight.detach(), r, q, q, q,
+                      hadamard=(hadamard, _signs(hadamard, seed)) if hadamard else None)
+    assert torch.equal(xi.grad, want[0])
+    assert torch.equal(t[0].weight.grad, want[1])
 
 
 @pytest.mark.parametrize("tokens", [SEQ, 20])  # 48 tokens, and 40 (padded to 48 for the rotation)
@@ -233,10 +257,11 @@ def test_stochastic_gradient_rounding_is_reproducible_per_step_and_fresh_per_cal
     assert torch.equal(first[0], (gq @ w).reshape(x.shape))
 
 
-def test_checkpointing_replays_the_stochastic_gradient_draws():
-    """torch.utils.checkpoint (non-reentrant) recomputes the forward inside backward: the
-    recomputed forward takes the draw index of the one it replays, so the gradients equal
-    those without checkpointing bit for bit (stochastic rounding forward and backward)."""
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_checkpointing_replays_the_stochastic_gradient_draws(reentrant):
+    """torch.utils.checkpoint recomputes the forward inside backward: the recomputed forward
+    takes the draw index of the one it replays, so the gradients equal those without
+    checkpointing bit for bit (stochastic rounding forward and backward)."""
     torch.manual_seed(0)
     base = nn.Sequential(nn.Linear(IN, IN), nn.GELU(), nn.Linear(IN, OUT))
     policy = _policy("mxfp4", rounding="stochastic", seed=1, backward="quantized", backward_roles={
@@ -250,7 +275,7 @@ def test_checkpointing_replays_the_stochastic_gradient_draws():
         for _ in range(2):  # two steps' forwards and backwards
             xi = x.clone().requires_grad_(True)
             if checkpointed:
-                y = torch.utils.checkpoint.checkpoint(t, xi, use_reentrant=False)
+                y = torch.utils.checkpoint.checkpoint(t, xi, use_reentrant=reentrant)
             else:
                 y = t(xi)
             (y * r).sum().backward()
@@ -372,3 +397,50 @@ def test_torch_compile_runs_the_quantized_backward_eagerly():
         assert torch.equal(a, b)
     straight = _run(qtransform.transform(model, _policy("nvfp4")), x, r)
     assert not torch.equal(got[1], straight[1])  # the quantized backward ran, not the default
+
+
+def test_onnx_export_is_the_forward_of_the_default_backward(tmp_path):
+    """An exported graph carries the forward only: with a quantized backward the ONNX model has
+    the same fake-quant nodes and gives the same outputs in onnxruntime as with the default."""
+    ort = pytest.importorskip("onnxruntime")
+    onnx = pytest.importorskip("onnx")
+    model, x, _ = _data()
+    outputs, ops = [], []
+    for extra in ({}, {"backward": "quantized", "wgrad_hadamard": {}}):
+        t = qtransform.transform(model, _policy("nvfp4", **extra))
+        path = qtransform.export_onnx(t, tmp_path / f"m{len(outputs)}.onnx", example_inputs=(x,))
+        session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+        outputs.append(session.run(None, {session.get_inputs()[0].name: x.numpy()})[0])
+        ops.append(sorted(n.op_type for n in onnx.load(str(path)).graph.node))
+    assert ops[0] == ops[1]
+    assert (outputs[0] == outputs[1]).all()
+
+
+def test_the_noise_controller_steps_and_checkpoints_the_gradient_draws():
+    """With AQN in the policy, `noise_controller` steps the backward's stream with every other
+    stream and its state resumes the exact draws."""
+    from qtransform.models import build_tiny
+
+    policy = {"version": 1, "quantize": [{
+        "targets": ["Linear"], "ignore": ["lm_head"], "format": "mxfp4", "backward": "quantized",
+        "backward_roles": {"grad": {"format": "mxfp4", "rounding": "stochastic"}}}],
+        "noise": {"targets": ["RMSNorm"], "schedule": {"kind": "constant", "sigma_start": 0.01,
+                                                      "num_stages": 2, "total_steps": 2}}}
+    model = qtransform.transform(build_tiny("qwen2"), policy).train()
+    controller = qtransform.noise_controller(model)
+    backward = [m for m in model.modules() if isinstance(m, BackwardLinear)]
+    assert backward and all(m in controller.others for m in backward)
+    ids = torch.randint(0, 100, (1, 8))
+
+    def grads() -> list[torch.Tensor]:
+        model.zero_grad()
+        model(input_ids=ids, labels=ids).loss.backward()
+        return [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+    controller.step()
+    grads()
+    state = controller.state_dict()
+    assert state["step"] == 1 and state["draws"][backward[0].stream.key] == 1
+    want = grads()
+    controller.load_state_dict(state)
+    assert all(torch.equal(a, b) for a, b in zip(grads(), want, strict=True))
