@@ -116,21 +116,34 @@ def plot(result: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 4.5))
-    for key, run in result["runs"].items():
+    def ema(values: list[float]) -> list[float]:
+        out, level = [], None
+        for value in values:
+            level = value if level is None else 0.9 * level + 0.1 * value
+            out.append(level)
+        return out
+
+    runs = result["runs"]
+    fig, (ax, dx) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for key, run in runs.items():
         loss = [statistics.fmean(values) for values in zip(*run["loss"], strict=True)]
-        smooth, ema = [], None
-        for value in loss:
-            ema = value if ema is None else 0.9 * ema + 0.1 * value
-            smooth.append(ema)
-        ax.plot(range(1, len(loss) + 1), smooth, label=key.replace("_", " "), linewidth=1.4)
+        steps = range(1, len(loss) + 1)
+        ax.plot(steps, ema(loss), label=key.replace("_", " "), linewidth=1.4)
+        if "plain" in runs:  # the same seed's plain run: initialization and data are shared
+            diff = [statistics.fmean(a - b for a, b in zip(ours, plain, strict=True))
+                    for ours, plain in zip(zip(*run["loss"], strict=True), zip(*runs["plain"]["loss"], strict=True),
+                                           strict=True)]
+            dx.plot(steps, ema(diff), label=key.replace("_", " "), linewidth=1.4)
     setup = result["setup"]
     ax.set_xlabel("step")
     ax.set_ylabel(f"training loss, mean of {setup['seeds']} seeds (EMA 0.9)")
-    ax.set_title(f"Qwen2 {setup['layers']}x{setup['hidden']} ({setup['params_m']:.1f}M), bytes of "
+    dx.set_xlabel("step")
+    dx.set_ylabel("loss minus plain training of the same seed (EMA 0.9)")
+    fig.suptitle(f"Qwen2 {setup['layers']}x{setup['hidden']} ({setup['params_m']:.1f}M), bytes of "
                  f"calibration.txt, batch {setup['batch']}x{setup['length']}, AdamW lr {setup['lr']}",
                  fontsize=10)
-    ax.grid(alpha=0.3)
+    for axis in (ax, dx):
+        axis.grid(alpha=0.3)
     ax.legend(fontsize=9)
     fig.tight_layout()
     with atomic_path(path) as tmp:
