@@ -176,3 +176,20 @@ def test_te_nvfp4_bad_option_is_one_line_naming_the_switches():
     text = str(info.value)
     assert "\n" not in text and "preset_options.disable_hadamard: not an option of preset" in text
     assert "disable_rht" in text and "disable_2d_quantization" in text
+
+
+def test_every_combination_of_te_options_validates_and_round_trips():
+    from itertools import product
+
+    from qtransform.schemas.loading import dump_policy
+    from qtransform.schemas.presets import find_preset
+
+    for name in (TE_NVFP4, TE_MXFP8):
+        options = find_preset(name).options
+        for values in product(*[(False, True) if o.choices is None else o.choices for o in options]):
+            given = dict(zip([o.name for o in options], values, strict=True))
+            policy = load_policy({"preset": name, "preset_options": given})
+            assert policy.preset_options == given
+            assert load_policy(dump_policy(policy)) == policy
+            expected = given["backward_override"] or "quantized"
+            assert {r.backward for r in policy.quantize} == {expected}
