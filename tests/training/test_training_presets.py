@@ -89,27 +89,29 @@ def test_te_nvfp4_round_to_nearest_modes_equal_the_reference(options):
     assert torch.equal(ours.dw, want.dw)
 
 
-def test_te_nvfp4_rht_rotates_both_wgrad_operands_with_a_fixed_sign_vector():
-    """With the Hadamard on (no stochastic rounding), dgrad is untouched and wgrad equals the
-    reference's, rotated with the preset's sign vector (qtransform's signs of seed 0: TE's own
-    vector is a different fixed one, docs/training.md)."""
+def test_te_nvfp4_rht_is_te_s_own_transform():
+    """The preset's Hadamard seed draws TE's fixed sign vector, so with the Hadamard on (no
+    stochastic rounding) forward, dgrad and wgrad equal TE's reference exactly."""
     from qtransform.formats.hadamard import random_signs
+    from qtransform.schemas.presets.transformer_engine import RHT_SEED
 
+    assert random_signs(16, RHT_SEED).tolist() == list(ref.TE_RHT_SIGNS)
     x, w, g = operands(4)
     ours = run({"preset": TE_NVFP4, "preset_options": {"disable_stochastic_rounding": True}}, x, w, g)
-    signs = tuple(int(s) for s in random_signs(16, 0).tolist())
-    want = ref.te_nvfp4_linear(x, w, g, ref.TESwitches(disable_stochastic_rounding=True), rht_signs=signs)
+    want = ref.te_nvfp4_linear(x, w, g, ref.TESwitches(disable_stochastic_rounding=True))
     assert torch.equal(ours.y, want.y) and torch.equal(ours.dx, want.dx)
     assert torch.equal(ours.dw, want.dw)
     assert not torch.equal(ours.dw, run({"preset": TE_NVFP4, "preset_options": {
         "disable_stochastic_rounding": True, "disable_rht": True}}, x, w, g).dw)
 
 
-def test_te_nvfp4_stochastic_gradients_are_the_reference_with_the_stream_draws():
-    """The full recipe: G's two copies rounded stochastically with the draws of the documented
-    Philox streams (one per operand of the site), everything else as the reference."""
+@pytest.mark.parametrize("disable_rht", [False, True])
+def test_te_nvfp4_stochastic_gradients_are_the_reference_with_the_stream_draws(disable_rht):
+    """The full recipe (and without its Hadamard): G's two copies rounded stochastically with the
+    draws of the documented Philox streams (one per operand of the site), everything else as TE's
+    reference: forward, dgrad and wgrad bit for bit."""
     x, w, g = operands(5)
-    policy = {"preset": TE_NVFP4, "preset_options": {"disable_rht": True}}
+    policy = {"preset": TE_NVFP4, "preset_options": {"disable_rht": disable_rht}}
     model = nn.Sequential(nn.Linear(IN, OUT, bias=False))
     with torch.no_grad():
         model[0].weight.copy_(w)
@@ -122,7 +124,7 @@ def test_te_nvfp4_stochastic_gradients_are_the_reference_with_the_stream_draws()
         return philox.uniform_at(DrawStream(0, f"{site.label}/{op}").seed_at(0), philox.positions(shape))
 
     u_d, u_w = draws("grad_dgrad", (TOKENS, OUT)), draws("grad_wgrad", (OUT, TOKENS))
-    want = ref.te_nvfp4_linear(x, w, g, ref.TESwitches(disable_rht=True), u_d, u_w)
+    want = ref.te_nvfp4_linear(x, w, g, ref.TESwitches(disable_rht=disable_rht), u_d, u_w)
     assert torch.equal(y.detach(), want.y)
     assert torch.equal(xl.grad, want.dx)
     assert torch.equal(model[0].weight.grad, want.dw)
