@@ -106,7 +106,7 @@ NVFP4_BLOCK_SCALING = recipe_preset(
         PresetOption("disable_2d_quantization", False, "NVTE_NVFP4_DISABLE_2D_QUANTIZATION: weights in "
                      "1x16 blocks, a second copy along the output features for dgrad"),
         PresetOption("row_scaled_activation", False, "NVTE_NVFP4_ROW_SCALED_ACTIVATION: one fp32 "
-                     "scale per token row of the forward's activations"),
+                     "scale per token row of the forward's activations (the wgrad copy keeps one per tensor)"),
         OVERRIDE,
     ), nvfp4_block_scaling)
 
