@@ -287,9 +287,10 @@ def _backward_specs(actions: list[Action[QuantRule]]) -> dict[str, BackwardSpec]
         if spec is None or action.point == "output":
             continue
         site = action.site
-        if site.kind != "linear" or site.param:
+        if site.kind not in ("linear", "conv1d") or site.param:
             raise UserError(f"{action.rule} at {site.name}: backward {spec.mode!r} is available on "
-                            f"Linear sites only (this is a {site.kind} site); exclude it with ignore")
+                            f"Linear and Conv1D sites only (this is a {site.kind} site); exclude "
+                            "it with ignore")
         known = found.setdefault(site.name, (spec, action.rule))
         if known[0] != spec:
             raise UserError(f"{site.name}: {known[1]} and {action.rule} ask its GEMMs for different "
@@ -340,9 +341,10 @@ class FakeQuantPass(Pass[list[QuantRule], QuantRule]):
                 if head is not None and head.meta.get("qtransform", {}).get("pass") == self.name:
                     before[point] = head.args[0]
             try:
-                gsite.replace_linear(BackwardLinear(spec, f"{name}/backward"), before=before, tag="backward")
+                module = BackwardLinear(spec, f"{name}/backward", transposed=gsite.site.kind == "conv1d")
+                gsite.replace_linear(module, before=before, tag="backward")
             except ValueError as exc:
-                raise UserError(f"{exc}: a non-default quantize backward needs a Linear site") from None
+                raise UserError(f"{exc}: a non-default quantize backward needs a Linear or Conv1D site") from None
 
     def build(self, program: Program, action: Action[QuantRule]) -> nn.Module:
         site, rule = action.site, action.payload

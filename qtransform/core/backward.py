@@ -27,6 +27,7 @@ call has its own draws and a forward recomputed by gradient checkpointing replay
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -46,14 +47,27 @@ OPERANDS = ("grad_dgrad", "grad_wgrad", "weight_dgrad", "input_wgrad")
 @dataclass(frozen=True)
 class Hadamard:
     """The rotation of both wgrad operands along the tokens: `kind` "hadamard" or
-    "random_hadamard" (signs from `formats.hadamard.random_signs(block, seed)`)."""
+    "random_hadamard", whose signs are `fixed` (a stack's own vector, e.g. Transformer Engine's)
+    or `formats.hadamard.random_signs(block, seed)`."""
 
     kind: str
     block: int
     seed: int = 0
+    fixed: tuple[int, ...] | None = None
 
     def signs(self, device: torch.device) -> Tensor | None:
-        return random_signs(self.block, self.seed, device) if self.kind == "random_hadamard" else None
+        if self.kind != "random_hadamard":
+            return None
+        if self.fixed is not None:
+            return torch.tensor(self.fixed, dtype=torch.float32, device=device)
+        return _signs(self.block, self.seed, device)
+
+
+@functools.lru_cache(maxsize=64)
+def _signs(block: int, seed: int, device: torch.device) -> Tensor:
+    """`random_signs`, computed once per (block, seed, device): it is the same every backward
+    (read only; a Philox evaluation per call cost as much as the rotation)."""
+    return random_signs(block, seed, device)
 
 
 @dataclass(frozen=True)
@@ -67,10 +81,12 @@ class BackwardSpec:
     weight: QuantConfig | str | None = None
     input: QuantConfig | None = None
     hadamard: Hadamard | None = None
+    grad_wgrad: QuantConfig | str | None = "same"  # G in wgrad: "same" = `grad`
 
     def config(self, operand: str) -> QuantConfig | None:
         """The config of one operand (OPERANDS), bound to its last axis; None if unquantized."""
-        cfg = {"grad_dgrad": self.grad, "grad_wgrad": self.grad, "input_wgrad": self.input,
+        cfg = {"grad_dgrad": self.grad, "input_wgrad": self.input,
+               "grad_wgrad": self.grad if self.grad_wgrad == "same" else self.grad_wgrad,
                "weight_dgrad": None if self.weight == "forward" else self.weight}[operand]
         assert not isinstance(cfg, str)
         return None if cfg is None else cfg.bind(-1)
@@ -85,8 +101,12 @@ class BackwardSpec:
             text = ("unquantized" if cfg is None else "the forward's quantized copy"
                     if isinstance(cfg, str) else cfg.describe())
             parts.append(f"{role} {text}")
+        if self.grad_wgrad != "same":
+            cfg = self.config("grad_wgrad")
+            parts.append(f"grad in wgrad {'unquantized' if cfg is None else cfg.describe()}")
         if self.hadamard is not None:
-            parts.append(f"wgrad {self.hadamard.kind} {self.hadamard.block}")
+            fixed = ", fixed signs" if self.hadamard.fixed is not None else ""
+            parts.append(f"wgrad {self.hadamard.kind} {self.hadamard.block}{fixed}")
         return "backward quantized (" + "; ".join(parts) + ")"
 
 
@@ -98,36 +118,41 @@ def _quantize(x: Tensor, cfg: QuantConfig | None, seed: int | None) -> Tensor:
 
 
 def _pad_tokens(x: Tensor, block: int) -> Tensor:
-    """x [rows, N] zero-padded along N to a multiple of `block`."""
+    """x [rows, N] zero-padded along N to a multiple of `block`, contiguous (a transposed view
+    made the rotation's blockwise matmul 4x slower)."""
     extra = -x.shape[-1] % block
-    return F.pad(x, (0, extra)) if extra else x
+    return F.pad(x, (0, extra)) if extra else x.contiguous()
 
 
-def backward_grads(spec: BackwardSpec, grad: Tensor, x: Tensor, w: Tensor, wq: Tensor,
-                   seeds: dict[str, int], need: tuple[bool, bool, bool]) -> tuple[Tensor | None, ...]:
+def backward_grads(spec: BackwardSpec, grad: Tensor, x: Tensor, w: Tensor, wq: Tensor | None,
+                   seeds: dict[str, int], need: tuple[bool, bool, bool],
+                   transposed: bool = False) -> tuple[Tensor | None, ...]:
     """(dX, dW, dB) of y = x·Wᵀ + b for the upstream gradient `grad`, per `spec`; x and w are the
     operands before the forward's quantization, wq the forward's quantized weight; `need` says
-    which of the three are wanted. Written with the ops torch's own linear backward uses
-    (G·W as mm, Gᵀ·X as mm), so "high_precision" equals the unquantized Linear's gradients."""
-    out_features = w.shape[0]
-    g2 = grad.reshape(-1, out_features)
+    which of the three are wanted; `transposed`: w is stored [in, out] (GPT-2's Conv1D, y =
+    addmm(b, x, w)). Written with the ops torch's own linear / addmm backward uses (G·W and
+    Gᵀ·X, or Xᵀ·G, as mm), so "high_precision" equals the unquantized op's gradients."""
+    w_lin = w.t() if transposed else w  # [out, in]
+    wq_lin = None if wq is None else (wq.t() if transposed else wq)
+    out_features, in_features = w_lin.shape
+    g2, x2 = grad.reshape(-1, out_features), x.reshape(-1, in_features)
     dx = dw = db = None
     if spec.mode == "high_precision":
         if need[0]:
-            dx = g2.mm(w).reshape(*grad.shape[:-1], w.shape[1])
+            dx = g2.mm(w_lin)
         if need[1]:
-            dw = g2.t().mm(x.reshape(-1, w.shape[1]))
+            dw = x2.t().mm(g2) if transposed else g2.t().mm(x2)
     else:
         if need[0]:
             gq = _quantize(g2, spec.config("grad_dgrad"), seeds.get("grad_dgrad"))
             if spec.weight == "forward":
-                dx = gq.mm(wq)
+                assert wq_lin is not None
+                dx = gq.mm(wq_lin)
             else:
-                wt = _quantize(w.t(), spec.config("weight_dgrad"), seeds.get("weight_dgrad"))
+                wt = _quantize(w_lin.t(), spec.config("weight_dgrad"), seeds.get("weight_dgrad"))
                 dx = gq.mm(wt.t())
-            dx = dx.reshape(*grad.shape[:-1], w.shape[1])
         if need[1]:
-            gt, xt = g2.t(), x.reshape(-1, w.shape[1]).t()
+            gt, xt = g2.t(), x2.t()
             if spec.hadamard is not None:
                 h = spec.hadamard
                 signs = h.signs(grad.device)
@@ -135,10 +160,19 @@ def backward_grads(spec: BackwardSpec, grad: Tensor, x: Tensor, w: Tensor, wq: T
                 xt = rotate(_pad_tokens(xt, h.block), h.block, signs)
             gtq = _quantize(gt, spec.config("grad_wgrad"), seeds.get("grad_wgrad"))
             xtq = _quantize(xt, spec.config("input_wgrad"), seeds.get("input_wgrad"))
-            dw = gtq.mm(xtq.t())
+            dw = xtq.mm(gtq.t()) if transposed else gtq.mm(xtq.t())
+    if dx is not None:
+        dx = dx.reshape(x.shape)
     if need[2]:
         db = g2.sum(0)
     return dx, dw, db
+
+
+def _op(xq: Tensor, wq: Tensor, bias: Tensor | None, transposed: bool) -> Tensor:
+    """The site's own forward op: linear(x, W, b), or Conv1D's addmm(b, x, W) (W [in, out])."""
+    if transposed:
+        return torch.addmm(bias, xq, wq) if bias is not None else xq.mm(wq)
+    return F.linear(xq, wq, bias)
 
 
 class _Linear(torch.autograd.Function):
@@ -147,29 +181,43 @@ class _Linear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, xq: Tensor, wq: Tensor, bias: Tensor | None, x: Tensor, w: Tensor,  # type: ignore[override]
-                spec: BackwardSpec, seeds: dict[str, int]) -> Tensor:
+                spec: BackwardSpec, seeds: dict[str, int], transposed: bool) -> Tensor:
         ctx.spec, ctx.seeds, ctx.has_bias = spec, seeds, bias is not None
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        device = xq.device.type
+        # under autocast the forward GEMM ran in its dtype: so do the backward GEMMs
+        ctx.autocast = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+        ctx.transposed = transposed
         ctx.save_for_backward(x, w, wq if spec.weight == "forward" else None)
-        return F.linear(xq, wq, bias)
+        return _op(xq, wq, bias, transposed)
 
     @staticmethod
     def backward(ctx, grad: Tensor):  # type: ignore[override]
         x, w, wq = ctx.saved_tensors
         need = (ctx.needs_input_grad[3], ctx.needs_input_grad[4], ctx.has_bias and ctx.needs_input_grad[2])
-        dx, dw, db = backward_grads(ctx.spec, grad, x, w, wq, ctx.seeds, need)
-        return None, None, db, dx, dw, None, None
+        dtypes = (x.dtype, w.dtype)
+        if ctx.autocast is not None:  # the operands as autocast handed them to the forward GEMM
+            x, w = x.to(ctx.autocast), w.to(ctx.autocast)
+            wq = None if wq is None else wq.to(ctx.autocast)
+        dx, dw, db = backward_grads(ctx.spec, grad, x, w, wq, ctx.seeds, need, ctx.transposed)
+        if ctx.autocast is not None:
+            dx = None if dx is None else dx.to(dtypes[0])
+            dw = None if dw is None else dw.to(dtypes[1])
+            db = None if db is None else db.to(ctx.bias_dtype)
+        return None, None, db, dx, dw, None, None, None
 
 
 class BackwardLinear(nn.Module):
-    """The Linear op of a site whose quantize rule asks for another backward than the default:
+    """The Linear op (or Conv1D's addmm) of a site whose quantize rule asks for another backward:
     called as `(xq, wq, bias, x, w)` in place of `linear(xq, wq, bias)` (the same forward bits),
     with x and w the operands before the fake-quants. Traced (export) it is that plain linear:
     the forward is all a graph carries. Under torch.compile it runs eagerly (a graph break)."""
 
-    def __init__(self, spec: BackwardSpec, label: str):
+    def __init__(self, spec: BackwardSpec, label: str, transposed: bool = False):
         super().__init__()
         self.spec = spec
         self.label = label
+        self.transposed = transposed  # Conv1D: W stored [in, out], the op is addmm(b, x, W)
         self._roles = {op: cfg.seed or 0 for op in OPERANDS
                        if spec.mode == "quantized" and (cfg := spec.config(op)) is not None and cfg.stochastic}
         # one draw index per forward for every stochastic operand (None: nothing is drawn)
@@ -195,12 +243,12 @@ class BackwardLinear(nn.Module):
 
     def forward(self, xq: Tensor, wq: Tensor, bias: Tensor | None, x: Tensor, w: Tensor) -> Tensor:
         if ops.is_tracing(xq) and not torch.compiler.is_compiling():
-            return F.linear(xq, wq, bias)
+            return _op(xq, wq, bias, self.transposed)
         return self._eager(xq, wq, bias, x, w)
 
     @torch.compiler.disable
     def _eager(self, xq: Tensor, wq: Tensor, bias: Tensor | None, x: Tensor, w: Tensor) -> Tensor:
         seeds = self.seeds()  # taken by every forward, as the forward's stochastic rounding does
         if not torch.is_grad_enabled():
-            return F.linear(xq, wq, bias)
-        return _Linear.apply(xq, wq, bias, x, w, self.spec, seeds)
+            return _op(xq, wq, bias, self.transposed)
+        return _Linear.apply(xq, wq, bias, x, w, self.spec, seeds, self.transposed)

@@ -206,16 +206,18 @@ class GraphSite:
     def replace_linear(self, module: nn.Module, *, before: dict[str, fx.Node], tag: str) -> str:
         """Run the site's linear op through `module` instead, called as `module(x_head, w_head,
         bias, x_before, w_before)` (`before`: the nodes an operand had before a pass's insertion
-        on it; the head itself otherwise): a Linear with its own backward. Not an insertion
-        (nothing is logged; the forward computes the same values). Returns the child's name."""
+        on it; the head itself otherwise): a Linear with its own backward. GPT-2's Conv1D op
+        `addmm(bias, x, w)` is replaced alike. Not an insertion (nothing is logged; the forward
+        computes the same values). Returns the child's name."""
         op = self.op_node if self.op_node is not None else next(
-            (n for n in self.graph.nodes if n.op == "call_function"
-             and n.target in (torch._C._nn.linear, nn.functional.linear)), None)
-        if op is None or op.target not in (torch._C._nn.linear, nn.functional.linear,
-                                           torch.ops.aten.linear.default):
+            (n for n in self.graph.nodes if n.op == "call_function" and n.target in _LINEAR_OPS), None)
+        if op is None or op.target not in _LINEAR_OPS or (op.target in _ADDMM_OPS) != (self.site.kind == "conv1d"):
             raise ValueError(f"{self.site.name}: no linear op in its graph")
-        x, w = op.args[0], op.args[1]
-        bias = op.args[2] if len(op.args) > 2 else op.kwargs.get("bias")
+        if op.target in _ADDMM_OPS:
+            bias, x, w = op.args[0], op.args[1], op.args[2]
+        else:
+            x, w = op.args[0], op.args[1]
+            bias = op.args[2] if len(op.args) > 2 else op.kwargs.get("bias")
         base = f"{_safe(self.site.name)}__" if self.op_node is not None else ""
         attr = self._free_attr(f"{base}linear_{tag}")
         self.owner.add_module(attr, module)
@@ -258,6 +260,9 @@ class GraphSite:
             name = f"{base}_{i}"
         return name
 
+
+_ADDMM_OPS = (torch.addmm, torch.ops.aten.addmm.default)  # GPT-2's Conv1D: addmm(bias, x, w)
+_LINEAR_OPS = (torch._C._nn.linear, nn.functional.linear, torch.ops.aten.linear.default, *_ADDMM_OPS)
 
 # ops whose result is new memory, never a view of their inputs (a linear's bias form included:
 # its view's base is the op's own buffer, which nothing else holds)

@@ -12,7 +12,7 @@ of the NVFP4 quantizer: order of operations, 2-D tiles, the Hadamard with its fi
   the forward and dgrad), activations and gradients in 1x16 blocks along each GEMM's reduction
   axis with one tensor scale per call; gradients rounded stochastically; the wgrad operands
   (columnwise copies of X and G) rotated along the tokens first by TE's 16x16 random Hadamard
-  (its fixed sign vector: the Philox signs of seed `RHT_SEED`).
+  (its fixed sign vector `RHT_SIGNS`).
 - MXFP8BlockScaling: E4M3 (E5M2 gradients with `fp8_format: "HYBRID"`) in blocks of 32, E8M0 scale
   `2^ceil(log2(amax * (1/448)))` (qtransform's `rceil`, equal for every fp32 amax), every copy
   quantized from the high-precision tensor along its GEMM's reduction axis.
@@ -33,10 +33,8 @@ STACK = "transformer-engine"
 VERSION = ""  # read from the sources; Transformer Engine runs its recipes on Blackwell GPUs only
 TARGETS = ["Linear"]
 IGNORE = ["re:lm_head"]  # TE quantizes its own te.Linear modules; model heads stay nn.Linear
-# TE's RHT signs are one fixed vector (reference_nvfp4.py, get_wgrad_sign_vector():
-# [1,1,1,-1,1,-1,-1,-1,-1,-1,-1,1,-1,1,-1,-1]); random_signs(16, RHT_SEED) draws exactly that
-# vector from qtransform's Philox stream (found by a search, tests/training checks it).
-RHT_SEED = 39017
+# TE's RHT signs: one fixed vector (pytorch/custom_recipes/reference_nvfp4.py, get_wgrad_sign_vector())
+RHT_SIGNS = [1, 1, 1, -1, 1, -1, -1, -1, -1, -1, -1, 1, -1, 1, -1, -1]
 OVERRIDE = PresetOption(
     "backward_override", None, "TE's backward_override / NVTE_BACKWARD_OVERRIDE: null = the quantized "
     "backward, high_precision = the original operands, dequantized = the forward's quantized operands",
@@ -66,7 +64,7 @@ def nvfp4_block_scaling(o: Mapping[str, Any]) -> dict[str, Any]:
     roles = {"grad": grad, "weight": "forward" if tiles else {"format": "nvfp4"}, "input": {"format": "nvfp4"}}
     quantized: dict[str, Any] = {"backward_roles": roles}
     if not o["disable_rht"]:
-        quantized["wgrad_hadamard"] = {"kind": "random_hadamard", "block_size": 16, "seed": RHT_SEED}
+        quantized["wgrad_hadamard"] = {"kind": "random_hadamard", "block_size": 16, "signs": list(RHT_SIGNS)}
     grads = backward(o["backward_override"], quantized)  # both rules of a Linear carry the same
     weights = rule("NVFP4BlockScaling", "weights", tensors=["weight"], **nvfp4,
                    **({"block_shape": [16, 16]} if tiles else {}), **grads)

@@ -130,6 +130,9 @@ class BackwardRoles(StrictModel):
         None, description='W in dgrad, along the output features; "forward" = the forward\'s '
         "quantized weight as it is (one copy for both orientations: exact with 2D tiles)")
     input: RoleQuant | None = Field(None, description="X in wgrad, along the tokens")
+    grad_wgrad: RoleQuant | Literal["same"] | None = Field(
+        "same", description='G in wgrad only, along the tokens: "same" (default) = the grad role; '
+        "null = unquantized (torchao's wgrad_with_hp); or its own role")
 
     @field_validator("weight", mode="before")
     @classmethod
@@ -149,6 +152,9 @@ class WgradHadamard(StrictModel):
         "Engine's RHT); hadamard = H alone")
     block_size: PosInt = Field(16, description="tokens per rotated block (a power of two)")
     seed: Int | None = Field(None, description="random_hadamard: the seed of the signs (default 0)")
+    signs: list[Literal[1, -1]] | None = Field(
+        None, description="random_hadamard: a fixed sign vector of block_size entries (a stack's "
+        "own, e.g. Transformer Engine's); null = random_signs(block_size, seed)")
 
     @model_validator(mode="after")
     def _check(self) -> WgradHadamard:
@@ -156,8 +162,15 @@ class WgradHadamard(StrictModel):
         if not is_power_of_two(self.block_size):
             issues.append(Issue(("block_size",), "a Hadamard block must be a power of two",
                                 self.block_size, hint=" (e.g. 16)"))
-        if self.seed is not None and self.kind != "random_hadamard":
-            issues.append(Issue(("seed",), "only used with kind 'random_hadamard'", self.seed))
+        for key in ("seed", "signs"):
+            if getattr(self, key) is not None and self.kind != "random_hadamard":
+                issues.append(Issue((key,), "only used with kind 'random_hadamard'", getattr(self, key)))
+        if self.signs is not None:
+            if self.seed is not None:
+                issues.append(Issue(("seed",), "give seed or signs, not both", self.seed))
+            if len(self.signs) != self.block_size:
+                issues.append(Issue(("signs",), f"needs block_size ({self.block_size}) entries, "
+                                    f"got {len(self.signs)}"))
         if issues:
             raise problems_error(issues)
         return self
@@ -312,12 +325,18 @@ class QuantRule(Selected):
             own = RoleQuant(format=self.format).config()
             return BackwardSpec("quantized", own, own, own, _hadamard(self.wgrad_hadamard))
         weight = roles.weight if isinstance(roles.weight, str) or roles.weight is None else roles.weight.config()
+        grad_wgrad = (roles.grad_wgrad if isinstance(roles.grad_wgrad, str) or roles.grad_wgrad is None
+                      else roles.grad_wgrad.config())
         return BackwardSpec("quantized", roles.grad and roles.grad.config(), weight,
-                            roles.input and roles.input.config(), _hadamard(self.wgrad_hadamard))
+                            roles.input and roles.input.config(), _hadamard(self.wgrad_hadamard),
+                            grad_wgrad)
 
 
 def _hadamard(spec: WgradHadamard | None) -> Hadamard | None:
-    return None if spec is None else Hadamard(spec.kind, spec.block_size, spec.seed or 0)
+    if spec is None:
+        return None
+    return Hadamard(spec.kind, spec.block_size, spec.seed or 0,
+                    None if spec.signs is None else tuple(spec.signs))
 
 
 def _backward_issues(rule: QuantRule) -> list[Issue]:
@@ -342,9 +361,9 @@ def _backward_issues(rule: QuantRule) -> list[Issue]:
                             '"merged"; use lora "beside"', rule.lora))
     roles = rule.backward_roles
     if roles is not None:
-        for role in ("grad", "input"):
+        for role in ("grad", "input", "grad_wgrad"):
             quant = getattr(roles, role)
-            if quant is not None and (quant.block_shape is not None or quant.granularity == "tile"):
+            if isinstance(quant, RoleQuant) and (quant.block_shape is not None or quant.granularity == "tile"):
                 issues.append(Issue(("backward_roles", role, "block_shape"), "2D tiles are for the "
                                     "weight role only; use block_size", quant.block_shape))
     return issues

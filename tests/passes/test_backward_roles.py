@@ -19,6 +19,7 @@ from torch import nn
 import qtransform
 from qtransform import formats
 from qtransform.core.backward import BackwardLinear
+from qtransform.core.lora import dense_weight
 from qtransform.core.streams import DrawStream
 from qtransform.errors import UserError
 from qtransform.formats import philox
@@ -100,9 +101,10 @@ ROLE_FORMATS = [("nvfp4", {}), ("mxfp4", {}), ("mxfp4", {"scale_rule": "rceil"})
                 ("mxfp8_e4m3", {})]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("fmt", "opts"), ROLE_FORMATS)
-def test_quantized_backward_equals_the_hand_computed_gemms(fmt, opts):
-    model, x, r = _data()
+def test_quantized_backward_equals_the_hand_computed_gemms(fmt, opts, dtype):
+    model, x, r = _data(dtype)
     role = {"format": fmt, **opts}
     t = qtransform.transform(model, _policy(fmt, backward="quantized", backward_roles={
         "grad": role, "weight": role, "input": role}))
@@ -110,6 +112,7 @@ def test_quantized_backward_equals_the_hand_computed_gemms(fmt, opts):
     want_dx, want_dw = _reference(x, model[0].weight.detach(), r, (fmt, opts), (fmt, opts), (fmt, opts))
     assert torch.equal(dx, want_dx)
     assert torch.equal(dw, want_dw)
+    assert dx.dtype == dw.dtype == dtype
     assert torch.equal(db, r.reshape(-1, OUT).sum(0))  # the bias from the unquantized G
     assert not torch.equal(dw, r.reshape(-1, OUT).t() @ x.reshape(-1, IN))  # quantization acted
 
@@ -383,6 +386,22 @@ def test_peft_lora_base_gemms_quantized_adapters_in_full_precision(order):
     (torch.nn.functional.linear(torch.nn.functional.linear(xa, wa), wb) * s * r).sum().backward()
     assert torch.equal(a.weight.grad, wa.grad) and torch.equal(b.weight.grad, wb.grad)
     assert torch.equal(x.grad, dx_base.reshape(x.shape) + xa.grad)
+    # rollouts compute with the dense weight quant(W) + s B A, as with the default backward
+    default_policy = {**policy, "quantize": [{**policy["quantize"][0], "backward": "dequantized"}]}
+    twin_model = build_tiny("qwen2")
+    if order == "peft_first":
+        default = qtransform.transform(peft.get_peft_model(twin_model, config), default_policy)
+    else:
+        default = peft.get_peft_model(qtransform.transform(twin_model, default_policy), config)
+    twin = default.base_model.model.model.layers[0].self_attn.q_proj
+    twin.lora_A["default"].weight.data.copy_(a.weight.data)
+    twin.lora_B["default"].weight.data.copy_(b.weight.data)
+    ids = torch.randint(0, 100, (1, 4))
+    with torch.no_grad(), qtransform.rollout():
+        lora(input_ids=ids), default(input_ids=ids)  # PEFT after transform: bound at a model forward
+        want = torch.nn.functional.linear(base.input_fake_quant(x), dense_weight(layer), base.bias)
+        assert torch.equal(layer(x), want)
+        assert torch.equal(twin(x), want)
 
 
 def test_torch_compile_runs_the_quantized_backward_eagerly():
@@ -444,3 +463,162 @@ def test_the_noise_controller_steps_and_checkpoints_the_gradient_draws():
     want = grads()
     controller.load_state_dict(state)
     assert all(torch.equal(a, b) for a, b in zip(grads(), want, strict=True))
+
+
+def test_the_example_policy_is_transformer_engines_nvfp4_recipe():
+    """schemas/examples/nvfp4_w4a4_quantized_backward.json: 16x16 weight tiles reused in dgrad,
+    gradients and inputs in 1x16 blocks along each GEMM's reduction axis, stochastic gradient
+    rounding, a random Hadamard of 16 tokens on wgrad. With rounding made nearest it equals
+    the hand computation exactly."""
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "schemas" / "examples" / "nvfp4_w4a4_quantized_backward.json"
+    policy = json.loads(path.read_text())
+    policy["quantize"][1]["backward_roles"]["grad"] = {"format": "nvfp4"}
+    for rule in policy["quantize"]:
+        rule["ignore"] = []  # a bare Linear has no lm_head
+    model, x, r = _data()
+    dx, dw, _ = _run(qtransform.transform(model, policy), x, r)
+    nv = ("nvfp4", {})
+    want = _reference(x, model[0].weight.detach(), r, nv, ("nvfp4", {"block_shape": (16, 16)}), nv,
+                      hadamard=(16, _signs(16, 0)))
+    assert torch.equal(dx, want[0]) and torch.equal(dw, want[1])
+
+
+def test_under_autocast_the_backward_gemms_run_in_its_dtype():
+    """torch.autocast ran the forward GEMM in bf16: the backward GEMMs take the operands cast to
+    bf16 too (then quantized), and the gradients come back in the parameters' dtype; high
+    precision equals the unquantized Linear under autocast."""
+    model, x, r = _data()
+
+    def grads(m):
+        m.zero_grad(set_to_none=True)
+        xi = x.clone().requires_grad_(True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = m(xi)
+        (y.float() * r).sum().backward()
+        lin = m[0]
+        return xi.grad, lin.weight.grad, lin.bias.grad
+
+    high = grads(qtransform.transform(model, _policy("nvfp4", backward="high_precision")))
+    assert all(torch.equal(a, b) for a, b in zip(high, grads(model), strict=True))
+    quantized = grads(qtransform.transform(model, _policy("mxfp8_e4m3", backward="quantized")))
+    g = (r.to(torch.bfloat16))  # the upstream gradient of a bf16 output
+    q = ("mxfp8_e4m3", {})
+    want = _reference(x.to(torch.bfloat16), model[0].weight.detach().to(torch.bfloat16), g, q, q, q)
+    assert quantized[0].dtype == quantized[1].dtype == torch.float32
+    assert torch.equal(quantized[0], want[0].float()) and torch.equal(quantized[1], want[1].float())
+
+
+def test_restoring_an_inplace_transform_removes_the_backward_module():
+    from qtransform.pipeline.transform import transform_program
+
+    model, x, r = _data()
+    before = _run(model, x, r)
+    program = transform_program(model, _policy("nvfp4", backward="quantized"), inplace=True)
+    assert any(isinstance(m, BackwardLinear) for m in model.modules())
+    program.restore()
+    assert not any(isinstance(m, BackwardLinear) for m in model.modules())
+    assert "forward" not in model[0].__dict__
+    assert all(torch.equal(a, b) for a, b in zip(_run(model, x, r), before, strict=True))
+
+
+def test_gpt2_conv1d_weights_stored_in_out():
+    """GPT-2's Conv1D computes addmm(b, x, W) with W [in, out]: the same backward per role, W's
+    roles read as the [out, in] matrix of the Linear it is; high precision equals the
+    unquantized Conv1D's gradients; graph mode computes the module mode's gradients."""
+    from qtransform.models import build_tiny
+
+    model = build_tiny("gpt2")
+    ids = torch.randint(0, 100, (2, 24))
+    rule = {"targets": ["Conv1D"], "format": "mxfp4", "tensors": ["weight", "input"]}
+    policy = {"version": 1, "quantize": [{**rule, "backward": "quantized"}]}
+    t, graph = (qtransform.transform(model, policy, {"input_ids": ids}, mode=mode) for mode in ("module", "graph"))
+    assert sum(isinstance(m, BackwardLinear) for m in t.modules()) == 8  # 4 Conv1D x 2 layers
+    assert sum(isinstance(m, BackwardLinear) for m in graph.modules()) == 8
+
+    def grads(m):
+        m.zero_grad(set_to_none=True)
+        logits = m(input_ids=ids, use_cache=False)["logits"]
+        (logits * torch.linspace(-1, 1, logits.shape[-1])).sum().backward()
+        return {n: p.grad for n, p in m.named_parameters() if p.grad is not None}
+
+    want = grads(t)
+    got = grads(graph)
+    assert got.keys() == want.keys() and all(torch.equal(g, want[n]) for n, g in got.items())
+    # one Conv1D on its own: against the hand computation, and high precision against the plain one
+    conv, plain = t.transformer.h[0].mlp.c_fc, model.transformer.h[0].mlp.c_fc
+    high = qtransform.transform(model, {"version": 1, "quantize": [{**rule, "backward": "high_precision"}]})
+    x = torch.randn(2, 24, conv.weight.shape[0])
+    r = torch.randn(2, 24, conv.weight.shape[1])
+
+    def site_grads(m):
+        m.zero_grad(set_to_none=True)
+        xi = x.clone().requires_grad_(True)
+        (m(xi) * r).sum().backward()
+        return xi.grad, m.weight.grad, m.bias.grad
+
+    high_grads = site_grads(high.transformer.h[0].mlp.c_fc)
+    assert all(torch.equal(a, b) for a, b in zip(high_grads, site_grads(plain), strict=True))
+    dx, dw, _ = site_grads(conv)
+    w_lin = conv.weight.detach().t()
+    g2, x2 = r.reshape(-1, w_lin.shape[0]), x.reshape(-1, w_lin.shape[1])
+    want_dx = formats.fake_quantize(g2, "mxfp4") @ formats.fake_quantize(w_lin, "mxfp4", axis=0)
+    xt, gt = formats.fake_quantize(x2, "mxfp4", axis=0), formats.fake_quantize(g2, "mxfp4", axis=0)
+    assert torch.equal(dx, want_dx.reshape(x.shape))
+    assert torch.equal(dw, xt.t() @ gt)
+
+
+def test_fused_experts_are_refused_with_the_fix():
+    from qtransform.models import build_tiny
+
+    policy = {"version": 1, "quantize": [{"targets": ["Linear"], "format": "mxfp4", "backward": "high_precision"}]}
+    with pytest.raises(UserError, match=r"experts.*Linear and Conv1D sites only.*ignore"):
+        qtransform.transform(build_tiny("mixtral", hidden=32), policy)
+
+
+def test_grad_wgrad_gives_g_its_own_role_in_wgrad():
+    """torchao's wgrad_with_hp: G quantized in dgrad only (grad_wgrad null, input left out), so dW
+    is the plain Linear's; or G in wgrad in another format than in dgrad."""
+    model, x, r = _data()
+    mx = ("mxfp8_e4m3", {"scale_rule": "rceil"})
+    role = {"format": "mxfp8_e4m3", "scale_rule": "rceil"}
+    hp = qtransform.transform(model, _policy("mxfp8_e4m3", backward="quantized", backward_roles={
+        "grad": role, "weight": role, "grad_wgrad": None}))
+    dx, dw, _ = _run(hp, x, r)
+    want_dx, _ = _reference(x, model[0].weight.detach(), r, mx, mx)
+    assert torch.equal(dx, want_dx)
+    assert torch.equal(dw, _run(model, x, r)[1])  # Gᵀ·X in high precision, bit for bit
+    own = qtransform.transform(model, _policy("nvfp4", backward="quantized", backward_roles={
+        "grad": {"format": "nvfp4"}, "grad_wgrad": role, "input": role}))
+    _, dw, _ = _run(own, x, r)
+    g2, x2 = r.reshape(-1, OUT), x.reshape(-1, IN)
+    want_dw = (formats.fake_quantize(g2, "mxfp8_e4m3", axis=0, scale_rule="rceil").t()
+               @ formats.fake_quantize(x2, "mxfp8_e4m3", axis=0, scale_rule="rceil"))
+    assert torch.equal(dw, want_dw)
+
+
+TE_SIGNS = [1, 1, 1, -1, 1, -1, -1, -1, -1, -1, -1, 1, -1, 1, -1, -1]  # Transformer Engine's wgrad vector
+
+
+def test_wgrad_hadamard_takes_a_fixed_sign_vector():
+    model, x, r = _data()
+    nv = ("nvfp4", {})
+    t = qtransform.transform(model, _policy("nvfp4", backward="quantized",
+                                            wgrad_hadamard={"block_size": 16, "signs": TE_SIGNS}))
+    _, dw, _ = _run(t, x, r)
+    _, want = _reference(x, model[0].weight.detach(), r, nv, nv, nv,
+                         hadamard=(16, torch.tensor(TE_SIGNS, dtype=torch.float32)))
+    assert torch.equal(dw, want)
+
+
+@pytest.mark.parametrize(("hadamard", "path", "words"), [
+    ({"signs": [1, -1]}, "signs", "16"),
+    ({"signs": TE_SIGNS, "seed": 2}, "seed", "not both"),
+    ({"kind": "hadamard", "signs": TE_SIGNS}, "signs", "random_hadamard"),
+])
+def test_bad_sign_vectors_name_their_path(hadamard, path, words):
+    with pytest.raises(PolicyError) as err:
+        load_policy(_policy("nvfp4", backward="quantized", wgrad_hadamard=hadamard))
+    assert f"quantize[0].wgrad_hadamard.{path}:" in str(err.value) and words in str(err.value)

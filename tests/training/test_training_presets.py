@@ -41,12 +41,14 @@ def run(policy: dict, x: torch.Tensor, w: torch.Tensor, g: torch.Tensor) -> ref.
     return ref.Grads(y.detach(), xl.grad, model[0].weight.grad)
 
 
+@pytest.mark.parametrize("wgrad_with_hp", [False, True])
 @pytest.mark.parametrize("seed", [0, 1])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_torchao_preset_is_torchao_emulated_mxfp8_bit_for_bit(seed, dtype):
+def test_torchao_preset_is_torchao_emulated_mxfp8_bit_for_bit(seed, dtype, wgrad_with_hp):
     x, w, g = operands(seed, dtype)
-    ours = run({"preset": "torchao/MXFP8_RCEIL"}, x, w, g)
-    theirs = ref.torchao_emulated_mxfp8(x, w, g)
+    name = "torchao/MXFP8_RCEIL_WGRAD_WITH_HP" if wgrad_with_hp else "torchao/MXFP8_RCEIL"
+    ours = run({"preset": name}, x, w, g)
+    theirs = ref.torchao_emulated_mxfp8(x, w, g, wgrad_with_hp)
     assert torch.equal(ours.y, theirs.y)
     assert torch.equal(ours.dx, theirs.dx)
     assert torch.equal(ours.dw, theirs.dw)
@@ -90,12 +92,10 @@ def test_te_nvfp4_round_to_nearest_modes_equal_the_reference(options):
 
 
 def test_te_nvfp4_rht_is_te_s_own_transform():
-    """The preset's Hadamard seed draws TE's fixed sign vector, so with the Hadamard on (no
-    stochastic rounding) forward, dgrad and wgrad equal TE's reference exactly."""
-    from qtransform.formats.hadamard import random_signs
-    from qtransform.schemas.presets.transformer_engine import RHT_SEED
-
-    assert random_signs(16, RHT_SEED).tolist() == list(ref.TE_RHT_SIGNS)
+    """The preset's Hadamard takes TE's fixed sign vector, so with the Hadamard on (no stochastic
+    rounding) forward, dgrad and wgrad equal TE's reference exactly."""
+    policy = load_policy({"preset": TE_NVFP4})
+    assert tuple(policy.quantize[0].wgrad_hadamard.signs) == ref.TE_RHT_SIGNS
     x, w, g = operands(4)
     ours = run({"preset": TE_NVFP4, "preset_options": {"disable_stochastic_rounding": True}}, x, w, g)
     want = ref.te_nvfp4_linear(x, w, g, ref.TESwitches(disable_stochastic_rounding=True))
