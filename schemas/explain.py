@@ -21,7 +21,7 @@ def explain(policy: Policy) -> str:
     """Every section of the policy in plain language, one paragraph each."""
     lines = [line for s in ordered() if _present(v := policy.section(s.name)) for line in s.describe(v)]
     if policy.preset is not None:
-        lines.insert(0, describe_preset(policy.preset))
+        lines.insert(0, describe_preset(policy.preset, policy.preset_options))
     return "\n".join(lines) if lines else "The policy is empty: it changes nothing."
 
 

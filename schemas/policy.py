@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Literal
 
-from pydantic import Field, StrictStr, create_model, field_validator, model_validator
+from pydantic import Field, StrictBool, StrictStr, create_model, field_validator, model_validator
 
 from . import presets
 from .base import StrictModel
@@ -24,13 +24,21 @@ class PolicyRoot(StrictModel):
     preset: StrictStr | None = Field(
         None, description="a stack's recipe this policy expands from, e.g. 'llm-compressor/NVFP4' "
         "(`qtransform policy presets` lists them); the policy's own fields are merged over it")
+    preset_options: dict[str, StrictBool | StrictStr | None] | None = Field(
+        None, description="switches of the preset, e.g. {\"disable_rht\": true} for "
+        "'transformer-engine/NVFP4BlockScaling' (`qtransform policy presets` lists each preset's)")
 
     @model_validator(mode="before")
     @classmethod
     def _expand_preset(cls, data: Any) -> Any:
         """A named preset becomes its explicit rules and sections, with the user's fields merged
         over them (`qtransform.schemas.presets`), before anything else is validated."""
-        if not isinstance(data, Mapping) or data.get("preset") is None:
+        if not isinstance(data, Mapping):
+            return data
+        if data.get("preset") is None:
+            if data.get("preset_options") is not None:
+                raise problems_error([Issue(("preset_options",), "only used with a preset",
+                                            data["preset_options"], hint=' (add "preset": "<stack>/<scheme>")')])
             return data
         name = data["preset"]
         if not isinstance(name, str):

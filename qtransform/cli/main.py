@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import logging
 import os
 import signal
 import sys
@@ -66,7 +67,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def quiet_transformers() -> None:
-    """transformers' advice about configs would bury the one line an error promises."""
+    """transformers' advice about configs would bury the one line an error promises; so would
+    torchao's warnings, which transformers imports where it is installed (its GPU-only kernels
+    fail to load on CPU, and torch warns about its enum registrations)."""
+    for name in ("torchao", "torch.utils._pytree"):
+        logging.getLogger(name).setLevel(logging.ERROR)
     if "transformers" in sys.modules:
         from transformers.utils import logging as hf_logging
 

@@ -157,6 +157,9 @@ def _presets(args: argparse.Namespace) -> int:
         preset = PRESETS[name]
         checked = f" (checked against {preset.checked_against})" if preset.checked_against else ""
         print(f"{name}: {preset.reproduces}{checked}")
+        for option in preset.options:
+            values = "true/false" if option.choices is None else "/".join(json.dumps(c) for c in option.choices)
+            print(f"    preset_options.{option.name} ({values}, default {json.dumps(option.default)}): {option.help}")
     return 0
 
 

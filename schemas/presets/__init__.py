@@ -12,6 +12,11 @@ settings, noise) that reproduces what a stack computes. Loading a policy expands
 - ``null`` for a top-level key removes the preset's section (``"noise": null`` keeps qerl's
   quantization without its noise).
 
+A preset may take options (`Preset.options`), a stack's own switches such as Transformer Engine's
+`disable_rht`: the policy names them in ``"preset_options": {"disable_rht": true}``, each checked
+against the preset's list (name, type, allowed values), and the preset's content is built from
+them (`Preset.build`) before the user's fields are merged over it.
+
 Expansion is idempotent: a policy written back (`Policy.to_json`, which keeps ``preset`` and the
 expanded content) loads to an equal policy, because every preset rule has a name.
 
@@ -25,24 +30,50 @@ from __future__ import annotations
 import copy
 import difflib
 import importlib
+import json
 import pkgutil
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from ..errors import Issue, problems_error
 from ..sections import SECTIONS
 
 NAME_HELP = "a preset name '<stack>/<scheme>' such as 'llm-compressor/NVFP4'"
 
 
 @dataclass(frozen=True)
+class PresetOption:
+    """One switch of a preset (`"preset_options"`): true/false, or one of `choices`."""
+
+    name: str
+    default: bool | str | None
+    help: str  # what it changes, in the stack's words (and its own name for it)
+    choices: tuple[str | None, ...] | None = None  # None = a boolean switch
+
+
+@dataclass(frozen=True)
 class Preset:
-    """One named recipe: the policy content it expands into and what it reproduces."""
+    """One named recipe: the policy content it expands into and what it reproduces.
+
+    A preset with `options` builds its content from their values (`build`); `content` is then
+    what the defaults build."""
 
     name: str  # "<stack>/<scheme>", or a bare name for a recipe of a paper ("qerl")
     reproduces: str  # one sentence: what the expansion computes, after whose code
     checked_against: str  # the stack version the expansion was compared with ("" = none)
     content: Mapping[str, Any]  # policy sections as JSON data (no "version", no "preset")
+    options: tuple[PresetOption, ...] = ()
+    build: Callable[[Mapping[str, Any]], Mapping[str, Any]] | None = None
+
+    def defaults(self) -> dict[str, Any]:
+        return {o.name: o.default for o in self.options}
+
+    def content_for(self, options: Mapping[str, Any] | None) -> Mapping[str, Any]:
+        """The content with these options (validated, see `check_options`) over the defaults."""
+        if not options or self.build is None:
+            return self.content
+        return self.build({**self.defaults(), **options})
 
 
 PRESETS: dict[str, Preset] = {}
@@ -62,6 +93,10 @@ def register_preset(preset: Preset) -> Preset:
                                {"quantize": [{"name": "my-stack/W4 weights", "format": "int4"}]}))
     """
     key = preset.name.lower()
+    if bool(preset.options) != (preset.build is not None):
+        raise ValueError(f"preset {preset.name!r}: options and build come together")
+    if preset.build is not None and dict(preset.build(preset.defaults())) != dict(preset.content):
+        raise ValueError(f"preset {preset.name!r}: content must be what build() makes of the defaults")
     if key in {k.lower() for k in PRESETS}:
         raise ValueError(f"preset {preset.name!r} is registered already")
     unknown = [k for k in preset.content if k not in SECTIONS]
@@ -108,17 +143,46 @@ def suggestion(name: str) -> str:
     return f" (did you mean {lowered[close[0]]!r}?)" if close else ""
 
 
+def check_options(preset: Preset, options: Any) -> dict[str, Any]:
+    """The `preset_options` of a policy, checked against the preset's switches (a PydanticCustomError
+    naming every unknown option and wrong value)."""
+    if options is None:
+        return {}
+    known = {o.name: o for o in preset.options}
+    if not isinstance(options, Mapping):
+        raise problems_error([Issue(("preset_options",), "expected an object of the preset's options",
+                                    options, sorted(known) or None)])
+    issues = []
+    for name, value in options.items():
+        option = known.get(name)
+        if option is None:
+            issues.append(Issue(("preset_options", name), f"not an option of preset {preset.name}"
+                                + ("" if known else " (it has none)"), name, sorted(known) or None))
+        elif option.choices is None and not isinstance(value, bool):
+            issues.append(Issue(("preset_options", name), "expected true or false", value))
+        elif option.choices is not None and value not in option.choices:
+            issues.append(Issue(("preset_options", name), "not an allowed value", value,
+                                [json.dumps(c) for c in option.choices]))
+    if issues:
+        raise problems_error(issues)
+    return dict(options)
+
+
 def expand(data: Mapping[str, Any], preset: Preset) -> dict[str, Any]:
-    """`data` (a policy's JSON data naming `preset`) with the preset's content merged under it."""
-    out: dict[str, Any] = copy.deepcopy(dict(preset.content))
+    """`data` (a policy's JSON data naming `preset`) with the preset's content, built with its
+    `preset_options`, merged under it."""
+    options = check_options(preset, data.get("preset_options"))
+    out: dict[str, Any] = copy.deepcopy(dict(preset.content_for(options)))
     for key, value in data.items():
-        if key == "preset":
+        if key in ("preset", "preset_options"):
             continue
         if value is None and key in out:
             del out[key]
         else:
             out[key] = merge(out[key], value) if key in out else copy.deepcopy(value)
     out["preset"] = preset.name
+    if options:
+        out["preset_options"] = options
     return out
 
 
@@ -147,11 +211,13 @@ def _named(items: list[Any]) -> bool:
     return all(isinstance(i, Mapping) and isinstance(i.get("name"), str) for i in items)
 
 
-def describe(name: str) -> str:
+def describe(name: str, options: Mapping[str, Any] | None = None) -> str:
     """The paragraph `policy explain` starts with for a policy expanded from a preset."""
     preset = PRESETS[name]
     checked = f" Checked against {preset.checked_against}." if preset.checked_against else ""
-    return (f"Preset {preset.name}: {preset.reproduces}.{checked} It expands into the rules and "
+    given = ", ".join(f"{k}={json.dumps(v)}" for k, v in (options or {}).items())
+    switches = f" Options: {given}." if given else ""
+    return (f"Preset {preset.name}: {preset.reproduces}.{checked}{switches} It expands into the rules and "
             "sections below; the policy's own fields are merged over it (a quantize rule named "
             "like a preset rule changes that rule, other rules come after the preset's and win "
             "where they select the same module and tensor, null removes a section).")

@@ -25,7 +25,7 @@ def example(name: str) -> ModuleType:
 
 def test_every_example_is_tested():
     tested = {"train_w4a16_aqn", "scan_model", "export_onnx", "rl_rollout_loop", "verl_rollout_sync",
-              "grpo_smollm2_aqn"}
+              "grpo_smollm2_aqn", "fp4_training_recipes"}
     assert {p.stem for p in EXAMPLES.glob("*.py")} == tested
 
 
@@ -131,3 +131,25 @@ def test_grpo_smollm2_aqn_refuses_bad_flags_before_loading_the_model(argv, messa
     with pytest.raises(SystemExit):
         example("grpo_smollm2_aqn").main(argv)
     assert message in capsys.readouterr().err
+
+
+def test_fp4_training_recipes_trains_each_run_from_the_same_start_and_replots(tmp_path, capsys):
+    recipes = example("fp4_training_recipes")
+    out = tmp_path / "figs" / "recipes"
+    argv = ["--steps", "3", "--seeds", "2", "--hidden", "64", "--layers", "1", "--threads", "1",
+            "--runs", "plain", "nvfp4", "nvfp4_no_rht_no_sr", "--out", str(out)]
+    assert recipes.main(argv) == 0
+    table = capsys.readouterr().out
+    saved = json.loads(out.with_suffix(".json").read_text())
+    assert out.with_suffix(".png").stat().st_size > 0
+    runs = saved["runs"]
+    assert set(runs) == {"plain", "nvfp4", "nvfp4_no_rht_no_sr"} and saved["setup"]["seeds"] == 2
+    assert all(len(r["loss"]) == 2 and all(len(c) == 3 for c in r["loss"]) for r in runs.values())
+    # one start per seed: the two seeds differ, the quantized forward moves the first loss slightly
+    first = {k: [c[0] for c in r["loss"]] for k, r in runs.items()}
+    assert first["plain"][0] != first["plain"][1]
+    assert all(abs(a - b) < 0.05 for a, b in zip(first["plain"], first["nvfp4"], strict=True))
+    assert runs["nvfp4"]["loss"] != runs["nvfp4_no_rht_no_sr"]["loss"]  # the switches change training
+    assert "| nvfp4_no_rht_no_sr |" in table and '"disable_rht": true' in table
+    assert recipes.main(["--replot", "--out", str(out)]) == 0
+    assert capsys.readouterr().out.strip() == table.strip()

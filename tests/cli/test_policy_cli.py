@@ -119,9 +119,15 @@ def test_schema(capsys):
 
 def test_presets_lists_every_preset_with_what_it_reproduces(capsys):
     code, out, _ = cli(capsys, "presets")
-    lines = out.splitlines()
+    lines = [line for line in out.splitlines() if not line.startswith(" ")]
     assert code == 0 and [line.split(": ", 1)[0] for line in lines] == preset_names()
     assert any(line.startswith("qerl: QeRL's rollout model") for line in lines)
+    # a preset's options follow it, indented, with their values and defaults
+    options = out.split("transformer-engine/NVFP4BlockScaling: ", 1)[1].splitlines()[1:6]
+    assert options[0] == ("    preset_options.disable_rht (true/false, default false): "
+                          "NVTE_NVFP4_DISABLE_RHT: no Hadamard on the wgrad operands")
+    assert options[4].startswith('    preset_options.backward_override (null/"high_precision"/"dequantized", '
+                                 "default null)")
 
 
 def test_explain_and_validate_of_a_preset_policy(capsys, tmp_path):
