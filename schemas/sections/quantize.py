@@ -10,170 +10,27 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, Field, StrictBool, StrictStr, field_validator, model_validator
 
-from qtransform.core.backward import MODES, BackwardSpec, Hadamard
+from qtransform.core.backward import MODES, BackwardSpec
 from qtransform.core.lora import LORA_HELP
 from qtransform.formats import registry
-from qtransform.formats.hadamard import is_power_of_two
 from qtransform.formats.options import CHOICE_OPTIONS, QuantConfig
 from qtransform.formats.registry import GRANULARITIES
 
+from ..backward_roles import BackwardRoles, RoleQuant, WgradHadamard, hadamard_spec
 from ..base import Fraction, Int, PosInt, Selected, StrictModel, Tensor, unique
 from ..errors import Issue, problems_error
+from ..format_fields import OPTION_DEFAULTS, all_option_values, known_format, lowered
 from ..selectors import compile_entry
 from ..words import describe_format, describe_selector, scheme, tensor_words
 from . import Section, register_section
 
 OBSERVERS = ("static_minmax", "minmax", "memoryless_minmax")  # llm-compressor 0.14's names
 DEFAULT_OBSERVER = "static_minmax"
-# Option defaults used for formats that do not list the option in FormatSpec.options.
-OPTION_DEFAULTS = {"scale_rule": "floor", "rounding": "rne", "int_range": "restricted",
-                   "scale_dtype": "float32"}
-
-
-def _all_option_values(option: str) -> list[str]:
-    """Every value any registered format allows for `option` (for the JSON schema enum)."""
-    values = [OPTION_DEFAULTS[option]] if option in OPTION_DEFAULTS else []
-    for name in registry.names():
-        values += [v for v in registry.get(name).options.get(option, ()) if v not in values]
-    return values
-
-
 class ObserverKwargs(StrictModel):
     """llm-compressor's observer_kwargs that qtransform's observers take."""
 
     averaging_constant: Annotated[Fraction, Field(gt=0)] = Field(
         0.01, description="minmax: weight of the newest batch in the moving average")
-
-
-ROLE_ROUNDING = {"nearest": "rne", "stochastic": "stochastic"}  # a role's rounding -> the format's
-
-
-class RoleQuant(StrictModel):
-    """How one operand of the backward GEMMs is fake-quantized (along its GEMM's reduction axis)."""
-
-    format: StrictStr = Field(json_schema_extra={"enum": list(registry.names())},
-                              description="a registered format, e.g. nvfp4, mxfp4, mxfp8_e4m3")
-    granularity: Literal[GRANULARITIES] | None = Field(  # type: ignore[valid-type]
-        None, description="what one scale covers (block, tensor, ...; tile for the weight role "
-        "only); null = block of block_size, or tile when block_shape is given")
-    block_size: PosInt | None = Field(None, description="elements per block; null = format default")
-    block_shape: tuple[PosInt, PosInt] | None = Field(
-        None, description="weight role only: 2D tiles (16x16 for NVFP4), one copy valid in both "
-        "orientations")
-    scale_rule: StrictStr = Field(
-        OPTION_DEFAULTS["scale_rule"], json_schema_extra={"enum": _all_option_values("scale_rule")},
-        description="how an MX block's shared exponent is chosen (MX formats only)")
-    scale_dtype: StrictStr = Field(
-        OPTION_DEFAULTS["scale_dtype"], json_schema_extra={"enum": _all_option_values("scale_dtype")},
-        description="the float scales are computed in (formats that take it)")
-    rounding: Literal["nearest", "stochastic"] = Field(
-        "nearest", description="nearest = half to even; stochastic = the Philox stream of seed "
-        "(unbiased), new draws for every backward call")
-    seed: Int | None = Field(None, description="seed of stochastic rounding's stream (default 0)")
-
-    @field_validator("format", mode="before")
-    @classmethod
-    def _format_lower(cls, value: Any) -> Any:
-        return value.lower() if isinstance(value, str) else value
-
-    @field_validator("format")
-    @classmethod
-    def _format_known(cls, value: str) -> str:
-        known = registry.names()
-        if value not in known:
-            raise problems_error(
-                [Issue((), "unknown format", value, known, registry.suggest(value, known))])
-        return value
-
-    @model_validator(mode="after")
-    def _options_fit_format(self) -> RoleQuant:
-        spec = registry.get(self.format)
-        issues = []
-        for option in ("scale_rule", "scale_dtype"):
-            value = getattr(self, option)
-            allowed = spec.options.get(option) or (OPTION_DEFAULTS[option],)
-            if value not in allowed:
-                issues.append(Issue((option,), f"not supported by {spec.name}", value, allowed,
-                                    registry.suggest(value, allowed)))
-        if self.rounding == "stochastic" and "stochastic" not in spec.options.get("rounding", ()):
-            issues.append(Issue(("rounding",), f"{spec.name} has no stochastic rounding", self.rounding))
-        if self.seed is not None and self.rounding != "stochastic":
-            issues.append(Issue(("seed",), "only used with rounding 'stochastic'", self.seed))
-        if not issues:
-            try:
-                self.config()
-            except ValueError as exc:
-                issues.append(Issue((), str(exc)))
-        if issues:
-            raise problems_error(issues)
-        return self
-
-    def config(self) -> QuantConfig:
-        """The role's format and options (axis unset: the backward binds it to the last axis of
-        the operand matrix, which is its GEMM's reduction axis)."""
-        spec = registry.get(self.format)
-        opts: dict[str, Any] = {"granularity": self.granularity, "block_size": self.block_size,
-                                "block_shape": self.block_shape, "axis": None,
-                                "rounding": ROLE_ROUNDING[self.rounding],
-                                "seed": (self.seed or 0) if self.rounding == "stochastic" else None}
-        opts |= {o: getattr(self, o) for o in ("scale_rule", "scale_dtype") if o in spec.options}
-        return QuantConfig.from_options(spec, opts)
-
-
-class BackwardRoles(StrictModel):
-    """The quantization of each operand of the backward GEMMs (a role left out stays unquantized)."""
-
-    grad: RoleQuant | None = Field(
-        None, description="the output gradient G: along the output features for dgrad, along the "
-        "tokens for wgrad")
-    weight: RoleQuant | Literal["forward"] | None = Field(
-        None, description='W in dgrad, along the output features; "forward" = the forward\'s '
-        "quantized weight as it is (one copy for both orientations: exact with 2D tiles)")
-    input: RoleQuant | None = Field(None, description="X in wgrad, along the tokens")
-    grad_wgrad: RoleQuant | Literal["same"] | None = Field(
-        "same", description='G in wgrad only, along the tokens: "same" (default) = the grad role; '
-        "null = unquantized (torchao's wgrad_with_hp); or its own role")
-
-    @field_validator("weight", mode="before")
-    @classmethod
-    def _weight_word(cls, value: Any) -> Any:
-        if isinstance(value, str) and value != "forward":
-            raise problems_error([Issue((), 'expected "forward" or a role object such as '
-                                        '{"format": "nvfp4"}', value, ["forward"],
-                                        registry.suggest(value, ["forward"]))])
-        return value
-
-
-class WgradHadamard(StrictModel):
-    """A Hadamard rotation of both wgrad operands along the tokens before they are quantized."""
-
-    kind: Literal["random_hadamard", "hadamard"] = Field(
-        "random_hadamard", description="random_hadamard = random signs then H (Transformer "
-        "Engine's RHT); hadamard = H alone")
-    block_size: PosInt = Field(16, description="tokens per rotated block (a power of two)")
-    seed: Int | None = Field(None, description="random_hadamard: the seed of the signs (default 0)")
-    signs: list[Literal[1, -1]] | None = Field(
-        None, description="random_hadamard: a fixed sign vector of block_size entries (a stack's "
-        "own, e.g. Transformer Engine's); null = random_signs(block_size, seed)")
-
-    @model_validator(mode="after")
-    def _check(self) -> WgradHadamard:
-        issues = []
-        if not is_power_of_two(self.block_size):
-            issues.append(Issue(("block_size",), "a Hadamard block must be a power of two",
-                                self.block_size, hint=" (e.g. 16)"))
-        for key in ("seed", "signs"):
-            if getattr(self, key) is not None and self.kind != "random_hadamard":
-                issues.append(Issue((key,), "only used with kind 'random_hadamard'", getattr(self, key)))
-        if self.signs is not None:
-            if self.seed is not None:
-                issues.append(Issue(("seed",), "give seed or signs, not both", self.seed))
-            if len(self.signs) != self.block_size:
-                issues.append(Issue(("signs",), f"needs block_size ({self.block_size}) entries, "
-                                    f"got {len(self.signs)}"))
-        if issues:
-            raise problems_error(issues)
-        return self
 
 
 BACKWARD_HELP = ('what the backward GEMMs use: dequantized (default) = straight-through with the '
@@ -204,30 +61,30 @@ class QuantRule(Selected):
     block_size: PosInt | None = Field(None, description="elements per block; null = format default")
     block_shape: tuple[PosInt, PosInt] | None = Field(None, description="2D weight tiles")
     scale_rule: StrictStr = Field(
-        OPTION_DEFAULTS["scale_rule"], json_schema_extra={"enum": _all_option_values("scale_rule")},
+        OPTION_DEFAULTS["scale_rule"], json_schema_extra={"enum": all_option_values("scale_rule")},
         description="how an MX block's shared exponent is chosen (MX formats only)",
     )
     rounding: StrictStr = Field(
-        OPTION_DEFAULTS["rounding"], json_schema_extra={"enum": _all_option_values("rounding")},
+        OPTION_DEFAULTS["rounding"], json_schema_extra={"enum": all_option_values("rounding")},
         description="rne: half to even; rna: half away from zero; stochastic (see seed)",
     )
     nvfp4_variant: StrictStr | None = Field(
-        None, json_schema_extra={"enum": [*_all_option_values("nvfp4_variant"), None]},
+        None, json_schema_extra={"enum": [*all_option_values("nvfp4_variant"), None]},
         description="NVFP4 only: whose fp32 order of operations; null = default",
     )
     int_range: StrictStr = Field(
-        OPTION_DEFAULTS["int_range"], json_schema_extra={"enum": _all_option_values("int_range")},
+        OPTION_DEFAULTS["int_range"], json_schema_extra={"enum": all_option_values("int_range")},
         description=("int4/int8 only: restricted = scale amax/qmax, codes in [-qmax, qmax]; "
                      "full = compressed-tensors' amax/(qmax+0.5), codes in [-qmax-1, qmax]"),
     )
     scale_dtype: StrictStr = Field(
-        OPTION_DEFAULTS["scale_dtype"], json_schema_extra={"enum": _all_option_values("scale_dtype")},
+        OPTION_DEFAULTS["scale_dtype"], json_schema_extra={"enum": all_option_values("scale_dtype")},
         description=("int and fp8 formats: the float the scale and x/scale are rounded to; "
                      "nvfp4 (compressed-tensors variant): the float 2688/amax and amax/6 are "
                      "divided in; input = the tensor's own dtype (compressed-tensors on a bf16 model)"),
     )
     fp8_variant: StrictStr | None = Field(
-        None, json_schema_extra={"enum": [*_all_option_values("fp8_variant"), None]},
+        None, json_schema_extra={"enum": [*all_option_values("fp8_variant"), None]},
         description=("fp8 formats only: whose order of operations; null = default "
                      "(compressed-tensors': x / (amax / max)), modelopt (x * (max / amax))"),
     )
@@ -263,20 +120,8 @@ class QuantRule(Selected):
         "attention, gate/up of an MLP), the largest amax of the group; or a list of explicit "
         "groups, each a list of site-name patterns")
 
-    @field_validator("format", mode="before")
-    @classmethod
-    def _format_lower(cls, value: Any) -> Any:
-        return value.lower() if isinstance(value, str) else value
-
-    @field_validator("format")
-    @classmethod
-    def _format_known(cls, value: str) -> str:
-        known = registry.names()
-        if value not in known:
-            raise problems_error(
-                [Issue((), "unknown format", value, known, registry.suggest(value, known))]
-            )
-        return value
+    _format_lower = field_validator("format", mode="before")(lowered)
+    _format_known = field_validator("format")(known_format)
 
     @field_validator("tensors")
     @classmethod
@@ -323,20 +168,13 @@ class QuantRule(Selected):
         roles = self.backward_roles
         if roles is None:
             own = RoleQuant(format=self.format).config()
-            return BackwardSpec("quantized", own, own, own, _hadamard(self.wgrad_hadamard))
+            return BackwardSpec("quantized", own, own, own, hadamard_spec(self.wgrad_hadamard))
         weight = roles.weight if isinstance(roles.weight, str) or roles.weight is None else roles.weight.config()
         grad_wgrad = (roles.grad_wgrad if isinstance(roles.grad_wgrad, str) or roles.grad_wgrad is None
                       else roles.grad_wgrad.config())
         return BackwardSpec("quantized", roles.grad and roles.grad.config(), weight,
-                            roles.input and roles.input.config(), _hadamard(self.wgrad_hadamard),
+                            roles.input and roles.input.config(), hadamard_spec(self.wgrad_hadamard),
                             grad_wgrad)
-
-
-def _hadamard(spec: WgradHadamard | None) -> Hadamard | None:
-    if spec is None:
-        return None
-    return Hadamard(spec.kind, spec.block_size, spec.seed or 0,
-                    None if spec.signs is None else tuple(spec.signs))
 
 
 def _backward_issues(rule: QuantRule) -> list[Issue]:
@@ -475,7 +313,7 @@ def _option_issues(rule: QuantRule, spec: registry.FormatSpec) -> list[Issue]:
             continue
         why = (
             f"not supported by {spec.name}"
-            if value in _all_option_values(option)
+            if value in all_option_values(option)
             else "unknown value"
         )
         issues.append(Issue((option,), why, value, allowed, registry.suggest(value, allowed)))

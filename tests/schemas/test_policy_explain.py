@@ -92,14 +92,15 @@ def test_summary_and_empty():
 def test_every_example_explains(path):
     """One paragraph per section of the example, in order, naming what its JSON says."""
     raw = json.loads(path.read_text())
-    rules = raw.get("quantize", [])
-    heads = [f"Rule '{r['name']}' quantizes " for r in rules]
+    rotations, rules = raw.get("rotate", []), raw.get("quantize", [])
+    heads = [f"Rotate[{i}] '{r['name']}': " for i, r in enumerate(rotations)]
+    heads += [f"Rule '{r['name']}' quantizes " for r in rules]
     heads += ["A later rule overrides"] * (len(rules) > 1)
     heads += [SECTIONS[k] for k in SECTIONS if k in raw]
     paragraphs = [ln for ln in explain(load_policy(path)).splitlines() if not ln.startswith("  ")]
     assert len(paragraphs) == len(heads)
     assert all(p.startswith(h) for p, h in zip(paragraphs, heads, strict=True)), paragraphs
-    sections = list(rules) + [raw[k] for k in SECTIONS if k in raw]
+    sections = list(rotations) + list(rules) + [raw[k] for k in SECTIONS if k in raw]
     for text, section in zip([p for p in paragraphs if not p.startswith("A later")], sections,
                              strict=True):
         assert all(f"class {t}" in text for t in section.get("targets", []))
