@@ -5,14 +5,15 @@ Read from FP-Quant at d2e3092: `utils/config.py` (the fields and which combinati
 `module/linear.py` (`FPQuantLinear`: the Hadamard of `hadamard_group_size` from
 `scipy.linalg.hadamard(g) / sqrt(g)` on X and W along the input features, the dispatch on
 `backward_dtype`), `module/linear_fns.py` (each backward). docs/training.md gives each rule's source
-and what is not modelled (QuEST's scale, FP-Quant's own scale and tie rounding, the requantized
-forward operands of the mxfp8/mxfp4 backwards).
+and what is not modelled (QuEST's scale, FP-Quant's own scale and tie rounding, the mxfp4
+backward's Hadamard on the dgrad operands and its fresh signs per call).
 
 - forward: a `rotate` rule (kind hadamard, block `hadamard_group_size`) on every Linear's input
   axis, then MXFP4 (blocks of 32) or NVFP4 (blocks of 16) on the rotated X and W.
 - `backward_dtype` bf16: the backward GEMMs take the unquantized (rotated) operands, rotated back by
-  autograd: `backward: "high_precision"`. mxfp8 and mxfp4 (MXFP4 forward only): the gradient and
-  the operands of each backward GEMM quantized along its reduction axis.
+  autograd: `backward: "high_precision"`. mxfp8 and mxfp4 (MXFP4 forward only): the gradient
+  quantized along each backward GEMM's reduction axis, and the forward's quantized W and X
+  requantized along it (`"source": "forward"`).
 """
 
 from __future__ import annotations
@@ -41,13 +42,16 @@ def rules(forward_dtype: str, o: Mapping[str, Any]) -> dict[str, Any]:
     if dtype == "bf16":  # FPQuant4x16MasterFn: grad_output @ weight, grad_outputᵀ @ x
         fields["backward"] = "high_precision"
     elif dtype == "mxfp8":  # FPQuant4x8MasterFn
+        # W and X: the forward's MXFP4 copies re-laid as MXFP8 along the other axis
         mxfp8 = {"format": "mxfp8_e4m3", "block_size": 32}
+        again = {**mxfp8, "source": "forward"}
         fields |= {"backward": "quantized",
-                   "backward_roles": {"grad": dict(mxfp8), "weight": "forward", "input": dict(mxfp8)}}
-    else:  # FPQuant4x4MasterFn
+                   "backward_roles": {"grad": mxfp8, "weight": again, "input": dict(again)}}
+    else:  # FPQuant4x4MasterFn: the forward's MXFP4 W and X requantized
         mxfp4 = {"format": "mxfp4", "block_size": 32}
+        again = {**mxfp4, "source": "forward"}
         fields |= {"backward": "quantized",
-                   "backward_roles": {"grad": dict(mxfp4), "weight": dict(mxfp4), "input": dict(mxfp4)},
+                   "backward_roles": {"grad": mxfp4, "weight": again, "input": dict(again)},
                    "wgrad_hadamard": {"kind": "random_hadamard", "block_size": BACKWARD_BLOCK, "seed": 0}}
     content["quantize"] = [{"name": f"{name} weights and inputs", **select,
                             "tensors": ["weight", "input"], **fields}]

@@ -70,6 +70,10 @@ class RoleQuant(StrictModel):
         "nearest", description="nearest = half to even; stochastic = the Philox stream of seed "
         "(unbiased), new draws for every backward call")
     seed: Int | None = Field(None, description="seed of stochastic rounding's stream (default 0)")
+    source: Literal["high_precision", "forward"] = Field(
+        "high_precision", description="weight and input roles: what is quantized: high_precision = "
+        "the operand before the forward's fake-quant; forward = the forward's quantized copy, "
+        "requantized along this GEMM's reduction axis (FP-Quant's mxfp8/mxfp4 backwards)")
 
     @field_validator("format", mode="before")
     @classmethod
@@ -327,9 +331,11 @@ class QuantRule(Selected):
         weight = roles.weight if isinstance(roles.weight, str) or roles.weight is None else roles.weight.config()
         grad_wgrad = (roles.grad_wgrad if isinstance(roles.grad_wgrad, str) or roles.grad_wgrad is None
                       else roles.grad_wgrad.config())
+        requantize = frozenset(role for role in ("weight", "input")
+                               if isinstance(quant := getattr(roles, role), RoleQuant) and quant.source == "forward")
         return BackwardSpec("quantized", roles.grad and roles.grad.config(), weight,
                             roles.input and roles.input.config(), _hadamard(self.wgrad_hadamard),
-                            grad_wgrad)
+                            grad_wgrad, requantize)
 
 
 def _hadamard(spec: WgradHadamard | None) -> Hadamard | None:
@@ -366,6 +372,11 @@ def _backward_issues(rule: QuantRule) -> list[Issue]:
             if isinstance(quant, RoleQuant) and (quant.block_shape is not None or quant.granularity == "tile"):
                 issues.append(Issue(("backward_roles", role, "block_shape"), "2D tiles are for the "
                                     "weight role only; use block_size", quant.block_shape))
+        for role in ("grad", "grad_wgrad"):
+            quant = getattr(roles, role)
+            if isinstance(quant, RoleQuant) and quant.source == "forward":
+                issues.append(Issue(("backward_roles", role, "source"), "the gradient has no "
+                                    'forward copy; "forward" is for the weight and input roles', "forward"))
     return issues
 
 

@@ -67,29 +67,31 @@ class ByHand(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w, bias, fmt: str, b: int, backward: str):  # type: ignore[override]
         xr, wr = by_hand_hadamard(x, b), by_hand_hadamard(w, b)
-        wq = q(wr, fmt)
-        ctx.save_for_backward(xr, wr, wq)
+        xq, wq = q_tokens(xr, fmt), q(wr, fmt)
+        ctx.save_for_backward(xr, wr, xq, wq)
         ctx.b, ctx.backward, ctx.has_bias = b, backward, bias is not None
-        return F.linear(q_tokens(xr, fmt), wq, bias)
+        return F.linear(xq, wq, bias)
 
     @staticmethod
     def backward(ctx, g):  # type: ignore[override]
-        xr, wr, wq = ctx.saved_tensors
+        xr, wr, xq, wq = ctx.saved_tensors
         g2, x2 = g.reshape(-1, wr.shape[0]), xr.reshape(-1, wr.shape[1])
+        xq2 = xq.reshape(x2.shape)
         if ctx.backward == "bf16":  # FPQuant4x16MasterFn: G·W and Gᵀ·X, unquantized
             dxr, dwr = g2.mm(wr), g2.t().mm(x2)
-        elif ctx.backward == "mxfp8":  # G in MXFP8 along out and along the tokens; W the forward's copy
-            dxr = q(g2, "mxfp8_e4m3").mm(wq)
-            dwr = q(g2.t(), "mxfp8_e4m3").mm(q(x2.t(), "mxfp8_e4m3").t())
-        else:  # mxfp4: dgrad along out; wgrad along the tokens after D·H32 (the dense reference matmul)
-            dxr = q(g2, "mxfp4").mm(q(wr.t(), "mxfp4").t())
+        elif ctx.backward == "mxfp8":  # G in MXFP8; the forward's MXFP4 W and X re-laid as MXFP8
+            dxr = q(g2, "mxfp8_e4m3").mm(q(wq.t(), "mxfp8_e4m3").t())
+            dwr = q(g2.t(), "mxfp8_e4m3").mm(q(xq2.t(), "mxfp8_e4m3").t())
+        else:  # mxfp4: the forward's W and X requantized, dgrad along out, wgrad along the
+            # tokens after D·H32 (the dense reference matmul)
+            dxr = q(g2, "mxfp4").mm(q(wq.t(), "mxfp4").t())
             signs = hadamard.random_signs(32, 0)
             h32 = torch.tensor(scipy.linalg.hadamard(32) / math.sqrt(32), dtype=torch.float64).float()
 
             def rot(t):
                 return ((t.reshape(t.shape[0], -1, 32) * signs) @ h32).reshape(t.shape)
 
-            dwr = q(rot(g2.t()), "mxfp4").mm(q(rot(x2.t()), "mxfp4").t())
+            dwr = q(rot(g2.t()), "mxfp4").mm(q(rot(xq2.t()), "mxfp4").t())
         dx = by_hand_hadamard(dxr, ctx.b).reshape(xr.shape)
         dw = by_hand_hadamard(dwr, ctx.b)
         return dx, dw, g2.sum(0) if ctx.has_bias else None, None, None, None
@@ -121,11 +123,14 @@ def test_mxfp8_and_mxfp4_backwards_expand_to_their_roles():
     mx8 = load_policy(preset("mxfp4", backward_dtype="mxfp8")).quantize[0]
     assert mx8.backward == "quantized" and mx8.wgrad_hadamard is None
     roles = mx8.backward_roles
-    assert roles.weight == "forward" and roles.grad_wgrad == "same"
-    assert (roles.grad.format, roles.grad.block_size, roles.input.format) == ("mxfp8_e4m3", 32, "mxfp8_e4m3")
+    assert roles.grad_wgrad == "same" and roles.grad.source == "high_precision"
+    assert (roles.grad.format, roles.grad.block_size) == ("mxfp8_e4m3", 32)
+    for role in (roles.weight, roles.input):  # the forward's MXFP4 copies, re-laid as MXFP8
+        assert (role.format, role.block_size, role.source) == ("mxfp8_e4m3", 32, "forward")
     mx4 = load_policy(preset("mxfp4", backward_dtype="mxfp4")).quantize[0]
     assert {r: getattr(mx4.backward_roles, r).format for r in ("grad", "weight", "input")} == dict.fromkeys(
         ("grad", "weight", "input"), "mxfp4")
+    assert (mx4.backward_roles.weight.source, mx4.backward_roles.input.source) == ("forward", "forward")
     assert (mx4.wgrad_hadamard.kind, mx4.wgrad_hadamard.block_size) == ("random_hadamard", 32)
     assert load_policy(preset("mxfp4", transform_init="identity")).rotate == []
 
@@ -207,3 +212,27 @@ def test_preset_on_a_tiny_qwen2_is_the_by_hand_implementation_bit_for_bit(fmt, o
     assert grads_got.keys() == grads_want.keys() and len(grads_got) > 10
     for name, grad in grads_want.items():
         assert torch.equal(grads_got[name], grad), name
+
+
+def test_role_source_forward_requantizes_the_forwards_copy_and_is_refused_for_the_gradient():
+    """`source: "forward"` (the role field the mxfp8/mxfp4 backwards use): the input role
+    quantizes the forward's NVFP4 X along the tokens, not X itself."""
+    x, w, _, g = linear_data(1)
+
+    def grads(source: str) -> tuple[torch.Tensor, torch.Tensor]:
+        roles = {"grad": {"format": "mxfp8_e4m3"}, "input": {"format": "mxfp8_e4m3", "source": source}}
+        rule = {"name": "r", "targets": ["Linear"], "format": "nvfp4", "tensors": ["weight", "input"],
+                "backward": "quantized", "backward_roles": roles}
+        model = qtransform.transform(nn.Sequential(nn.Linear(IN, OUT, bias=False)), {"version": 1, "quantize": [rule]})
+        with torch.no_grad():
+            model[0].weight.copy_(w)
+        model(x).backward(g)
+        return model[0].weight.grad, q_tokens(x, "nvfp4")
+
+    dw, xq = grads("forward")
+    assert torch.equal(dw, q(g.t(), "mxfp8_e4m3").mm(q(xq.t(), "mxfp8_e4m3").t()))
+    assert not torch.equal(grads("high_precision")[0], dw)
+    bad = {"name": "r", "targets": ["Linear"], "format": "nvfp4", "tensors": ["weight", "input"],
+           "backward": "quantized", "backward_roles": {"grad": {"format": "nvfp4", "source": "forward"}}}
+    with pytest.raises(PolicyError, match="backward_roles.grad.source"):
+        load_policy({"version": 1, "quantize": [bad]})
