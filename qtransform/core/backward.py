@@ -84,6 +84,7 @@ class BackwardSpec:
     grad_wgrad: QuantConfig | str | None = "same"  # G in wgrad: "same" = `grad`
     # the roles ("weight", "input") quantized from the forward's quantized copy, not from x / w
     requantize: frozenset[str] = frozenset()
+    dgrad_hadamard: Hadamard | None = None  # G and Wᵀ rotated along the output features
 
     def config(self, operand: str) -> QuantConfig | None:
         """The config of one operand (OPERANDS), bound to its last axis; None if unquantized."""
@@ -111,6 +112,8 @@ class BackwardSpec:
         if self.hadamard is not None:
             fixed = ", fixed signs" if self.hadamard.fixed is not None else ""
             parts.append(f"wgrad {self.hadamard.kind} {self.hadamard.block}{fixed}")
+        if self.dgrad_hadamard is not None:
+            parts.append(f"dgrad {self.dgrad_hadamard.kind} {self.dgrad_hadamard.block}")
         return "backward quantized (" + "; ".join(parts) + ")"
 
 
@@ -155,13 +158,18 @@ def backward_grads(spec: BackwardSpec, grad: Tensor, x: Tensor, w: Tensor, wq: T
             dw = x2.t().mm(g2) if transposed else g2.t().mm(x2)
     else:
         if need[0]:
-            gq = _quantize(g2, spec.config("grad_dgrad"), seeds.get("grad_dgrad"))
-            if spec.weight == "forward":
-                assert wq_lin is not None
-                dx = gq.mm(wq_lin)
-            else:
-                wt = _quantize(w_lin.t(), spec.config("weight_dgrad"), seeds.get("weight_dgrad"))
-                dx = gq.mm(wt.t())
+            gd, wt = g2, (wq_lin if spec.weight == "forward" else w_lin).t()
+            if spec.dgrad_hadamard is not None:  # (G·R)(Wᵀ·R)ᵀ = G·W: only the quantization sees R
+                h = spec.dgrad_hadamard
+                if out_features % h.block:
+                    raise ValueError(f"dgrad_hadamard: a block of {h.block} does not divide the "
+                                     f"{out_features} output features")
+                signs = h.signs(grad.device)
+                gd, wt = rotate(g2, h.block, signs), rotate(wt.contiguous(), h.block, signs)
+            gq = _quantize(gd, spec.config("grad_dgrad"), seeds.get("grad_dgrad"))
+            if spec.weight != "forward":
+                wt = _quantize(wt, spec.config("weight_dgrad"), seeds.get("weight_dgrad"))
+            dx = gq.mm(wt.t())
         if need[1]:
             gt, xt = g2.t(), x2.t()
             if spec.hadamard is not None:

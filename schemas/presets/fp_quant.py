@@ -6,7 +6,7 @@ Read from FP-Quant at d2e3092: `utils/config.py` (the fields and which combinati
 `scipy.linalg.hadamard(g) / sqrt(g)` on X and W along the input features, the dispatch on
 `backward_dtype`), `module/linear_fns.py` (each backward). docs/training.md gives each rule's source
 and what is not modelled (QuEST's scale, FP-Quant's own scale and tie rounding, the mxfp4
-backward's Hadamard on the dgrad operands and its fresh signs per call).
+backward's fresh Hadamard signs per call).
 
 - forward: a `rotate` rule (kind hadamard, block `hadamard_group_size`) on every Linear's input
   axis, then MXFP4 (blocks of 32) or NVFP4 (blocks of 16) on the rotated X and W.
@@ -52,6 +52,7 @@ def rules(forward_dtype: str, o: Mapping[str, Any]) -> dict[str, Any]:
         again = {**mxfp4, "source": "forward"}
         fields |= {"backward": "quantized",
                    "backward_roles": {"grad": mxfp4, "weight": again, "input": dict(again)},
+                   "dgrad_hadamard": {"kind": "random_hadamard", "block_size": BACKWARD_BLOCK, "seed": 0},
                    "wgrad_hadamard": {"kind": "random_hadamard", "block_size": BACKWARD_BLOCK, "seed": 0}}
     content["quantize"] = [{"name": f"{name} weights and inputs", **select,
                             "tensors": ["weight", "input"], **fields}]

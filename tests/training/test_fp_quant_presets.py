@@ -82,15 +82,15 @@ class ByHand(torch.autograd.Function):
         elif ctx.backward == "mxfp8":  # G in MXFP8; the forward's MXFP4 W and X re-laid as MXFP8
             dxr = q(g2, "mxfp8_e4m3").mm(q(wq.t(), "mxfp8_e4m3").t())
             dwr = q(g2.t(), "mxfp8_e4m3").mm(q(xq2.t(), "mxfp8_e4m3").t())
-        else:  # mxfp4: the forward's W and X requantized, dgrad along out, wgrad along the
-            # tokens after D·H32 (the dense reference matmul)
-            dxr = q(g2, "mxfp4").mm(q(wq.t(), "mxfp4").t())
+        else:  # mxfp4: the forward's W and X requantized after D·H32 (the dense reference
+            # matmul), dgrad along out, wgrad along the tokens
             signs = hadamard.random_signs(32, 0)
             h32 = torch.tensor(scipy.linalg.hadamard(32) / math.sqrt(32), dtype=torch.float64).float()
 
             def rot(t):
                 return ((t.reshape(t.shape[0], -1, 32) * signs) @ h32).reshape(t.shape)
 
+            dxr = q(rot(g2), "mxfp4").mm(q(rot(wq.t().contiguous()), "mxfp4").t())
             dwr = q(rot(g2.t()), "mxfp4").mm(q(rot(xq2.t()), "mxfp4").t())
         dx = by_hand_hadamard(dxr, ctx.b).reshape(xr.shape)
         dw = by_hand_hadamard(dwr, ctx.b)
@@ -131,7 +131,9 @@ def test_mxfp8_and_mxfp4_backwards_expand_to_their_roles():
     assert {r: getattr(mx4.backward_roles, r).format for r in ("grad", "weight", "input")} == dict.fromkeys(
         ("grad", "weight", "input"), "mxfp4")
     assert (mx4.backward_roles.weight.source, mx4.backward_roles.input.source) == ("forward", "forward")
-    assert (mx4.wgrad_hadamard.kind, mx4.wgrad_hadamard.block_size) == ("random_hadamard", 32)
+    for h in (mx4.wgrad_hadamard, mx4.dgrad_hadamard):
+        assert (h.kind, h.block_size, h.seed) == ("random_hadamard", 32, 0)
+    assert load_policy(preset("mxfp4", backward_dtype="mxfp8")).quantize[0].dgrad_hadamard is None
     assert load_policy(preset("mxfp4", transform_init="identity")).rotate == []
 
 
@@ -236,3 +238,13 @@ def test_role_source_forward_requantizes_the_forwards_copy_and_is_refused_for_th
            "backward": "quantized", "backward_roles": {"grad": {"format": "nvfp4", "source": "forward"}}}
     with pytest.raises(PolicyError, match="backward_roles.grad.source"):
         load_policy({"version": 1, "quantize": [bad]})
+
+
+def test_dgrad_hadamard_needs_the_quantized_backward_and_a_block_dividing_the_outputs():
+    rule = {"name": "r", "targets": ["Linear"], "format": "mxfp4", "tensors": ["weight", "input"],
+            "backward": "high_precision", "dgrad_hadamard": {"block_size": 32}}
+    with pytest.raises(PolicyError, match="dgrad_hadamard"):
+        load_policy({"version": 1, "quantize": [rule]})
+    rule["backward"] = "quantized"
+    with pytest.raises(qtransform.UserError, match="block of 32 does not divide its 48 output features"):
+        qtransform.transform(nn.Sequential(nn.Linear(IN, 48)), {"version": 1, "quantize": [rule]})
