@@ -248,3 +248,21 @@ def test_dgrad_hadamard_needs_the_quantized_backward_and_a_block_dividing_the_ou
     rule["backward"] = "quantized"
     with pytest.raises(qtransform.UserError, match="block of 32 does not divide its 48 output features"):
         qtransform.transform(nn.Sequential(nn.Linear(IN, 48)), {"version": 1, "quantize": [rule]})
+
+
+@pytest.mark.parametrize("backward_dtype", ["mxfp8", "mxfp4"])
+def test_graph_mode_gives_the_module_modes_gradients(backward_dtype):
+    x, w, bias, g = linear_data(2)
+    lin = nn.Sequential(nn.Linear(IN, OUT))
+    with torch.no_grad():
+        lin[0].weight.copy_(w)
+        lin[0].bias.copy_(bias)
+    got = []
+    for mode in ("module", "graph"):
+        model = qtransform.transform(lin, preset("mxfp4", backward_dtype=backward_dtype), x, mode=mode)
+        xl = x.clone().requires_grad_(True)
+        y = model(xl)
+        y.backward(g)
+        got.append((y, xl.grad, dict(model.named_parameters())["0.weight"].grad))
+    for a, b in zip(*got, strict=True):
+        assert torch.equal(a, b)
