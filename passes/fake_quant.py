@@ -298,6 +298,12 @@ def _backward_specs(actions: list[Action[QuantRule]]) -> dict[str, BackwardSpec]
             raise UserError(f"{action.rule} at {site.name}: backward {spec.mode!r} is available on "
                             f"Linear and Conv1D sites only (this is a {site.kind} site); exclude "
                             "it with ignore")
+        outputs = _tensor_shape(site, "output")
+        h = spec.dgrad_hadamard
+        if h is not None and outputs is not None and outputs[0] % h.block:
+            raise UserError(f"{action.rule} at {site.name}: dgrad_hadamard's block of {h.block} does "
+                            f"not divide its {outputs[0]} output features; use a block that does, or "
+                            "exclude the site with ignore")
         known = found.setdefault(site.name, (spec, action.rule))
         if known[0] != spec:
             raise UserError(f"{site.name}: {known[1]} and {action.rule} ask its GEMMs for different "

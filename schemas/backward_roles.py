@@ -43,6 +43,10 @@ class RoleQuant(StrictModel):
         "nearest", description="nearest = half to even; stochastic = the Philox stream of seed "
         "(unbiased), new draws for every backward call")
     seed: Int | None = Field(None, description="seed of stochastic rounding's stream (default 0)")
+    source: Literal["high_precision", "forward"] = Field(
+        "high_precision", description="weight and input roles: what is quantized: high_precision = "
+        "the operand before the forward's fake-quant; forward = the forward's quantized copy, "
+        "requantized along this GEMM's reduction axis (FP-Quant's mxfp8/mxfp4 backwards)")
 
     _format_lower = field_validator("format", mode="before")(lowered)
     _format_known = field_validator("format")(known_format)

@@ -9,7 +9,15 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Literal
 
-from pydantic import Field, StrictBool, StrictStr, create_model, field_validator, model_validator
+from pydantic import (
+    Field,
+    StrictBool,
+    StrictInt,
+    StrictStr,
+    create_model,
+    field_validator,
+    model_validator,
+)
 
 from . import presets
 from .base import StrictModel
@@ -24,7 +32,7 @@ class PolicyRoot(StrictModel):
     preset: StrictStr | None = Field(
         None, description="a stack's recipe this policy expands from, e.g. 'llm-compressor/NVFP4' "
         "(`qtransform policy presets` lists them); the policy's own fields are merged over it")
-    preset_options: dict[str, StrictBool | StrictStr | None] | None = Field(
+    preset_options: dict[str, StrictBool | StrictInt | StrictStr | None] | None = Field(
         None, description="switches of the preset, e.g. {\"disable_rht\": true} for "
         "'transformer-engine/NVFP4BlockScaling' (`qtransform policy presets` lists each preset's)")
 

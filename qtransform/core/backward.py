@@ -82,6 +82,9 @@ class BackwardSpec:
     input: QuantConfig | None = None
     hadamard: Hadamard | None = None
     grad_wgrad: QuantConfig | str | None = "same"  # G in wgrad: "same" = `grad`
+    # the roles ("weight", "input") quantized from the forward's quantized copy, not from x / w
+    requantize: frozenset[str] = frozenset()
+    dgrad_hadamard: Hadamard | None = None  # G and Wᵀ rotated along the output features
 
     def config(self, operand: str) -> QuantConfig | None:
         """The config of one operand (OPERANDS), bound to its last axis; None if unquantized."""
@@ -100,6 +103,8 @@ class BackwardSpec:
             cfg = getattr(self, role)
             text = ("unquantized" if cfg is None else "the forward's quantized copy"
                     if isinstance(cfg, str) else cfg.describe())
+            if role in self.requantize:
+                text += " of the forward's quantized copy"
             parts.append(f"{role} {text}")
         if self.grad_wgrad != "same":
             cfg = self.config("grad_wgrad")
@@ -107,6 +112,8 @@ class BackwardSpec:
         if self.hadamard is not None:
             fixed = ", fixed signs" if self.hadamard.fixed is not None else ""
             parts.append(f"wgrad {self.hadamard.kind} {self.hadamard.block}{fixed}")
+        if self.dgrad_hadamard is not None:
+            parts.append(f"dgrad {self.dgrad_hadamard.kind} {self.dgrad_hadamard.block}")
         return "backward quantized (" + "; ".join(parts) + ")"
 
 
@@ -126,9 +133,10 @@ def _pad_tokens(x: Tensor, block: int) -> Tensor:
 
 def backward_grads(spec: BackwardSpec, grad: Tensor, x: Tensor, w: Tensor, wq: Tensor | None,
                    seeds: dict[str, int], need: tuple[bool, bool, bool],
-                   transposed: bool = False) -> tuple[Tensor | None, ...]:
+                   transposed: bool = False, xq: Tensor | None = None) -> tuple[Tensor | None, ...]:
     """(dX, dW, dB) of y = x·Wᵀ + b for the upstream gradient `grad`, per `spec`; x and w are the
-    operands before the forward's quantization, wq the forward's quantized weight; `need` says
+    operands before the forward's quantization, wq and xq the forward's quantized weight and
+    input (needed for weight "forward" and the roles in `spec.requantize`); `need` says
     which of the three are wanted; `transposed`: w is stored [in, out] (GPT-2's Conv1D, y =
     addmm(b, x, w)). Written with the ops torch's own linear / addmm backward uses (G·W and
     Gᵀ·X, or Xᵀ·G, as mm), so "high_precision" equals the unquantized op's gradients."""
@@ -136,6 +144,12 @@ def backward_grads(spec: BackwardSpec, grad: Tensor, x: Tensor, w: Tensor, wq: T
     wq_lin = None if wq is None else (wq.t() if transposed else wq)
     out_features, in_features = w_lin.shape
     g2, x2 = grad.reshape(-1, out_features), x.reshape(-1, in_features)
+    if "input" in spec.requantize:
+        assert xq is not None
+        x2 = xq.reshape(-1, in_features)
+    if "weight" in spec.requantize:
+        assert wq_lin is not None
+        w_lin = wq_lin
     dx = dw = db = None
     if spec.mode == "high_precision":
         if need[0]:
@@ -144,13 +158,18 @@ def backward_grads(spec: BackwardSpec, grad: Tensor, x: Tensor, w: Tensor, wq: T
             dw = x2.t().mm(g2) if transposed else g2.t().mm(x2)
     else:
         if need[0]:
-            gq = _quantize(g2, spec.config("grad_dgrad"), seeds.get("grad_dgrad"))
-            if spec.weight == "forward":
-                assert wq_lin is not None
-                dx = gq.mm(wq_lin)
-            else:
-                wt = _quantize(w_lin.t(), spec.config("weight_dgrad"), seeds.get("weight_dgrad"))
-                dx = gq.mm(wt.t())
+            gd, wt = g2, (wq_lin if spec.weight == "forward" else w_lin).t()
+            if spec.dgrad_hadamard is not None:  # (G·R)(Wᵀ·R)ᵀ = G·W: only the quantization sees R
+                h = spec.dgrad_hadamard
+                if out_features % h.block:
+                    raise ValueError(f"dgrad_hadamard: a block of {h.block} does not divide the "
+                                     f"{out_features} output features")
+                signs = h.signs(grad.device)
+                gd, wt = rotate(g2, h.block, signs), rotate(wt.contiguous(), h.block, signs)
+            gq = _quantize(gd, spec.config("grad_dgrad"), seeds.get("grad_dgrad"))
+            if spec.weight != "forward":
+                wt = _quantize(wt, spec.config("weight_dgrad"), seeds.get("weight_dgrad"))
+            dx = gq.mm(wt.t())
         if need[1]:
             gt, xt = g2.t(), x2.t()
             if spec.hadamard is not None:
@@ -188,18 +207,20 @@ class _Linear(torch.autograd.Function):
         # under autocast the forward GEMM ran in its dtype: so do the backward GEMMs
         ctx.autocast = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
         ctx.transposed = transposed
-        ctx.save_for_backward(x, w, wq if spec.weight == "forward" else None)
+        keep_wq = spec.weight == "forward" or "weight" in spec.requantize
+        ctx.save_for_backward(x, w, wq if keep_wq else None, xq if "input" in spec.requantize else None)
         return _op(xq, wq, bias, transposed)
 
     @staticmethod
     def backward(ctx, grad: Tensor):  # type: ignore[override]
-        x, w, wq = ctx.saved_tensors
+        x, w, wq, xq = ctx.saved_tensors
         need = (ctx.needs_input_grad[3], ctx.needs_input_grad[4], ctx.has_bias and ctx.needs_input_grad[2])
         dtypes = (x.dtype, w.dtype)
         if ctx.autocast is not None:  # the operands as autocast handed them to the forward GEMM
             x, w = x.to(ctx.autocast), w.to(ctx.autocast)
             wq = None if wq is None else wq.to(ctx.autocast)
-        dx, dw, db = backward_grads(ctx.spec, grad, x, w, wq, ctx.seeds, need, ctx.transposed)
+            xq = None if xq is None else xq.to(ctx.autocast)
+        dx, dw, db = backward_grads(ctx.spec, grad, x, w, wq, ctx.seeds, need, ctx.transposed, xq)
         if ctx.autocast is not None:
             dx = None if dx is None else dx.to(dtypes[0])
             dw = None if dw is None else dw.to(dtypes[1])

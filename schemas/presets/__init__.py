@@ -47,9 +47,9 @@ class PresetOption:
     """One switch of a preset (`"preset_options"`): true/false, or one of `choices`."""
 
     name: str
-    default: bool | str | None
+    default: bool | int | str | None
     help: str  # what it changes, in the stack's words (and its own name for it)
-    choices: tuple[str | None, ...] | None = None  # None = a boolean switch
+    choices: tuple[int | str | None, ...] | None = None  # None = a boolean switch
 
 
 @dataclass(frozen=True)

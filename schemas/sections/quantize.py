@@ -114,6 +114,9 @@ class QuantRule(Selected):
     wgrad_hadamard: WgradHadamard | None = Field(
         None, description='backward "quantized": rotate both wgrad operands along the tokens '
         "before quantizing them")
+    dgrad_hadamard: WgradHadamard | None = Field(
+        None, description='backward "quantized": rotate both dgrad operands (G and Wᵀ) along the '
+        "output features before quantizing them (FP-Quant's mxfp4 backward); the block must divide them")
     share_scale: Literal["tensor", "fused"] | list[Annotated[list[StrictStr], Field(min_length=1)]] = Field(
         "tensor", description="weights of two-level formats (NVFP4): tensor = one global scale "
         "per weight; fused = one per group of siblings a serving stack fuses (q/k/v of an "
@@ -168,20 +171,23 @@ class QuantRule(Selected):
         roles = self.backward_roles
         if roles is None:
             own = RoleQuant(format=self.format).config()
-            return BackwardSpec("quantized", own, own, own, hadamard_spec(self.wgrad_hadamard))
+            return BackwardSpec("quantized", own, own, own, hadamard_spec(self.wgrad_hadamard),
+                                dgrad_hadamard=hadamard_spec(self.dgrad_hadamard))
         weight = roles.weight if isinstance(roles.weight, str) or roles.weight is None else roles.weight.config()
         grad_wgrad = (roles.grad_wgrad if isinstance(roles.grad_wgrad, str) or roles.grad_wgrad is None
                       else roles.grad_wgrad.config())
+        requantize = frozenset(role for role in ("weight", "input")
+                               if isinstance(quant := getattr(roles, role), RoleQuant) and quant.source == "forward")
         return BackwardSpec("quantized", roles.grad and roles.grad.config(), weight,
                             roles.input and roles.input.config(), hadamard_spec(self.wgrad_hadamard),
-                            grad_wgrad)
+                            grad_wgrad, requantize, hadamard_spec(self.dgrad_hadamard))
 
 
 def _backward_issues(rule: QuantRule) -> list[Issue]:
     """backward_roles / wgrad_hadamard only with backward "quantized"; what a non-default
     backward cannot combine with; tiles only for the weight role."""
     issues = []
-    for key in ("backward_roles", "wgrad_hadamard"):
+    for key in ("backward_roles", "wgrad_hadamard", "dgrad_hadamard"):
         if getattr(rule, key) is not None and rule.backward != "quantized":
             issues.append(Issue((key,), 'only used with backward "quantized"',
                                 getattr(rule, key).model_dump(exclude_defaults=True), hint=' (set backward: "quantized")'))
@@ -204,6 +210,11 @@ def _backward_issues(rule: QuantRule) -> list[Issue]:
             if isinstance(quant, RoleQuant) and (quant.block_shape is not None or quant.granularity == "tile"):
                 issues.append(Issue(("backward_roles", role, "block_shape"), "2D tiles are for the "
                                     "weight role only; use block_size", quant.block_shape))
+        for role in ("grad", "grad_wgrad"):
+            quant = getattr(roles, role)
+            if isinstance(quant, RoleQuant) and quant.source == "forward":
+                issues.append(Issue(("backward_roles", role, "source"), "the gradient has no "
+                                    'forward copy; "forward" is for the weight and input roles', "forward"))
     return issues
 
 
