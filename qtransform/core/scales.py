@@ -99,7 +99,7 @@ class ScaleGroup:
         for i, (module, param) in enumerate(self._members):
             tensor = getattr(module, param)
             if check is None or self._amaxes[i] is None or self._watches[i].changed(tensor, check):
-                self._amaxes[i] = weight_amax(tensor, self.per_expert)
+                self._amaxes[i] = weight_amax(_as_quantized(module, param, tensor), self.per_expert)
                 changed = True
         if changed or self._amax is None:
             amax = torch.stack([a.to(self._amaxes[0].device) for a in self._amaxes]).amax(dim=0)
@@ -114,6 +114,17 @@ class ScaleGroup:
 
     def describe(self) -> str:
         return ", ".join(self.names)
+
+
+def _as_quantized(module: nn.Module, param: str, tensor: Tensor) -> Tensor:
+    """The member weight as its fake quantizer sees it: rotated where the rotate pass rotates it
+    (its `weight_rotate` child; experts `<param>__weight_rotate`), so the shared scale is the
+    rotated weights' (as llm-compressor computes it after fusing QuIP's transforms)."""
+    rotate = module._modules.get("weight_rotate" if param == "weight" else f"{param}__weight_rotate")
+    if rotate is None or not hasattr(rotate, "rotate_weight"):
+        return tensor
+    with torch.no_grad():
+        return rotate.rotate_weight(tensor.detach())
 
 
 def _same(a: Tensor, b: Tensor) -> bool:

@@ -31,7 +31,8 @@ from qtransform.schemas.loading import PolicySource
 PRECISION = "torch.float32"  # the online rotation's precision: qtransform rotates in fp32
 
 
-def _scheme(block: int, names: list[str]) -> dict[str, Any]:
+def scheme(block: int, names: list[str]) -> dict[str, Any]:
+    """One config group: the online input rotation and its inverse fused into the weight."""
     return {"type": "hadamard", "head_dim": block, "randomize": False, "requires_grad": False,
             "precision": PRECISION,
             "apply": [{"targets": names, "location": "input", "inverse": False, "ignore": []},
@@ -76,5 +77,5 @@ def transform_config(policy: PolicySource, program: Program) -> dict[str, Any] |
     config: dict[str, Any] = {}
     for (_, block), (base, names) in groups.items():
         name = base if base not in config else f"{base}_{block}"
-        config[name] = _scheme(block, names)
+        config[name] = scheme(block, names)
     return {"config_groups": config}

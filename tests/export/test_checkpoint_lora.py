@@ -69,3 +69,22 @@ def test_lora_beside_is_refused_unless_requantized(tmp_path):
     module = merged.get_submodule("model.layers.1.mlp.down_proj")
     got = decode(tensors, "model.layers.1.mlp.down_proj", weight_args(tmp_path / "out"), torch.float32)
     assert torch.equal(got, module.weight_fake_quant.quantized_copy(module.weight))
+
+
+@pytest.mark.parametrize("adapters", ["unrotated", "rotated"])
+def test_lora_merged_on_a_rotated_site_stores_the_dense_weight(adapters, tmp_path):
+    """A rotated site: rot(W) + rot(s B A) (adapters outside the rotation) or rot(W) + s B A
+    (adapters see x·R), quantized: the weight the trained model computes with."""
+    policy = {"preset": "llm-compressor/W4A16",
+              "quantize": [{"name": "llm-compressor/W4A16 weights", "lora": "merged"}],
+              "rotate": [{"targets": ["Linear"], "ignore": ["lm_head"], "block_size": 32, "lora": adapters}]}
+    model = qtransform.transform(build_tiny("qwen2", hidden=HIDDEN), policy)
+    torch.manual_seed(3)
+    model = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS,
+                                                       init_lora_weights=False))
+    qtransform.export_checkpoint(model, tmp_path / "out")
+    tensors = read(tmp_path / "out")
+    args = weight_args(tmp_path / "out")
+    for name, layer in lora_layers(model):
+        hf = name.removeprefix("base_model.model.")
+        assert torch.equal(decode(tensors, hf, args, torch.float32), dense_weight(layer)), hf

@@ -210,3 +210,22 @@ def test_peft_base_layers_are_grouped_by_their_user_names():
                             base.v_proj.base_layer.weight])
     q = t.base_model.model.model.layers[0].self_attn.q_proj.base_layer
     assert torch.equal(out_weight(q), want[0])
+
+
+def test_a_rotated_group_shares_the_scale_of_its_rotated_weights():
+    """With a rotate rule the members quantize W·R, so the fused matrix is the rotated weights
+    stacked (llm-compressor fuses QuIP's transforms before it computes the global scale)."""
+    from qtransform.core.rotation import apply_rotation, rotation_operand
+
+    model = build_tiny("qwen2")
+    policy = {**FUSED, "rotate": [{"targets": ["Linear"], "ignore": ["lm_head"], "block_size": 16}]}
+    t = qtransform.transform(copy.deepcopy(model), policy)
+    attn = t.model.layers[0].self_attn
+    ops = rotation_operand("hadamard", 16)
+    rotated = [apply_rotation(getattr(attn, n).weight.detach(), ops) for n in ("q_proj", "k_proj", "v_proj")]
+    expected = fused_reference(rotated)
+    with torch.no_grad():
+        for name, ref in zip(("q_proj", "k_proj", "v_proj"), expected, strict=True):
+            site = getattr(attn, name)
+            got = site.weight_fake_quant(site.weight_rotate(site.weight))
+            assert torch.equal(got, ref), name

@@ -19,7 +19,7 @@ from qtransform.core.scales import FUSED_NAMES
 from qtransform.core.sites import ADAPTER_KEYS, hf_name
 from qtransform.core.tracing import module_graph
 from qtransform.errors import UserError
-from qtransform.passes import FakeQuantize
+from qtransform.passes import FakeQuantize, RotatePass
 from qtransform.passes.instrument import InstrumentPass
 
 
@@ -32,6 +32,7 @@ class LinearExport:
     weight: FakeQuantize | None = None  # None: kept in high precision
     input: FakeQuantize | None = None
     lora: nn.Module | None = None  # the PEFT LoRA layer around it
+    rotation: nn.Module | None = None  # the rotate pass's module on its weight (W·R is stored)
 
     @property
     def quantized(self) -> bool:
@@ -107,6 +108,8 @@ def _insertions(out: Collected, key: str, module: nn.Module) -> None:
             out.left_out.append(f"{ins.pass_name} at {where}")
         elif ins.pass_name == InstrumentPass.name:
             continue  # a tap observes, it changes nothing
+        elif ins.pass_name == RotatePass.name:
+            _rotation(out, key, module, child, ins.point, where)
         elif isinstance(child, FakeQuantize):
             if not child.enabled:
                 out.left_out.append(f"switched-off fake-quant at {where}")
@@ -125,6 +128,19 @@ def _insertions(out: Collected, key: str, module: nn.Module) -> None:
         else:
             out.refusals.append(f"{where}: the {ins.pass_name!r} pass changes the values and no "
                                 "checkpoint field holds it; transform without it")
+
+
+def _rotation(out: Collected, key: str, module: nn.Module, child: nn.Module, point: str, where: str) -> None:
+    """A rotate insertion: the weight's rotation is stored fused (W·R), the input's is the online
+    transform an engine runs; both only on an nn.Linear (the formats' transforms know no other)."""
+    if not getattr(child, "enabled", True):
+        out.left_out.append(f"switched-off rotation at {where}")
+    elif not isinstance(module, nn.Linear):
+        out.refusals.append(f"{key} is rotated but is not an nn.Linear ({type(module).__name__}); "
+                            "checkpoint transforms apply to nn.Linear inputs only: leave it out of the "
+                            "rotate rules (ignore)")
+    elif point == "weight":
+        out.linears[key].rotation = child
 
 
 def _check_lora(out: Collected, entry: LinearExport, requantize_lora: bool) -> None:

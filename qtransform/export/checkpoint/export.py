@@ -23,7 +23,7 @@ from qtransform.core.sites import ADAPTER_KEYS, hf_name
 from qtransform.errors import UserError
 from qtransform.export.checkpoint import compressed_tensors, modelopt
 from qtransform.export.checkpoint.collect import Collected, collect, raise_refusals
-from qtransform.export.checkpoint.rotations import rotation_config
+from qtransform.export.checkpoint.rotations import rotation_config, transform_tensors
 from qtransform.export.checkpoint.source import source_weight
 from qtransform.export.checkpoint.writer import DEFAULT_SHARD, Entry, Spec, shard_size, write_shards
 from qtransform.models import source_tokenizer
@@ -93,8 +93,9 @@ def export_checkpoint(
         if not found:
             raise UserError("no Linear of the model is quantized: nothing to export in a "
                             f"{format} checkpoint")
-        transform_config = rotation_config(model, policy, program)
+        transform_config = rotation_config(collected, policy, program) if writer is compressed_tensors else None
         entries = tensor_entries(model, collected, found, writer)
+        entries += [_dense(name, t, lambda t=t: t) for name, t in transform_tensors(transform_config).items()]
         tokenizer = source_tokenizer(model) if tokenizer is None else tokenizer
         with qio.output_folder(folder, COMMAND, force=force) as staging:
             _write_config(model, staging, writer.quantization_config(collected, found, transform_config))
@@ -130,10 +131,14 @@ def tensor_entries(model: nn.Module, collected: Collected, found: dict[str, Any]
             entries.append(writer.linear_entry(linear, found[module]))
             continue
         key = (tensor.data_ptr(), tuple(tensor.shape))
+        if linear is not None and leaf == "weight" and linear.rotation is not None and key in seen:
+            raise UserError(f"{module} is rotated but shares its weight with another tensor (tied "
+                            "embeddings), which a checkpoint stores once unrotated: leave it out "
+                            "of the rotate rules")
         if tensor.numel() and key in seen:
             continue  # a tied weight is stored once (transformers re-ties it on load)
         seen.add(key)
-        if linear is not None and leaf == "weight" and linear.lora is not None:
+        if linear is not None and leaf == "weight" and (linear.lora is not None or linear.rotation is not None):
             entries.append(_dense(name, tensor, lambda lin=linear: source_weight(lin)))
         else:
             entries.append(_dense(name, tensor, lambda t=tensor: t.detach()))

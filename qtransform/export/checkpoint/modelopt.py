@@ -85,6 +85,11 @@ def schemes(collected: Collected) -> tuple[dict[str, Scheme], list[str]]:
     out: dict[str, Scheme] = {}
     refusals: list[str] = []
     for name, entry in collected.linears.items():
+        if entry.rotation is not None:
+            refusals.append(f"{name} is rotated (the rotate pass), and ModelOpt's hf_quant_config.json has "
+                            "no field for an online rotation; export format='compressed-tensors' "
+                            "(its transform_config) or transform without the rotation")
+            continue
         if not entry.quantized:
             continue
         if entry.weight is None:

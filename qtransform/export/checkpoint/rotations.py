@@ -1,24 +1,65 @@
 """Where rotations enter a checkpoint: compressed-tensors' `transform_config`.
 
-The hook point for the rotations issue: rot-pass writes qtransform/export/rotation_config.py,
-`transform_config(policy, program) -> dict | None` (a UserError when a rotation cannot be
-expressed). No rotate pass exists on this branch, so there is nothing to describe and this
-returns None; the merge that brings the pass calls `transform_config(policy, program)` here (both
-are given when `export_checkpoint` transforms a plain model with a policy; for a model
-transformed beforehand `policy` and `program` are None and the policy can be read back from the
-inserted modules), and lets `collect` accept the rotate pass's insertions.
+A rotated Linear (the rotate pass: x·R online, W·R fused) is stored as compressed-tensors stores
+llm-compressor's QuIP transforms: the weight already rotated and quantized (`source.py`), and a
+config group per rotation with the `input` (online, the engine rotates x) and `weight_input`
+(inverse, already fused) locations (`export.rotation_config.transform_config`, whose docstring
+says what compressed-tensors can express). Beside the config, llm-compressor's `save_pretrained`
+writes each online transform's matrix once, under the first module that uses it
+(`<module>.<group>_input.weight`: the unnormalized Sylvester H_b), which vLLM's transform layers
+load; `transform_tensors` writes the same.
+
+With a policy (a plain model transformed by `export_checkpoint`) the config is
+`transform_config(policy, program)`; for a model transformed beforehand it is read back from the
+inserted `Rotate` modules (kind, block), one group per block size.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from torch import nn
+import torch
+from torch import Tensor
 
 from qtransform.core.program import Program
+from qtransform.errors import UserError
+from qtransform.export.checkpoint.collect import Collected
+from qtransform.export.rotation_config import PRECISION, scheme, transform_config
+from qtransform.formats import hadamard
+
+_DTYPES = {"torch.float32": torch.float32, "torch.float64": torch.float64,
+           "torch.bfloat16": torch.bfloat16, "torch.float16": torch.float16}
 
 
-def rotation_config(model: nn.Module, policy: Any = None, program: Program | None = None) -> dict[str, Any] | None:
-    """compressed-tensors' `transform_config` of the rotations `model` runs, or None."""
-    del model, policy, program
-    return None
+def rotation_config(collected: Collected, policy: Any = None, program: Program | None = None) -> dict[str, Any] | None:
+    """compressed-tensors' `transform_config` of the rotations the collected Linears run, or
+    None; a UserError (before any file is written) for one it cannot express."""
+    rotated = {name: e.rotation for name, e in collected.linears.items() if e.rotation is not None}
+    if not rotated:
+        return None
+    if policy is not None and program is not None:
+        return transform_config(policy, program)
+    groups: dict[int, list[str]] = {}
+    for name, rotation in rotated.items():
+        if rotation.kind != "hadamard":
+            why = ("its random_hadamard draws the signs from torch's generator, qtransform's from "
+                   "its Philox stream (other signs)" if rotation.kind == "random_hadamard"
+                   else "no transform scheme carries a given matrix")
+            raise UserError(f"{name}: compressed-tensors cannot express a {rotation.kind!r} rotation "
+                            f"({why}); rotate with kind 'hadamard' for a compressed-tensors checkpoint")
+        groups.setdefault(rotation.block, []).append(name)
+    return {"config_groups": {f"rotate_{block}": scheme(block, names) for block, names in groups.items()}}
+
+
+def transform_tensors(config: dict[str, Any] | None) -> dict[str, Tensor]:
+    """The online transforms' matrices as llm-compressor saves them: per config group and
+    block size one unnormalized Sylvester H_b in the group's precision, named after the first
+    module it applies to (`<module>.<group>_input.weight`)."""
+    out: dict[str, Tensor] = {}
+    for group, body in (config or {}).get("config_groups", {}).items():
+        online = next(a for a in body["apply"] if a["location"] == "input")
+        block = body["head_dim"]
+        dtype = _DTYPES[body.get("precision", PRECISION)]
+        matrix = torch.sign(hadamard.hadamard_matrix(block, torch.float64)).to(dtype)
+        out[f"{online['targets'][0]}.{group}_input.weight"] = matrix
+    return out
