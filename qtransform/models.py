@@ -297,15 +297,18 @@ def loaded_checkpoint(model: nn.Module) -> checkpoints.Checkpoint | None:
     return getattr(base, checkpoints.ATTRIBUTE, None)
 
 
-def checkpoint_policy(model: nn.Module) -> dict | None:
+def checkpoint_policy(model: nn.Module, *, weights: bool = False) -> dict | None:
     """The qtransform policy (a JSON dict) describing the quantization of the checkpoint `model`
     was loaded from (load_model of a compressed-tensors or ModelOpt folder); None for a plain
-    model. Transforming the model with it reproduces the checkpoint's quantized model."""
+    model. Transforming the model with it reproduces the checkpoint's quantized model: its
+    weights already hold the quantized values, so the policy quantizes the activations only.
+    `weights=True` describes the weights too: the scheme to apply to the full-precision model
+    the checkpoint was made from (a released checkpoint's recipe, reused)."""
     checkpoint = loaded_checkpoint(model)
     if checkpoint is None:
         return None
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return checkpoints.policy(checkpoint, [name for name, _ in base.named_modules()])
+    return checkpoints.policy(checkpoint, [name for name, _ in base.named_modules()], weights=weights)
 
 
 def _first_line(exc: BaseException) -> str:

@@ -423,7 +423,7 @@ def _ignore_entries(checkpoint: Checkpoint, names: list[str]) -> list[str]:
     return entries
 
 
-def policy(checkpoint: Checkpoint, names: list[str]) -> dict:
+def policy(checkpoint: Checkpoint, names: list[str], *, weights: bool = False) -> dict:
     """The qtransform policy (a plain dict) that turns the opened checkpoint into the model its
     library deploys, on a model whose module names are `names`.
 
@@ -431,9 +431,16 @@ def policy(checkpoint: Checkpoint, names: list[str]) -> dict:
     activations only: re-quantizing the weights would stack a second rounding (NVFP4 recomputes
     its global scale from the smaller dequantized amax; compressed-tensors' integers reach
     -2^(bits-1), which moves amax/(qmax+0.5)). Each rule's name says what the weights are.
-    Static input scales come from the checkpoint (`static_amax`)."""
+    Static input scales come from the checkpoint (`static_amax`). `weights=True` adds each
+    group's weight rule first: the whole scheme, for the full-precision model the checkpoint was
+    made from (the same numbers as the producer's preset)."""
     ignore = _ignore_entries(checkpoint, names)
     rules: list[dict[str, Any]] = []
+    for i, g in enumerate(checkpoint.groups if weights else ()):
+        if g.weights is not None:
+            rules.append({"name": f"{checkpoint.producer} group {i} weights",
+                          "targets": [ct_entry(t) for t in g.targets], "ignore": list(ignore),
+                          "tensors": ["weight"], **_rule(g.weights, g.format, "weight")})
     for i, g in enumerate(checkpoint.groups):
         if g.inputs is None:
             continue
@@ -442,7 +449,10 @@ def policy(checkpoint: Checkpoint, names: list[str]) -> dict:
                               "checkpoint)",
                       "targets": [ct_entry(t) for t in g.targets], "ignore": list(ignore),
                       "tensors": ["input"], **_rule(g.inputs, g.format, "input")})
-    return {"version": 1, "quantize": rules}
+    out: dict[str, Any] = {"version": 1, "quantize": rules}
+    if checkpoint.producer != MODELOPT and any(r.get("scale_source") == "static" for r in rules):
+        out["calibration"] = {"attention": "eager"}  # llm-compressor calibrates so (its presets)
+    return out
 
 
 def _rule(s: TensorScheme, fmt: str, tensor: str) -> dict[str, Any]:

@@ -43,3 +43,9 @@ def test_an_export_opens_as_the_model_it_was(base, fmt, preset, tmp_path):
         expected = transformed(ids).logits
         got = qtransform.transform(opened, checkpoint_policy(opened))(ids).logits
     assert torch.equal(got, expected), f"max |diff| {(got - expected).abs().max().item():.3g}"
+    # the whole scheme (weights=True) on the full-precision model is the producer's recipe again
+    recipe = checkpoint_policy(opened, weights=True)
+    assert [r["tensors"] for r in recipe["quantize"]][0] == ["weight"]
+    with torch.no_grad():
+        again = qtransform.transform(base, recipe, calibration=batches)(ids).logits
+    assert torch.equal(again, expected), f"max |diff| {(again - expected).abs().max().item():.3g}"
