@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor
 
-from qtransform.formats import QuantConfig
+from qtransform.formats import QuantConfig, fastpath
 from qtransform.formats.blocking import from_blocks, per_block, tensor_amax, to_blocks
 from qtransform.formats.quantize import fake_quantize, layout_for, quantize_blocks
 from qtransform.formats.registry import SCALE_TORCH_DTYPES
@@ -46,6 +46,27 @@ def weight_chunks(weight: Tensor, config: QuantConfig, amax: Tensor | None) -> I
         for start in range(0, rows, step):
             part = weight[start:start + step]
             yield _fast(part, start, config, amax) or _reference(part, start, config, amax)
+
+
+def nvfp4_stored(weight: Tensor, config: QuantConfig,
+                 amax: Tensor | None) -> tuple[Tensor, Tensor, Tensor] | None:
+    """compressed-tensors' NVFP4 numbers of a 2-D weight in one compiled pass (what
+    `weight_chunks` gives, already stored: packed E2M1 codes, E4M3 block scales, the fp32 tensor
+    scale g), or None where the kernel does not cover `config` or the weight (then
+    `weight_chunks` decides); `amax` as there. The tensor scale is the reference's own scalar
+    arithmetic, so the kernel repeats only the per-block and per-element operations."""
+    if (config.family.name != "nvfp4" or config.nvfp4_variant != "compressed-tensors"
+            or config.rounding != "rne" or config.block != 16 or config.tile
+            or config.granularity != "block" or config.block_axis not in (-1, 1) or weight.dim() != 2):
+        return None
+    if amax is None:
+        amax = tensor_amax(weight)
+    if amax.ndim:
+        return None
+    _, g = scale_of(config, amax, weight.dtype)
+    assert g is not None
+    found = fastpath.nvfp4_pack(weight, float(g), stored_scale_dtype(config, weight.dtype))
+    return None if found is None else (*found, g.to(torch.float32).reshape(()))
 
 
 def _reference(part: Tensor, start: int, config: QuantConfig, amax: Tensor | None) -> Chunk:
