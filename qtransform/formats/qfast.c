@@ -1457,35 +1457,54 @@ static inline uint8_t e4m3_bits(float s) { /* s an E4M3 value in [2^-9, 448] */
     return (uint8_t)(((e + 7) << 3) | ((u >> 20) & 7u));
 }
 
-/* The E2M1 code of y rounded to nearest even and saturated at 6 (y not NaN), sign bit for y < 0,
- * by comparisons with the midpoints of the grid 0, .5, 1, 1.5, 2, 3, 4, 6: a tie goes to the even
- * code (>= where the upper neighbour's code is even, > where the lower one's is). Branch free, so
- * a block's 16 codes vectorize. */
-static inline uint8_t e2m1_code(float y) {
-    float a = fabs_bits(y);
-    int code = (a > 0.25f) + (a >= 0.75f) + (a > 1.25f) + (a >= 1.75f) + (a > 2.5f) + (a >= 3.5f) +
-               (a > 5.0f);
-    return (uint8_t)(code | (y < 0.0f ? 8 : 0));
+/* 16 lanes (GCC vector extensions: AVX-512 registers where there are, pairs or quads of
+ * narrower ones elsewhere) */
+typedef float nv16f __attribute__((vector_size(64)));
+typedef int32_t nv16i __attribute__((vector_size(64)));
+typedef uint32_t nv16u __attribute__((vector_size(64)));
+typedef uint16_t nv16h __attribute__((vector_size(32)));
+
+/* The E2M1 codes of y rounded to nearest even and saturated at 6 (y not NaN), sign bit for
+ * y < 0, by comparisons with the midpoints of the grid 0, .5, 1, 1.5, 2, 3, 4, 6: a tie goes to
+ * the even code (>= where the upper neighbour's code is even, > where the lower one's is). A
+ * comparison is -1 where true. */
+static inline nv16i e2m1_codes16(nv16f y) {
+    nv16f a = (nv16f)((nv16u)y & 0x7fffffffu);
+    nv16i code = -((a > 0.25f) + (a >= 0.75f) + (a > 1.25f) + (a >= 1.75f) + (a > 2.5f) +
+                   (a >= 3.5f) + (a > 5.0f));
+    return code | ((y < 0.0f) & 8);
 }
 
-/* rows [r0, r1) of the weight; DTYPE a compile-time constant in each caller */
+static inline __attribute__((always_inline)) nv16u load16(const void *x, int64_t i0, int dtype) {
+    nv16u u;
+    if (dtype == DT_F32) {
+        memcpy(&u, (const uint32_t *)x + i0, 64);
+    } else {
+        nv16h h;
+        memcpy(&h, (const uint16_t *)x + i0, 32);
+        if (dtype == DT_BF16) {
+            u = __builtin_convertvector(h, nv16u) << 16;
+        } else {
+            for (int k = 0; k < 16; k++) u[k] = h2f_bits(h[k]);
+        }
+    }
+    return u;
+}
+
+/* rows [r0, r1) of the weight; dtype a compile-time constant in each caller */
 static inline __attribute__((always_inline)) int nvfp4_rows(const void *x, int dtype, int64_t r0,
                                                             int64_t r1, int64_t cols, float g,
                                                             int sdt, uint8_t *packed,
                                                             uint8_t *scales) {
     int bad = 0;
     int64_t nb = cols / 16;
+    const nv16i swap = {1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14};
     for (int64_t r = r0; r < r1; r++) {
         for (int64_t b = 0; b < nb; b++) {
             int64_t i0 = r * cols + b * 16;
-            float v[16];
+            nv16u u = load16(x, i0, dtype), ab = u & 0x7fffffffu;
             uint32_t m = 0;
-            for (int k = 0; k < 16; k++) {
-                uint32_t u = load_bits(x, i0 + k, dtype);
-                v[k] = u2f(u);
-                u &= 0x7fffffffu;
-                m = u > m ? u : m;
-            }
+            for (int k = 0; k < 16; k++) m = ab[k] > m ? ab[k] : m;
             bad |= m >= 0x7f800000u;
             float sixth = round_to(round_to(u2f(m), sdt) / 6.0f, sdt);
             float gs = g * sixth;
@@ -1494,10 +1513,10 @@ static inline __attribute__((always_inline)) int nvfp4_rows(const void *x, int d
             s = s == 0.0f ? 0.125f : s;
             float scale = s / g;
             scales[r * nb + b] = e4m3_bits(s);
-            uint8_t c[16];
-            for (int k = 0; k < 16; k++) c[k] = e2m1_code(v[k] / scale);
+            nv16i c = e2m1_codes16((nv16f)u / scale);
+            nv16i pair = c | (__builtin_shuffle(c, swap) << 4); /* even lanes: the packed bytes */
             uint8_t *o = packed + i0 / 2;
-            for (int k = 0; k < 8; k++) o[k] = (uint8_t)(c[2 * k] | (c[2 * k + 1] << 4));
+            for (int k = 0; k < 8; k++) o[k] = (uint8_t)pair[2 * k];
         }
     }
     return bad;
