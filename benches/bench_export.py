@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 import qtransform
-from qtransform.export.checkpoint.tensors import nvfp4_stored
+from qtransform.export.checkpoint.tensors import fp4_stored
 from qtransform.export.checkpoint.writer import Entry, Spec, write_shards
 from qtransform.models import build_tiny
 
@@ -84,7 +84,7 @@ def variants(args: argparse.Namespace, tmp: str) -> tuple[torch.nn.Module, dict]
     preset = next(iter(models.values()))
     sites = [(m.weight, m.weight_fake_quant.config) for m in preset.modules()
              if hasattr(m, "weight_fake_quant")]
-    out["stored numbers alone (no write)"] = lambda: [nvfp4_stored(w, c, None) for w, c in sites]
+    out["stored numbers alone (no write)"] = lambda: [fp4_stored(w, c, None) for w, c in sites]
     out["dense write only"] = lambda: dense_write(plain, Path(tmp))
     return plain, out
 

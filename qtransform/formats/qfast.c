@@ -1535,3 +1535,41 @@ int qf_nvfp4_pack(const void *x, int dtype, int64_t rows, int64_t cols, float g,
     }
     return bad;
 }
+
+/* ---- MXFP4 checkpoint export: blocks of 32 along rows (cols a multiple of 32), the shared
+ * exponent e of `mx_exponent` (the config's scale rule), y = x * 2^-e, the E2M1 code of y
+ * rounded to nearest even and saturated, the sign bit of y (so -0 and negative values rounded
+ * to zero are code 8, as the reference's copysign), two codes a byte and e + 127 a block.
+ * Returns 1 when an element is NaN or infinite (the caller takes the reference path). */
+int qf_mxfp4_pack(const void *x, int dtype, int64_t rows, int64_t cols, const qf_params *p,
+                  uint8_t *packed, uint8_t *scales, int nthreads) {
+    int bad = 0;
+    int64_t nb = cols / 32;
+    const nv16i swap = {1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14};
+#pragma omp parallel for num_threads(nthreads) reduction(| : bad) schedule(dynamic, 16)
+    for (int64_t r = 0; r < rows; r++) {
+        for (int64_t b = 0; b < nb; b++) {
+            int64_t i0 = r * cols + b * 32;
+            nv16u u0 = load16(x, i0, dtype), u1 = load16(x, i0 + 16, dtype);
+            nv16u a0 = u0 & 0x7fffffffu, a1 = u1 & 0x7fffffffu;
+            uint32_t m = 0;
+            for (int k = 0; k < 16; k++) {
+                uint32_t v = a0[k] > a1[k] ? a0[k] : a1[k];
+                m = v > m ? v : m;
+            }
+            bad |= m >= 0x7f800000u;
+            int e = m ? mx_exponent(u2f(m), p) : -127;
+            scales[r * nb + b] = (uint8_t)(e + 127);
+            float mul = pow2i(-e);
+            for (int h = 0; h < 2; h++) {
+                nv16f y = (nv16f)(h ? u1 : u0) * mul;
+                nv16i c = e2m1_codes16(y);
+                c = (c & 7) | (nv16i)(((nv16u)y >> 31) << 3); /* the sign bit of y */
+                nv16i pair = c | (__builtin_shuffle(c, swap) << 4);
+                uint8_t *o = packed + i0 / 2 + 8 * h;
+                for (int k = 0; k < 8; k++) o[k] = (uint8_t)pair[2 * k];
+            }
+        }
+    }
+    return bad;
+}

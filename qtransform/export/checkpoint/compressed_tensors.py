@@ -33,7 +33,7 @@ from qtransform.export.checkpoint.collect import Collected, LinearExport, Reason
 from qtransform.export.checkpoint.packing import e2m1_codes, pack_int32, pack_nibbles
 from qtransform.export.checkpoint.source import source_weight
 from qtransform.export.checkpoint.tensors import (
-    nvfp4_stored,
+    fp4_stored,
     scale_of,
     stored_scale_dtype,
     weight_chunks,
@@ -305,11 +305,12 @@ def _tensors(entry: LinearExport, scheme: Scheme, specs: list[Spec]) -> dict[str
     prefix = entry.name + "."
     amax = fq.amax_for(weight)
     cfg = fq.config
-    stored = nvfp4_stored(weight, cfg, amax) if scheme.kind == "nvfp4" else None
+    stored = fp4_stored(weight, cfg, amax) if scheme.kind in ("nvfp4", "mxfp4") else None
     if stored is not None:
         packed, scales, g = stored
         out[prefix + "weight_packed"], out[prefix + "weight_scale"] = packed, scales
-        out[prefix + "weight_global_scale"][0] = g
+        if g is not None:
+            out[prefix + "weight_global_scale"][0] = g
     for chunk in () if stored is not None else weight_chunks(weight, cfg, amax):
         rows = slice(chunk.start, chunk.start + chunk.elements.shape[0])
         if scheme.kind in ("nvfp4", "mxfp4"):

@@ -48,16 +48,22 @@ def weight_chunks(weight: Tensor, config: QuantConfig, amax: Tensor | None) -> I
             yield _fast(part, start, config, amax) or _reference(part, start, config, amax)
 
 
-def nvfp4_stored(weight: Tensor, config: QuantConfig,
-                 amax: Tensor | None) -> tuple[Tensor, Tensor, Tensor] | None:
-    """compressed-tensors' NVFP4 numbers of a 2-D weight in one compiled pass (what
-    `weight_chunks` gives, already stored: packed E2M1 codes, E4M3 block scales, the fp32 tensor
-    scale g), or None where the kernel does not cover `config` or the weight (then
-    `weight_chunks` decides); `amax` as there. The tensor scale is the reference's own scalar
-    arithmetic, so the kernel repeats only the per-block and per-element operations."""
-    if (config.family.name != "nvfp4" or config.nvfp4_variant != "compressed-tensors"
-            or config.rounding != "rne" or config.block != 16 or config.tile
-            or config.granularity != "block" or config.block_axis not in (-1, 1) or weight.dim() != 2):
+def fp4_stored(weight: Tensor, config: QuantConfig,
+               amax: Tensor | None) -> tuple[Tensor, Tensor, Tensor | None] | None:
+    """The stored numbers of a 2-D weight in one compiled pass, for compressed-tensors' NVFP4
+    (packed E2M1 codes, E4M3 block scales, the fp32 tensor scale g) and MXFP4 (packed codes,
+    E8M0 exponents + 127, None), rounding to nearest even on 1-D blocks along rows: what
+    `weight_chunks` gives, already stored; None where the kernel does not cover `config` or the
+    weight (then `weight_chunks` decides). `amax` as there. NVFP4's tensor scale is the
+    reference's own scalar arithmetic, so the kernel repeats only the per-block and per-element
+    operations."""
+    if (config.rounding != "rne" or config.tile or config.granularity != "block"
+            or config.block_axis not in (-1, 1) or weight.dim() != 2):
+        return None
+    if config.name == "mxfp4" and config.block == 32:
+        found = fastpath.mxfp4_pack(weight, config)
+        return None if found is None else (*found, None)
+    if config.family.name != "nvfp4" or config.nvfp4_variant != "compressed-tensors" or config.block != 16:
         return None
     if amax is None:
         amax = tensor_amax(weight)
