@@ -4,9 +4,10 @@
     .venv/bin/python benches/bench_export.py [--layers 4] [--hidden 2048] [--threads 2] [--repeats 3]
 
 Variants, timed interleaved round by round (medians): the llm-compressor/NVFP4A16 preset (scale
-divisions in bf16, as compressed-tensors does on a bf16 model: formats' reference path), the same
-rule with fp32 scale divisions (`scale_dtype: float32`, which the compiled kernel covers), and
-the write of the same model's dense tensors alone (the I/O every export pays). Peak extra memory
+divisions in bf16, as compressed-tensors does on a bf16 model), the same rule with fp32 scale
+divisions (`scale_dtype: float32`), both through the compiled export pass (qfast.c
+`qf_nvfp4_pack`); that pass alone on the preset's weights (the stored numbers, nothing written);
+and the write of the same model's dense tensors alone (the I/O every export pays). Peak extra memory
 is measured in a fresh process per variant (`--memory NAME`), with glibc's mmap threshold fixed
 (`MALLOC_MMAP_THRESHOLD_`, so freed tensors leave the resident set instead of being reused) and
 `malloc_trim` before the baseline: the largest resident set size seen during one export
@@ -29,6 +30,7 @@ from pathlib import Path
 import torch
 
 import qtransform
+from qtransform.export.checkpoint.tensors import fp4_stored
 from qtransform.export.checkpoint.writer import Entry, Spec, write_shards
 from qtransform.models import build_tiny
 
@@ -72,13 +74,17 @@ def build(args: argparse.Namespace) -> tuple[torch.nn.Module, dict[str, torch.nn
     plain = build_tiny("qwen2", num_layers=args.layers, hidden=args.hidden, vocab=32000,
                        dtype=torch.bfloat16)
     return plain, {"preset (bf16 scale divisions)": qtransform.transform(plain, {"preset": "llm-compressor/NVFP4A16"}),
-                   "fp32 scale divisions (C kernel)": qtransform.transform(plain, FP32_SCALES)}
+                   "fp32 scale divisions": qtransform.transform(plain, FP32_SCALES)}
 
 
 def variants(args: argparse.Namespace, tmp: str) -> tuple[torch.nn.Module, dict]:
     plain, models = build(args)
     out = {name: (lambda m=m, i=i: qtransform.export_checkpoint(m, Path(tmp) / f"v{i}", force=True))
            for i, (name, m) in enumerate(models.items())}
+    preset = next(iter(models.values()))
+    sites = [(m.weight, m.weight_fake_quant.config) for m in preset.modules()
+             if hasattr(m, "weight_fake_quant")]
+    out["stored numbers alone (no write)"] = lambda: [fp4_stored(w, c, None) for w, c in sites]
     out["dense write only"] = lambda: dense_write(plain, Path(tmp))
     return plain, out
 

@@ -214,6 +214,12 @@ def library() -> ctypes.CDLL | None:
                     lib.qf_fwht.restype = ctypes.c_int
                     lib.qf_fwht.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p] + [
                         ctypes.c_int64] * 3 + [ctypes.c_void_p, ctypes.c_float, ctypes.c_int]
+                    lib.qf_nvfp4_pack.restype = ctypes.c_int
+                    lib.qf_nvfp4_pack.argtypes = [ctypes.c_void_p, ctypes.c_int] + [ctypes.c_int64] * 2 + [
+                        ctypes.c_float, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+                    lib.qf_mxfp4_pack.restype = ctypes.c_int
+                    lib.qf_mxfp4_pack.argtypes = [ctypes.c_void_p, ctypes.c_int] + [ctypes.c_int64] * 2 + [
+                        ctypes.POINTER(_Params), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
                     _lib = lib
             except OSError as err:
                 log.debug("fast path: could not build or load the kernel: %s", err)
@@ -459,3 +465,44 @@ def fwht(x: torch.Tensor, block_size: int, signs: torch.Tensor | None, scale: fl
                     scale, torch.get_num_threads() if xs.numel() >= MIN_PARALLEL else 1):
         raise MemoryError("qf_fwht: out of memory")
     return out
+
+
+def nvfp4_pack(x: torch.Tensor, g: float, scale_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """What a checkpoint stores for the compressed-tensors NVFP4 order on a 2-D CPU weight whose
+    rows are whole 16-element blocks (rounding to nearest even), `g` its tensor scale and
+    `scale_dtype` the dtype of the block-amax division: (uint8 packed E2M1 codes [rows, cols/2],
+    float8_e4m3fn block scales [rows, cols/16]) in one pass, or None (no kernel, another dtype,
+    or a NaN / infinite element: the caller's reference path decides)."""
+    if (x.dim() != 2 or x.shape[1] % 16 or not x.is_cpu or x.dtype not in _DTYPES
+            or scale_dtype not in _DTYPES or x.numel() == 0 or not enabled() or library() is None):
+        return None
+    xs = x.detach().contiguous()
+    rows, cols = xs.shape
+    packed = torch.empty(rows, cols // 2, dtype=torch.uint8)
+    scales = torch.empty(rows, cols // 16, dtype=torch.uint8)
+    threads = torch.get_num_threads() if xs.numel() >= MIN_PARALLEL else 1
+    assert _lib is not None
+    if _lib.qf_nvfp4_pack(xs.data_ptr(), _DTYPES[xs.dtype], rows, cols, g, _DTYPES[scale_dtype],
+                          packed.data_ptr(), scales.data_ptr(), threads):
+        return None
+    return packed, scales.view(torch.float8_e4m3fn)
+
+
+def mxfp4_pack(x: torch.Tensor, cfg: QuantConfig) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """What a checkpoint stores for MXFP4 (`cfg`: blocks of 32 along rows, rounding to nearest
+    even) on a 2-D CPU weight: (uint8 packed E2M1 codes [rows, cols/2], uint8 E8M0 exponents + 127
+    [rows, cols/32]) in one pass, or None (no kernel, another layout, or a NaN / infinite
+    element: the caller's reference path decides)."""
+    if (x.dim() != 2 or x.shape[1] % 32 or not x.is_cpu or x.dtype not in _DTYPES
+            or x.numel() == 0 or not enabled() or library() is None):
+        return None
+    xs = x.detach().contiguous()
+    rows, cols = xs.shape
+    packed = torch.empty(rows, cols // 2, dtype=torch.uint8)
+    scales = torch.empty(rows, cols // 32, dtype=torch.uint8)
+    threads = torch.get_num_threads() if xs.numel() >= MIN_PARALLEL else 1
+    assert _lib is not None
+    if _lib.qf_mxfp4_pack(xs.data_ptr(), _DTYPES[xs.dtype], rows, cols, ctypes.byref(_params(cfg)),
+                          packed.data_ptr(), scales.data_ptr(), threads):
+        return None
+    return packed, scales

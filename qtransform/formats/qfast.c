@@ -1432,3 +1432,144 @@ int qf_fwht(const void *x, int dtype, void *out, int64_t rows, int64_t n, int64_
     }
     return failed;
 }
+
+/* ---- NVFP4 checkpoint export (compressed-tensors order): one pass over a [rows, cols] weight
+ * (cols a multiple of 16) that writes what a checkpoint stores, with the fp32 operations of
+ * formats/nvfp4.py `_compressed_tensors` (rounding to nearest even): per block of 16, s =
+ * e4m3(g * sixth(amax_b)) (0 -> 0.125), scale = s / g, y = x / scale, the E2M1 code of
+ * round(clamp(|y|, 6)) with the sign of y < 0 (so a negative y rounded to zero is code 8, as
+ * the reference's -0), two codes a byte (even column low), and s as E4M3FN bits. sixth(a) is
+ * a / 6 in the scale-division dtype `sdt` (DT_F32, or DT_BF16 / DT_F16: a rounded to it, the
+ * fp32 quotient rounded to it, as torch computes a bf16/fp16 tensor over a scalar); g, the
+ * tensor scale, comes from the caller (the reference's own scalar arithmetic). Returns 1 when
+ * an element is NaN or infinite, or a block's scale is NaN (nothing is promised about the outputs then: the caller takes
+ * the reference path), else 0. */
+static inline float round_to(float a, int sdt) {
+    if (sdt == DT_BF16) return u2f((uint32_t)f2bf_bits(f2u(a)) << 16);
+    if (sdt == DT_F16) return u2f(h2f_bits(f2h_bits(f2u(a))));
+    return a;
+}
+
+static inline uint8_t e4m3_bits(float s) { /* s an E4M3 value in [2^-9, 448] */
+    uint32_t u = f2u(s);
+    int e = (int)(u >> 23) - 127;
+    if (e < -6) return (uint8_t)(int32_t)(s * 512.0f); /* subnormal: s = m * 2^-9 */
+    return (uint8_t)(((e + 7) << 3) | ((u >> 20) & 7u));
+}
+
+/* 16 lanes (GCC vector extensions: AVX-512 registers where there are, pairs or quads of
+ * narrower ones elsewhere) */
+typedef float nv16f __attribute__((vector_size(64)));
+typedef int32_t nv16i __attribute__((vector_size(64)));
+typedef uint32_t nv16u __attribute__((vector_size(64)));
+typedef uint16_t nv16h __attribute__((vector_size(32)));
+
+/* The E2M1 codes of y rounded to nearest even and saturated at 6 (y not NaN), sign bit for
+ * y < 0, by comparisons with the midpoints of the grid 0, .5, 1, 1.5, 2, 3, 4, 6: a tie goes to
+ * the even code (>= where the upper neighbour's code is even, > where the lower one's is). A
+ * comparison is -1 where true. */
+static inline nv16i e2m1_codes16(nv16f y) {
+    nv16f a = (nv16f)((nv16u)y & 0x7fffffffu);
+    nv16i code = -((a > 0.25f) + (a >= 0.75f) + (a > 1.25f) + (a >= 1.75f) + (a > 2.5f) +
+                   (a >= 3.5f) + (a > 5.0f));
+    return code | ((y < 0.0f) & 8);
+}
+
+static inline __attribute__((always_inline)) nv16u load16(const void *x, int64_t i0, int dtype) {
+    nv16u u;
+    if (dtype == DT_F32) {
+        memcpy(&u, (const uint32_t *)x + i0, 64);
+    } else {
+        nv16h h;
+        memcpy(&h, (const uint16_t *)x + i0, 32);
+        if (dtype == DT_BF16) {
+            u = __builtin_convertvector(h, nv16u) << 16;
+        } else {
+            for (int k = 0; k < 16; k++) u[k] = h2f_bits(h[k]);
+        }
+    }
+    return u;
+}
+
+/* rows [r0, r1) of the weight; dtype a compile-time constant in each caller */
+static inline __attribute__((always_inline)) int nvfp4_rows(const void *x, int dtype, int64_t r0,
+                                                            int64_t r1, int64_t cols, float g,
+                                                            int sdt, uint8_t *packed,
+                                                            uint8_t *scales) {
+    int bad = 0;
+    int64_t nb = cols / 16;
+    const nv16i swap = {1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14};
+    for (int64_t r = r0; r < r1; r++) {
+        for (int64_t b = 0; b < nb; b++) {
+            int64_t i0 = r * cols + b * 16;
+            nv16u u = load16(x, i0, dtype), ab = u & 0x7fffffffu;
+            uint32_t m = 0;
+            for (int k = 0; k < 16; k++) m = ab[k] > m ? ab[k] : m;
+            bad |= m >= 0x7f800000u;
+            float sixth = round_to(round_to(u2f(m), sdt) / 6.0f, sdt);
+            float gs = g * sixth;
+            bad |= gs != gs; /* 0 * inf: a scale-division dtype too narrow for the weight */
+            float s = e4m3_rne(gs != gs ? 0.0f : gs);
+            s = s == 0.0f ? 0.125f : s;
+            float scale = s / g;
+            scales[r * nb + b] = e4m3_bits(s);
+            nv16i c = e2m1_codes16((nv16f)u / scale);
+            nv16i pair = c | (__builtin_shuffle(c, swap) << 4); /* even lanes: the packed bytes */
+            uint8_t *o = packed + i0 / 2;
+            for (int k = 0; k < 8; k++) o[k] = (uint8_t)pair[2 * k];
+        }
+    }
+    return bad;
+}
+
+int qf_nvfp4_pack(const void *x, int dtype, int64_t rows, int64_t cols, float g, int sdt,
+                  uint8_t *packed, uint8_t *scales, int nthreads) {
+    int bad = 0;
+    int64_t step = 16; /* rows a task */
+#pragma omp parallel for num_threads(nthreads) reduction(| : bad) schedule(dynamic, 1)
+    for (int64_t r0 = 0; r0 < rows; r0 += step) {
+        int64_t r1 = r0 + step < rows ? r0 + step : rows;
+        if (dtype == DT_BF16) bad |= nvfp4_rows(x, DT_BF16, r0, r1, cols, g, sdt, packed, scales);
+        else if (dtype == DT_F16) bad |= nvfp4_rows(x, DT_F16, r0, r1, cols, g, sdt, packed, scales);
+        else bad |= nvfp4_rows(x, DT_F32, r0, r1, cols, g, sdt, packed, scales);
+    }
+    return bad;
+}
+
+/* ---- MXFP4 checkpoint export: blocks of 32 along rows (cols a multiple of 32), the shared
+ * exponent e of `mx_exponent` (the config's scale rule), y = x * 2^-e, the E2M1 code of y
+ * rounded to nearest even and saturated, the sign bit of y (so -0 and negative values rounded
+ * to zero are code 8, as the reference's copysign), two codes a byte and e + 127 a block.
+ * Returns 1 when an element is NaN or infinite (the caller takes the reference path). */
+int qf_mxfp4_pack(const void *x, int dtype, int64_t rows, int64_t cols, const qf_params *p,
+                  uint8_t *packed, uint8_t *scales, int nthreads) {
+    int bad = 0;
+    int64_t nb = cols / 32;
+    const nv16i swap = {1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14};
+#pragma omp parallel for num_threads(nthreads) reduction(| : bad) schedule(dynamic, 16)
+    for (int64_t r = 0; r < rows; r++) {
+        for (int64_t b = 0; b < nb; b++) {
+            int64_t i0 = r * cols + b * 32;
+            nv16u u0 = load16(x, i0, dtype), u1 = load16(x, i0 + 16, dtype);
+            nv16u a0 = u0 & 0x7fffffffu, a1 = u1 & 0x7fffffffu;
+            uint32_t m = 0;
+            for (int k = 0; k < 16; k++) {
+                uint32_t v = a0[k] > a1[k] ? a0[k] : a1[k];
+                m = v > m ? v : m;
+            }
+            bad |= m >= 0x7f800000u;
+            int e = m ? mx_exponent(u2f(m), p) : -127;
+            scales[r * nb + b] = (uint8_t)(e + 127);
+            float mul = pow2i(-e);
+            for (int h = 0; h < 2; h++) {
+                nv16f y = (nv16f)(h ? u1 : u0) * mul;
+                nv16i c = e2m1_codes16(y);
+                c = (c & 7) | (nv16i)(((nv16u)y >> 31) << 3); /* the sign bit of y */
+                nv16i pair = c | (__builtin_shuffle(c, swap) << 4);
+                uint8_t *o = packed + i0 / 2 + 8 * h;
+                for (int k = 0; k < 8; k++) o[k] = (uint8_t)pair[2 * k];
+            }
+        }
+    }
+    return bad;
+}

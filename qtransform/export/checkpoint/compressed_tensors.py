@@ -32,7 +32,12 @@ from qtransform.core.observers import StaticScale
 from qtransform.export.checkpoint.collect import Collected, LinearExport, Reason, fused_sets
 from qtransform.export.checkpoint.packing import e2m1_codes, pack_int32, pack_nibbles
 from qtransform.export.checkpoint.source import source_weight
-from qtransform.export.checkpoint.tensors import scale_of, stored_scale_dtype, weight_chunks
+from qtransform.export.checkpoint.tensors import (
+    fp4_stored,
+    scale_of,
+    stored_scale_dtype,
+    weight_chunks,
+)
 from qtransform.export.checkpoint.writer import Entry, Spec
 from qtransform.formats import QuantConfig
 from qtransform.passes import FakeQuantize
@@ -300,7 +305,13 @@ def _tensors(entry: LinearExport, scheme: Scheme, specs: list[Spec]) -> dict[str
     prefix = entry.name + "."
     amax = fq.amax_for(weight)
     cfg = fq.config
-    for chunk in weight_chunks(weight, cfg, amax):
+    stored = fp4_stored(weight, cfg, amax) if scheme.kind in ("nvfp4", "mxfp4") else None
+    if stored is not None:
+        packed, scales, g = stored
+        out[prefix + "weight_packed"], out[prefix + "weight_scale"] = packed, scales
+        if g is not None:
+            out[prefix + "weight_global_scale"][0] = g
+    for chunk in () if stored is not None else weight_chunks(weight, cfg, amax):
         rows = slice(chunk.start, chunk.start + chunk.elements.shape[0])
         if scheme.kind in ("nvfp4", "mxfp4"):
             out[prefix + "weight_packed"][rows] = pack_nibbles(e2m1_codes(chunk.elements))

@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor
 
-from qtransform.formats import QuantConfig
+from qtransform.formats import QuantConfig, fastpath
 from qtransform.formats.blocking import from_blocks, per_block, tensor_amax, to_blocks
 from qtransform.formats.quantize import fake_quantize, layout_for, quantize_blocks
 from qtransform.formats.registry import SCALE_TORCH_DTYPES
@@ -46,6 +46,33 @@ def weight_chunks(weight: Tensor, config: QuantConfig, amax: Tensor | None) -> I
         for start in range(0, rows, step):
             part = weight[start:start + step]
             yield _fast(part, start, config, amax) or _reference(part, start, config, amax)
+
+
+def fp4_stored(weight: Tensor, config: QuantConfig,
+               amax: Tensor | None) -> tuple[Tensor, Tensor, Tensor | None] | None:
+    """The stored numbers of a 2-D weight in one compiled pass, for compressed-tensors' NVFP4
+    (packed E2M1 codes, E4M3 block scales, the fp32 tensor scale g) and MXFP4 (packed codes,
+    E8M0 exponents + 127, None), rounding to nearest even on 1-D blocks along rows: what
+    `weight_chunks` gives, already stored; None where the kernel does not cover `config` or the
+    weight (then `weight_chunks` decides). `amax` as there. NVFP4's tensor scale is the
+    reference's own scalar arithmetic, so the kernel repeats only the per-block and per-element
+    operations."""
+    if (config.rounding != "rne" or config.tile or config.granularity != "block"
+            or config.block_axis not in (-1, 1) or weight.dim() != 2):
+        return None
+    if config.name == "mxfp4" and config.block == 32:
+        found = fastpath.mxfp4_pack(weight, config)
+        return None if found is None else (*found, None)
+    if config.family.name != "nvfp4" or config.nvfp4_variant != "compressed-tensors" or config.block != 16:
+        return None
+    if amax is None:
+        amax = tensor_amax(weight)
+    if amax.ndim:
+        return None
+    _, g = scale_of(config, amax, weight.dtype)
+    assert g is not None
+    found = fastpath.nvfp4_pack(weight, float(g), stored_scale_dtype(config, weight.dtype))
+    return None if found is None else (*found, g.to(torch.float32).reshape(()))
 
 
 def _reference(part: Tensor, start: int, config: QuantConfig, amax: Tensor | None) -> Chunk:
