@@ -31,11 +31,6 @@ def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
     return c[..., 0::2] | (c[..., 1::2] << 4)
 
 
-def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
-    """Inverse of `pack_nibbles`: uint8 [..., m] -> uint8 codes [..., 2m]."""
-    return torch.stack((packed & 0x0F, packed >> 4), dim=-1).flatten(-2)
-
-
 def pack_int32(values: torch.Tensor, bits: int) -> torch.Tensor:
     """Signed integers in [-2^(bits-1), 2^(bits-1) - 1], shape [rows, n] -> int32
     [rows, ceil(n * bits / 32)]: each row one little-endian bit stream of offset values."""
@@ -54,14 +49,3 @@ def pack_int32(values: torch.Tensor, bits: int) -> torch.Tensor:
         out.scatter_add_(1, (word[over] + 1).expand(rows, -1), u[:, over] >> (bits - spill[over]))
     out = out[:, :words] & 0xFFFFFFFF
     return torch.where(out >= 2**31, out - 2**32, out).to(torch.int32)
-
-
-def unpack_int32(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
-    """Inverse of `pack_int32`: int32 [rows, words] -> int8 [rows, n]."""
-    w = packed.to(torch.int64) & 0xFFFFFFFF
-    w = torch.cat([w, torch.zeros_like(w[:, :1])], dim=1)
-    pos = torch.arange(n, dtype=torch.int64) * bits
-    word, shift = pos // 32, pos % 32
-    both = w[:, word] | (w[:, word + 1] << 32)  # the element may straddle two words
-    u = (both >> shift) & ((1 << bits) - 1)
-    return (u - (1 << (bits - 1))).to(torch.int8)
