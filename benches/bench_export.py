@@ -5,9 +5,11 @@
 
 Variants, timed interleaved round by round (medians): the llm-compressor/NVFP4A16 preset (scale
 divisions in bf16, as compressed-tensors does on a bf16 model), the same rule with fp32 scale
-divisions (`scale_dtype: float32`), both through the compiled export pass (qfast.c
-`qf_nvfp4_pack`); that pass alone on the preset's weights (the stored numbers, nothing written);
-and the write of the same model's dense tensors alone (the I/O every export pays). Peak extra memory
+divisions (`scale_dtype: float32`), ModelOpt's NVFP4_DEFAULT_CFG written in its own layout
+(`format="modelopt"`), all through the compiled export pass (qfast.c `qf_nvfp4_pack`); the preset again with the entries written one after the other (`--serial`'s
+writer: make, write, make, ...; the writer's background thread writes an entry while the next
+is made); that pass alone on the preset's weights (the stored numbers, nothing written); and the
+write of the same model's dense tensors alone (the I/O every export pays). Peak extra memory
 is measured in a fresh process per variant (`--memory NAME`), with glibc's mmap threshold fixed
 (`MALLOC_MMAP_THRESHOLD_`, so freed tensors leave the resident set instead of being reused) and
 `malloc_trim` before the baseline: the largest resident set size seen during one export
@@ -17,6 +19,7 @@ is measured in a fresh process per variant (`--memory NAME`), with glibc's mmap 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import os
 import statistics
@@ -30,11 +33,13 @@ from pathlib import Path
 import torch
 
 import qtransform
+from qtransform.export.checkpoint import writer
 from qtransform.export.checkpoint.tensors import fp4_stored
 from qtransform.export.checkpoint.writer import Entry, Spec, write_shards
 from qtransform.models import build_tiny
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
+MODELOPT = "ModelOpt NVFP4 (format='modelopt')"
 FP32_SCALES = {"preset": "llm-compressor/NVFP4A16",
                "quantize": [{"name": "llm-compressor/NVFP4A16 weights", "scale_dtype": "float32"}]}
 
@@ -70,18 +75,48 @@ def dense_write(model: torch.nn.Module, folder: Path) -> None:
     write_shards(folder, entries, "5GB")
 
 
+def serial_write_file(path: Path, entries: list[Entry]) -> None:
+    """The writer without its background thread: each entry made, then written, then the next."""
+    header = writer._header(entries)
+    with open(path, "wb") as fh:
+        fh.write(len(header).to_bytes(8, "little"))
+        fh.write(header)
+        for entry in entries:
+            writer._write_entry(fh, entry, entry.make())
+
+
+@contextlib.contextmanager
+def serial_writer():
+    overlapped = writer.write_file
+    writer.write_file = serial_write_file
+    try:
+        yield
+    finally:
+        writer.write_file = overlapped
+
+
+def serial_export(model: torch.nn.Module, folder: Path) -> None:
+    with serial_writer():
+        qtransform.export_checkpoint(model, folder, force=True)
+
+
 def build(args: argparse.Namespace) -> tuple[torch.nn.Module, dict[str, torch.nn.Module]]:
     plain = build_tiny("qwen2", num_layers=args.layers, hidden=args.hidden, vocab=32000,
                        dtype=torch.bfloat16)
+    calib = [{"input_ids": torch.randint(0, 32000, (1, 16), generator=torch.Generator().manual_seed(0))}]
     return plain, {"preset (bf16 scale divisions)": qtransform.transform(plain, {"preset": "llm-compressor/NVFP4A16"}),
-                   "fp32 scale divisions": qtransform.transform(plain, FP32_SCALES)}
+                   "fp32 scale divisions": qtransform.transform(plain, FP32_SCALES),
+                   MODELOPT: qtransform.transform(plain, {"preset": "modelopt/NVFP4_DEFAULT_CFG"},
+                                                  calibration=calib)}
 
 
 def variants(args: argparse.Namespace, tmp: str) -> tuple[torch.nn.Module, dict]:
     plain, models = build(args)
-    out = {name: (lambda m=m, i=i: qtransform.export_checkpoint(m, Path(tmp) / f"v{i}", force=True))
+    out = {name: (lambda m=m, i=i, f=("modelopt" if name == MODELOPT else "compressed-tensors"):
+                  qtransform.export_checkpoint(m, Path(tmp) / f"v{i}", format=f, force=True))
            for i, (name, m) in enumerate(models.items())}
     preset = next(iter(models.values()))
+    out["preset, serial writer"] = lambda: serial_export(preset, Path(tmp) / "serial")
     sites = [(m.weight, m.weight_fake_quant.config) for m in preset.modules()
              if hasattr(m, "weight_fake_quant")]
     out["stored numbers alone (no write)"] = lambda: [fp4_stored(w, c, None) for w, c in sites]
@@ -134,12 +169,12 @@ def main() -> None:
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072"}
     base = [sys.executable, __file__, "--layers", str(args.layers), "--hidden", str(args.hidden),
             "--threads", str(args.threads)]
-    print(f"{'variant':34s} {'median s':>9s} {'M params/s':>11s} {'peak extra MiB':>15s} {'/ largest':>10s}")
+    print(f"{'variant':38s} {'median s':>9s} {'M params/s':>11s} {'peak extra MiB':>15s} {'/ largest':>10s}")
     for name, values in times.items():
         run = subprocess.run([*base, "--memory", name], env=env, capture_output=True, text=True, check=True)
         peak = int(run.stdout.split()[-1])
         median = statistics.median(values)
-        print(f"{name:34s} {median:9.3f} {params / median / 1e6:11.1f} {peak / 2**20:15.1f} "
+        print(f"{name:38s} {median:9.3f} {params / median / 1e6:11.1f} {peak / 2**20:15.1f} "
               f"{peak / largest:10.2f}")
     print(f"load average after: {os.getloadavg()[0]:.1f}")
 

@@ -216,7 +216,7 @@ def library() -> ctypes.CDLL | None:
                         ctypes.c_int64] * 3 + [ctypes.c_void_p, ctypes.c_float, ctypes.c_int]
                     lib.qf_nvfp4_pack.restype = ctypes.c_int
                     lib.qf_nvfp4_pack.argtypes = [ctypes.c_void_p, ctypes.c_int] + [ctypes.c_int64] * 2 + [
-                        ctypes.c_float, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+                        ctypes.c_float, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
                     lib.qf_mxfp4_pack.restype = ctypes.c_int
                     lib.qf_mxfp4_pack.argtypes = [ctypes.c_void_p, ctypes.c_int] + [ctypes.c_int64] * 2 + [
                         ctypes.POINTER(_Params), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
@@ -467,12 +467,14 @@ def fwht(x: torch.Tensor, block_size: int, signs: torch.Tensor | None, scale: fl
     return out
 
 
-def nvfp4_pack(x: torch.Tensor, g: float, scale_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
+def nvfp4_pack(x: torch.Tensor, g: float, scale_dtype: torch.dtype, *,
+               modelopt: bool = False) -> tuple[torch.Tensor, torch.Tensor] | None:
     """What a checkpoint stores for the compressed-tensors NVFP4 order on a 2-D CPU weight whose
     rows are whole 16-element blocks (rounding to nearest even), `g` its tensor scale and
     `scale_dtype` the dtype of the block-amax division: (uint8 packed E2M1 codes [rows, cols/2],
     float8_e4m3fn block scales [rows, cols/16]) in one pass, or None (no kernel, another dtype,
-    or a NaN / infinite element: the caller's reference path decides)."""
+    or a NaN / infinite element: the caller's reference path decides). `modelopt`: ModelOpt's
+    export order instead (`g` its decode scale d, `scale_dtype` float32), the sign bit x's."""
     if (x.dim() != 2 or x.shape[1] % 16 or not x.is_cpu or x.dtype not in _DTYPES
             or scale_dtype not in _DTYPES or x.numel() == 0 or not enabled() or library() is None):
         return None
@@ -483,7 +485,7 @@ def nvfp4_pack(x: torch.Tensor, g: float, scale_dtype: torch.dtype) -> tuple[tor
     threads = torch.get_num_threads() if xs.numel() >= MIN_PARALLEL else 1
     assert _lib is not None
     if _lib.qf_nvfp4_pack(xs.data_ptr(), _DTYPES[xs.dtype], rows, cols, g, _DTYPES[scale_dtype],
-                          packed.data_ptr(), scales.data_ptr(), threads):
+                          int(modelopt), packed.data_ptr(), scales.data_ptr(), threads):
         return None
     return packed, scales.view(torch.float8_e4m3fn)
 

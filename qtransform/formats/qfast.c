@@ -1441,9 +1441,12 @@ int qf_fwht(const void *x, int dtype, void *out, int64_t rows, int64_t n, int64_
  * the reference's -0), two codes a byte (even column low), and s as E4M3FN bits. sixth(a) is
  * a / 6 in the scale-division dtype `sdt` (DT_F32, or DT_BF16 / DT_F16: a rounded to it, the
  * fp32 quotient rounded to it, as torch computes a bf16/fp16 tensor over a scalar); g, the
- * tensor scale, comes from the caller (the reference's own scalar arithmetic). Returns 1 when
- * an element is NaN or infinite, or a block's scale is NaN (nothing is promised about the outputs then: the caller takes
- * the reference path), else 0. */
+ * tensor scale, comes from the caller (the reference's own scalar arithmetic). With `modelopt`
+ * set, ModelOpt's export order (formats/nvfp4.py `_modelopt`) instead, g then being its decode
+ * scale d: s = e4m3(clamp(amax_b / (6 d), 2^-9, 448)) (0 -> 1), y = x / (s d), and the sign bit
+ * of x < 0 (ModelOpt's `weight < 0`: a negative x rounded to zero is code 8, -0 is code 0).
+ * Returns 1 when an element is NaN or infinite, or a block's scale is NaN or zero (nothing is
+ * promised about the outputs then: the caller takes the reference path), else 0. */
 static inline float round_to(float a, int sdt) {
     if (sdt == DT_BF16) return u2f((uint32_t)f2bf_bits(f2u(a)) << 16);
     if (sdt == DT_F16) return u2f(h2f_bits(f2h_bits(f2u(a))));
@@ -1494,10 +1497,11 @@ static inline __attribute__((always_inline)) nv16u load16(const void *x, int64_t
 /* rows [r0, r1) of the weight; dtype a compile-time constant in each caller */
 static inline __attribute__((always_inline)) int nvfp4_rows(const void *x, int dtype, int64_t r0,
                                                             int64_t r1, int64_t cols, float g,
-                                                            int sdt, uint8_t *packed,
+                                                            int sdt, int modelopt, uint8_t *packed,
                                                             uint8_t *scales) {
     int bad = 0;
     int64_t nb = cols / 16;
+    float d6 = 6.0f * g; /* ModelOpt: 6 d, the reference's `6.0 * d` */
     const nv16i swap = {1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14};
     for (int64_t r = r0; r < r1; r++) {
         for (int64_t b = 0; b < nb; b++) {
@@ -1506,14 +1510,25 @@ static inline __attribute__((always_inline)) int nvfp4_rows(const void *x, int d
             uint32_t m = 0;
             for (int k = 0; k < 16; k++) m = ab[k] > m ? ab[k] : m;
             bad |= m >= 0x7f800000u;
-            float sixth = round_to(round_to(u2f(m), sdt) / 6.0f, sdt);
-            float gs = g * sixth;
-            bad |= gs != gs; /* 0 * inf: a scale-division dtype too narrow for the weight */
-            float s = e4m3_rne(gs != gs ? 0.0f : gs);
-            s = s == 0.0f ? 0.125f : s;
-            float scale = s / g;
+            float s, scale;
+            if (modelopt) {
+                float q = u2f(m) / d6;
+                q = q == 0.0f ? 1.0f : q;
+                s = e4m3_rne(q < 0x1p-9f ? 0x1p-9f : (q > 448.0f ? 448.0f : q));
+                scale = s * g;
+                bad |= !(scale > 0.0f); /* s d below fp32's range: x / 0 */
+            } else {
+                float sixth = round_to(round_to(u2f(m), sdt) / 6.0f, sdt);
+                float gs = g * sixth;
+                bad |= gs != gs; /* 0 * inf: a scale-division dtype too narrow for the weight */
+                s = e4m3_rne(gs != gs ? 0.0f : gs);
+                s = s == 0.0f ? 0.125f : s;
+                scale = s / g;
+            }
             scales[r * nb + b] = e4m3_bits(s);
-            nv16i c = e2m1_codes16((nv16f)u / scale);
+            nv16f y = (nv16f)u / scale;
+            nv16i c = e2m1_codes16(y);
+            if (modelopt) c = (c & 7) | (((nv16f)u < 0.0f) & 8);
             nv16i pair = c | (__builtin_shuffle(c, swap) << 4); /* even lanes: the packed bytes */
             uint8_t *o = packed + i0 / 2;
             for (int k = 0; k < 8; k++) o[k] = (uint8_t)pair[2 * k];
@@ -1523,15 +1538,15 @@ static inline __attribute__((always_inline)) int nvfp4_rows(const void *x, int d
 }
 
 int qf_nvfp4_pack(const void *x, int dtype, int64_t rows, int64_t cols, float g, int sdt,
-                  uint8_t *packed, uint8_t *scales, int nthreads) {
+                  int modelopt, uint8_t *packed, uint8_t *scales, int nthreads) {
     int bad = 0;
     int64_t step = 16; /* rows a task */
 #pragma omp parallel for num_threads(nthreads) reduction(| : bad) schedule(dynamic, 1)
     for (int64_t r0 = 0; r0 < rows; r0 += step) {
         int64_t r1 = r0 + step < rows ? r0 + step : rows;
-        if (dtype == DT_BF16) bad |= nvfp4_rows(x, DT_BF16, r0, r1, cols, g, sdt, packed, scales);
-        else if (dtype == DT_F16) bad |= nvfp4_rows(x, DT_F16, r0, r1, cols, g, sdt, packed, scales);
-        else bad |= nvfp4_rows(x, DT_F32, r0, r1, cols, g, sdt, packed, scales);
+        if (dtype == DT_BF16) bad |= nvfp4_rows(x, DT_BF16, r0, r1, cols, g, sdt, modelopt, packed, scales);
+        else if (dtype == DT_F16) bad |= nvfp4_rows(x, DT_F16, r0, r1, cols, g, sdt, modelopt, packed, scales);
+        else bad |= nvfp4_rows(x, DT_F32, r0, r1, cols, g, sdt, modelopt, packed, scales);
     }
     return bad;
 }

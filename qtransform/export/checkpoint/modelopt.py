@@ -29,7 +29,7 @@ from qtransform.core.observers import StaticScale
 from qtransform.export.checkpoint.collect import Collected, LinearExport, Reason, fused_sets
 from qtransform.export.checkpoint.packing import e2m1_codes, pack_nibbles
 from qtransform.export.checkpoint.source import source_weight
-from qtransform.export.checkpoint.tensors import scale_of, weight_chunks
+from qtransform.export.checkpoint.tensors import fp4_stored, scale_of, weight_chunks
 from qtransform.export.checkpoint.writer import Entry, Spec
 from qtransform.passes import FakeQuantize
 
@@ -182,7 +182,13 @@ def _tensors(entry: LinearExport, scheme: Scheme, specs: list[Spec]) -> dict[str
     out = {s.name: torch.empty(s.shape, dtype=s.dtype) for s in specs}
     prefix = entry.name + "."
     cfg = fq.config
-    for chunk in weight_chunks(weight, cfg, fq.amax_for(weight)):
+    amax = fq.amax_for(weight)
+    stored = fp4_stored(weight, cfg, amax) if scheme.algo == "NVFP4" else None
+    if stored is not None:
+        out[prefix + "weight"], out[prefix + "weight_scale"], d = stored
+        assert d is not None
+        out[prefix + "weight_scale_2"].fill_(d)
+    for chunk in () if stored is not None else weight_chunks(weight, cfg, amax):
         rows = slice(chunk.start, chunk.start + chunk.elements.shape[0])
         if scheme.algo == "NVFP4":
             # ModelOpt's sign bit is the input's (`weight < 0`), so a negative value rounded to

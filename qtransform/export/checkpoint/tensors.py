@@ -51,19 +51,20 @@ def weight_chunks(weight: Tensor, config: QuantConfig, amax: Tensor | None) -> I
 def fp4_stored(weight: Tensor, config: QuantConfig,
                amax: Tensor | None) -> tuple[Tensor, Tensor, Tensor | None] | None:
     """The stored numbers of a 2-D weight in one compiled pass, for compressed-tensors' NVFP4
-    (packed E2M1 codes, E4M3 block scales, the fp32 tensor scale g) and MXFP4 (packed codes,
-    E8M0 exponents + 127, None), rounding to nearest even on 1-D blocks along rows: what
-    `weight_chunks` gives, already stored; None where the kernel does not cover `config` or the
-    weight (then `weight_chunks` decides). `amax` as there. NVFP4's tensor scale is the
-    reference's own scalar arithmetic, so the kernel repeats only the per-block and per-element
-    operations."""
+    (packed E2M1 codes, E4M3 block scales, the fp32 tensor scale g), ModelOpt's NVFP4 (the same
+    with its decode scale d and its sign bits) and MXFP4 (packed codes, E8M0 exponents + 127,
+    None), rounding to nearest even on 1-D blocks along rows: what `weight_chunks` gives, already
+    stored; None where the kernel does not cover `config` or the weight (then `weight_chunks`
+    decides). `amax` as there. NVFP4's tensor scale is the reference's own scalar arithmetic, so
+    the kernel repeats only the per-block and per-element operations."""
     if (config.rounding != "rne" or config.tile or config.granularity != "block"
             or config.block_axis not in (-1, 1) or weight.dim() != 2):
         return None
     if config.name == "mxfp4" and config.block == 32:
         found = fastpath.mxfp4_pack(weight, config)
         return None if found is None else (*found, None)
-    if config.family.name != "nvfp4" or config.nvfp4_variant != "compressed-tensors" or config.block != 16:
+    if (config.family.name != "nvfp4" or config.block != 16
+            or config.nvfp4_variant not in ("compressed-tensors", "modelopt")):
         return None
     if amax is None:
         amax = tensor_amax(weight)
@@ -71,7 +72,8 @@ def fp4_stored(weight: Tensor, config: QuantConfig,
         return None
     _, g = scale_of(config, amax, weight.dtype)
     assert g is not None
-    found = fastpath.nvfp4_pack(weight, float(g), stored_scale_dtype(config, weight.dtype))
+    found = fastpath.nvfp4_pack(weight, float(g), stored_scale_dtype(config, weight.dtype),
+                                modelopt=config.nvfp4_variant == "modelopt")
     return None if found is None else (*found, g.to(torch.float32).reshape(()))
 
 
@@ -98,7 +100,7 @@ def _fast(part: Tensor, start: int, config: QuantConfig, amax: Tensor | None) ->
     one = replace(config, block=1, tile=None, granularity="block", axis=-1)
     res, _ = quantize_blocks(block_amax.reshape(-1, 1), one, amax_t=amax if per_tensor else None)
     mult = config.family.scale_values(res.scales, res.tensor_scale, config)
-    if not bool(torch.isfinite(mult).all()) or not bool((mult > 0).all()):
+    if not bool(torch.isfinite(mult).all()) or not bool((mult > 0).all()) or _ambiguous(mult, config, part.dtype):
         return None
     if flat:
         spread = mult.reshape(shape3[0], shape3[1], 1)
@@ -111,6 +113,19 @@ def _fast(part: Tensor, start: int, config: QuantConfig, amax: Tensor | None) ->
     if q is None or not torch.equal((q * spread).to(part.dtype), out.reshape(q.shape)):
         return None
     return Chunk(start, q.reshape(rows, cols), per_block(res.scales, layout), res.tensor_scale)
+
+
+def _ambiguous(mult: Tensor, config: QuantConfig, dtype: torch.dtype) -> bool:
+    """Whether two grid values of some block can round to one value of `dtype` (the block's
+    smallest step times its multiplier below the dtype's normals, or its largest value past the
+    dtype's range): there the fake-quantized values do not tell which element was stored."""
+    elem = config.spec.element
+    if elem.kind == "int":
+        step, top = elem.step, (elem.qmax + 1) * elem.step
+    else:
+        step, top = 2.0 ** (elem.emin - elem.mbits), elem.max_normal
+    info = torch.finfo(dtype)
+    return bool((mult.amin() * step < info.tiny) | (mult.amax() * top > info.max))
 
 
 def _snap(y: Tensor, config: QuantConfig) -> Tensor | None:
