@@ -2,14 +2,16 @@
 `export_checkpoint` on a config-built Qwen2-shaped bf16 model, NVFP4 in compressed-tensors' layout.
 
     .venv/bin/python benches/bench_export.py [--layers 4] [--hidden 2048] [--threads 2] [--repeats 3]
+    .venv/bin/python benches/bench_export.py --shape qwen2.5-0.5b
 
-Variants, timed interleaved round by round (medians): the llm-compressor/NVFP4A16 preset (scale
-divisions in bf16, as compressed-tensors does on a bf16 model), the same rule with fp32 scale
-divisions (`scale_dtype: float32`), ModelOpt's NVFP4_DEFAULT_CFG written in its own layout
-(`format="modelopt"`), all through the compiled export pass (qfast.c `qf_nvfp4_pack`); the preset again with the entries written one after the other (`--serial`'s
-writer: make, write, make, ...; the writer's background thread writes an entry while the next
-is made); that pass alone on the preset's weights (the stored numbers, nothing written); and the
-write of the same model's dense tensors alone (the I/O every export pays). Peak extra memory
+Variants, timed interleaved round by round (medians; each round starts one variant later, so
+that each follows every other equally often and none always pays for the write-back of the
+big dense write): the llm-compressor/NVFP4A16 preset (scale divisions in bf16, as
+compressed-tensors does on a bf16 model), the same rule with fp32 scale divisions
+(`scale_dtype: float32`), ModelOpt's NVFP4_DEFAULT_CFG in its own layout (`format="modelopt"`),
+all through the compiled export pass (qfast.c `qf_nvfp4_pack`); that pass alone on the preset's
+weights (the stored numbers, nothing written); and the write of the same model's dense tensors
+alone (the I/O every export pays). Peak extra memory
 is measured in a fresh process per variant (`--memory NAME`), with glibc's mmap threshold fixed
 (`MALLOC_MMAP_THRESHOLD_`, so freed tensors leave the resident set instead of being reused) and
 `malloc_trim` before the baseline: the largest resident set size seen during one export
@@ -19,7 +21,6 @@ is measured in a fresh process per variant (`--memory NAME`), with glibc's mmap 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import ctypes
 import os
 import statistics
@@ -33,7 +34,6 @@ from pathlib import Path
 import torch
 
 import qtransform
-from qtransform.export.checkpoint import writer
 from qtransform.export.checkpoint.tensors import fp4_stored
 from qtransform.export.checkpoint.writer import Entry, Spec, write_shards
 from qtransform.models import build_tiny
@@ -70,40 +70,35 @@ class PeakRSS:
 
 
 def dense_write(model: torch.nn.Module, folder: Path) -> None:
-    entries = [Entry((Spec(n, t.dtype, tuple(t.shape)),), lambda n=n, t=t: {n: t.detach()})
-               for n, t in model.state_dict().items()]
+    seen: set[int] = set()
+    entries = []
+    for n, t in model.state_dict().items():
+        if t.data_ptr() in seen:  # a tied weight, stored once as the export does
+            continue
+        seen.add(t.data_ptr())
+        entries.append(Entry((Spec(n, t.dtype, tuple(t.shape)),), lambda n=n, t=t: {n: t.detach()}))
     write_shards(folder, entries, "5GB")
 
 
-def serial_write_file(path: Path, entries: list[Entry]) -> None:
-    """The writer without its background thread: each entry made, then written, then the next."""
-    header = writer._header(entries)
-    with open(path, "wb") as fh:
-        fh.write(len(header).to_bytes(8, "little"))
-        fh.write(header)
-        for entry in entries:
-            writer._write_entry(fh, entry, entry.make())
+def qwen25_05b() -> torch.nn.Module:
+    """Qwen2.5-0.5B-Instruct's shape (its config.json's sizes, tied embeddings), seeded weights."""
+    import transformers as tf
 
-
-@contextlib.contextmanager
-def serial_writer():
-    overlapped = writer.write_file
-    writer.write_file = serial_write_file
-    try:
-        yield
-    finally:
-        writer.write_file = overlapped
-
-
-def serial_export(model: torch.nn.Module, folder: Path) -> None:
-    with serial_writer():
-        qtransform.export_checkpoint(model, folder, force=True)
+    config = tf.Qwen2Config(vocab_size=151936, hidden_size=896, intermediate_size=4864,
+                            num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                            max_position_embeddings=4096, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    return tf.AutoModelForCausalLM.from_config(config).to(torch.bfloat16).eval()
 
 
 def build(args: argparse.Namespace) -> tuple[torch.nn.Module, dict[str, torch.nn.Module]]:
-    plain = build_tiny("qwen2", num_layers=args.layers, hidden=args.hidden, vocab=32000,
-                       dtype=torch.bfloat16)
-    calib = [{"input_ids": torch.randint(0, 32000, (1, 16), generator=torch.Generator().manual_seed(0))}]
+    if args.shape == "qwen2.5-0.5b":
+        plain = qwen25_05b()
+    else:
+        plain = build_tiny("qwen2", num_layers=args.layers, hidden=args.hidden, vocab=32000,
+                           dtype=torch.bfloat16)
+    vocab = plain.config.vocab_size
+    calib = [{"input_ids": torch.randint(0, vocab, (1, 16), generator=torch.Generator().manual_seed(0))}]
     return plain, {"preset (bf16 scale divisions)": qtransform.transform(plain, {"preset": "llm-compressor/NVFP4A16"}),
                    "fp32 scale divisions": qtransform.transform(plain, FP32_SCALES),
                    MODELOPT: qtransform.transform(plain, {"preset": "modelopt/NVFP4_DEFAULT_CFG"},
@@ -116,7 +111,6 @@ def variants(args: argparse.Namespace, tmp: str) -> tuple[torch.nn.Module, dict]
                   qtransform.export_checkpoint(m, Path(tmp) / f"v{i}", format=f, force=True))
            for i, (name, m) in enumerate(models.items())}
     preset = next(iter(models.values()))
-    out["preset, serial writer"] = lambda: serial_export(preset, Path(tmp) / "serial")
     sites = [(m.weight, m.weight_fake_quant.config) for m in preset.modules()
              if hasattr(m, "weight_fake_quant")]
     out["stored numbers alone (no write)"] = lambda: [fp4_stored(w, c, None) for w, c in sites]
@@ -142,6 +136,8 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=2048)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--shape", choices=["layers", "qwen2.5-0.5b"], default="layers",
+                        help="layers: --layers/--hidden with vocab 32000; qwen2.5-0.5b: that model's sizes")
     parser.add_argument("--memory", help=argparse.SUPPRESS)  # the child process of one measurement
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -155,20 +151,22 @@ def main() -> None:
         params = sum(w.numel() for w in linear)
         largest = max(t.numel() * t.element_size() for t in plain.state_dict().values())
         largest_linear = max(w.numel() * w.element_size() for w in linear)
-        print(f"model: {args.layers} layers, hidden {args.hidden}, {params / 1e6:.1f} M quantized "
+        shape = args.shape if args.shape != "layers" else f"{args.layers} layers, hidden {args.hidden}"
+        print(f"model: {shape}, {params / 1e6:.1f} M quantized "
               f"parameters, largest tensor {largest / 2**20:.1f} MiB (largest Linear "
               f"{largest_linear / 2**20:.1f} MiB), {args.threads} threads, load {os.getloadavg()[0]:.1f}")
         times: dict[str, list[float]] = {name: [] for name in runs}
         for fn in runs.values():
             fn()  # warm-up (the compiled kernel, page cache)
-        for _ in range(args.repeats):
-            for name, fn in runs.items():
+        names = list(runs)
+        for i in range(args.repeats):
+            for name in names[i % len(names):] + names[:i % len(names)]:
                 start = time.perf_counter()
-                fn()
+                runs[name]()
                 times[name].append(time.perf_counter() - start)
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072"}
     base = [sys.executable, __file__, "--layers", str(args.layers), "--hidden", str(args.hidden),
-            "--threads", str(args.threads)]
+            "--threads", str(args.threads), "--shape", args.shape]
     print(f"{'variant':38s} {'median s':>9s} {'M params/s':>11s} {'peak extra MiB':>15s} {'/ largest':>10s}")
     for name, values in times.items():
         run = subprocess.run([*base, "--memory", name], env=env, capture_output=True, text=True, check=True)

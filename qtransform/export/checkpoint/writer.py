@@ -1,10 +1,8 @@
 """Safetensors files written one tensor at a time, sharded with an index past a size limit.
 
 Every tensor's name, dtype and shape is known before any is computed (`Entry`), so each shard's
-header is written first and the tensors follow as they are produced, never the state dict. One
-background thread writes an entry while the next is computed (file writes and the compiled
-kernels release the GIL, so the two overlap): at most two entries' tensors are alive at once,
-the one being written and the one being made. The file format (an 8-byte little-endian header length,
+header is written first and the tensors follow as they are produced: the writer holds one entry's
+tensors at a time, never the state dict. The file format (an 8-byte little-endian header length,
 a JSON header of dtype / shape / data_offsets, the raw little-endian bytes) is written here, not
 by the safetensors package, which wants every tensor of a file in memory at once.
 """
@@ -16,7 +14,6 @@ import math
 import re
 import struct
 from collections.abc import Callable, Iterable
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -110,28 +107,17 @@ def _write_tensor(fh, spec: Spec, tensor: Tensor) -> None:
     fh.write(flat.view(torch.uint8).numpy().data if flat.numel() else b"")
 
 
-def _write_entry(fh, entry: Entry, tensors: dict[str, Tensor]) -> None:
-    """An entry's tensors in `specs` order, each let go once written."""
-    for spec in entry.specs:
-        _write_tensor(fh, spec, tensors.pop(spec.name))
-
-
 def write_file(path: Path, entries: list[Entry]) -> None:
-    """One safetensors file: the header, then each entry's tensors as `make` produces them,
-    written by a background thread while the next entry is made."""
+    """One safetensors file: the header, then each entry's tensors as `make` produces them."""
     header = _header(entries)
-    with open(path, "wb") as fh, ThreadPoolExecutor(1, thread_name_prefix="qtransform-write") as pool:
+    with open(path, "wb") as fh:
         fh.write(struct.pack("<Q", len(header)))
         fh.write(header)
-        pending: Future[None] | None = None
         for entry in entries:
             tensors = entry.make()
-            if pending is not None:
-                pending.result()  # the previous entry is on disk (its error, if any, raised here)
-            pending = pool.submit(_write_entry, fh, entry, tensors)
+            for spec in entry.specs:
+                _write_tensor(fh, spec, tensors[spec.name])
             del tensors
-        if pending is not None:
-            pending.result()
 
 
 def write_shards(folder: Path, entries: Iterable[Entry], max_shard_size: int | str) -> list[str]:
