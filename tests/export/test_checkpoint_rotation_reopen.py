@@ -161,3 +161,17 @@ def test_a_stored_online_matrix_other_than_hadamard_is_refused(nvfp4a16, tmp_pat
     with pytest.raises(UserError, match=r"rotate_32_input.weight: the stored matrix of transform group 'rotate_32' "
                                         r"\(shape \[32, 32\]\) is not the Hadamard matrix"):
         load_model(folder)
+
+
+def test_a_policy_without_the_stored_rotations_is_refused(nvfp4a16):
+    """Leaving the online rotation out, or rotating the stored W·R again, is another model."""
+    opened = load_model(nvfp4a16)
+    policy = checkpoint_policy(opened)
+    for wrong in ({**policy, "rotate": []},
+                  {**policy, "rotate": [{**policy["rotate"][0], "weight": "rotate"}]},
+                  {**policy, "rotate": [{**policy["rotate"][0], "block_size": 16}]}):
+        with pytest.raises(UserError, match=r"model.layers.0.self_attn.q_proj: the checkpoint stores its "
+                           r"weight rotated \(W·R, transform_config group 'rotate_32'\), so its input needs "
+                           r"the 32-wide Hadamard rotation online and its weight none; the policy does "
+                           r"otherwise \(and 13 more modules\)"):
+            qtransform.transform(opened, wrong)
