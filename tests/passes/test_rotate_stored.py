@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -98,3 +99,20 @@ def test_lora_on_a_stored_rotated_site_is_lora_on_the_rotated_site(lora, tmp_pat
         qtransform.export_checkpoint(model, tmp_path / name)
     a, b = (load_file(tmp_path / n / "model.safetensors") for n in ("rotated", "stored"))
     assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_onnx_of_a_stored_rotation_has_input_rotations_only(tmp_path):
+    """The Rotate nodes of the input points only, and the rotated model's outputs in
+    onnxruntime bit for bit (its weight Rotate nodes compute the W·R stored here)."""
+    import onnx
+    import onnxruntime as ort
+
+    outputs = []
+    for name, model in zip(("rotated", "stored"), pair({"block_size": 32}, QUANT["mxfp4"]), strict=True):
+        proto = onnx.load(str(qtransform.export_onnx(model, tmp_path / f"{name}.onnx", {"input_ids": IDS})))
+        nodes = {n.name for n in proto.graph.node if n.op_type == "Rotate" and n.domain == "qtransform"}
+        sites = [s for s, m in model.named_modules() if hasattr(m, "input_rotate")]
+        points = ("weight", "input") if name == "rotated" else ("input",)
+        assert nodes == {f"{s}/{p}_rotate" for s in sites for p in points} and len(sites) == 14
+        outputs.append(ort.InferenceSession(proto.SerializeToString()).run(None, {"input_ids": IDS.numpy()})[0])
+    assert np.array_equal(*outputs)
