@@ -116,3 +116,21 @@ def test_onnx_of_a_stored_rotation_has_input_rotations_only(tmp_path):
         assert nodes == {f"{s}/{p}_rotate" for s in sites for p in points} and len(sites) == 14
         outputs.append(ort.InferenceSession(proto.SerializeToString()).run(None, {"input_ids": IDS.numpy()})[0])
     assert np.array_equal(*outputs)
+
+
+def test_unrotated_lora_on_a_stored_rotated_conv1d_is_refused():
+    """GPT-2's Conv1D keeps its weight [in, out]: the input's rotation does not say how its
+    delta turns, so adapters outside the rotation are refused (inside, lora "rotated", they are not)."""
+    peft = pytest.importorskip("peft")
+    for lora in ("unrotated", "rotated"):
+        model = qtransform.transform(build_tiny("gpt2", hidden=HIDDEN), {"rotate": [
+            {"targets": ["re:.*c_fc"], "block_size": 32, "weight": "stored", "lora": lora}]})
+        model = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["c_fc"], fan_in_fan_out=True,
+                                                           init_lora_weights=False))
+        (_, layer), *_ = lora_layers(model)
+        if lora == "rotated":
+            assert dense_weight(layer).shape == layer.base_layer.weight.shape
+            continue
+        with pytest.raises(qtransform.UserError, match="a LoRA adapter on a Conv1D whose weight is stored "
+                           r"rotated \(rotate rule weight 'stored'\).*set the rule's lora to 'rotated'"):
+            dense_weight(layer)
