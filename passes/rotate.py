@@ -4,7 +4,9 @@ Driven by the policy's `rotate` rules. At a selected site the input becomes x·R
 W·R, R applied per block of b consecutive input features (block-diagonal), so the site computes
 (x·R)(W·R)ᵀ = x·Wᵀ: the full-precision output is unchanged up to fp32 rounding, while the
 fake quantization the `quantize` rules insert later at the same points sees the rotated tensors
-(an outlier channel spread over its block). The pass registers before the fake-quant pass, and
+(an outlier channel spread over its block). A rule with `weight: "stored"` (a checkpoint whose
+weight already holds W·R, compressed-tensors' fused `weight_input` transform) rotates the input
+only: the weight point gets nothing. The pass registers before the fake-quant pass, and
 an insertion stacks on what came before it (`core/graph.py`), so that order is the contract.
 
 R is `formats.hadamard`'s H_b/sqrt(b) (kind hadamard), diag(signs)·H_b (random_hadamard, signs
@@ -51,10 +53,11 @@ class Rotate(nn.Module):
     rebases = True  # a change of basis: the graph's raw value of the point becomes this output
 
     def __init__(self, kind: str, operand: Tensor, label: str, *, axis: int = -1, cache: bool = False,
-                 lora: str = "unrotated"):
+                 lora: str = "unrotated", stored_weight: bool = False):
         super().__init__()
         self.kind = kind
         self.lora = lora  # what a PEFT adapter on the site sees: x ("unrotated") or x·R (core/lora.py)
+        self.stored_weight = stored_weight  # an input rotation whose weight holds W·R already
         self.register_buffer("operand", operand.to(torch.float32), persistent=False)
         self.block = operand.shape[0]
         self.axis = axis
@@ -65,7 +68,8 @@ class Rotate(nn.Module):
         self._cached: Tensor | None = None
 
     def extra_repr(self) -> str:
-        return f"{self.kind}, block={self.block}, axis={self.axis}, label={self.label!r}"
+        stored = ", weight stored rotated" if self.stored_weight else ""
+        return f"{self.kind}, block={self.block}, axis={self.axis}, label={self.label!r}{stored}"
 
     def rotate_weight(self, weight: Tensor) -> Tensor:
         """`weight` rotated now, without the cache (dense LoRA weights, rollout weights)."""
@@ -186,8 +190,10 @@ def site_rotation(rule: RotateRule, where: str, site: Site, matrix: Tensor | Non
 
 
 def resolve_rotations(rules: list[RotateRule], sites: list[Site]) -> dict[str, Rotation]:
-    """Site name -> its rotation among `sites` (the last rule naming a site wins), without the
-    pass's "matched nothing" checks: what a weight scan of a checkpoint measures."""
+    """Site name -> the rotation its weight gets among `sites` (the last rule naming a site
+    wins), without the pass's "matched nothing" checks: what a weight scan of a checkpoint
+    measures. A site whose rule says `weight: "stored"` is left out: its weight holds W·R
+    already and is measured as it is."""
     chosen: dict[str, Rotation] = {}
     for i, rule in enumerate(rules):
         where = rule_label(i, rule)
@@ -196,12 +202,13 @@ def resolve_rotations(rules: list[RotateRule], sites: list[Site]) -> dict[str, R
         matrix = load_matrix(rule.matrix, where) if rule.kind == "matrix" and matched else None
         for site in matched:
             chosen[site.name] = site_rotation(rule, where, site, matrix)
-    return chosen
+    return {name: r for name, r in chosen.items() if r.rule.weight == "rotate"}
 
 
 @register_pass
 class RotatePass(Pass[list[RotateRule], Rotation]):
-    """Inserts `Rotate` on the input and the weight of every site the `rotate` rules select."""
+    """Inserts `Rotate` on the input and the weight of every site the `rotate` rules select (the
+    input only where the rule's weight is "stored")."""
 
     name = "rotate"
     tag = "rotate"
@@ -225,7 +232,8 @@ class RotatePass(Pass[list[RotateRule], Rotation]):
                 chosen[site.name] = (site, site_rotation(rule, where, site, matrix))
         actions = []
         for site, rotation in chosen.values():
-            actions.append(Action(site, "weight", rotation.where, rotation))
+            if rotation.rule.weight == "rotate":
+                actions.append(Action(site, "weight", rotation.where, rotation))
             actions.append(Action(site, "input", rotation.where, rotation))
         return actions
 
@@ -233,11 +241,13 @@ class RotatePass(Pass[list[RotateRule], Rotation]):
         site, rotation = action.site, action.payload
         weight = action.point == "weight"
         return Rotate(rotation.rule.kind, rotation.operand, self.label(site.name, action.point),
-                      axis=site.reduction_axis if weight else -1, cache=weight, lora=rotation.rule.lora)
+                      axis=site.reduction_axis if weight else -1, cache=weight, lora=rotation.rule.lora,
+                      stored_weight=rotation.rule.weight == "stored")
 
     def describe(self, action: Action[Rotation]) -> str:
         rule = action.payload.rule
         extra = (f", seed={rule.seed}" if rule.kind == "random_hadamard"
                  else f", matrix={rule.matrix}" if rule.kind == "matrix" else "")
         adapters = ", LoRA sees it" if rule.lora == "rotated" and action.point == "input" else ""
-        return f"{rule.kind} block={action.payload.block}{extra}{adapters}"
+        stored = ", weight stored rotated" if rule.weight == "stored" else ""
+        return f"{rule.kind} block={action.payload.block}{extra}{adapters}{stored}"

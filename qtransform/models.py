@@ -252,6 +252,7 @@ def load_checkpoint(path: Path, cls, config, checkpoint: checkpoints.Checkpoint,
         del config.quantization_config
     want = dtype or _config_dtype(config)
     model = cls._from_config(config, dtype=want)
+    checkpoints.bind_rotations(checkpoint, model.named_modules())
 
     def tensors():
         for file in sorted(path.glob("*.safetensors")):

@@ -89,3 +89,30 @@ def test_rotated_export_matches_llm_compressor_quip(scheme, tmp_path):
     assert sorted(got) == sorted(expected)
     bad = [n for n in expected if n in got and not torch.equal(raw(got[n].to(expected[n].dtype)), raw(expected[n]))]
     assert not bad, bad
+
+
+@pytest.mark.parametrize("scheme", ["NVFP4A16", "W4A16", "FP8_DYNAMIC", "NVFP4"])
+def test_a_quip_checkpoint_opened_by_qtransform_gives_the_engine_logits(scheme, tmp_path):
+    """llm-compressor's own QuIP folder (hadamard "v" rotations in float64, its default
+    precision) opened by `load_model` and transformed with `checkpoint_policy`: the logits
+    transformers with compressed-tensors gives for the folder with the online transforms on."""
+    from transformers import AutoModelForCausalLM
+
+    from qtransform.models import checkpoint_policy, load_model
+
+    model = build_tiny("qwen2", hidden=HIDDEN, dtype=torch.bfloat16)
+    batches, ids = samples(model.config.vocab_size)
+    quip_model(model, scheme, 32, batches, tmp_path / "cfg").save_pretrained(tmp_path / "theirs", save_compressed=True)
+    config = json.loads((tmp_path / "theirs" / "config.json").read_text())["quantization_config"]
+    [group] = config["transform_config"]["config_groups"].values()
+    assert group["type"] == "hadamard" and group["head_dim"] == 32
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "theirs", dtype=torch.bfloat16).eval()
+    ct.apply_transform_config(loaded, online_only(tmp_path / "theirs"))
+    opened = load_model(tmp_path / "theirs")
+    policy = checkpoint_policy(opened)
+    [rule] = policy["rotate"]
+    assert (rule["weight"], rule["block_size"], len(rule["targets"])) == ("stored", 32, 14)
+    with torch.no_grad():
+        expected = loaded(ids).logits
+        got = qtransform.transform(opened, policy)(ids).logits
+    assert torch.equal(got, expected), f"max |diff| {(got - expected).float().abs().max().item():.3g}"

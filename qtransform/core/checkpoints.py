@@ -15,6 +15,15 @@ model whose weights are the checkpoint's dequantized values, and knows which sch
 - ModelOpt (`hf_quant_config.json`, `quant_algo` NVFP4 or FP8): `weight` (packed E2M1 or FP8),
   `weight_scale`, `weight_scale_2` (NVFP4's global decode scale), `input_scale`.
 
+A compressed-tensors `transform_config` (online Hadamard rotations: llm-compressor's QuIP
+modifier, or qtransform's own export of a policy's `rotate` section) is read where qtransform
+reproduces it exactly: per group `type` "hadamard" (no random permutation), block `head_dim`,
+the pair online `input` (x·H_b/√b, which an engine runs) and inverse `weight_input` (fused at
+save: the stored weight is W·R already). The policy then rotates those inputs only (rotate rule
+`weight: "stored"`); the online matrices llm-compressor saves beside the weights
+(`<module>.<group>_input.weight`) are checked to be H_b and dropped. Random signs or matrices,
+output-side locations, half pairs and reduced-precision online rotations are refused.
+
 Each value is dequantized as its library does (the product in fp32, rounded once to the model's
 dtype), so a bf16 model equals compressed-tensors' own decompression bit for bit. (For FP4 that
 library returns bf16 whatever the model's dtype; here an fp32 model keeps the exact products.) What these readers do not know is refused with a UserError naming it, never guessed.
@@ -38,6 +47,7 @@ from torch import Tensor
 from qtransform.core import io as qio
 from qtransform.errors import UserError
 from qtransform.formats.elements import decode_elements
+from qtransform.formats.hadamard import hadamard_matrix, is_power_of_two
 from qtransform.formats.registry import E2M1
 
 COMPRESSED_TENSORS = "compressed-tensors"
@@ -48,6 +58,9 @@ CT_FORMATS = ("nvfp4-pack-quantized", "mxfp4-pack-quantized", "pack-quantized", 
 MODELOPT_ALGOS = ("NVFP4", "FP8")
 ATTRIBUTE = "_qtransform_checkpoint"  # where load_model keeps the Checkpoint on the model
 FP4_FP8_MAX = 6.0 * 448.0  # NVFP4's global scale numerator (E2M1 max * E4M3 max)
+# online rotation precisions opened: qtransform's own fp32, and float64 (QuIP's default: the same
+# bf16 logits in tests_llmc, fp32 rounding apart in an fp32 model); bf16/fp16 round x first
+ROTATION_PRECISIONS = ("torch.float32", "torch.float64")
 
 
 @dataclass(frozen=True)
@@ -84,15 +97,29 @@ class Group:
     format: str
 
 
+@dataclass(frozen=True)
+class RotationGroup:
+    """One transform_config group qtransform reproduces: a Hadamard rotation H_b/√b of its
+    modules' inputs, online, whose inverse is fused into their stored weights (W·R)."""
+
+    name: str
+    block: int | None  # head_dim; None: the whole input axis
+    targets: tuple[str, ...]
+    ignore: tuple[str, ...]
+
+
 @dataclass
 class Checkpoint:
-    """What a quantized folder holds: producer, groups, ignored modules, static input scales."""
+    """What a quantized folder holds: producer, groups, ignored modules, static input scales,
+    online rotations (and, once bound to a model, the modules each rotates)."""
 
     producer: str
     groups: list[Group]
     ignore: list[str]
     modules: dict[str, int] = field(default_factory=dict)  # quantized module -> group index
     input_scales: dict[str, Tensor] = field(default_factory=dict)  # module -> stored input scale
+    rotations: list[RotationGroup] = field(default_factory=list)
+    rotated: dict[str, list[str]] = field(default_factory=dict)  # rotation group -> its modules
 
     def scheme(self) -> str:
         """A short name: W<weights>A<inputs> in the words of `TensorScheme.label`."""
@@ -142,9 +169,7 @@ def _compressed_tensors(path: Path, q: dict) -> Checkpoint:
     if q.get("sparsity_config"):
         raise UserError(f"{where}: a sparsity_config, which qtransform does not decompress; "
                         "give a dense quantized checkpoint")
-    if q.get("transform_config"):
-        raise UserError(f"{where}: a transform_config (online rotations), which qtransform does "
-                        "not open yet; give a checkpoint without rotations")
+    rotations = _transform_config(f"{where} transform_config", q.get("transform_config"))
     if q.get("kv_cache_scheme"):
         raise UserError(f"{where}: a kv_cache_scheme, which qtransform does not describe yet")
     groups = []
@@ -168,7 +193,110 @@ def _compressed_tensors(path: Path, q: dict) -> Checkpoint:
     if not groups:
         raise UserError(f"{where}: no config_groups; not a quantized checkpoint")
     ignore = q.get("ignore") or []
-    return Checkpoint(COMPRESSED_TENSORS, groups, [str(i) for i in ignore])
+    return Checkpoint(COMPRESSED_TENSORS, groups, [str(i) for i in ignore], rotations=rotations)
+
+
+def _names(value: Any, where: str) -> tuple[str, ...]:
+    """A TransformArgs targets / ignore field (a string or a list of strings)."""
+    items = [value] if isinstance(value, str) else value or []
+    if not isinstance(items, list) or not all(isinstance(t, str) for t in items):
+        raise UserError(f"{where}: must be a module name or a list of them, not {value!r}")
+    return tuple(items)
+
+
+def _transform_config(where: str, tc: Any) -> list[RotationGroup]:
+    """The rotations of a transform_config, or a refusal naming the group and why qtransform
+    cannot reproduce it."""
+    if not tc:
+        return []
+    groups = tc.get("config_groups") if isinstance(tc, dict) else None
+    if not isinstance(groups, dict):
+        raise UserError(f"{where}: no config_groups object; not a compressed-tensors transform config")
+    out = []
+    for name, g in sorted(groups.items()):
+        at = f"{where} group {name!r}"
+        kind = g.get("type") if isinstance(g, dict) else None
+        if kind in ("random-hadamard", "random-matrix"):
+            raise UserError(f"{at}: type {kind!r}, whose matrices compressed-tensors draws from "
+                            "torch's generator when it loads the model; qtransform reproduces "
+                            "type 'hadamard' only")
+        if kind != "hadamard":
+            raise UserError(f"{at}: transform type {kind!r}, which qtransform does not know "
+                            "(it reproduces type 'hadamard')")
+        if g.get("randomize"):
+            raise UserError(f"{at}: randomize true (a permutation drawn from torch's generator), "
+                            "which qtransform does not reproduce")
+        precision = g.get("precision", "torch.float32")
+        if precision not in ROTATION_PRECISIONS:
+            raise UserError(f"{at}: online rotations in {precision}, which rounds the input before "
+                            "rotating it; qtransform rotates in float32 (it reads "
+                            f"{', '.join(ROTATION_PRECISIONS)})")
+        block = g.get("head_dim")
+        if block is not None and (not isinstance(block, int) or block < 2 or not is_power_of_two(block)):
+            raise UserError(f"{at}: head_dim {block!r}; a Hadamard block is a power of two")
+        applies = g.get("apply") or []
+        if not isinstance(applies, list) or not all(isinstance(a, dict) for a in applies):
+            raise UserError(f"{at}: apply must be a list of objects")
+        locations = [(a.get("location"), bool(a.get("inverse", False))) for a in applies]
+        other = [loc for loc, _ in locations if loc not in ("input", "weight_input")]
+        if other:
+            raise UserError(f"{at}: location {other[0]!r}; qtransform reproduces rotations of a "
+                            "Linear's input (the pair 'input' online, 'weight_input' inverse fused)")
+        if sorted(locations) != [("input", False), ("weight_input", True)]:
+            have = ", ".join(f"{loc}{' inverse' if inv else ''}" for loc, inv in locations) or "nothing"
+            raise UserError(f"{at}: applies {have}; qtransform reproduces exactly the pair 'input' "
+                            "(online) and 'weight_input' inverse (fused into the stored weight): "
+                            "an online rotation without its fused inverse, or the other way round, "
+                            "changes the model's function")
+        online, fused = sorted(applies, key=lambda a: a.get("location") != "input")
+        targets = _names(online.get("targets"), f"{at} targets")
+        ignore = _names(online.get("ignore"), f"{at} ignore")
+        if not targets:
+            raise UserError(f"{at}: no targets")
+        if (_names(fused.get("targets"), at), _names(fused.get("ignore"), at)) != (targets, ignore):
+            raise UserError(f"{at}: the 'input' and 'weight_input' locations name different "
+                            "modules; each online rotation needs its fused inverse on the same module")
+        out.append(RotationGroup(str(name), block, targets, ignore))
+    return out
+
+
+def _ct_matches(entry: str, name: str, module: Any) -> bool:
+    """compressed-tensors' matching: `re:` is re.match on the name, else the class name or the
+    exact module name."""
+    if entry.startswith("re:"):
+        return re.match(entry[3:], name) is not None
+    return entry in (name, type(module).__name__)
+
+
+def bind_rotations(checkpoint: Checkpoint, modules: Iterable[tuple[str, Any]]) -> None:
+    """The modules each rotation group applies to in the model (`rotated`), checked: an
+    nn.Linear, a block that divides its input features, one group per module."""
+    if not checkpoint.rotations:
+        return
+    owner: dict[str, str] = {}
+    pairs = list(modules)
+    for g in checkpoint.rotations:
+        hits = [(n, m) for n, m in pairs if any(_ct_matches(t, n, m) for t in g.targets)
+                and not any(_ct_matches(i, n, m) for i in g.ignore)]
+        at = f"transform_config group {g.name!r}"
+        if not hits:
+            raise UserError(f"{at}: its targets {list(g.targets)} match no module of the model")
+        for n, m in hits:
+            if not isinstance(m, torch.nn.Linear):
+                raise UserError(f"{at} rotates {n} ({type(m).__name__}); qtransform reproduces "
+                                "rotations of nn.Linear inputs only")
+            features = m.in_features
+            if g.block is None and not is_power_of_two(features):
+                raise UserError(f"{at}: no head_dim, so the whole axis of {n}, whose {features} "
+                                "input features are not a power of two")
+            if g.block is not None and features % g.block:
+                raise UserError(f"{at}: head_dim {g.block} does not divide the {features} input "
+                                f"features of {n}")
+            if n in owner:
+                raise UserError(f"{at} and group {owner[n]!r} both rotate {n}; qtransform "
+                                "reproduces one rotation per module")
+            owner[n] = g.name
+        checkpoint.rotated[g.name] = [n for n, _ in hits]
 
 
 def _args(a: Any, where: str) -> TensorScheme | None:
@@ -227,11 +355,15 @@ def decompress(checkpoint: Checkpoint, tensors: Iterable[tuple[str, Tensor]],
     other tensors cast to `dtype`; fills `checkpoint.modules` and `input_scales`."""
     parts: dict[str, dict[str, Tensor]] = {}
     plain: dict[str, Tensor] = {}
+    matrices = {f"{g.name}_input": g for g in checkpoint.rotations}
     suffixes = ("weight_packed", "weight_scale", "weight_global_scale", "weight_zero_point",
                 "weight_shape", "input_global_scale", "input_scale", "weight_scale_2",
                 "input_zero_point", "weight_g_idx")
     for name, t in tensors:
         module, _, leaf = name.rpartition(".")
+        if leaf == "weight" and (group := matrices.get(module.rpartition(".")[2])) is not None:
+            _check_matrix(group, name, t)  # the online transform's matrix: no model tensor
+            continue
         if leaf in suffixes:
             parts.setdefault(module, {})[leaf] = t
         else:
@@ -256,6 +388,16 @@ def decompress(checkpoint: Checkpoint, tensors: Iterable[tuple[str, Tensor]],
         if scale is not None:
             checkpoint.input_scales[module] = scale.detach().to(torch.float32).reshape(())
     return out
+
+
+def _check_matrix(group: RotationGroup, name: str, t: Tensor) -> None:
+    """A stored online matrix must be the unnormalized Sylvester H_b the config names."""
+    n = t.shape[0] if t.dim() == 2 and t.shape[0] == t.shape[1] else 0
+    ok = n > 1 and is_power_of_two(n) and group.block in (None, n) and t.is_floating_point()
+    if not ok or not torch.equal(t.to(torch.float64), torch.sign(hadamard_matrix(n, torch.float64))):
+        raise UserError(f"{name}: the stored matrix of transform group {group.name!r} (shape "
+                        f"{list(t.shape)}) is not the Hadamard matrix its config names; another "
+                        "rotation, which qtransform does not reproduce")
 
 
 def _group_of(checkpoint: Checkpoint, module: str) -> int:
@@ -433,7 +575,11 @@ def policy(checkpoint: Checkpoint, names: list[str], *, weights: bool = False) -
     -2^(bits-1), which moves amax/(qmax+0.5)). Each rule's name says what the weights are.
     Static input scales come from the checkpoint (`static_amax`). `weights=True` adds each
     group's weight rule first: the whole scheme, for the full-precision model the checkpoint was
-    made from (the same numbers as the producer's preset)."""
+    made from (the same numbers as the producer's preset).
+
+    Online rotations become `rotate` rules on their modules by name: `weight: "stored"` (the
+    stored weights hold W·R, only the inputs are rotated), or with `weights=True` ordinary
+    rules (the full-precision model's weights get W·R, as the producer fused it)."""
     ignore = _ignore_entries(checkpoint, names)
     rules: list[dict[str, Any]] = []
     for i, g in enumerate(checkpoint.groups if weights else ()):
@@ -444,12 +590,17 @@ def policy(checkpoint: Checkpoint, names: list[str], *, weights: bool = False) -
     for i, g in enumerate(checkpoint.groups):
         if g.inputs is None:
             continue
-        weights = g.weights.label() if g.weights else "16-bit"
-        rules.append({"name": f"{checkpoint.producer} group {i} inputs (weights {weights} in the "
+        label = g.weights.label() if g.weights else "16-bit"
+        rules.append({"name": f"{checkpoint.producer} group {i} inputs (weights {label} in the "
                               "checkpoint)",
                       "targets": [ct_entry(t) for t in g.targets], "ignore": list(ignore),
                       "tensors": ["input"], **_rule(g.inputs, g.format, "input")})
     out: dict[str, Any] = {"version": 1, "quantize": rules}
+    if checkpoint.rotations:
+        out["rotate"] = [{"name": g.name, "targets": [ct_entry(n) for n in checkpoint.rotated[g.name]],
+                          "kind": "hadamard", "block_size": g.block,
+                          "weight": "rotate" if weights else "stored"}
+                         for g in checkpoint.rotations]
     if checkpoint.producer != MODELOPT and any(r.get("scale_source") == "static" for r in rules):
         out["calibration"] = {"attention": "eager"}  # llm-compressor calibrates so (its presets)
     return out
@@ -516,4 +667,9 @@ def describe(checkpoint: Checkpoint) -> list[str]:
              + (f"; kept in high precision: {', '.join(checkpoint.ignore)}" if checkpoint.ignore else "")]
     if checkpoint.input_scales:
         lines.append(f"  static input scales of {len(checkpoint.input_scales)} modules (from the checkpoint)")
+    for g in checkpoint.rotations:
+        count = len(checkpoint.rotated.get(g.name, ()))
+        width = f"{g.block}-wide" if g.block else "whole-axis"
+        lines.append(f"  online {width} Hadamard rotations ({g.name!r}) of the inputs of {count} "
+                     "modules, whose stored weights hold W·R")
     return lines

@@ -20,7 +20,10 @@ the quantize rule (`lora`, described by `LORA_HELP`):
 A rotated site (the rotate pass: x·R and W·R) is a change of basis the adapters live outside of
 by default (the rotate rule's `lora`, "unrotated"): PEFT's adapters see x, so the dense weight
 adds the rotated delta, rot(W) and rot(s B A) alike. With lora "rotated" the adapters see x·R
-(a forward pre-hook on each lora_A rotates its input), and the delta enters unrotated.
+(a forward pre-hook on each lora_A rotates its input), and the delta enters unrotated. A site
+whose weight is stored rotated (the rotate rule's `weight` "stored": an opened rotated
+checkpoint, W·R in the parameter, x·R online) keeps the same two meanings: "unrotated" adapters
+add rot(s B A) to the stored weight, "rotated" ones s B A (they live in the weight's basis).
 
 A dense forward runs the site's own graph with the dense weight in the weight slot and the
 site's weight insertions passed over (the weight is final), so input-side insertions still apply
@@ -176,6 +179,23 @@ def input_rotation(site: nn.Module) -> nn.Module | None:
     return None
 
 
+def delta_rotations(site: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The rotations a LoRA delta s B A on `site` gets in the dense weight: none when the
+    adapters see the rotated input (lora "rotated") or the site is not rotated; else the
+    weight's (rot(s B A) beside rot(W)), or on a weight stored rotated the input's own
+    rotation (a Linear's input and weight share the reduction axis, the last one)."""
+    rotation = input_rotation(site)
+    if rotation is None or getattr(rotation, "lora", "unrotated") != "unrotated":
+        return []
+    if not getattr(rotation, "stored_weight", False):
+        return [(n, m) for n, m in weight_chain(site) if hasattr(m, "rotate_weight")]
+    if not isinstance(site, nn.Linear):
+        raise UserError(f"a LoRA adapter on a {type(site).__name__} whose weight is stored rotated "
+                        "(rotate rule weight 'stored'): its delta cannot be rotated like the weight "
+                        "outside an nn.Linear; set the rule's lora to 'rotated'")
+    return [("input_rotate", rotation)]
+
+
 def dense_weight(layer: nn.Module, base: Tensor | None = None) -> Tensor:
     """The one weight a LoRA layer's rollout computes with and its rollout weight carries:
     quant(W) + s B A ("beside") or quant(W + s B A) ("merged"), W the base weight (or `base`);
@@ -185,8 +205,7 @@ def dense_weight(layer: nn.Module, base: Tensor | None = None) -> Tensor:
     rotations = [(n, m) for n, m in chain if hasattr(m, "rotate_weight")]
     rest = [(n, m) for n, m in chain if not hasattr(m, "rotate_weight")]
     weight = apply_chain(rotations, _full(site.weight) if base is None else base)
-    outside = getattr(input_rotation(site), "lora", "rotated") == "unrotated"
-    layer_deltas = [apply_chain(rotations, d) if outside else d for d in deltas(layer)]
+    layer_deltas = [apply_chain(delta_rotations(site), d) for d in deltas(layer)]
     if lora_mode(site) == "merged":
         return apply_chain(rest, merge(weight, layer_deltas))
     return merge(apply_chain(rest, weight), layer_deltas)

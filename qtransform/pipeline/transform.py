@@ -16,7 +16,7 @@ from qtransform.core.lora import watch_lora
 from qtransform.core.observers import StaticScale, static_scales
 from qtransform.core.phase import mark_rollout_generate
 from qtransform.core.plan import Plan, PlanRow
-from qtransform.core.program import Program
+from qtransform.core.program import Program, insertion_log
 from qtransform.core.sharding import check_unwrapped
 from qtransform.core.shortcut import install_shortcuts
 from qtransform.errors import UserError
@@ -96,6 +96,7 @@ def transform_program(
     program = capture(work, example_inputs, mode=mode)
     try:
         manager.run(program, policy)
+        check_stored_rotations(model, program.module())
         if scales is not None:
             load_scales(work, by_path(work, scales))
         elif calibration is not None:
@@ -110,6 +111,34 @@ def transform_program(
         watch_lora(work)
     install_shortcuts(program.module())
     return program
+
+
+def check_stored_rotations(model: nn.Module, transformed: nn.Module) -> None:
+    """A checkpoint whose weights hold W·R (online rotations in its transform_config) computes
+    its model only with those inputs rotated online by the same Hadamard: a policy that leaves
+    one out (or rotates the stored weight again) is an error, not a silently other model."""
+    checkpoint = loaded_checkpoint(model)
+    if checkpoint is None or not checkpoint.rotated:
+        return
+    have = {}
+    for ins in insertion_log(transformed):
+        child = transformed.get_submodule(ins.module_path)
+        if ins.pass_name == "rotate" and ins.point == "input":
+            have[ins.site] = (child.kind, child.block, child.stored_weight)
+    wrong = []
+    for g in checkpoint.rotations:
+        for name in checkpoint.rotated[g.name]:
+            block = g.block or transformed.get_submodule(name).in_features
+            if have.get(name) != ("hadamard", block, True):
+                wrong.append((name, g, block))
+    if wrong:
+        name, g, block = wrong[0]
+        more = f" (and {len(wrong) - 1} more modules)" if len(wrong) > 1 else ""
+        raise UserError(f"{name}: the checkpoint stores its weight rotated (W·R, transform_config "
+                        f"group {g.name!r}), so its input needs the {block}-wide Hadamard rotation "
+                        f"online and its weight none; the policy does otherwise{more}: add the "
+                        "checkpoint's rotate rules (checkpoint_policy(model)['rotate'], weight "
+                        "'stored'), or give no policy")
 
 
 def checkpoint_scales(model: nn.Module) -> dict[str, Tensor] | None:

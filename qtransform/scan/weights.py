@@ -267,11 +267,19 @@ def policy_configs(policy: Any, sites: Sequence[Site]) -> dict[str, QuantConfig]
 def share_amax(policy: Any, refs: Sequence[WeightRef]) -> dict[str, torch.Tensor]:
     """Site name -> the tensor-level amax of its weight where its rule shares one (`share_scale`:
     "fused" siblings or explicit groups): the largest amax of its group, as the transformed
-    model's `ScaleGroup` computes it, so the scan measures the weights the model uses. Each
-    member of a group is read once more for it."""
+    model's `ScaleGroup` computes it, of the weights as the fake quantizer sees them (W·R where
+    the policy rotates them, as stored where the rotation is stored), so the scan measures the
+    weights the model uses. Each member of a group is read once more for it."""
     sites = [r.site for r in refs]
     by_name = {r.site.name: r for r in refs}
-    rules = load_policy(policy).quantize
+    loaded = load_policy(policy)
+    rules = loaded.quantize
+    rotations = resolve_rotations(loaded.rotate, sites)
+
+    def seen(site) -> torch.Tensor:
+        w, rotation = by_name[site.name].load(), rotations.get(site.name)
+        return w if rotation is None else apply_rotation(w, rotation.operand, site.reduction_axis)
+
     owner = {name: rule for (name, tensor), (_, rule) in resolve_quant_rules(rules, sites).items()
              if tensor == "weight"}
     out: dict[str, torch.Tensor] = {}
@@ -286,7 +294,7 @@ def share_amax(policy: Any, refs: Sequence[WeightRef]) -> dict[str, torch.Tensor
             groups = [[s for s in own if any(compile_entry(p).matches(s) for p in patterns)]
                       for patterns in rule.share_scale]
         for group in (g for g in groups if g):
-            amax = torch.stack([weight_amax(by_name[s.name].load(), s.kind == "experts")
+            amax = torch.stack([weight_amax(seen(s), s.kind == "experts")
                                 for s in group]).amax(dim=0)
             out.update(dict.fromkeys((s.name for s in group), amax))
     return out

@@ -22,6 +22,7 @@ from . import Section, register_section
 KINDS = ("hadamard", "random_hadamard", "matrix")
 MATRIX_SUFFIXES = (".safetensors", ".pt", ".pth")
 LORA_MODES = ("unrotated", "rotated")
+WEIGHT_MODES = ("rotate", "stored")
 
 
 class RotateRule(Selected):
@@ -49,6 +50,11 @@ class RotateRule(Selected):
         "unrotated", description=("what a PEFT LoRA adapter on a rotated site sees: unrotated = "
                                   "the input x as PEFT passes it (its A acts on x); rotated = x·R "
                                   "(its A acts in the rotated basis, as a merged weight would)"))
+    weight: Literal[WEIGHT_MODES] = Field(  # type: ignore[valid-type]
+        "rotate", description=("rotate = the weight becomes W·R (the pass rotates it); stored = the "
+                               "weight already holds W·R (a checkpoint with the rotation fused, "
+                               "compressed-tensors' weight_input transform): only the input is "
+                               "rotated, the weight is used as it is"))
 
     @model_validator(mode="after")
     def _kind_fields(self) -> RotateRule:
@@ -106,17 +112,22 @@ def describe(rules: list[RotateRule]) -> list[str]:
     lines = []
     for i, rule in enumerate(rules):
         adapters = (" LoRA adapters see the rotated input." if rule.lora == "rotated" else "")
-        lines.append(f"{rule_label(i, rule).capitalize()}: the inputs and weights of "
+        if rule.weight == "stored":
+            what, tail = "the inputs", (". Their weights already hold W·R (stored rotated) and are "
+                                        "used as they are.")
+        else:
+            what, tail = "the inputs and weights", " (the full-precision output is unchanged)."
+        lines.append(f"{rule_label(i, rule).capitalize()}: {what} of "
                      f"{describe_selector(rule).rstrip(',')} get {kind_words(rule)} along their "
-                     "reduction axis, before any fake quantization (the full-precision output is "
-                     f"unchanged).{adapters}")
+                     f"reduction axis, before any fake quantization{tail}{adapters}")
     if len(rules) > 1:
         lines.append("A later rule overrides an earlier one for the same module.")
     return lines
 
 
 def summary(rules: list[RotateRule]) -> str:
-    kinds = ", ".join(f"{r.kind}{'/' + str(r.block_size) if r.block_size else ''}" for r in rules)
+    kinds = ", ".join(f"{r.kind}{'/' + str(r.block_size) if r.block_size else ''}"
+                      f"{', weights stored rotated' if r.weight == 'stored' else ''}" for r in rules)
     return f"{len(rules)} rotate rule(s) ({kinds})"
 
 

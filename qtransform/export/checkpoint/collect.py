@@ -32,7 +32,8 @@ class LinearExport:
     weight: FakeQuantize | None = None  # None: kept in high precision
     input: FakeQuantize | None = None
     lora: nn.Module | None = None  # the PEFT LoRA layer around it
-    rotation: nn.Module | None = None  # the rotate pass's module on its weight (W·R is stored)
+    rotation: nn.Module | None = None  # the rotate pass's module on its weight (W·R is stored), or
+    # on its input where the weight holds W·R already (`stored_weight`, an opened rotated checkpoint)
 
     @property
     def quantized(self) -> bool:
@@ -132,14 +133,15 @@ def _insertions(out: Collected, key: str, module: nn.Module) -> None:
 
 def _rotation(out: Collected, key: str, module: nn.Module, child: nn.Module, point: str, where: str) -> None:
     """A rotate insertion: the weight's rotation is stored fused (W·R), the input's is the online
-    transform an engine runs; both only on an nn.Linear (the formats' transforms know no other)."""
+    transform an engine runs; both only on an nn.Linear (the formats' transforms know no other).
+    An input rotation whose weight is stored rotated stands for both (its weight is W·R as is)."""
     if not getattr(child, "enabled", True):
         out.left_out.append(f"switched-off rotation at {where}")
     elif not isinstance(module, nn.Linear):
         out.refusals.append(f"{key} is rotated but is not an nn.Linear ({type(module).__name__}); "
                             "checkpoint transforms apply to nn.Linear inputs only: leave it out of the "
                             "rotate rules (ignore)")
-    elif point == "weight":
+    elif point == "weight" or getattr(child, "stored_weight", False):
         out.linears[key].rotation = child
 
 

@@ -2,14 +2,15 @@
 rotate pass rotates it (W·R, what the fake quantizer sees), with a PEFT LoRA adapter merged in
 (as PEFT's `merge_and_unload` adds it, rotated with W unless the adapters see the rotated input:
 `core.lora.dense_weight`'s order), computed when the writer reaches it and never written into
-the model."""
+the model. A weight stored rotated (rotate rule weight "stored", an opened rotated checkpoint)
+holds W·R already and is taken as it is, so a re-export writes the same bytes."""
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
 
-from qtransform.core.lora import deltas, input_rotation, merge
+from qtransform.core.lora import apply_chain, delta_rotations, deltas, merge
 from qtransform.export.checkpoint.collect import LinearExport
 
 
@@ -18,11 +19,9 @@ def source_weight(entry: LinearExport) -> Tensor:
     weight = entry.module.weight.detach()
     rotation = entry.rotation
     with torch.no_grad():
-        if rotation is not None:
+        if rotation is not None and not getattr(rotation, "stored_weight", False):
             weight = rotation.rotate_weight(weight)
         if entry.lora is None or entry.lora.merged:  # PEFT's merge already put s B A into W
             return weight
-        layer_deltas = deltas(entry.lora)
-        if rotation is not None and getattr(input_rotation(entry.module), "lora", "unrotated") == "unrotated":
-            layer_deltas = [rotation.rotate_weight(d) for d in layer_deltas]
-        return merge(weight, layer_deltas)
+        rotations = delta_rotations(entry.module)
+        return merge(weight, [apply_chain(rotations, d) for d in deltas(entry.lora)])
