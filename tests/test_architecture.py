@@ -19,7 +19,7 @@ PACKAGE_DIRS = {"qtransform": ROOT / "qtransform", "qtransform.passes": ROOT / "
 # Lowest first. A module may import modules of its own layer or of lower layers only.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("numerics", ("qtransform.errors", "qtransform.formats")),
-    ("core", ("qtransform.core", "qtransform.models", "qtransform.calibration")),
+    ("core", ("qtransform.core", "qtransform.checkpoints", "qtransform.models", "qtransform.calibration")),
     ("policy", ("qtransform.schemas",)),
     ("pipeline", ("qtransform.pipeline",)),
     ("passes", ("qtransform.passes",)),

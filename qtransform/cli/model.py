@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 import json
 
+from qtransform.checkpoints import describe
 from qtransform.cli.options import add_calib, calib_batches
 from qtransform.core import io as qio
-from qtransform.core.checkpoints import describe
 from qtransform.core.program import insertion_log
 from qtransform.errors import UserError
 from qtransform.models import BUILTIN, checkpoint_policy, input_paths, load_model, loaded_checkpoint

@@ -24,8 +24,8 @@ from qtransform.cli.options import (
 )
 from qtransform.cli.sensitivity import add_budget, budget_args, budget_text
 from qtransform.core import io as qio
-from qtransform.errors import UserError
-from qtransform.models import input_paths, load_model, load_tokenizer, missing_source
+from qtransform.errors import UserError, missing_source
+from qtransform.models import input_paths, load_model, load_tokenizer
 from qtransform.report.page import page_beside
 from qtransform.report.scan_pages import (
     command_line,

@@ -9,8 +9,8 @@ from typing import Any
 
 from torch import Tensor, nn
 
+from qtransform import checkpoints
 from qtransform.calibration import CalibrationBatches, calibrate
-from qtransform.core import checkpoints
 from qtransform.core.capture import capture
 from qtransform.core.lora import watch_lora
 from qtransform.core.observers import StaticScale, static_scales

@@ -39,6 +39,7 @@ import torch
 from torch import Tensor, nn
 
 from qtransform.calibration import Calibration, run_model
+from qtransform.checkpoints.shards import TensorFiles
 from qtransform.core.progress import Progress
 from qtransform.errors import UserError
 from qtransform.models import model_class, read_config
@@ -46,7 +47,6 @@ from qtransform.passes.fake_quant import FakeQuantize
 from qtransform.passes.instrument import reset_taps, tapping
 from qtransform.pipeline.transform import static_rules
 from qtransform.scan.activations import activation_report
-from qtransform.scan.checkpoint import Checkpoint
 from qtransform.scan.measure import EndToEnd, SitePairs
 from qtransform.scan.report import ScanReport
 from qtransform.scan.setup import CalibrationSpec, as_policy, prepare_scan
@@ -187,7 +187,7 @@ def scan_sequential(checkpoint: str | os.PathLike, policy_or_format: Any, calib:
         raise UserError("a sequential scan cannot calibrate static scales (scale_source "
                         '"static"): scan the model in memory (without --sequential)')
     base, embed, layers, norm, head = decoder_parts(model)
-    ckpt = Checkpoint(folder)
+    ckpt = TensorFiles(folder)
     setup = prepare_scan(model, policy_or_format, CalibrationSpec.of(calib, tokenizer, batch_size, max_length))
     program, sites, batches = setup.program, setup.sites, setup.batches
     quant = setup.quant

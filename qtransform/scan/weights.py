@@ -35,6 +35,7 @@ from safetensors import safe_open
 from torch import nn
 
 from qtransform import formats
+from qtransform.checkpoints.shards import TensorFiles
 from qtransform.core.metrics import BlockExponentHistogram, ErrorStats
 from qtransform.core.progress import Progress
 from qtransform.core.rotation import apply_rotation
@@ -56,7 +57,6 @@ from qtransform.formats.quantize import quantize_with_info
 from qtransform.models import is_quantized_folder, load_model
 from qtransform.passes.fake_quant import first_weight_seed
 from qtransform.passes.rotate import resolve_rotations
-from qtransform.scan.checkpoint import Checkpoint
 from qtransform.scan.compare import Comparison
 from qtransform.scan.grid import grid_fit
 from qtransform.scan.remedy import Rotation
@@ -128,7 +128,7 @@ def checkpoint_weights(path: str | os.PathLike[str]) -> list[WeightRef]:
     plain: list[tuple[Path, str, tuple[int, ...]]] = []
     fused: list[tuple[Path, str, tuple[int, ...]]] = []
     per_expert: dict[str, dict[int, dict[str, tuple[Path, str, tuple[int, ...]]]]] = {}
-    for file in Checkpoint(path).shards:
+    for file in TensorFiles(path).shards:
         with safe_open(file, framework="pt") as fh:
             for key in fh.keys():
                 info = fh.get_slice(key)

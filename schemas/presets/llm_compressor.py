@@ -15,8 +15,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from qtransform.checkpoints.matching import ct_entry
+
 from . import Preset, register_preset
-from .patterns import from_llm_compressor
 
 STACK = "llm-compressor"
 VERSION = "llmcompressor 0.14.0.1 with compressed-tensors 0.19"
@@ -34,8 +35,8 @@ def rule(scheme: str, tensor: str, **fields: Any) -> dict[str, Any]:
     """One named quantize rule of a scheme, with llm-compressor's targets and ignore list."""
     part = {"weight": "weights", "input": "inputs"}[tensor]
     return {"name": f"{STACK}/{scheme} {part}",
-            "targets": [from_llm_compressor(t) for t in TARGETS],
-            "ignore": [from_llm_compressor(i) for i in IGNORE],
+            "targets": [ct_entry(t) for t in TARGETS],
+            "ignore": [ct_entry(i) for i in IGNORE],
             "tensors": [tensor], **fields}
 
 

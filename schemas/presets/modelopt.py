@@ -5,7 +5,7 @@ Each preset is the model that ModelOpt's checkpoint deploys after
 `configs/ptq/presets/model/*.yaml`, `model_calib.py`, `tensor_quant.py` and `export/`):
 
 - every Linear (fused experts included) but the modules of ModelOpt's default disabled list
-  (`DISABLED`, its fnmatch wildcards on quantizer names, translated by `from_modelopt`): the
+  (`DISABLED`, its fnmatch wildcards on quantizer names, translated by `modelopt_entry`): the
   LM head, MoE routers and gates, vision towers, Mamba convolutions, MTP heads;
 - static scales come from ModelOpt's max calibration, which observes the FULL-PRECISION model
   (every quantizer collects statistics without quantizing): qtransform's `static_minmax`
@@ -22,8 +22,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from qtransform.checkpoints.matching import modelopt_entry
+
 from . import Preset, register_preset
-from .patterns import from_modelopt
 
 STACK = "modelopt"
 VERSION = "nvidia-modelopt 0.47.0"
@@ -35,7 +36,7 @@ DISABLED = [  # configs/ptq/units/default_disabled_quantizers.yaml (the name pat
     "mtp.*", "output.*", "*embed_vision*", "*vision_tower*", "*visual*", "*vision_model*",
     "*multi_modal_projector*",
 ]
-IGNORE = [from_modelopt(DISABLED)]
+IGNORE = [modelopt_entry(DISABLED)]
 
 
 def rule(config: str, part: str, **fields: Any) -> dict[str, Any]:

@@ -318,10 +318,18 @@ def test_cli_transform_and_scan_a_checkpoint_without_a_policy(tmp_path, tiny_bf1
 
 
 @pytest.mark.parametrize("entry", ["lm_head", "Linear", "re:.*mlp.gate", "model.layers.0.mlp.down_proj",
-                                   "re:model\\.layers\\.[0-9]+\\.self_attn.*"])
-def test_selector_entries_mean_what_the_llm_compressor_presets_mean(entry):
-    """The core layer cannot import the presets' translation; both must agree."""
-    from qtransform.core.checkpoints import ct_entry
-    from qtransform.schemas.presets.patterns import from_llm_compressor
+                                   "re:model\\.layers\\.[0-9]+\\.self_attn.*", "mlp.gate_proj"])
+def test_selector_entries_select_what_compressed_tensors_matches(entry):
+    """The one translation (presets, reader and writer use it) selects exactly the modules
+    compressed-tensors' own matching takes, on a real model's module names."""
+    from types import SimpleNamespace
 
-    assert ct_entry(entry) == from_llm_compressor(entry)
+    from qtransform.checkpoints.matching import ct_entry, ct_matches
+    from qtransform.schemas.selectors import compile_entry
+
+    compiled = compile_entry(ct_entry(entry))
+    linears = [n for n, m in build_tiny("qwen2").named_modules() if isinstance(m, torch.nn.Linear)]
+    assert linears
+    for name in linears:
+        site = SimpleNamespace(name=name, cls_name="Linear", kind="linear", layer=None)
+        assert compiled.matches(site) == ct_matches(entry, name, "Linear"), (entry, name)

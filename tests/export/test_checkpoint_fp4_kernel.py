@@ -12,9 +12,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from qtransform.export.checkpoint import tensors as T
-from qtransform.export.checkpoint.packing import e2m1_codes, pack_nibbles
+from qtransform.checkpoints.packing import e2m1_codes, pack_nibbles
 from qtransform.formats import QuantConfig, fastpath
+from qtransform.formats import stored as T
 
 
 @pytest.fixture(scope="module", autouse=True)

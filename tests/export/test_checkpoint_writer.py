@@ -14,13 +14,17 @@ from hypothesis import strategies as st
 from safetensors.torch import load_file
 
 import qtransform
+from qtransform.checkpoints.packing import (
+    e2m1_codes,
+    pack_int32,
+    pack_nibbles,
+    unpack_fp4,
+    unpack_int32,
+)
 from qtransform.core import io as qio
-from qtransform.core.checkpoints import unpack_fp4, unpack_int32
-from qtransform.export.checkpoint import tensors as T
 from qtransform.export.checkpoint.collect import collect
 from qtransform.export.checkpoint.compressed_tensors import schemes
 from qtransform.export.checkpoint.export import tensor_entries
-from qtransform.export.checkpoint.packing import e2m1_codes, pack_int32, pack_nibbles
 from qtransform.export.checkpoint.writer import (
     Entry,
     Spec,
@@ -30,6 +34,7 @@ from qtransform.export.checkpoint.writer import (
     write_shards,
 )
 from qtransform.formats import QuantConfig
+from qtransform.formats import stored as T
 from qtransform.formats.elements import decode_elements, encode_elements
 from qtransform.formats.registry import E2M1
 from qtransform.models import build_tiny
@@ -45,7 +50,7 @@ def test_e2m1_codes_are_the_formats_codes():
 def test_nibbles_put_the_even_column_low():
     codes = torch.tensor([[1, 2, 15, 0]], dtype=torch.uint8)
     assert pack_nibbles(codes).tolist() == [[0x21, 0x0F]]
-    # the checkpoint reader (core.checkpoints) decodes them back
+    # the checkpoint reader (qtransform.checkpoints) decodes them back
     assert torch.equal(unpack_fp4(pack_nibbles(codes)), decode_elements(codes, E2M1))
 
 

@@ -19,12 +19,13 @@ from hypothesis import strategies as st
 from safetensors import safe_open
 
 import qtransform
+from qtransform.checkpoints.matching import MODELOPT_QUANTIZERS
+from qtransform.checkpoints.matching import modelopt_entry as from_modelopt
 from qtransform.core.observers import StaticScale
 from qtransform.core.sites import Site
 from qtransform.models import build_tiny
 from qtransform.schemas import load_policy
 from qtransform.schemas.presets.modelopt import DISABLED, IGNORE
-from qtransform.schemas.presets.patterns import MODELOPT_QUANTIZERS, from_modelopt
 from qtransform.schemas.selectors import compile_entry
 
 GOLDEN = Path(__file__).resolve().parents[1] / "data" / "modelopt-golden.safetensors"

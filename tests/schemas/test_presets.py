@@ -8,11 +8,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from qtransform.checkpoints.matching import ct_entry as from_llm_compressor
 from qtransform.schemas import PolicyError, load_policy
 from qtransform.schemas.explain import explain, summary
 from qtransform.schemas.loading import dump_policy
 from qtransform.schemas.presets import PRESETS, merge, preset_names
-from qtransform.schemas.presets.patterns import from_llm_compressor
 from qtransform.schemas.selectors import Selector
 
 # What a preset needs from the user before it is a valid policy (the run length of a schedule).

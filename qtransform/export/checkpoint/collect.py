@@ -51,13 +51,6 @@ class Collected:
     refusals: list[str] = field(default_factory=list)
 
 
-@dataclass(frozen=True)
-class Reason:
-    """Why something has no form in a format (a value, so callers collect every reason)."""
-
-    text: str
-
-
 class Refused(UserError):
     """The model cannot be written in the asked format: one line per reason."""
 

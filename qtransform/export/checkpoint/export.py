@@ -21,15 +21,15 @@ from qtransform.core import io as qio
 from qtransform.core.program import insertion_log
 from qtransform.core.sites import ADAPTER_KEYS, hf_name
 from qtransform.errors import UserError
-from qtransform.export.checkpoint import compressed_tensors, modelopt
 from qtransform.export.checkpoint.collect import Collected, collect, raise_refusals
+from qtransform.export.checkpoint.formats import WRITERS, FormatWriter
 from qtransform.export.checkpoint.rotations import rotation_config, transform_tensors
 from qtransform.export.checkpoint.source import source_weight
 from qtransform.export.checkpoint.writer import DEFAULT_SHARD, Entry, Spec, shard_size, write_shards
 from qtransform.models import source_tokenizer
 from qtransform.pipeline import transform_program
 
-FORMATS = (compressed_tensors.NAME, modelopt.NAME)
+FORMATS = tuple(WRITERS)
 COMMAND = "export"  # the manifest's command: `qtransform export` writes these folders
 
 
@@ -37,7 +37,7 @@ def export_checkpoint(
     model: nn.Module,
     folder: str | os.PathLike[str],
     *,
-    format: str = compressed_tensors.NAME,  # noqa: A002  (the word users know)
+    format: str = FORMATS[0],  # noqa: A002  (the word users know)
     policy: Any = None,
     calibration: Any = None,
     tokenizer: Any = None,
@@ -87,13 +87,13 @@ def export_checkpoint(
                         "(qtransform.transform) or policy=")
     with torch.no_grad():
         collected = collect(model, requantize_lora=requantize_lora)
-        writer = compressed_tensors if format == compressed_tensors.NAME else modelopt
+        writer = WRITERS[format]
         found, refusals = writer.schemes(collected)
         raise_refusals(collected.refusals + refusals, format)
         if not found:
             raise UserError("no Linear of the model is quantized: nothing to export in a "
                             f"{format} checkpoint")
-        transform_config = rotation_config(collected, policy, program) if writer is compressed_tensors else None
+        transform_config = rotation_config(collected, policy, program) if writer.ROTATIONS else None
         entries = tensor_entries(model, collected, found, writer)
         entries += [_dense(name, t, lambda t=t: t) for name, t in transform_tensors(transform_config).items()]
         tokenizer = source_tokenizer(model) if tokenizer is None else tokenizer
@@ -115,7 +115,8 @@ def _is_adapter(name: str) -> bool:
     return any(part in ADAPTER_KEYS for part in name.split("."))
 
 
-def tensor_entries(model: nn.Module, collected: Collected, found: dict[str, Any], writer) -> list[Entry]:
+def tensor_entries(model: nn.Module, collected: Collected, found: dict[str, Any],
+                   writer: FormatWriter) -> list[Entry]:
     """The model's tensors in state-dict order under their HF names: each quantized Linear's
     weight replaced by its format's tensors, LoRA merged where a layer has an adapter, adapter
     tensors and tied duplicates dropped."""

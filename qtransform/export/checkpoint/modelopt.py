@@ -1,19 +1,6 @@
-"""ModelOpt's Hugging Face layout (`export_hf_checkpoint`, nvidia-modelopt 0.47), NVFP4 and FP8,
-what vLLM and TensorRT-LLM load as `quant_method: modelopt`.
-
-`hf_quant_config.json` (`producer`, `quantization`: `quant_algo` "NVFP4" with `group_size` 16 or
-"FP8", `kv_cache_quant_algo` null, `exclude_modules`) and the same scheme in config.json's
-`quantization_config`; per quantized Linear:
-
-| quant_algo | tensors |
-|---|---|
-| NVFP4 | `weight` (uint8, two E2M1 codes per byte, even column low), `weight_scale` (E4M3 per 16), `weight_scale_2` (fp32 0-dim, amax / 2688: the decode factor), `input_scale` (fp32 0-dim, static activations) |
-| FP8 | `weight` (float8_e4m3fn), `weight_scale` (fp32 0-dim), `input_scale` (fp32 0-dim) |
-
-ModelOpt decodes q * weight_scale (* weight_scale_2): NVFP4 weights in the orders whose decode
-is q * (s * d) (`nvfp4_variant` "modelopt", its export's, or "default", NVIDIA's) and FP8 per
-tensor are stored exactly; anything else is refused.
-"""
+"""The ModelOpt writer: the collected Linears mapped to a quant_algo
+(`qtransform.checkpoints.modelopt`: its configs and layouts) and their stored numbers
+(`formats.stored`, the one encoder) laid out in the layout's tensors."""
 
 from __future__ import annotations
 
@@ -25,59 +12,25 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from qtransform.checkpoints import modelopt as mo
+from qtransform.checkpoints.description import Reason
+from qtransform.checkpoints.packing import e2m1_codes, pack_nibbles
 from qtransform.core.observers import StaticScale
-from qtransform.export.checkpoint.collect import Collected, LinearExport, Reason, fused_sets
-from qtransform.export.checkpoint.packing import e2m1_codes, pack_nibbles
+from qtransform.export.checkpoint.collect import Collected, LinearExport, fused_sets
 from qtransform.export.checkpoint.source import source_weight
-from qtransform.export.checkpoint.tensors import fp4_stored, scale_of, weight_chunks
 from qtransform.export.checkpoint.writer import Entry, Spec
-from qtransform.passes import FakeQuantize
+from qtransform.formats.stored import fp4_stored, scale_of, weight_chunks
 
-NAME = "modelopt"
-PRODUCER = {"name": "modelopt", "version": "0.47.0"}  # the ModelOpt release whose layout this writes
+NAME = mo.NAME
+ROTATIONS = False  # hf_quant_config.json has no field for an online rotation
 
 
 @dataclass(frozen=True)
 class Scheme:
     """One Linear's quant_algo and whether it has a static input scale."""
 
-    algo: str  # "NVFP4" | "FP8"
+    algo: str  # a key of `mo.LAYOUTS`
     inputs: bool
-
-
-def _weight(fq: FakeQuantize, entry: LinearExport) -> str | Reason:
-    cfg = fq.config
-    where = f"{entry.name} (weight)"
-    if cfg.family.name == "nvfp4":
-        if cfg.nvfp4_variant not in ("modelopt", "default"):
-            return Reason(f"{where}: nvfp4_variant {cfg.nvfp4_variant!r} decodes as q * s / g, ModelOpt as "
-                          "q * s * d; use nvfp4_variant 'modelopt' (format='compressed-tensors' takes "
-                          "'compressed-tensors')")
-        if cfg.tile or cfg.block_axis not in (-1, 1) or entry.module.weight.shape[-1] % 16:
-            return Reason(f"{where}: ModelOpt's NVFP4 is 1x16 blocks along rows of a multiple of 16")
-        return "NVFP4"
-    if cfg.name == "fp8_e4m3":
-        if cfg.granularity != "tensor":
-            return Reason(f"{where}: ModelOpt's FP8 here is one scale per tensor; granularity "
-                          f"{cfg.granularity!r} has no field in it")
-        return "FP8"
-    return Reason(f"{where}: format {cfg.name} has no ModelOpt form here (NVFP4 and FP8 per tensor)")
-
-
-def _input(fq: FakeQuantize, entry: LinearExport, algo: str) -> Reason | None:
-    cfg = fq.config
-    where = f"{entry.name} (input)"
-    want = "nvfp4" if algo == "NVFP4" else "fp8_e4m3"
-    if cfg.name != want or (algo == "FP8" and cfg.granularity != "tensor"):
-        return Reason(f"{where}: ModelOpt's {algo} checkpoints quantize inputs as {algo} per tensor")
-    if fq.global_scale != "static":
-        return Reason(f"{where}: ModelOpt stores one calibrated input_scale; set scale_source 'static'")
-    if not isinstance(fq.static_scale, StaticScale) or not fq.static_scale.frozen:
-        return Reason(f"{where}: its static scale is not calibrated; pass calibration=batches "
-                      "(CLI: --calib FILE)")
-    if cfg.rounding != "rne":
-        return Reason(f"{where}: rounding {cfg.rounding!r}; engines round activations to nearest even")
-    return None
 
 
 def schemes(collected: Collected) -> tuple[dict[str, Scheme], list[str]]:
@@ -96,21 +49,23 @@ def schemes(collected: Collected) -> tuple[dict[str, Scheme], list[str]]:
             refusals.append(f"{name}: its input is quantized and its weight is not; ModelOpt "
                             "checkpoints quantize the weight of every quantized Linear")
             continue
-        algo = _weight(entry.weight, entry)
+        algo = mo.weight_algo(entry.weight.config, entry.module.weight.shape[-1], f"{name} (weight)")
         if isinstance(algo, Reason):
             refusals.append(algo.text)
             continue
-        bad = None if entry.input is None else _input(entry.input, entry, algo)
+        fq = entry.input
+        bad = None if fq is None else mo.input_reason(
+            fq.config, algo, fq.global_scale == "static",
+            isinstance(fq.static_scale, StaticScale) and fq.static_scale.frozen, f"{name} (input)")
         if bad is not None:
             refusals.append(bad.text)
             continue
-        out[name] = Scheme(algo, entry.input is not None)
+        out[name] = Scheme(algo, fq is not None)
     algos = sorted({s.algo for s in out.values()})
     if len(algos) > 1:
         refusals.append(f"the model mixes {' and '.join(algos)}; a ModelOpt checkpoint written here "
                         "has one quant_algo")
-    inputs = {s.inputs for s in out.values()}
-    if len(inputs) > 1:
+    if len({s.inputs for s in out.values()}) > 1:
         refusals.append("some quantized Linears have static input scales and some none; ModelOpt's "
                         "quant_algo covers weights and inputs alike")
     for parent, members in fused_sets(collected.linears):
@@ -124,20 +79,20 @@ def schemes(collected: Collected) -> tuple[dict[str, Scheme], list[str]]:
     return out, refusals
 
 
-def hf_quant_config(collected: Collected, found: dict[str, Scheme]) -> dict[str, Any]:
-    """hf_quant_config.json, as ModelOpt's export writes it."""
-    algo = next(iter(found.values())).algo
-    quantization: dict[str, Any] = {"quant_algo": algo, "kv_cache_quant_algo": None}
-    if algo == "NVFP4":
-        quantization["group_size"] = 16
-    quantization["exclude_modules"] = collected_excludes(collected, found)
-    return {"producer": dict(PRODUCER), "quantization": quantization}
-
-
-def collected_excludes(collected: Collected, found: dict[str, Scheme]) -> list[str]:
+def excluded(collected: Collected, found: dict[str, Scheme]) -> list[str]:
     """The Linears left in high precision, and the embeddings (ModelOpt lists both)."""
     names = [name for name in collected.linears if name not in found]
     return sorted({*names, *collected.embeddings})
+
+
+def _configs(collected: Collected, found: dict[str, Scheme]) -> tuple[dict[str, Any], dict[str, Any]]:
+    scheme = next(iter(found.values()))
+    return mo.quant_config(scheme.algo, scheme.inputs, excluded(collected, found))
+
+
+def hf_quant_config(collected: Collected, found: dict[str, Scheme]) -> dict[str, Any]:
+    """hf_quant_config.json, as ModelOpt's export writes it."""
+    return _configs(collected, found)[0]
 
 
 def quantization_config(collected: Collected, found: dict[str, Scheme],
@@ -145,31 +100,18 @@ def quantization_config(collected: Collected, found: dict[str, Scheme],
     """config.json's `quantization_config`: ModelOpt's own conversion of hf_quant_config."""
     if transform_config:
         raise AssertionError("ModelOpt checkpoints carry no transform_config")
-    scheme = next(iter(found.values()))
-    args: dict[str, Any] = {"dynamic": False, "num_bits": 4 if scheme.algo == "NVFP4" else 8, "type": "float"}
-    if scheme.algo == "NVFP4":
-        args["group_size"] = 16
-    group = {"input_activations": dict(args) if scheme.inputs else None, "weights": dict(args),
-             "targets": ["Linear"]}
-    return {"config_groups": {"group_0": group}, "ignore": collected_excludes(collected, found),
-            "quant_algo": scheme.algo, "producer": dict(PRODUCER), "quant_method": "modelopt"}
+    return _configs(collected, found)[1]
 
 
 def write_extra(folder: Path, collected: Collected, found: dict[str, Scheme]) -> None:
-    (folder / "hf_quant_config.json").write_text(json.dumps(hf_quant_config(collected, found), indent=4))
+    (folder / mo.FILE).write_text(json.dumps(hf_quant_config(collected, found), indent=4))
 
 
 def linear_entry(entry: LinearExport, scheme: Scheme) -> Entry:
     """The tensors of one quantized Linear."""
     rows, cols = entry.module.weight.shape
     prefix = entry.name + "."
-    if scheme.algo == "NVFP4":
-        specs = [Spec(prefix + "weight", torch.uint8, (rows, cols // 2)),
-                 Spec(prefix + "weight_scale", torch.float8_e4m3fn, (rows, cols // 16)),
-                 Spec(prefix + "weight_scale_2", torch.float32, ())]
-    else:
-        specs = [Spec(prefix + "weight", torch.float8_e4m3fn, (rows, cols)),
-                 Spec(prefix + "weight_scale", torch.float32, ())]
+    specs = [Spec(prefix + suffix, dtype, shape) for suffix, dtype, shape in mo.LAYOUTS[scheme.algo].specs(rows, cols)]
     if scheme.inputs:
         specs.append(Spec(prefix + "input_scale", torch.float32, ()))
     return Entry(tuple(specs), lambda: _tensors(entry, scheme, specs))
@@ -179,15 +121,14 @@ def _tensors(entry: LinearExport, scheme: Scheme, specs: list[Spec]) -> dict[str
     fq = entry.weight
     assert fq is not None
     weight = source_weight(entry)
-    out = {s.name: torch.empty(s.shape, dtype=s.dtype) for s in specs}
-    prefix = entry.name + "."
+    out = {s.name.rpartition(".")[2]: torch.empty(s.shape, dtype=s.dtype) for s in specs}
     cfg = fq.config
     amax = fq.amax_for(weight)
     stored = fp4_stored(weight, cfg, amax) if scheme.algo == "NVFP4" else None
     if stored is not None:
-        out[prefix + "weight"], out[prefix + "weight_scale"], d = stored
+        out["weight"], out["weight_scale"], d = stored
         assert d is not None
-        out[prefix + "weight_scale_2"].fill_(d)
+        out["weight_scale_2"].fill_(d)
     for chunk in () if stored is not None else weight_chunks(weight, cfg, amax):
         rows = slice(chunk.start, chunk.start + chunk.elements.shape[0])
         if scheme.algo == "NVFP4":
@@ -195,16 +136,15 @@ def _tensors(entry: LinearExport, scheme: Scheme, specs: list[Spec]) -> dict[str
             # zero is stored as -0 (code 8) although it decodes to +0
             codes = e2m1_codes(chunk.elements.abs())
             codes |= (weight[rows] < 0).to(torch.uint8) << 3
-            out[prefix + "weight"][rows] = pack_nibbles(codes)
-            out[prefix + "weight_scale"][rows] = chunk.scales.to(torch.float8_e4m3fn)
+            out["weight"][rows] = pack_nibbles(codes)
+            out["weight_scale"][rows] = chunk.scales.to(torch.float8_e4m3fn)
             assert chunk.tensor_scale is not None
-            out[prefix + "weight_scale_2"].fill_(chunk.tensor_scale)
+            out["weight_scale_2"].fill_(chunk.tensor_scale)
         else:
-            out[prefix + "weight"][rows] = chunk.elements.to(torch.float8_e4m3fn)
-            out[prefix + "weight_scale"].fill_(chunk.scales.reshape(-1)[0])
+            out["weight"][rows] = chunk.elements.to(torch.float8_e4m3fn)
+            out["weight_scale"].fill_(chunk.scales.reshape(-1)[0])
     fq_in = entry.input
     if fq_in is not None and fq_in.static_scale is not None:
         scale, tensor_scale = scale_of(fq_in.config, fq_in.static_scale.amax, entry.module.weight.dtype)
-        out[prefix + "input_scale"].fill_(tensor_scale if scheme.algo == "NVFP4" else scale)
-    return out
-
+        out["input_scale"].fill_(tensor_scale if scheme.algo == "NVFP4" else scale)
+    return {entry.name + "." + suffix: t for suffix, t in out.items()}

@@ -1,9 +1,10 @@
-"""Reading a safetensors checkpoint tensor by tensor: the one reader every scan of a checkpoint
-uses (the weight scan lists its tensors, the sequential scan loads one decoder layer at a time).
+"""Reading a safetensors checkpoint tensor by tensor: the one reader of every checkpoint
+qtransform opens (the weight scan lists its tensors, the sequential scan loads one decoder layer
+at a time, `load_model` decompresses a quantized folder through it).
 
 A checkpoint is a `.safetensors` file, a folder holding one, or a folder of shards that
 `model.safetensors.index.json` lists. Nothing is trusted before it is checked: every file's
-header against the file (`models.check_safetensors`), the index (a weight_map naming files in the
+header against the file (`check_safetensors`), the index (a weight_map naming files in the
 same folder, each present), and the agreement of both (every tensor in exactly one shard, the
 shard the index names). Several files without an index are not one model (a model and its
 adapter, or two models) and are refused.
@@ -12,7 +13,9 @@ adapter, or two models) and are refused.
 from __future__ import annotations
 
 import json
+import math
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -20,10 +23,53 @@ from safetensors import safe_open
 from torch import Tensor
 
 from qtransform.core import io as qio
-from qtransform.errors import UserError
-from qtransform.models import check_safetensors, missing_source
+from qtransform.errors import UserError, missing_source
 
 INDEX_FILE = "model.safetensors.index.json"
+MAX_SAFETENSORS_HEADER = 100 * 2**20  # the safetensors library's own limit
+SAFETENSORS_BYTES = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2,
+                     "BF16": 2, "I16": 2, "U16": 2, "I8": 1, "U8": 1, "BOOL": 1, "F8_E4M3": 1,
+                     "F8_E5M2": 1, "F8_E8M0": 1}
+
+
+def check_safetensors(file: Path) -> None:
+    """Validate a safetensors header against the file before any loader trusts it: the header
+    length, its JSON, and every tensor's dtype, shape and byte range (in the file, sized right)."""
+    qio.check_input_file(file, "safetensors file", limit=None)
+    size = file.stat().st_size
+    bad = f"{file}: not a valid safetensors file"
+    fix = "; the file is truncated or corrupt: re-download or re-save it"
+    with open(file, "rb") as fh:
+        head = fh.read(8)
+        if len(head) < 8:
+            raise UserError(f"{bad} (only {size} bytes){fix}")
+        n = int.from_bytes(head, "little")
+        if n > min(size - 8, MAX_SAFETENSORS_HEADER):
+            raise UserError(f"{bad} (header of {n} bytes in a file of {size} bytes){fix}")
+        raw = fh.read(n)
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        raise UserError(f"{bad} (its header is not JSON){fix}") from None
+    if not isinstance(header, dict):
+        raise UserError(f"{bad} (its header is not a JSON object){fix}")
+    data = size - 8 - n
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype, shape, (lo, hi) = info["dtype"], info["shape"], info["data_offsets"]
+            ok = (all(isinstance(d, int) and d >= 0 for d in shape) and isinstance(lo, int)
+                  and isinstance(hi, int) and 0 <= lo <= hi <= data)
+        except (TypeError, KeyError, ValueError):
+            ok = False
+        if not ok:
+            raise UserError(f"{bad} (tensor {name!r}: its entry is malformed or points past the "
+                            f"end of the file){fix}")
+        width = SAFETENSORS_BYTES.get(dtype)
+        if width is not None and math.prod(shape) * width != hi - lo:
+            raise UserError(f"{bad} (tensor {name!r}: {dtype}{list(shape)} needs "
+                            f"{math.prod(shape) * width} bytes, its header says {hi - lo}){fix}")
 
 
 def _weight_map(index: Path) -> dict[str, str]:
@@ -68,7 +114,7 @@ def checkpoint_files(path: str | os.PathLike[str]) -> list[Path]:
     return files
 
 
-class Checkpoint:
+class TensorFiles:
     """The tensors of one checkpoint (see the module docstring): `files` maps each tensor name to
     the file holding it; `load` reads tensors one file open at a time."""
 
@@ -106,3 +152,10 @@ class Checkpoint:
                     t = fh.get_tensor(name)
                     out[name] = t if dtype is None else t.to(dtype)
         return out
+
+    def items(self) -> Iterator[tuple[str, Tensor, Path]]:
+        """Every tensor with the file that holds it, one file open at a time, in file order."""
+        for file in self.shards:
+            with safe_open(file, "pt") as fh:
+                for name in fh.keys():  # noqa: SIM118 (not a dict)
+                    yield name, fh.get_tensor(name), file

@@ -9,12 +9,11 @@ signs or matrices, output-side locations, half pairs, reduced-precision online r
 `bind` finds each group's modules in the model as compressed-tensors matches them; `check_matrix`
 checks the online matrices llm-compressor saves beside the weights
 (`<module>.<group>_input.weight`), which the reader then drops. The policy rotates those inputs
-only (rotate rule `weight: "stored"`; `checkpoints.policy`).
+only (rotate rule `weight: "stored"`; `checkpoints.description.policy`).
 """
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -22,6 +21,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from qtransform.checkpoints.matching import ct_matches
 from qtransform.errors import UserError
 from qtransform.formats.hadamard import hadamard_matrix, is_power_of_two
 
@@ -105,14 +105,6 @@ def parse(where: str, tc: Any) -> list[RotationGroup]:
     return out
 
 
-def _ct_matches(entry: str, name: str, module: Any) -> bool:
-    """compressed-tensors' matching: `re:` is re.match on the name, else the class name or the
-    exact module name."""
-    if entry.startswith("re:"):
-        return re.match(entry[3:], name) is not None
-    return entry in (name, type(module).__name__)
-
-
 def bind(rotations: list[RotationGroup], modules: Iterable[tuple[str, Any]]) -> dict[str, list[str]]:
     """The modules each rotation group applies to in the model, checked: an nn.Linear, a block
     that divides its input features, one group per module."""
@@ -120,8 +112,8 @@ def bind(rotations: list[RotationGroup], modules: Iterable[tuple[str, Any]]) -> 
     rotated: dict[str, list[str]] = {}
     pairs = list(modules) if rotations else []
     for g in rotations:
-        hits = [(n, m) for n, m in pairs if any(_ct_matches(t, n, m) for t in g.targets)
-                and not any(_ct_matches(i, n, m) for i in g.ignore)]
+        hits = [(n, m) for n, m in pairs if any(ct_matches(t, n, type(m).__name__) for t in g.targets)
+                and not any(ct_matches(i, n, type(m).__name__) for i in g.ignore)]
         at = f"transform_config group {g.name!r}"
         if not hits:
             raise UserError(f"{at}: its targets {list(g.targets)} match no module of the model")

@@ -1,6 +1,8 @@
 """The stored numbers of a fake-quantized weight: its elements on the format's grid and its
-scales, computed by the formats' own kernels (`formats.quantize.quantize_blocks`), so that a
-checkpoint decodes to exactly what the simulation computed.
+scales, computed by the formats' own kernels (`formats.quantize.quantize_blocks`, the compiled
+packing pass), so that a checkpoint decodes to exactly what the simulation computed. The one
+encoder every checkpoint writer calls (`qtransform.export.checkpoint`); the writers only lay
+these numbers out in their format's tensors.
 
 A weight is quantized in chunks of whole rows (whole tiles), each chunk with the tensor-level
 amax the site's fake-quant uses (its own, its scale group's), so the temporaries stay a fraction

@@ -1,0 +1,192 @@
+"""ModelOpt's Hugging Face layout (`export_hf_checkpoint`, nvidia-modelopt 0.47), what vLLM and
+TensorRT-LLM load as `quant_method: modelopt`: its vocabulary in one module, read and written.
+
+`hf_quant_config.json` (`producer`, `quantization`: `quant_algo` "NVFP4" with `group_size` 16 or
+"FP8", `kv_cache_quant_algo`, `exclude_modules`) and the same scheme in config.json's
+`quantization_config`; per quantized Linear (`LAYOUTS`, one row per quant_algo):
+
+| quant_algo | tensors |
+|---|---|
+| NVFP4 | `weight` (uint8, two E2M1 codes per byte, even column low), `weight_scale` (E4M3 per 16), `weight_scale_2` (fp32 0-dim, amax / 2688: the decode factor), `input_scale` (fp32 0-dim, static activations) |
+| FP8 | `weight` (float8_e4m3fn), `weight_scale` (fp32 0-dim), `input_scale` (fp32 0-dim) |
+
+ModelOpt decodes q * weight_scale (* weight_scale_2): NVFP4 weights in the orders whose decode is
+q * (s * d) (`nvfp4_variant` "modelopt", its export's, or "default", NVIDIA's) and FP8 per tensor
+are stored exactly; anything else is refused.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from qtransform.checkpoints.description import (
+    FP4_FP8_MAX,
+    Checkpoint,
+    Group,
+    Reason,
+    TensorScheme,
+    blockwise,
+    need,
+    scaled,
+)
+from qtransform.checkpoints.matching import modelopt_ignored_entries
+from qtransform.checkpoints.packing import unpack_fp4
+from qtransform.errors import UserError
+from qtransform.formats import QuantConfig
+
+NAME = "modelopt"
+FILE = "hf_quant_config.json"
+PRODUCER = {"name": "modelopt", "version": "0.47.0"}  # the ModelOpt release whose layout this writes
+SUFFIXES = ("weight_scale", "weight_scale_2", "input_scale")
+
+Specs = list[tuple[str, torch.dtype, tuple[int, ...]]]  # (tensor suffix, dtype, shape)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One quant_algo: its config group, stored tensors and decoding (a row of `LAYOUTS`)."""
+
+    algo: str
+    format: str  # the Group.format name the reader keeps
+    weights: TensorScheme
+    inputs: TensorScheme
+    specs: Callable[[int, int], Specs]  # rows, cols
+    decode: Callable[[dict[str, Tensor], TensorScheme, str], Tensor]
+
+
+def _decode_nvfp4(p: dict[str, Tensor], w: TensorScheme, where: str) -> Tensor:
+    codes = unpack_fp4(need(p, "weight", where))
+    scale = need(p, "weight_scale", where).to(torch.float32)
+    per_block = scale * need(p, "weight_scale_2", where).to(torch.float32).reshape(())
+    return blockwise(codes, per_block, 16, where)
+
+
+def _decode_fp8(p: dict[str, Tensor], w: TensorScheme, where: str) -> Tensor:
+    return scaled(need(p, "weight", where).to(torch.float32),
+                  need(p, "weight_scale", where).to(torch.float32), None, w, where)
+
+
+LAYOUTS = {row.algo: row for row in (
+    Layout("NVFP4", "modelopt-nvfp4", TensorScheme("float", 4, "tensor_group", 16),
+           TensorScheme("float", 4, "tensor_group", 16, dynamic="local"),
+           lambda rows, cols: [("weight", torch.uint8, (rows, cols // 2)),
+                               ("weight_scale", torch.float8_e4m3fn, (rows, cols // 16)),
+                               ("weight_scale_2", torch.float32, ())],
+           _decode_nvfp4),
+    Layout("FP8", "modelopt-fp8", TensorScheme("float", 8, "tensor"), TensorScheme("float", 8, "tensor"),
+           lambda rows, cols: [("weight", torch.float8_e4m3fn, (rows, cols)),
+                               ("weight_scale", torch.float32, ())],
+           _decode_fp8),
+)}
+DECODERS = {row.format: row.decode for row in LAYOUTS.values()}
+
+
+# --- reading --------------------------------------------------------------------------------------
+
+def parse(file: Path, data: dict) -> Checkpoint:
+    """The checkpoint hf_quant_config.json (or config.json's ModelOpt quantization_config)
+    describes, or a refusal naming the field."""
+    q = data.get("quantization", data)
+    if not isinstance(q, dict):
+        raise UserError(f"{file}: 'quantization' must be an object")
+    algo = q.get("quant_algo")
+    if algo not in LAYOUTS:
+        raise UserError(f"{file}: ModelOpt quant_algo {algo!r}, which qtransform does not open "
+                        f"(it reads {', '.join(LAYOUTS)})")
+    if q.get("kv_cache_quant_algo"):
+        raise UserError(f"{file}: kv_cache_quant_algo {q['kv_cache_quant_algo']!r}, which "
+                        "qtransform does not describe yet")
+    if algo == "NVFP4" and q.get("group_size", 16) != 16:
+        raise UserError(f"{file}: NVFP4 with group_size {q.get('group_size')}; only 16 is read")
+    row = LAYOUTS[algo]
+    group = Group(("Linear",), row.weights, row.inputs, row.format)
+    return Checkpoint(NAME, [group], [str(m) for m in q.get("exclude_modules") or []])
+
+
+def rule_fields(s: TensorScheme, tensor: str) -> dict[str, Any]:
+    """The quantize-rule fields of one tensor scheme: what the ModelOpt presets write
+    (schemas/presets/modelopt.py) for the config that saved it."""
+    static = {"scale_source": "static", "observer": "static_minmax"}
+    if s.bits == 4:
+        out: dict[str, Any] = {"format": "nvfp4", "nvfp4_variant": NAME}
+        if tensor == "weight":
+            out["share_scale"] = "fused"
+        else:
+            out.update(static)
+        return out
+    out = {"format": "fp8_e4m3", "fp8_variant": NAME, "granularity": "tensor"}
+    return out if tensor == "weight" else {**out, **static}
+
+
+# --- writing --------------------------------------------------------------------------------------
+
+def weight_algo(cfg: QuantConfig, cols: int, where: str) -> str | Reason:
+    """The quant_algo of a weight quantized with `cfg`, or why ModelOpt has none."""
+    if cfg.family.name == "nvfp4":
+        if cfg.nvfp4_variant not in ("modelopt", "default"):
+            return Reason(f"{where}: nvfp4_variant {cfg.nvfp4_variant!r} decodes as q * s / g, ModelOpt as "
+                          "q * s * d; use nvfp4_variant 'modelopt' (format='compressed-tensors' takes "
+                          "'compressed-tensors')")
+        if cfg.tile or cfg.block_axis not in (-1, 1) or cols % 16:
+            return Reason(f"{where}: ModelOpt's NVFP4 is 1x16 blocks along rows of a multiple of 16")
+        return "NVFP4"
+    if cfg.name == "fp8_e4m3":
+        if cfg.granularity != "tensor":
+            return Reason(f"{where}: ModelOpt's FP8 here is one scale per tensor; granularity "
+                          f"{cfg.granularity!r} has no field in it")
+        return "FP8"
+    return Reason(f"{where}: format {cfg.name} has no ModelOpt form here (NVFP4 and FP8 per tensor)")
+
+
+def input_reason(cfg: QuantConfig, algo: str, static: bool, calibrated: bool, where: str) -> Reason | None:
+    """Why activations quantized with `cfg` do not fit a ModelOpt `algo` checkpoint, or None."""
+    want = "nvfp4" if algo == "NVFP4" else "fp8_e4m3"
+    if cfg.name != want or (algo == "FP8" and cfg.granularity != "tensor"):
+        return Reason(f"{where}: ModelOpt's {algo} checkpoints quantize inputs as {algo} per tensor")
+    if not static:
+        return Reason(f"{where}: ModelOpt stores one calibrated input_scale; set scale_source 'static'")
+    if not calibrated:
+        return Reason(f"{where}: its static scale is not calibrated; pass calibration=batches "
+                      "(CLI: --calib FILE)")
+    if cfg.rounding != "rne":
+        return Reason(f"{where}: rounding {cfg.rounding!r}; engines round activations to nearest even")
+    return None
+
+
+def quant_config(algo: str, inputs: bool, excluded: list[str]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(hf_quant_config.json, config.json's quantization_config) of a checkpoint of one
+    quant_algo, as ModelOpt's export writes them."""
+    quantization: dict[str, Any] = {"quant_algo": algo, "kv_cache_quant_algo": None}
+    if algo == "NVFP4":
+        quantization["group_size"] = 16
+    quantization["exclude_modules"] = excluded
+    args: dict[str, Any] = {"dynamic": False, "num_bits": 4 if algo == "NVFP4" else 8, "type": "float"}
+    if algo == "NVFP4":
+        args["group_size"] = 16
+    group = {"input_activations": dict(args) if inputs else None, "weights": dict(args),
+             "targets": ["Linear"]}
+    config = {"config_groups": {"group_0": group}, "ignore": excluded, "quant_algo": algo,
+              "producer": dict(PRODUCER), "quant_method": NAME}
+    return {"producer": dict(PRODUCER), "quantization": quantization}, config
+
+
+# --- the policy of an opened checkpoint -----------------------------------------------------------
+
+CALIBRATION = None  # ModelOpt's max calibration runs the model as it is
+
+
+def ignored_entries(ignore: list[str], names: list[str]) -> list[str]:
+    """`exclude_modules` as qtransform entries on a model with modules `names`."""
+    return modelopt_ignored_entries(ignore, names)
+
+
+def static_amax(scale: Tensor, s: TensorScheme) -> Tensor:
+    """The activation amax a stored input_scale stands for: NVFP4's d = amax/2688, FP8's
+    amax/448."""
+    return scale * FP4_FP8_MAX if s.bits == 4 else (scale * 448.0).to(torch.float32)

@@ -1,0 +1,78 @@
+"""The qtransform policy of an opened checkpoint (what its library deploys), and what it is in
+words; each format module supplies its rule fields, ignore entries and static scales."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import Tensor
+
+from qtransform.checkpoints.description import Checkpoint
+from qtransform.checkpoints.matching import ct_entry
+from qtransform.checkpoints.reader import FORMATS
+
+
+def policy(checkpoint: Checkpoint, names: list[str], *, weights: bool = False) -> dict[str, Any]:
+    """The qtransform policy (a plain dict) that turns the opened checkpoint into the model its
+    library deploys, on a model whose module names are `names`.
+
+    The weights already hold the checkpoint's quantized values, so the policy quantizes the
+    activations only: re-quantizing the weights would stack a second rounding (NVFP4 recomputes
+    its global scale from the smaller dequantized amax; compressed-tensors' integers reach
+    -2^(bits-1), which moves amax/(qmax+0.5)). Each rule's name says what the weights are.
+    Static input scales come from the checkpoint (`static_amax`). `weights=True` adds each
+    group's weight rule first: the whole scheme, for the full-precision model the checkpoint was
+    made from (the same numbers as the producer's preset).
+
+    Online rotations become `rotate` rules on their modules by name: `weight: "stored"` (the
+    stored weights hold W·R, only the inputs are rotated), or with `weights=True` ordinary
+    rules (the full-precision model's weights get W·R, as the producer fused it)."""
+    fmt = FORMATS[checkpoint.producer]
+    ignore = fmt.ignored_entries(checkpoint.ignore, names)
+    rules: list[dict[str, Any]] = []
+    for i, g in enumerate(checkpoint.groups if weights else ()):
+        if g.weights is not None:
+            rules.append({"name": f"{checkpoint.producer} group {i} weights",
+                          "targets": [ct_entry(t) for t in g.targets], "ignore": list(ignore),
+                          "tensors": ["weight"], **fmt.rule_fields(g.weights, "weight")})
+    for i, g in enumerate(checkpoint.groups):
+        if g.inputs is None:
+            continue
+        label = g.weights.label() if g.weights else "16-bit"
+        rules.append({"name": f"{checkpoint.producer} group {i} inputs (weights {label} in the "
+                              "checkpoint)",
+                      "targets": [ct_entry(t) for t in g.targets], "ignore": list(ignore),
+                      "tensors": ["input"], **fmt.rule_fields(g.inputs, "input")})
+    out: dict[str, Any] = {"version": 1, "quantize": rules}
+    if checkpoint.rotations:
+        out["rotate"] = [{"name": g.name, "targets": [ct_entry(n) for n in checkpoint.rotated[g.name]],
+                          "kind": "hadamard", "block_size": g.block,
+                          "weight": "rotate" if weights else "stored"}
+                         for g in checkpoint.rotations]
+    if fmt.CALIBRATION and any(r.get("scale_source") == "static" for r in rules):
+        out["calibration"] = dict(fmt.CALIBRATION)
+    return out
+
+
+def static_amax(checkpoint: Checkpoint, module: str) -> Tensor | None:
+    """The activation amax a module's stored static input scale stands for, or None."""
+    scale = checkpoint.input_scales.get(module)
+    s = checkpoint.groups[checkpoint.modules[module]].inputs if scale is not None else None
+    if scale is None or s is None:
+        return None
+    return FORMATS[checkpoint.producer].static_amax(scale, s)
+
+
+def describe(checkpoint: Checkpoint) -> list[str]:
+    """Lines that say what the checkpoint is (plan's header)."""
+    lines = [f"{checkpoint.producer} checkpoint: {checkpoint.scheme()}",
+             f"  {len(checkpoint.modules)} quantized modules"
+             + (f"; kept in high precision: {', '.join(checkpoint.ignore)}" if checkpoint.ignore else "")]
+    if checkpoint.input_scales:
+        lines.append(f"  static input scales of {len(checkpoint.input_scales)} modules (from the checkpoint)")
+    for g in checkpoint.rotations:
+        count = len(checkpoint.rotated.get(g.name, ()))
+        width = f"{g.block}-wide" if g.block else "whole-axis"
+        lines.append(f"  online {width} Hadamard rotations ({g.name!r}) of the inputs of {count} "
+                     "modules, whose stored weights hold W·R")
+    return lines
