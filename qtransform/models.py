@@ -18,7 +18,6 @@ import torch
 from torch import nn
 
 from qtransform import checkpoints
-from qtransform.checkpoints.modelopt import FILE as MODELOPT_FILE
 from qtransform.checkpoints.shards import TensorFiles, check_safetensors
 from qtransform.core import io as qio
 from qtransform.errors import UserError, missing_source
@@ -232,7 +231,7 @@ def is_quantized_folder(source: str | os.PathLike) -> bool:
     path = Path(source)
     if not path.is_dir() or not (path / "config.json").is_file():
         return False
-    return (path / MODELOPT_FILE).exists() or "quantization_config" in read_config(path)
+    return any((path / marker).exists() for marker in checkpoints.MARKERS) or "quantization_config" in read_config(path)
 
 
 def loaded_checkpoint(model: nn.Module) -> checkpoints.Checkpoint | None:

@@ -14,7 +14,7 @@ from typing import Any
 
 from qtransform.checkpoints.description import Checkpoint
 from qtransform.checkpoints.policy import describe, policy, static_amax
-from qtransform.checkpoints.reader import FORMATS, decompress, detect
+from qtransform.checkpoints.reader import FORMATS, MARKERS, decompress, detect
 from qtransform.checkpoints.rotations import bind
 
 ATTRIBUTE = "_qtransform_checkpoint"  # where load_model keeps the Checkpoint on the model
@@ -25,5 +25,5 @@ def bind_rotations(checkpoint: Checkpoint, modules: Iterable[tuple[str, Any]]) -
     checkpoint.rotated = bind(checkpoint.rotations, modules)
 
 
-__all__ = ["ATTRIBUTE", "FORMATS", "Checkpoint", "bind_rotations", "decompress", "describe", "detect",
+__all__ = ["ATTRIBUTE", "FORMATS", "MARKERS", "Checkpoint", "bind_rotations", "decompress", "describe", "detect",
            "policy", "static_amax"]

@@ -48,6 +48,7 @@ from qtransform.formats import QuantConfig
 from qtransform.formats.stored import stored_scale_dtype
 
 NAME = "compressed-tensors"
+FILE = None  # no file of its own: config.json's quantization_config says it all
 LAYOUT_VERSION = "0.19.0"  # the compressed-tensors release whose layout this reads and writes
 WEIGHT_OBSERVER = "memoryless_minmax"  # what llm-compressor records for every weight
 STRATEGIES = ("tensor", "channel", "group", "tensor_group", "block", "token")
@@ -137,8 +138,13 @@ LAYOUTS = {row.format: row for row in (
     Layout("naive-quantized", "fp8", _plain_specs(torch.float8_e4m3fn), _decode_plain),
 )}
 DECODERS = {fmt: row.decode for fmt, row in LAYOUTS.items()}
-SUFFIXES = ("weight_packed", "weight_scale", "weight_global_scale", "weight_zero_point",
-            "weight_shape", "input_global_scale", "input_scale", "input_zero_point", "weight_g_idx")
+# the stored scales, each with whether it must be above zero (a global or static input scale
+# divides or multiplies every value; a block or channel scale of zero is an all-zero block)
+SCALES = {"weight_scale": False, "weight_global_scale": True, "input_global_scale": True,
+          "input_scale": True}
+INPUT_SCALES = ("input_global_scale", "input_scale")  # a static activation scale, in this order
+SUFFIXES = (*SCALES, "weight_packed", "weight_zero_point", "weight_shape", "input_zero_point",
+            "weight_g_idx")
 
 
 def layout_of(kind: str, has_inputs: bool) -> Layout:
@@ -151,10 +157,10 @@ def layout_of(kind: str, has_inputs: bool) -> Layout:
 
 # --- reading: config.json's quantization_config -------------------------------------------------
 
-def parse(path: Path, q: dict) -> Checkpoint:
-    """The checkpoint a compressed-tensors `quantization_config` describes, or a refusal naming
-    the field qtransform cannot reproduce."""
-    where = f"{path}/config.json quantization_config"
+def parse(file: Path, q: dict) -> Checkpoint:
+    """The checkpoint a compressed-tensors `quantization_config` (in config.json, `file`)
+    describes, or a refusal naming the field qtransform cannot reproduce."""
+    where = f"{file} quantization_config"
     status = q.get("quantization_status", "compressed")
     if status not in ("compressed", "frozen"):
         raise UserError(f"{where}: quantization_status {status!r}; only saved (compressed or "

@@ -43,7 +43,9 @@ from qtransform.formats import QuantConfig
 NAME = "modelopt"
 FILE = "hf_quant_config.json"
 PRODUCER = {"name": "modelopt", "version": "0.47.0"}  # the ModelOpt release whose layout this writes
-SUFFIXES = ("weight_scale", "weight_scale_2", "input_scale")
+SCALES = {"weight_scale": False, "weight_scale_2": True, "input_scale": True}  # True: above zero
+INPUT_SCALES = ("input_scale",)
+SUFFIXES = tuple(SCALES)
 
 Specs = list[tuple[str, torch.dtype, tuple[int, ...]]]  # (tensor suffix, dtype, shape)
 

@@ -26,20 +26,18 @@ from qtransform.core import io as qio
 from qtransform.errors import UserError
 
 FORMATS: dict[str, ModuleType] = {m.NAME: m for m in (compressed_tensors, modelopt)}
-# the stored scales of every format, and whether each must be above zero (global and static
-# input scales divide or multiply every value; a block or channel scale of zero is an all-zero block)
-SCALES = {"weight_scale": False, "weight_global_scale": True, "weight_scale_2": True,
-          "input_global_scale": True, "input_scale": True}
+MARKERS = tuple(m.FILE for m in FORMATS.values() if m.FILE)  # files that make a folder quantized
 QUANTIZED_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2, torch.int8, torch.uint8, torch.int32)
 E8M0_NAN = 255
 
 
 def detect(path: Path, config: dict) -> Checkpoint | None:
     """The checkpoint description of a model folder, or None for an unquantized one."""
-    hf_quant = path / modelopt.FILE
-    if hf_quant.exists():
-        text = qio.read_input_text(hf_quant, modelopt.FILE, limit=16 * 2**20)
-        return modelopt.parse(hf_quant, _json(text, hf_quant))
+    for fmt in FORMATS.values():
+        marker = path / fmt.FILE if fmt.FILE else None
+        if marker is not None and marker.exists():
+            text = qio.read_input_text(marker, fmt.FILE, limit=16 * 2**20)
+            return fmt.parse(marker, _json(text, marker))
     q = config.get("quantization_config")
     if not isinstance(q, dict):
         return None
@@ -48,8 +46,7 @@ def detect(path: Path, config: dict) -> Checkpoint | None:
         raise UserError(f"{path}: a {method!r} quantized checkpoint, which qtransform cannot open "
                         f"(it reads {' and '.join(FORMATS)} checkpoints); give the unquantized "
                         "model or one of those")
-    where = path / "config.json"
-    return FORMATS[method].parse(where if method == modelopt.NAME else path, q)
+    return FORMATS[method].parse(path / "config.json", q)
 
 
 def _json(text: str, file: Path) -> dict:
@@ -66,7 +63,7 @@ def decompress(checkpoint: Checkpoint, files: TensorFiles, dtype: torch.dtype) -
     """The model state dict of a checkpoint's tensors: every quantized module's weight decoded,
     other tensors cast to `dtype`; fills `checkpoint.modules` and `input_scales`."""
     fmt = FORMATS[checkpoint.producer]
-    suffixes = set(fmt.SUFFIXES) | set(SCALES)
+    suffixes = set(fmt.SUFFIXES)
     parts: dict[str, dict[str, Tensor]] = {}
     plain: dict[str, Tensor] = {}
     where_of: dict[str, Path] = {}
@@ -101,20 +98,17 @@ def decompress(checkpoint: Checkpoint, files: TensorFiles, dtype: torch.dtype) -
         if "weight_g_idx" in p:
             raise UserError(f"{where}: weight_g_idx (activation-order groups), which qtransform "
                             "does not read")
-        _check_scales(module, p, where)
+        _check_scales(module, p, fmt.SCALES, where)
         out[module + ".weight"] = fmt.DECODERS[group.format](p, group.weights, where).to(dtype)
         checkpoint.modules[module] = index
-        scale = p.get("input_global_scale", p.get("input_scale"))
+        scale = next((p[k] for k in fmt.INPUT_SCALES if k in p), None)
         if scale is not None:
-            if scale.numel() != 1:
-                raise UserError(f"{where}: its static input scale has shape {list(scale.shape)}; "
-                                "one value per tensor is read")
             checkpoint.input_scales[module] = scale.detach().to(torch.float32).reshape(())
     return out
 
 
-def _check_scales(module: str, p: dict[str, Tensor], where: str) -> None:
-    for leaf, positive in SCALES.items():
+def _check_scales(module: str, p: dict[str, Tensor], scales: dict[str, bool], where: str) -> None:
+    for leaf, positive in scales.items():
         t = p.get(leaf)
         if t is None:
             continue
@@ -124,10 +118,10 @@ def _check_scales(module: str, p: dict[str, Tensor], where: str) -> None:
                                 "checkpoint is corrupt, re-export it")
         else:
             check_scale(t, f"{module}.{leaf}", where, positive=positive)
-    for leaf in ("weight_global_scale", "weight_scale_2"):
+    for leaf in (k for k, positive in scales.items() if positive):
         if leaf in p and p[leaf].numel() != 1:
             raise UserError(f"{where}: tensor {module}.{leaf} has shape {list(p[leaf].shape)}; a "
-                            "global scale is one value")
+                            "global or static input scale is one value")
 
 
 def _group_of(checkpoint: Checkpoint, module: str) -> int:

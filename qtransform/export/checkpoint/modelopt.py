@@ -69,7 +69,7 @@ def schemes(collected: Collected) -> tuple[dict[str, Scheme], list[str]]:
         refusals.append("some quantized Linears have static input scales and some none; ModelOpt's "
                         "quant_algo covers weights and inputs alike")
     for parent, members in fused_sets(collected.linears):
-        if all(out.get(m.name) and out[m.name].algo == "NVFP4" for m in members):
+        if all(out.get(m.name) and mo.LAYOUTS[out[m.name].algo].weights.bits == 4 for m in members):
             groups = {id(m.weight.group) if m.weight is not None and m.weight.group is not None
                       else id(m) for m in members}
             if len(groups) > 1:
@@ -124,14 +124,15 @@ def _tensors(entry: LinearExport, scheme: Scheme, specs: list[Spec]) -> dict[str
     out = {s.name.rpartition(".")[2]: torch.empty(s.shape, dtype=s.dtype) for s in specs}
     cfg = fq.config
     amax = fq.amax_for(weight)
-    stored = fp4_stored(weight, cfg, amax) if scheme.algo == "NVFP4" else None
+    fp4 = mo.LAYOUTS[scheme.algo].weights.bits == 4
+    stored = fp4_stored(weight, cfg, amax) if fp4 else None
     if stored is not None:
         out["weight"], out["weight_scale"], d = stored
         assert d is not None
         out["weight_scale_2"].fill_(d)
     for chunk in () if stored is not None else weight_chunks(weight, cfg, amax):
         rows = slice(chunk.start, chunk.start + chunk.elements.shape[0])
-        if scheme.algo == "NVFP4":
+        if fp4:
             # ModelOpt's sign bit is the input's (`weight < 0`), so a negative value rounded to
             # zero is stored as -0 (code 8) although it decodes to +0
             codes = e2m1_codes(chunk.elements.abs())
@@ -146,5 +147,5 @@ def _tensors(entry: LinearExport, scheme: Scheme, specs: list[Spec]) -> dict[str
     fq_in = entry.input
     if fq_in is not None and fq_in.static_scale is not None:
         scale, tensor_scale = scale_of(fq_in.config, fq_in.static_scale.amax, entry.module.weight.dtype)
-        out["input_scale"].fill_(tensor_scale if scheme.algo == "NVFP4" else scale)
+        out["input_scale"].fill_(tensor_scale if fp4 else scale)
     return {entry.name + "." + suffix: t for suffix, t in out.items()}
