@@ -36,12 +36,13 @@ from qtransform.report.scan_pages import (
 )
 from qtransform.scan import compare_formats
 from qtransform.scan.activations import scan_activations
+from qtransform.scan.budget import budget_guide
 from qtransform.scan.grid import grid_line
 from qtransform.scan.recommend import guide, recommend
 from qtransform.scan.render import end_to_end_text
 from qtransform.scan.render import format_metric as fm
 from qtransform.scan.report import ScanReport
-from qtransform.scan.sensitivity import SensitivityReport, budget_guide
+from qtransform.scan.sensitivity_report import SensitivityReport
 from qtransform.scan.sequential import scan_sequential, skeleton
 from qtransform.scan.setup import CalibrationSpec, read_source, scan_policy
 from qtransform.scan.weights import scan_weights
@@ -341,7 +342,7 @@ def beside(report: str) -> str | None:
 
 
 def _budget_guide(args: argparse.Namespace, budget: dict[str, Any]) -> int:
-    """guide with a budget (`qtransform.scan.sensitivity.budget_guide`, see EPILOG_GUIDE): the
+    """guide with a budget (`qtransform.scan.budget.budget_guide`, see EPILOG_GUIDE): the
     model and calibration data come from the options, else from the --sensitivity file."""
     with qio.output_file(args.out) as out:
         report = ScanReport.load(args.report)

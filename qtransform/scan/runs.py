@@ -29,7 +29,7 @@ from qtransform.core.io import encode_floats
 from qtransform.errors import UserError
 from qtransform.scan.render import format_metric
 from qtransform.scan.report import ScanReport
-from qtransform.scan.sensitivity import SensitivityReport
+from qtransform.scan.sensitivity_report import SensitivityReport
 
 SCHEMA = "qtransform.run_comparison"
 SCHEMA_VERSION = "1"

@@ -211,7 +211,8 @@ def hand_rotated_kl(model: torch.nn.Module, site: str, ids: torch.Tensor) -> flo
 
 
 def test_sensitivity_measures_each_site_with_and_without_the_rotation(tmp_path):
-    from qtransform.scan.sensitivity import SensitivityReport, site_sensitivity
+    from qtransform.scan.sensitivity import site_sensitivity
+    from qtransform.scan.sensitivity_report import SensitivityReport
 
     model = act_outliers()
     ids = torch.randint(0, 256, (4, 16), generator=torch.Generator().manual_seed(2))

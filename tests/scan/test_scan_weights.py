@@ -21,11 +21,8 @@ from qtransform.errors import UserError
 from qtransform.formats import block_exponents
 from qtransform.scan.render import FILES
 from qtransform.scan.report import ScanReport
-from qtransform.scan.weights import (
-    checkpoint_weights,
-    compare_formats,
-    scan_weights,
-)
+from qtransform.scan.sources import checkpoint_weights
+from qtransform.scan.weights import compare_formats, scan_weights
 from qtransform.schemas import load_policy
 from tests.helpers import assert_metrics, assert_untouched, metrics_f64, mxfp4_f64, snapshot
 
@@ -328,7 +325,9 @@ def test_a_shared_global_scale_is_scanned_as_the_transformed_model_quantizes(sha
     import qtransform
     from qtransform.formats.quantize import quantize_with_info
     from qtransform.models import build_tiny
-    from qtransform.scan.weights import WeightRef, policy_configs, share_amax, weight_refs
+    from qtransform.scan.seen import SeenWeights, scale_groups
+    from qtransform.scan.sources import WeightRef, weight_refs
+    from qtransform.scan.weights import policy_configs
 
     model = build_tiny("qwen2")
     rule = {"name": "w", "targets": ["Linear"], "ignore": ["lm_head"], "format": "nvfp4",
@@ -336,7 +335,8 @@ def test_a_shared_global_scale_is_scanned_as_the_transformed_model_quantizes(sha
     policy = {"version": 1, "quantize": [rule]}
     seen = dict(qtransform.rollout_weights(qtransform.transform(model, policy)))
     refs: list[WeightRef] = [r for r in weight_refs(model) if r.site.name != "lm_head"]
-    amax = share_amax(policy, refs)
+    seen = SeenWeights.of(refs, groups=scale_groups(policy, [r.site for r in refs]))
+    amax = {r.site.name: a for r in refs if (a := seen.amax(r.site.name)) is not None}
     members = ["model.layers.0.mlp.gate_proj", "model.layers.0.mlp.up_proj"]
     assert set(members) <= set(amax) and torch.equal(amax[members[0]], amax[members[1]])
     configs = policy_configs(policy, [r.site for r in refs])

@@ -21,7 +21,7 @@ from scipy.stats import spearmanr
 from qtransform.formats.expected import expected_error
 from qtransform.models import build_tiny
 from qtransform.scan import scan_weights
-from qtransform.scan.recommend import budget_policy
+from qtransform.scan.budget import budget_policy
 from qtransform.scan.sensitivity import (
     SensitivityReport,
     SensitivityRow,
