@@ -271,13 +271,12 @@ def run_compare(args: argparse.Namespace) -> int:
                                  options=format_options(args), progress=progress(args),
                                  rotation=args.rotation)
         if staging is not None:
-            qio.write_json(staging / "comparison.json", result.to_dict())
-            qio.write_text(staging / "comparison.md", result.to_markdown())
+            result.save(staging)
             compare_page(result, command=command_line()).write(staging / "comparison.html")
     if args.json:
         print(json.dumps(result.to_dict(), indent=2))
     else:
-        print(result.to_markdown().rstrip())
+        print(result.markdown().rstrip())
     return 0
 
 

@@ -112,7 +112,7 @@ class SensitivityReport:
         return {
             "json": qio.write_text(out / FILES[0], json.dumps(self.to_dict(), indent=2) + "\n"),
             "csv": qio.write_text(out / FILES[1], self.to_csv()),
-            "md": qio.write_text(out / FILES[2], self.to_markdown()),
+            "md": qio.write_text(out / FILES[2], self.markdown()),
             "png": self.plot(out / FILES[3]),
         }
 
@@ -144,7 +144,7 @@ class SensitivityReport:
             lines.append("| " + " | ".join(str(c) for c in cells) + " |")
         return lines
 
-    def to_markdown(self) -> str:
+    def markdown(self) -> str:
         m = self.meta
         lines = [f"# Sensitivity: {m['format']} on {m['source']}", "",
                  f"- {len(self.rows)} sites, quantized one at a time ({'+'.join(m['points'])}); "

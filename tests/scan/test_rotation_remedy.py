@@ -90,7 +90,7 @@ def test_compare_puts_the_rotated_format_beside_each_format():
     assert rows[PLANTED].metrics["sqnr_db"] == pytest.approx(
         reference_sqnr(weight, Rotation("hadamard", 32)), abs=0.02)
     assert result.reports["mxfp4 with hadamard-32"].meta["rotation"] == "hadamard-32"
-    assert "mxfp4 with hadamard-32" in result.to_markdown()
+    assert "mxfp4 with hadamard-32" in result.markdown()
 
 
 def test_compare_counts_sites_the_rotation_does_not_fit_unrotated():

@@ -206,7 +206,7 @@ def test_compare_sums_accumulators_and_explains_mean_relative_error(tiny):
     assert result.winners["mean_rel_error"] == "mxfp8_e4m3"
     assert len(result.notes) == 1 and "deadzone" in result.notes[0] and "SQNR" in result.notes[0]
     data = json.loads(json.dumps(result.to_dict()))
-    assert data["winners"]["mse"] == "mxfp6_e2m3" and "| sqnr_db |" in result.to_markdown()
+    assert data["winners"]["mse"] == "mxfp6_e2m3" and "| sqnr_db |" in result.markdown()
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
@@ -283,7 +283,7 @@ def test_compare_shows_per_layer_sqnr_and_where_the_winner_differs():
             assert layers[layer]["sqnr_db"][fmt] == pytest.approx(10 * math.log10(signal / error), rel=1e-12)
     assert (layers[0]["winner"], layers[1]["winner"]) == ("mxfp6_e2m3", "mxfp8_e4m3")
     assert layers[None]["sites"] == 1  # lm_head, outside layers
-    md = result.to_markdown()
+    md = result.markdown()
     overall = result.winners["sqnr_db"]
     table = {line.split(" | ")[0].strip("| "): line for line in md.split("## Per layer")[1].splitlines()
              if line.startswith("| ") and not line.startswith("| layer")}
@@ -335,8 +335,8 @@ def test_a_shared_global_scale_is_scanned_as_the_transformed_model_quantizes(sha
     policy = {"version": 1, "quantize": [rule]}
     seen = dict(qtransform.rollout_weights(qtransform.transform(model, policy)))
     refs: list[WeightRef] = [r for r in weight_refs(model) if r.site.name != "lm_head"]
-    seen = SeenWeights.of(refs, groups=scale_groups(policy, [r.site for r in refs]))
-    amax = {r.site.name: a for r in refs if (a := seen.amax(r.site.name)) is not None}
+    view = SeenWeights.of(refs, groups=scale_groups(policy, [r.site for r in refs]))
+    amax = {r.site.name: a for r in refs if (a := view.amax(r.site.name)) is not None}
     members = ["model.layers.0.mlp.gate_proj", "model.layers.0.mlp.up_proj"]
     assert set(members) <= set(amax) and torch.equal(amax[members[0]], amax[members[1]])
     configs = policy_configs(policy, [r.site for r in refs])
