@@ -84,7 +84,8 @@ def child(folder: str, fmt: str, threads: int) -> None:
     from qtransform import formats
     from qtransform.core.metrics import BlockExponentHistogram, ErrorStats
     from qtransform.formats.quantize import quantize_with_info
-    from qtransform.scan.weights import checkpoint_weights, config_for, measure, scan_weights
+    from qtransform.scan.sources import checkpoint_weights
+    from qtransform.scan.weights import config_for, measure, scan_weights
 
     import_peak = vm_hwm()
     refs = checkpoint_weights(folder)

@@ -174,7 +174,7 @@ def _run(out: Path, final: Path, fmt: str, calib: list | None, options: dict[str
     files = [*_save(weights, out / "weights"), *_save(activations, out / "activations"),
              *_save(sensitivity, out / "sensitivity")]
     files += [qio.write_json(out / "comparison.json", comparison.to_dict()),
-              qio.write_text(out / "comparison.md", comparison.to_markdown())]
+              qio.write_text(out / "comparison.md", comparison.markdown())]
     files.append(qio.write_json(out / "policy.json", dump_policy(policy)))
     files += steps.run("pages", "writing the HTML pages (index.html links them all)",
                        lambda: write_demo_pages(out, model, weights, activations, comparison,
@@ -322,7 +322,7 @@ def summary_text(result: DemoResult) -> str:
               "output's error when only that site is quantized; sensitivity/sensitivity.md):",
               *result.sensitivity.table(SENSITIVITY_ROWS), "",
               f"{' vs '.join(f.upper() for f in result.comparison.formats)}, all Linear weights "
-              "together:", result.comparison.to_markdown().rstrip(), "",
+              "together:", result.comparison.markdown().rstrip(), "",
               f"wrote {len(result.files)} files to {result.out}/:"]
     lines += [f"  {p.relative_to(result.out)}" for p in result.files]
     return "\n".join(lines)

@@ -141,7 +141,7 @@ def run_parity(args: argparse.Namespace) -> int:
                     metadata={"model_path": args.model, "engine_kind": args.engine,
                               **_policy_meta(args.policy)})
     with output_folder(args.out, "parity", force=args.force, protect=protect) as staging:
-        names = [path.name for path in report.write(staging).values()]
+        names = [path.name for path in report.save(staging).values()]
         names.append(parity_page(report, command=command_line()).write(staging / "parity.html").name)
     if args.json:
         print((Path(args.out) / "parity.json").read_text(), end="")

@@ -42,6 +42,6 @@ def run_report(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(result.to_dict(), indent=2))
     else:
-        print(result.to_markdown().rstrip())
+        print(result.markdown().rstrip())
         print(f"\nwrote {', '.join(str(Path(args.out) / f) for f in (*FILES, PAGE))}")
     return 0

@@ -36,12 +36,13 @@ from qtransform.report.scan_pages import (
 )
 from qtransform.scan import compare_formats
 from qtransform.scan.activations import scan_activations
+from qtransform.scan.budget import budget_guide
 from qtransform.scan.grid import grid_line
 from qtransform.scan.recommend import guide, recommend
 from qtransform.scan.render import end_to_end_text
 from qtransform.scan.render import format_metric as fm
 from qtransform.scan.report import ScanReport
-from qtransform.scan.sensitivity import SensitivityReport, budget_guide
+from qtransform.scan.sensitivity_report import SensitivityReport
 from qtransform.scan.sequential import scan_sequential, skeleton
 from qtransform.scan.setup import CalibrationSpec, read_source, scan_policy
 from qtransform.scan.weights import scan_weights
@@ -270,13 +271,12 @@ def run_compare(args: argparse.Namespace) -> int:
                                  options=format_options(args), progress=progress(args),
                                  rotation=args.rotation)
         if staging is not None:
-            qio.write_json(staging / "comparison.json", result.to_dict())
-            qio.write_text(staging / "comparison.md", result.to_markdown())
+            result.save(staging)
             compare_page(result, command=command_line()).write(staging / "comparison.html")
     if args.json:
         print(json.dumps(result.to_dict(), indent=2))
     else:
-        print(result.to_markdown().rstrip())
+        print(result.markdown().rstrip())
     return 0
 
 
@@ -341,7 +341,7 @@ def beside(report: str) -> str | None:
 
 
 def _budget_guide(args: argparse.Namespace, budget: dict[str, Any]) -> int:
-    """guide with a budget (`qtransform.scan.sensitivity.budget_guide`, see EPILOG_GUIDE): the
+    """guide with a budget (`qtransform.scan.budget.budget_guide`, see EPILOG_GUIDE): the
     model and calibration data come from the options, else from the --sensitivity file."""
     with qio.output_file(args.out) as out:
         report = ScanReport.load(args.report)

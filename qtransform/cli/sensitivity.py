@@ -14,12 +14,9 @@ from qtransform.core import io as qio
 from qtransform.errors import UserError
 from qtransform.models import input_paths, load_model, load_tokenizer
 from qtransform.report.scan_pages import command_line, sensitivity_page
-from qtransform.scan.sensitivity import (
-    measure_label,
-    measured_budget,
-    site_sensitivity,
-    timing_text,
-)
+from qtransform.scan.budget import measured_budget
+from qtransform.scan.sensitivity import site_sensitivity
+from qtransform.scan.sensitivity_report import measure_label, timing_text
 from qtransform.scan.setup import CalibrationSpec, read_source, scan_policy
 
 EPILOG = """examples:
@@ -133,7 +130,7 @@ def run_sensitivity(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({**report.to_dict(), "budget": result.to_dict() if result else None}, indent=2))
         return 0
-    print(report.to_markdown().rstrip())
+    print(report.markdown().rstrip())
     print(f"\n{timing_text(report.meta)}")
     if result is not None:
         print(budget_text(result, report.measure))

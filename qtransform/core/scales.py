@@ -9,6 +9,11 @@ when that member's weight changed (`core.versions.Watch`, the check the weight c
 counts how often the group amax changed, so every member re-quantizes when any member's weight
 moved the group amax. Under FSDP (no caches) it reads every member's amax at every call, from
 the weights as the forward holds them (a sharded one reduced across ranks).
+
+`quantizer_weight` is the one answer to "which tensor does a site's weight fake quantizer
+quantize": the model's scale groups, the weight scan (`scan/seen.py`), the report page's
+histograms and the checkpoint export all read a weight through it, so none of them measures or
+stores another tensor than the transformed model quantizes.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
+from qtransform.core.rotation import apply_rotation
 from qtransform.core.sites import Site
 from qtransform.core.versions import Check, Watch
 
@@ -52,6 +58,24 @@ def fused_groups(sites: Sequence[Site]) -> list[list[Site]]:
                 if len({m.kind == "experts" for m in members}) == 1:
                     groups.append(members)
     return sorted(groups, key=lambda g: g[0].index)
+
+
+def quantizer_weight(weight: Tensor, rotation: Tensor | None = None, axis: int = -1) -> Tensor:
+    """The tensor a site's weight fake quantizer quantizes: W·R where the rotate pass rotates the
+    weight (`rotation` its operand, R per block along the site's reduction axis `axis`), W as it
+    is elsewhere, also where the weight is stored rotated (rule weight "stored", an opened rotated
+    checkpoint: it holds W·R already, so its callers give no rotation). Never tracked by autograd."""
+    weight = weight.detach()
+    if rotation is None:
+        return weight
+    with torch.no_grad():
+        return apply_rotation(weight, rotation, axis)
+
+
+def group_amax(weights: Sequence[Tensor], per_expert: bool) -> Tensor:
+    """A scale group's tensor-level amax: the largest of its members' (`weight_amax` of each
+    member as `quantizer_weight` gives it), one per expert for fused experts weights."""
+    return torch.stack([weight_amax(w, per_expert) for w in weights]).amax(dim=0)
 
 
 def weight_amax(t: Tensor, per_expert: bool) -> Tensor:
@@ -121,10 +145,9 @@ def _as_quantized(module: nn.Module, param: str, tensor: Tensor) -> Tensor:
     (its `weight_rotate` child; experts `<param>__weight_rotate`), so the shared scale is the
     rotated weights' (as llm-compressor computes it after fusing QuIP's transforms)."""
     rotate = module._modules.get("weight_rotate" if param == "weight" else f"{param}__weight_rotate")
-    if rotate is None or not hasattr(rotate, "rotate_weight"):
+    if rotate is None or not getattr(rotate, "enabled", False) or not hasattr(rotate, "operand"):
         return tensor
-    with torch.no_grad():
-        return rotate.rotate_weight(tensor.detach())
+    return quantizer_weight(tensor, rotate.operand, rotate.axis)
 
 
 def _same(a: Tensor, b: Tensor) -> bool:

@@ -3,8 +3,9 @@ the format's error is spread over them, which a report's summary numbers cannot 
 
 A scan report keeps sums, not tensors, so the histograms are recomputed from the scanned source
 (a module or a checkpoint): each weight is quantized once more exactly as the scan did (same
-format, options, block axis and stochastic-rounding seed), and an evenly strided sample of at
-most `SAMPLE` values of the weight and of its error is binned. That is one more pass of
+format, options, block axis and stochastic-rounding seed, and the same tensor: W·R where the
+report's rotate rules rotate it, with its scale group's amax, `scan.seen`), and an evenly strided
+sample of at most `SAMPLE` values of that weight and of its error is binned. That is one more pass of
 the scan's own cost, so it runs only up to `MAX_ELEMENTS` weight elements in all (the tiny and
 demo models; docs/reports.md); above, the pages show the block-exponent spread alone.
 """
@@ -19,7 +20,9 @@ import torch
 from qtransform.formats.quantize import quantize_with_info
 from qtransform.passes.fake_quant import first_weight_seed
 from qtransform.scan.report import ScanReport
-from qtransform.scan.weights import config_for, weight_refs
+from qtransform.scan.seen import SeenWeights
+from qtransform.scan.sources import weight_refs
+from qtransform.scan.weights import config_for
 
 MAX_ELEMENTS = 50_000_000
 BINS = 40
@@ -52,13 +55,14 @@ def site_histograms(source: Any, report: ScanReport, *, bins: int = BINS,
     rows = {r.site: r for r in report.rows if r.point == "weight" and len(r.shape) == 2}
     if not rows or sum(math.prod(r.shape) for r in rows.values()) > max_elements:
         return {}
+    refs = [ref for ref in weight_refs(source) if ref.site.name in rows]
+    seen = SeenWeights.of(refs, report.meta.get("rotate"), report.meta.get("scale_groups") or ())
     out = {}
-    for ref in weight_refs(source):
-        row = rows.get(ref.site.name)
-        if row is None:
-            continue
+    for ref in refs:
+        name = ref.site.name
+        row = rows[name]
         cfg = config_for(row.format, row.options).bind(ref.site.reduction_axis)
-        w = ref.load()
-        xq, _, _ = quantize_with_info(w, cfg, seed=first_weight_seed(cfg, ref.site.name, None))
+        w = seen.tensor(name)
+        xq, _, _ = quantize_with_info(w, cfg, seed=first_weight_seed(cfg, name, None), amax=seen.amax(name))
         out[row.site] = {"weight": _hist(w, bins), "error": _hist(xq.float() - w.float(), bins)}
     return out

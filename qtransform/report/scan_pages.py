@@ -23,7 +23,7 @@ from qtransform.scan.compare import Comparison
 from qtransform.scan.recommend import recommend
 from qtransform.scan.render import end_to_end_text, plot_title
 from qtransform.scan.report import ScanReport, SiteRow, expected_for
-from qtransform.scan.sensitivity import SensitivityReport, measure_label
+from qtransform.scan.sensitivity_report import SensitivityReport, measure_label
 
 SPAN_DB = 6.0  # SQNR heatmaps: colors cover at least ±6 dB (one bit), so noise is not drawn red
 Links = Sequence[tuple[str, str]]  # (text, relative href) of the run's other pages

@@ -3,12 +3,16 @@ metadata) and how it is written (parity.json, parity.md, parity.png). `rl/parity
 
 from __future__ import annotations
 
+import json
 import math
-from dataclasses import asdict, dataclass, field
+import os
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from qtransform.core.io import encode_floats, write_json, write_text
+from qtransform.core.io import encode_floats, read_input_text, write_json, write_text
+from qtransform.core.result import decode_numbers, json_file
+from qtransform.errors import UserError
 
 ATTRIBUTION_KEY = "k3_kl"  # sites are ranked by what they add to the floor's k3_kl
 SUMMARY_KEYS = ("kl", "k3_kl", "chi2_token", "chi2_seq", "log_ppl_abs_diff", "ppl_ratio", "ess",
@@ -167,7 +171,24 @@ class ParityReport:
                   f"{t['trainer']:.6f} | {t['engine']:.6f} | {t['delta']:+.3e} |" for t in self.largest]
         return "\n".join(lines) + "\n"
 
-    def write(self, folder: str | Path) -> dict[str, Path]:
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> ParityReport:
+        """Read parity.json (or the folder `save` wrote)."""
+        p = json_file(path, "parity.json")
+        text = read_input_text(p, "parity report (give parity.json or its folder)")
+        try:
+            data = json.loads(text)
+            known = {f.name for f in fields(cls)}
+            values = {k: v if k in _TEXT_FIELDS else decode_numbers(v) for k, v in data.items() if k in known}
+            values["largest"] = [{**t, "text": raw["text"]} for t, raw in zip(values["largest"], data["largest"],
+                                                                                   strict=True)]
+            return cls(**values)
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise UserError(f"{p}: not a parity report this qtransform version can read "
+                            f"({type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}); "
+                            "re-run `qtransform parity`") from None
+
+    def save(self, folder: str | os.PathLike[str]) -> dict[str, Path]:
         """parity.json, parity.md and parity.png (histogram of |Δ|) in `folder`."""
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
@@ -194,6 +215,9 @@ class ParityReport:
         fig.tight_layout()
         fig.savefig(path, dpi=100)
         plt.close(fig)
+
+
+_TEXT_FIELDS = ("phase", "samples", "meta")  # free text: never decoded as numbers
 
 
 def _cell(text: str | None, ids: list[int]) -> str:

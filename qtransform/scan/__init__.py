@@ -4,18 +4,15 @@ per-site sensitivity (sensitivity.py), which all start from one setup (setup.py)
 `ScanReport` they produce (report.py), format comparison (compare.py) and the recommender that
 turns a report into a policy (recommend.py)."""
 
+from qtransform.scan import render  # noqa: F401  (registers ScanReport's renderer)
 from qtransform.scan.activations import scan_activations
+from qtransform.scan.budget import budget_guide, budget_policy, measured_budget
 from qtransform.scan.compare import Comparison
 from qtransform.scan.faults import gain_scan, instability_scan, kurtosis_scan
-from qtransform.scan.recommend import budget_policy, guide, recommend
+from qtransform.scan.recommend import guide, recommend
 from qtransform.scan.report import ScanReport
-from qtransform.scan.sensitivity import (
-    SensitivityReport,
-    budget_guide,
-    measure_policy,
-    measured_budget,
-    site_sensitivity,
-)
+from qtransform.scan.sensitivity import measure_policy, site_sensitivity
+from qtransform.scan.sensitivity_report import SensitivityReport
 from qtransform.scan.setup import CalibrationSpec, ScanSetup, prepare_scan, scan_policy
 from qtransform.scan.weights import compare_formats, scan_weights
 

@@ -7,13 +7,22 @@ relative error ranks formats opposite to SQNR (the trap described in docs/metric
 
 from __future__ import annotations
 
+import json
 import math
+import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+from qtransform.core import io as qio
 from qtransform.core.io import encode_floats
+from qtransform.core.result import decode_numbers, json_file
+from qtransform.errors import UserError
 from qtransform.scan.render import format_metric
 from qtransform.scan.report import ScanReport
+
+SCHEMA = "qtransform.comparison"
+FILES = ("comparison.json", "comparison.md")
 
 COMPARED_METRICS = {  # metric -> True when higher is better
     "sqnr_db": True, "mse": False, "rmse": False, "cosine": True, "max_abs_error": False,
@@ -55,15 +64,46 @@ class Comparison:
         return out
 
     def to_dict(self) -> dict[str, Any]:
+        """Totals, winners, per-layer SQNR and notes (comparison.json adds each format's report)."""
         return encode_floats({
-            "schema": "qtransform.comparison", "schema_version": "1",
+            "schema": SCHEMA, "schema_version": "1",
             "formats": self.formats, "totals": self.totals, "winners": self.winners,
             "layers": self.per_layer(), "notes": self.notes,
             "options": {f: r.meta.get("options", {}) for f, r in self.reports.items()},
             "sites": len(next(iter(self.reports.values())).rows),
         })
 
+    def save(self, out_dir: str | os.PathLike[str]) -> dict[str, Path]:
+        """comparison.json (with each format's report, so `load` reads it whole) and
+        comparison.md, each written atomically."""
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        data = {**self.to_dict(), "reports": {f: r.to_dict() for f, r in self.reports.items()}}
+        return {"json": qio.write_json(out / FILES[0], data),
+                "md": qio.write_text(out / FILES[1], self.markdown())}
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> Comparison:
+        """Read comparison.json (or the folder `save` wrote)."""
+        p = json_file(path, FILES[0])
+        text = qio.read_input_text(p, "format comparison (give comparison.json or its folder)")
+        try:
+            data = json.loads(text)
+            if data.get("schema") != SCHEMA or "reports" not in data:
+                raise ValueError("not a format comparison of this version")
+            reports = {f: ScanReport.from_dict(r) for f, r in data["reports"].items()}
+            return cls(list(data["formats"]), decode_numbers(data["totals"]), dict(data["winners"]),
+                       list(data["notes"]), reports)
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise UserError(f"{p}: not a format comparison this qtransform version can read "
+                            f"({type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}); "
+                            "re-run `qtransform compare`") from None
+
     def to_markdown(self) -> str:
+        """The same as `markdown` (the name README examples use)."""
+        return self.markdown()
+
+    def markdown(self) -> str:
         head = "| metric | " + " | ".join(self.formats) + " | better |"
         lines = [head, "|" + "---|" * (len(self.formats) + 2)]
         for metric in COMPARED_METRICS:

@@ -22,8 +22,10 @@ from qtransform.core.sites import Site
 from qtransform.formats import QuantConfig
 from qtransform.passes.instrument import next_offset, quantizer, sample_rows
 from qtransform.scan.report import ScanReport, SiteRow, build_meta
+from qtransform.scan.seen import scale_groups
 from qtransform.scan.setup import primary_output
-from qtransform.scan.weights import policy_rules, policy_thresholds, source_label
+from qtransform.scan.sources import source_label
+from qtransform.scan.weights import policy_rules, policy_thresholds, rotate_rules
 from qtransform.schemas import Policy
 
 
@@ -199,9 +201,12 @@ def build_report(kind: str, program: Any, policy: Policy, rows: list[SiteRow],
     fmts = sorted({r.format for r in rows if r.format != "none"})
     single = len(fmts) == 1
     options = next((r.options for r in rows if r.format != "none"), {}) if single else {}
+    rotate = rotate_rules(policy)
+    groups = scale_groups(policy, list(program.sites.values()))
     meta = build_meta(kind=kind, source=source_label(program.model),
                       fmt=fmts[0] if single else "mixed", options=options,
-                      quantize=policy_rules(policy), **extra)
+                      quantize=policy_rules(policy), **({"rotate": rotate} if rotate else {}),
+                      **({"scale_groups": groups} if groups else {}), **extra)
     return ScanReport(meta=meta, rows=rows, thresholds=policy_thresholds(policy))
 
 

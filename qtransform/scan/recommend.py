@@ -36,6 +36,7 @@ DEFAULT_TIERS = (1.5, 1.2, 1.0)
 AQN_SCHEDULE = {"kind": "exponential", "sigma_start": 1e-2, "sigma_end": 1e-4, "num_stages": 10}
 KEEP_BELOW, CHANGE_ABOVE = 0.10, 0.30
 SHOWN_DISAGREEMENTS = 6  # sites named per kind of disagreement; the rest are counted
+HIGH_PRECISION_BITS = 16.0  # a site kept out of quantization stays in bf16/fp16
 
 
 @dataclass
@@ -101,13 +102,13 @@ def _rules(report: ScanReport) -> list[dict[str, Any]]:
     return [{"name": "weights", "targets": ["Linear"], "format": fmt, "tensors": ["weight"]}]
 
 
-def _ignoring(rules: list[dict[str, Any]], sites: Sequence[str]) -> list[dict[str, Any]]:
+def ignoring(rules: list[dict[str, Any]], sites: Sequence[str]) -> list[dict[str, Any]]:
     for rule in rules:
         rule["ignore"] = list(dict.fromkeys([*rule.get("ignore", []), *sites]))
     return rules
 
 
-def _validated(policy: dict[str, Any]) -> dict[str, Any]:
+def validated(policy: dict[str, Any]) -> dict[str, Any]:
     load_policy(policy)  # a PolicyError here is a bug in this module, not a user mistake
     return policy
 
@@ -152,7 +153,7 @@ def with_rotation(report: ScanReport, rec: Recommendation, label: str, healed: l
     still = rec.kept_sites or rec.kind == "change_format" or "noise" in rec.policy
     return Recommendation(rec.kind if still else "rotate", rec.share, rec.problematic_layers,
                           rec.kept_layers, rec.kept_sites, text + (" " + rec.text if still else ""),
-                          _validated(policy), rec.ranking, rec.disagreements, healed)
+                          validated(policy), rec.ranking, rec.disagreements, healed)
 
 
 def _by_weight_error(report: ScanReport, tiers: Sequence[float], *, keep_fraction: float,
@@ -177,7 +178,7 @@ def _by_weight_error(report: ScanReport, tiers: Sequence[float], *, keep_fractio
                 f"{fmt} is too coarse for this model; try {new} (check with `qtransform compare MODEL "
                 f"--formats {fmt},{new}`).")
         return Recommendation("change_format", share, bad_layers, [], [], text,
-                              _validated({"version": 1, "quantize": rules}))
+                              validated({"version": 1, "quantize": rules}))
 
     if share < KEEP_BELOW or share > CHANGE_ABOVE or not layers:  # the last two: nothing better to do
         kept = list(dict.fromkeys([r.site for r in report.rows if r.layer in set(bad_layers)] + loose))
@@ -187,8 +188,8 @@ def _by_weight_error(report: ScanReport, tiers: Sequence[float], *, keep_fractio
             f"{100 * share:.0f} % {'of layers are' if layers else 'of sites are'} problematic: keep "
             f"{what} in high precision ({len(kept)} sites) and quantize the rest"
             + (f" ({fmt} has no finer format to move to)." if share > CHANGE_ABOVE else "."))
-        policy = {"version": 1, "quantize": _ignoring(rules, kept)}
-        return Recommendation("keep_high_precision", share, bad_layers, bad_layers, kept, text, _validated(policy))
+        policy = {"version": 1, "quantize": ignoring(rules, kept)}
+        return Recommendation("keep_high_precision", share, bad_layers, bad_layers, kept, text, validated(policy))
 
     budget = max(1, math.floor(keep_fraction * len(layers)))
     kept_layers = sorted(sorted(bad_layers, key=lambda k: (_nan_last(sqnr[k]), k))[:budget])
@@ -198,8 +199,8 @@ def _by_weight_error(report: ScanReport, tiers: Sequence[float], *, keep_fractio
     text = (f"{len(bad_layers)} of {len(layers)} layers ({100 * share:.0f} %) are problematic: keep the "
             f"worst by SQNR ({_layer_text(kept_layers)}) in high precision and train the others with "
             f"SRDD-guided AQN (sigma x{'/'.join(f'{t:g}' for t in tiers)} by SQNR tier, worst first).")
-    policy = {"version": 1, "quantize": _ignoring(rules, kept), "noise": noise}
-    return Recommendation("high_precision_and_aqn", share, bad_layers, kept_layers, kept, text, _validated(policy))
+    policy = {"version": 1, "quantize": ignoring(rules, kept), "noise": noise}
+    return Recommendation("high_precision_and_aqn", share, bad_layers, kept_layers, kept, text, validated(policy))
 
 
 def follow_sensitivity(report: ScanReport, rec: Recommendation, sensitivity: Any,
@@ -249,7 +250,7 @@ def follow_sensitivity(report: ScanReport, rec: Recommendation, sensitivity: Any
                               f"of {total}: the site to keep if one must be.", rec.policy, method, [])
     kept_layers = sorted({report_layer for report_layer in (
         next(r.layer for r in report.rows if r.site == s) for s in kept) if report_layer is not None})
-    policy: dict[str, Any] = {"version": 1, "quantize": _ignoring(_rules(report), kept)}
+    policy: dict[str, Any] = {"version": 1, "quantize": ignoring(_rules(report), kept)}
     if "noise" in rec.policy:
         sqnr = report.layer_sqnr()
         rest = [k for k in report.layers() if k not in kept_layers]
@@ -264,7 +265,7 @@ def follow_sensitivity(report: ScanReport, rec: Recommendation, sensitivity: Any
             + (" and train the others with SRDD-guided AQN." if "noise" in policy else ".")
             + _agree_text(notes))
     return Recommendation(rec.kind, rec.share, rec.problematic_layers, kept_layers, kept, text,
-                          _validated(policy), method, notes)
+                          validated(policy), method, notes)
 
 
 def _agree_text(notes: list[str]) -> str:
@@ -304,11 +305,11 @@ def guide(
         raise UserError("the report has no decoder layers to put AQN on: guide it without AQN")
     policy = {
         "version": 1,
-        "quantize": _ignoring(_rules(report), rec.kept_sites),
+        "quantize": ignoring(_rules(report), rec.kept_sites),
         "noise": aqn_section({k: sqnr[k] for k in rest}, tiers, total_steps=total_steps, layers=rest),
         **({"rotate": rec.policy["rotate"]} if "rotate" in rec.policy else {}),
     }
-    return _validated(policy)
+    return validated(policy)
 
 
 def _nan_last(value: float) -> float:
@@ -317,111 +318,3 @@ def _nan_last(value: float) -> float:
 
 def _layer_text(layers: Sequence[int]) -> str:
     return format_layers(layers) if layers else "none"
-
-
-# -- budgeted mixed precision (from a sensitivity report) ----------------------------------------
-HIGH_PRECISION_BITS = 16.0  # a site kept out of quantization stays in bf16/fp16
-MAX_KNAPSACK_CELLS = 20_000_000
-
-
-@dataclass
-class Budgeted:
-    """The policy that keeps the most sensitive sites in high precision within a budget."""
-
-    policy: dict[str, Any]
-    kept_sites: list[str]
-    method: str  # top-k | knapsack (exact 0/1) | greedy
-    budget: dict[str, float]
-    effective_bits: float  # mean storage bits per weight of the selected sites under the policy
-    predicted: float  # sum of the quantized sites' one-at-a-time sensitivities
-    measured: float | None = None  # the whole policy run end to end (`measure_policy`)
-
-    def to_dict(self) -> dict[str, Any]:
-        return dict(self.__dict__)
-
-
-def budget_policy(report: Any, *, bits: float | None = None, keep: int | None = None,
-                  share: float | None = None, target: float | None = None) -> Budgeted:
-    """Choose the sites to keep in high precision under exactly one budget, from a
-    `SensitivityReport` (additive model: the end-to-end effect of a policy is predicted as the sum
-    of its quantized sites' one-at-a-time sensitivities).
-
-    - `keep` sites / `share` of the sites: the most sensitive ones (optimal under the model);
-    - `bits`: mean effective bits per weight at most `bits`; an exact 0/1 knapsack over parameter
-      counts (in units of their gcd) maximizes the kept sensitivity, greedy by sensitivity per
-      parameter when the table would exceed `MAX_KNAPSACK_CELLS`;
-    - `target`: predicted sensitivity at most `target`, keeping sites greedily by sensitivity per
-      parameter (fewest parameters kept first).
-    """
-    given = {k: v for k, v in (("bits", bits), ("keep", keep), ("share", share), ("target", target))
-             if v is not None}
-    if len(given) != 1:
-        raise UserError("give exactly one budget: bits, keep, share or target")
-    rows = list(report.rows)
-    score = {r.site: max(r.score(), 0.0) if not math.isnan(r.score()) else 0.0 for r in rows}
-    qbits = {r.site: effective_bits(r.format, r.options, numel=r.params) for r in rows}
-    params = {r.site: max(int(r.params), 1) for r in rows}
-    by_score = sorted(rows, key=lambda r: (-score[r.site], r.site))
-    if keep is not None or share is not None:
-        n = int(keep) if keep is not None else math.floor(float(share) * len(rows) + 1e-9)
-        if not 0 <= n <= len(rows):
-            raise UserError(f"keep {n} sites: the report has {len(rows)}")
-        kept, method = [r.site for r in by_score[:n]], "top-k"
-    elif bits is not None:
-        kept, method = _knapsack(rows, score, qbits, params, float(bits))
-    else:
-        kept, rest = [], sum(score.values())
-        for r in sorted(rows, key=lambda r: (-score[r.site] / params[r.site], r.site)):
-            if rest <= float(target):
-                break
-            kept.append(r.site)
-            rest -= score[r.site]
-        method = "greedy"
-    total = sum(params.values())
-    eff = sum(params[s] * (HIGH_PRECISION_BITS if s in kept else qbits[s]) for s in params) / total
-    predicted = sum(v for s, v in score.items() if s not in set(kept))
-    rules = [dict(r) for r in report.meta["quantize"]]
-    policy = _validated({"version": 1, "quantize": _ignoring(rules, kept)})
-    return Budgeted(policy, kept, method, given, eff, predicted)
-
-
-def _knapsack(rows: list[Any], score: dict[str, float], qbits: dict[str, float],
-              params: dict[str, int], bits: float) -> tuple[list[str], str]:
-    """Keep a set of sites maximizing their summed sensitivity with mean bits <= `bits`."""
-    total = sum(params.values())
-    base = sum(params[s] * qbits[s] for s in params)
-    capacity_bits = bits * total - base
-    if capacity_bits < -1e-9 * total:
-        raise UserError(f"{bits:g} bits per weight is below what quantizing every site gives "
-                         f"({base / total:.3f})")
-    cost = {s: params[s] * (HIGH_PRECISION_BITS - qbits[s]) for s in params}
-    unit = math.gcd(*params.values())
-    per = {s: cost[s] / unit for s in cost}
-    cap = capacity_bits / unit
-    # integer costs: every site of one format costs params * (16 - b) / unit, a multiple of the
-    # (rational) bit gap; scale by 4 so the quarter-bit gaps of MX/NVFP4 are integers
-    weight = {s: round(4 * per[s]) for s in per}
-    slots = math.floor(4 * cap + 1e-6)
-    if slots * len(rows) <= MAX_KNAPSACK_CELLS and all(abs(weight[s] - 4 * per[s]) < 1e-6 for s in per):
-        best = [0.0] * (slots + 1)
-        take: list[list[bool]] = []
-        names = [r.site for r in rows]
-        for s in names:
-            row = [False] * (slots + 1)
-            w, v = weight[s], score[s]
-            for c in range(slots, w - 1, -1):
-                if best[c - w] + v > best[c]:
-                    best[c], row[c] = best[c - w] + v, True
-            take.append(row)
-        kept, c = [], slots
-        for i in range(len(names) - 1, -1, -1):
-            if take[i][c]:
-                kept.append(names[i])
-                c -= weight[names[i]]
-        return sorted(kept, key=names.index), "knapsack"
-    kept, used = [], 0.0
-    for r in sorted(rows, key=lambda r: (-score[r.site] / cost[r.site], r.site)):
-        if used + cost[r.site] <= capacity_bits:
-            kept.append(r.site)
-            used += cost[r.site]
-    return kept, "greedy"

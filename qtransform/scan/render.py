@@ -1,7 +1,9 @@
 """Renderers of a `ScanReport`: JSON with the recommendation, CSV, Markdown and a PNG plot.
 
 Presentation lives here, not in the report: the report is data and problem checks, the
-recommendation comes from `recommend`, and each renderer combines the two for one medium.
+recommendation comes from `recommend`, and each renderer combines the two for one medium. The
+report does not import this module: this module registers `save_report` and `to_markdown` as
+the report's renderer when it loads (`report.register_renderer`).
 """
 
 from __future__ import annotations
@@ -12,17 +14,15 @@ import json
 import math
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from qtransform.core import io as qio
 from qtransform.core.io import encode_floats
 from qtransform.scan.grid import grid_line
 from qtransform.scan.recommend import recommend
 from qtransform.scan.remedy import healed_sites
+from qtransform.scan.report import Renderer, ScanReport, register_renderer
 from qtransform.schemas.selectors import format_layers
-
-if TYPE_CHECKING:
-    from qtransform.scan.report import ScanReport
 
 FILES = ("report.json", "report.csv", "report.md", "report.png")
 _PERCENT = ("rel_rmse", "deadzone", "saturation", "mean_rel_error")
@@ -360,3 +360,6 @@ def _md_table(head: list[str], body: list[list[Any]]) -> list[str]:
     return ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)] + [
         "| " + " | ".join(esc(v) for v in row) + " |" for row in body
     ]
+
+
+register_renderer(Renderer(save=save_report, markdown=to_markdown))

@@ -1,5 +1,9 @@
 """`ScanReport`: the result of a scan and its problems, as data (files: `qtransform.scan.render`).
 
+The report does not import its renderer: the renderer reads recommendations, which read reports,
+so `save` and `markdown` reach it through `register_renderer`, which `scan/render.py` calls when
+it loads (the `qtransform.scan` package loads it), as passes register with the pipeline.
+
 One report type serves weight scans and activation scans: a row is one (site, point) with the
 full metric set and the raw accumulator state, so reports can be re-aggregated (per layer, per
 model) after loading without losing precision. The JSON schema is documented in docs/metrics.md;
@@ -13,6 +17,7 @@ import json
 import math
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib.metadata import version
 from pathlib import Path
@@ -26,7 +31,6 @@ from qtransform.core.io import encode_floats
 from qtransform.core.metrics import ErrorStats
 from qtransform.errors import UserError
 from qtransform.formats.expected import expected_error
-from qtransform.scan import render
 from qtransform.schemas import load_policy
 
 SCHEMA = "qtransform.scan_report"
@@ -42,6 +46,28 @@ FLAGGING = ("expected", "absolute")
 HEAVY_TAIL_KURTOSIS = 10.0  # Pearson kurtosis: 3 for a Gaussian; above this, tails dominate blocks
 _POINT_ORDER = {"weight": 0, "input": 1, "output": 2}
 EXPECTED_POINTS = ("weight", "input")  # points quantized directly (outputs: local error of a product)
+
+
+@dataclass(frozen=True)
+class Renderer:
+    """What writes a report's files: `save(report, out_dir)` and its Markdown text."""
+
+    save: Callable[[ScanReport, str | os.PathLike[str]], dict[str, Path]]
+    markdown: Callable[[ScanReport], str]
+
+
+_renderer: list[Renderer] = []
+
+
+def register_renderer(renderer: Renderer) -> None:
+    """Make `renderer` the one `ScanReport.save` and `markdown` use (scan/render.py, on import)."""
+    _renderer[:] = [renderer]
+
+
+def _rendering() -> Renderer:
+    if not _renderer:
+        raise RuntimeError("no ScanReport renderer registered: import qtransform.scan")
+    return _renderer[0]
 
 
 @dataclass(frozen=True)
@@ -323,7 +349,11 @@ class ScanReport:
 
     def save(self, out_dir: str | os.PathLike[str]) -> dict[str, Path]:
         """Write report.json, report.csv, report.md and report.png into out_dir (see `render`)."""
-        return render.save_report(self, out_dir)
+        return _rendering().save(self, out_dir)
+
+    def markdown(self) -> str:
+        """report.md's text: summary, recommendation, per-layer and per-site tables."""
+        return _rendering().markdown(self)
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> ScanReport:
@@ -340,8 +370,8 @@ class ScanReport:
             report.layer_summary()
             report.problems()
             rules = report.meta.get("quantize")
-            if rules is not None:
-                load_policy({"version": 1, "quantize": rules})
+            if rules is not None or report.meta.get("rotate"):
+                load_policy({"version": 1, "quantize": rules or [], "rotate": report.meta.get("rotate") or []})
         except (ValueError, KeyError, TypeError, AttributeError, IndexError) as exc:
             raise UserError(f"{p}: not a scan report this qtransform version can read "
                             f"({type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}); "

@@ -26,10 +26,11 @@ from typing import Any
 
 from qtransform.core import io as qio
 from qtransform.core.io import encode_floats
+from qtransform.core.result import decode_numbers, json_file
 from qtransform.errors import UserError
 from qtransform.scan.render import format_metric
 from qtransform.scan.report import ScanReport
-from qtransform.scan.sensitivity import SensitivityReport
+from qtransform.scan.sensitivity_report import SensitivityReport
 
 SCHEMA = "qtransform.run_comparison"
 SCHEMA_VERSION = "1"
@@ -107,7 +108,7 @@ class RunComparison:
             "sites": sites, "only": self.only,
         })
 
-    def to_markdown(self) -> str:
+    def markdown(self) -> str:
         first = self.runs[0].label
         lines = [f"# {self.kind.capitalize()} runs side by side", ""]
         lines += [f"- {r.label}: `{r.path}` ({_describe(r)})" for r in self.runs]
@@ -129,7 +130,28 @@ class RunComparison:
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
         return {"json": qio.write_json(out / FILES[0], self.to_dict()),
-                "md": qio.write_text(out / FILES[1], self.to_markdown())}
+                "md": qio.write_text(out / FILES[1], self.markdown())}
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> RunComparison:
+        """Read comparison.json (or the folder `save` wrote): the runs as they were aligned."""
+        p = json_file(path, FILES[0])
+        text = qio.read_input_text(p, "run comparison (give comparison.json or its folder)")
+        try:
+            data = json.loads(text)
+            if data.get("schema") != SCHEMA or data.get("schema_version") != SCHEMA_VERSION:
+                raise ValueError(f"not a run comparison of version {SCHEMA_VERSION}")
+            keys = [entry["site"] for entry in data["sites"]]
+            runs = [Run(data["kind"], Path(r["path"]), r["label"], dict(r["meta"]),
+                        {k: decode_numbers(e["values"][i]) for k, e in zip(keys, data["sites"], strict=True)},
+                        decode_numbers(r["summary"]))
+                    for i, r in enumerate(data["runs"])]
+            return cls(data["kind"], runs, float(data["threshold_db"]), keys,
+                       {label: list(sites) for label, sites in data["only"].items()})
+        except (ValueError, KeyError, TypeError, AttributeError, IndexError) as exc:
+            raise UserError(f"{p}: not a run comparison this qtransform version can read "
+                            f"({type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}); "
+                            "re-run `qtransform report`") from None
 
     # -- Markdown pieces ----------------------------------------------------------------------
     def _summary_table(self) -> list[str]:

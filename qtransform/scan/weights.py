@@ -10,11 +10,10 @@ GPT-2 `Conv1D`, fused expert parameters; lm_head included and marked by its role
 only when a policy names them, as the class selector `Linear` does): the very site table that
 plans and transforms use. A fused experts weight [E, ...] is quantized
 expert by expert, as each matrix would be in an nn.Linear; its row sums all experts and lists
-each expert's metrics (`SiteRow.experts`). From a safetensors checkpoint,
-every floating 2-D `*.weight` tensor except embeddings, and the experts sites the loaded model
-would have (fused 3-D tensors, or per-expert matrices merged as transformers merges them). Embeddings are looked up, not multiplied,
-so block quantization of their rows is a different question. Blocks run along the reduction axis
-(axis 0 for Conv1D, which stores [in, out]; GPT-2's `c_attn`/`c_fc`/`c_proj` in checkpoints).
+each expert's metrics (`SiteRow.experts`). Where the tensors come from (a module, a safetensors
+checkpoint): `scan/sources.py`; what a policy's quantizers make of them (W·R, a scale group's
+amax): `scan/seen.py`. Blocks run along the reduction axis (axis 0 for Conv1D, which stores
+[in, out]).
 
 The activation scan (qtransform.scan.activations) feeds the same `ErrorStats` accumulators and
 builds the same `ScanReport` from rows with point "input"/"output".
@@ -24,39 +23,22 @@ from __future__ import annotations
 
 import math
 import os
-import re
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
-from pathlib import Path
+from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
-from safetensors import safe_open
 from torch import nn
 
 from qtransform import formats
-from qtransform.checkpoints.shards import TensorFiles
 from qtransform.core.metrics import BlockExponentHistogram, ErrorStats
 from qtransform.core.progress import Progress
-from qtransform.core.rotation import apply_rotation
-from qtransform.core.scales import fused_groups, weight_amax
-from qtransform.core.sites import (
-    EXPERT_PARAMS,
-    LINEAR_KINDS,
-    ROUTER_ROLE,
-    Site,
-    discover_sites,
-    is_router_path,
-    layer_index,
-    role_of,
-)
+from qtransform.core.sites import Site
 from qtransform.errors import UserError
 from qtransform.formats import QuantConfig
 from qtransform.formats.options import CHOICE_OPTIONS, FORMAT_KEYS
 from qtransform.formats.quantize import quantize_with_info
-from qtransform.models import is_quantized_folder, load_model
 from qtransform.passes.fake_quant import first_weight_seed
-from qtransform.passes.rotate import resolve_rotations
 from qtransform.scan.compare import Comparison
 from qtransform.scan.grid import grid_fit
 from qtransform.scan.remedy import Rotation
@@ -67,162 +49,11 @@ from qtransform.scan.report import (
     build_meta,
     check_flagging,
 )
+from qtransform.scan.seen import SeenWeights, scale_groups
+from qtransform.scan.sources import WeightRef, source_label, weight_refs
 from qtransform.schemas import Selector, load_policy, resolve_quant_rules
-from qtransform.schemas.selectors import compile_entry
 
-GPT2_CONV1D_LEAVES = ("c_attn", "c_fc", "c_proj")
 DEFAULT_TARGET = "Linear"  # what a scan without a policy measures: every linear site but the routers
-_FLOAT_DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64}
-_ROLE_ORDER = ("q", "k", "v", "qkv", "o", "gate", "up", "gate_up", "down", "fc1", "fc2", "router",
-               "experts.gate_up", "experts.up", "experts.down", "other", "lm_head")
-
-
-@dataclass(frozen=True)
-class WeightRef:
-    """One weight to scan: its site and a loader, so that only one tensor is in memory at a time."""
-
-    site: Site
-    load: Callable[[], torch.Tensor]
-
-
-# -- sources ----------------------------------------------------------------------------------
-def module_weights(model: nn.Module) -> list[WeightRef]:
-    """Every Linear-like site of a model (the site table's), in module order."""
-    modules = dict(model.named_modules())
-    refs = []
-    for site in discover_sites(model).values():
-        weight = getattr(modules[site.module_name], site.param or "weight", None)
-        if site.kind in LINEAR_KINDS and isinstance(weight, torch.Tensor):
-            refs.append(WeightRef(site, weight.detach))
-    return refs
-
-
-def is_embedding(name: str) -> bool:
-    """Embedding tables (token, position, type): looked up, never multiplied."""
-    leaf = name.rsplit(".", 1)[-1]
-    return "embed" in leaf or leaf in ("wte", "wpe")
-
-
-_PER_EXPERT_KEY = re.compile(r"^(?P<module>.+\.experts)\.(?P<expert>\d+)\."
-                             r"(?P<leaf>gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
-_PER_EXPERT_PART = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up",
-                    "down_proj": "down", "w2": "down"}
-
-
-def moe_module_name(name: str) -> str:
-    """A checkpoint's MoE module path as transformers 5 names the module (Mixtral checkpoints
-    call the MoE block `block_sparse_moe`; the model's module is `mlp`)."""
-    return name.replace(".block_sparse_moe.", ".mlp.")
-
-
-def checkpoint_weights(path: str | os.PathLike[str]) -> list[WeightRef]:
-    """Linear-like weights of a safetensors checkpoint, read lazily one tensor at a time.
-
-    Mixture-of-experts checkpoints give the sites the loaded model has: fused 3-D expert tensors
-    (`...experts.gate_up_proj`, as a transformers 5 state dict holds them, [E, out, in]) are
-    experts sites as they are; per-expert 2-D tensors (`...experts.<e>.gate_proj.weight`, Mixtral's
-    `w1`/`w3`/`w2`, the layout `save_pretrained` and hub checkpoints use) are merged as
-    transformers merges them on loading: `gate_up_proj` [E, 2I, H] (each expert's gate rows, then
-    its up rows) and `down_proj` [E, H, I]. A `gate` (or `router`, `shared_expert_gate`) beside an
-    `experts` module is a router (`is_router_path`)."""
-    plain: list[tuple[Path, str, tuple[int, ...]]] = []
-    fused: list[tuple[Path, str, tuple[int, ...]]] = []
-    per_expert: dict[str, dict[int, dict[str, tuple[Path, str, tuple[int, ...]]]]] = {}
-    for file in TensorFiles(path).shards:
-        with safe_open(file, framework="pt") as fh:
-            for key in fh.keys():
-                info = fh.get_slice(key)
-                shape = tuple(info.get_shape())
-                if info.get_dtype() not in _FLOAT_DTYPES:
-                    continue
-                found = _PER_EXPERT_KEY.match(key)
-                if found and len(shape) == 2:
-                    module = moe_module_name(found["module"])
-                    parts = per_expert.setdefault(module, {}).setdefault(int(found["expert"]), {})
-                    parts[_PER_EXPERT_PART[found["leaf"]]] = (file, key, shape)
-                elif len(shape) == 3 and key.rsplit(".", 1)[-1] in EXPERT_PARAMS:
-                    fused.append((file, key, shape))
-                elif key.endswith(".weight") and len(shape) == 2 and not is_embedding(key[: -len(".weight")]):
-                    plain.append((file, key, shape))
-    refs = [_merged_experts(module, experts, plain) for module, experts in per_expert.items()]
-    refs = [ref for group in refs for ref in group]
-    experts_modules = {moe_module_name(key).rsplit(".", 1)[0] for _, key, _ in fused} | set(per_expert)
-    for file, key, shape in fused:
-        name = moe_module_name(key)
-        refs.append(WeightRef(Site(name=name, cls_name="Experts", kind="experts", layer=layer_index(name),
-                                   role=EXPERT_PARAMS[name.rsplit(".", 1)[-1]], weight_shape=shape,
-                                   param=name.rsplit(".", 1)[-1]), _loader(file, key)))
-    for file, key, shape in plain:
-        name = moe_module_name(key[: -len(".weight")])
-        kind = "conv1d" if name.rsplit(".", 1)[-1] in GPT2_CONV1D_LEAVES else "linear"
-        router = is_router_path(name, experts_modules)
-        site = Site(
-            name=name, cls_name="Router" if router else "Conv1D" if kind == "conv1d" else "Linear",
-            kind=kind, layer=layer_index(name), role=ROUTER_ROLE if router else role_of(name, kind),
-            weight_shape=shape, weight_transposed=kind == "conv1d",
-        )
-        refs.append(WeightRef(site, _loader(file, key)))
-    return sorted(refs, key=_site_order)
-
-
-def _merged_experts(module: str, experts: dict[int, dict[str, tuple[Path, str, tuple[int, ...]]]],
-                    plain: list[tuple[Path, str, tuple[int, ...]]]) -> list[WeightRef]:
-    """The fused experts sites of one module's per-expert tensors; when the set is not complete
-    (an expert or a matrix missing) the tensors stay separate 2-D sites (appended to `plain`)."""
-    count = len(experts)
-    layout = set(experts.get(0, {}))
-    if (sorted(experts) != list(range(count)) or any(set(p) != layout for p in experts.values())
-            or not {"up", "down"} <= layout):
-        plain.extend(entry for parts in experts.values() for entry in parts.values())
-        return []
-    refs = []
-    up = ["gate", "up"] if "gate" in layout else ["up"]
-    for param, pieces in (("gate_up_proj" if len(up) == 2 else "up_proj", up), ("down_proj", ["down"])):
-        entries = [[experts[e][p] for p in pieces] for e in range(count)]
-        rows = sum(entry[2][0] for entry in entries[0])
-        shape = (count, rows, entries[0][0][2][1])
-        name = f"{module}.{param}"
-        refs.append(WeightRef(Site(name=name, cls_name="Experts", kind="experts", layer=layer_index(name),
-                                   role=EXPERT_PARAMS[param], weight_shape=shape, param=param),
-                              _stacked_loader(entries)))
-    return refs
-
-
-def _stacked_loader(entries: list[list[tuple[Path, str, tuple[int, ...]]]]) -> Callable[[], torch.Tensor]:
-    """Each expert's matrices concatenated along the output rows, experts stacked on axis 0."""
-    def load() -> torch.Tensor:
-        return torch.stack([torch.cat([_loader(file, key)() for file, key, _ in parts]) for parts in entries])
-
-    return load
-
-
-def _loader(file: Path, key: str) -> Callable[[], torch.Tensor]:
-    def load() -> torch.Tensor:
-        # Opened per tensor: a long-lived handle keeps every page it has read mapped (and counted
-        # in RSS); reopening bounds memory by the current tensor for the price of a header parse.
-        with safe_open(file, framework="pt") as fh:
-            return fh.get_tensor(key)
-
-    return load
-
-
-def _site_order(ref: WeightRef) -> tuple:
-    site = ref.site
-    role = _ROLE_ORDER.index(site.role) if site.role in _ROLE_ORDER else len(_ROLE_ORDER)
-    return (site.layer is None, site.layer or 0, role, site.name)
-
-
-def weight_refs(source: nn.Module | str | os.PathLike[str]) -> list[WeightRef]:
-    """The weights of a module, or of a safetensors file / folder."""
-    if isinstance(source, nn.Module):
-        return module_weights(source)
-    if is_quantized_folder(source):  # packed tensors: read them through our decompression
-        return module_weights(load_model(source))
-    return checkpoint_weights(source)
-
-
-def source_label(source: Any) -> str:
-    return type(source).__name__ if isinstance(source, nn.Module) else str(source)
 
 
 # -- formats and options ----------------------------------------------------------------------
@@ -264,42 +95,6 @@ def policy_configs(policy: Any, sites: Sequence[Site]) -> dict[str, QuantConfig]
     return out
 
 
-def share_amax(policy: Any, refs: Sequence[WeightRef]) -> dict[str, torch.Tensor]:
-    """Site name -> the tensor-level amax of its weight where its rule shares one (`share_scale`:
-    "fused" siblings or explicit groups): the largest amax of its group, as the transformed
-    model's `ScaleGroup` computes it, of the weights as the fake quantizer sees them (W·R where
-    the policy rotates them, as stored where the rotation is stored), so the scan measures the
-    weights the model uses. Each member of a group is read once more for it."""
-    sites = [r.site for r in refs]
-    by_name = {r.site.name: r for r in refs}
-    loaded = load_policy(policy)
-    rules = loaded.quantize
-    rotations = resolve_rotations(loaded.rotate, sites)
-
-    def seen(site) -> torch.Tensor:
-        w, rotation = by_name[site.name].load(), rotations.get(site.name)
-        return w if rotation is None else apply_rotation(w, rotation.operand, site.reduction_axis)
-
-    owner = {name: rule for (name, tensor), (_, rule) in resolve_quant_rules(rules, sites).items()
-             if tensor == "weight"}
-    out: dict[str, torch.Tensor] = {}
-    for rule in rules:
-        cfg = rule.config()
-        if rule.share_scale == "tensor" or not cfg.family.per_tensor(cfg):
-            continue
-        own = [s for s in sites if owner.get(s.name) is rule]
-        if rule.share_scale == "fused":
-            groups = [g for g in fused_groups(sites) if all(owner.get(s.name) is rule for s in g)]
-        else:
-            groups = [[s for s in own if any(compile_entry(p).matches(s) for p in patterns)]
-                      for patterns in rule.share_scale]
-        for group in (g for g in groups if g):
-            amax = torch.stack([weight_amax(seen(s), s.kind == "experts")
-                                for s in group]).amax(dim=0)
-            out.update(dict.fromkeys((s.name for s in group), amax))
-    return out
-
-
 def policy_thresholds(policy: Any) -> dict[str, float]:
     pol = load_policy(policy)
     if pol.instrument is None:
@@ -310,6 +105,11 @@ def policy_thresholds(policy: Any) -> dict[str, float]:
 def policy_rules(policy: Any) -> list[dict[str, Any]]:
     """The policy's quantize rules as JSON dicts (recommendations edit copies of them)."""
     return [r.model_dump(mode="json", exclude_defaults=True) for r in load_policy(policy).quantize]
+
+
+def rotate_rules(policy: Any) -> list[dict[str, Any]]:
+    """The policy's rotate rules as JSON dicts (a report records what its weights were rotated by)."""
+    return [r.model_dump(mode="json", exclude_defaults=True) for r in load_policy(policy).rotate]
 
 
 # -- measuring one tensor ---------------------------------------------------------------------
@@ -324,7 +124,7 @@ def measure(
     fused experts weight is measured expert by expert and merged (`measure_experts`). Stochastic
     rounding draws what the transformed model's first forward draws for this weight
     (`passes.fake_quant.first_weight_seed`), so the scan measures that very tensor. `amax` is a
-    shared tensor-level amax (`share_amax`; one per expert for a fused experts weight).
+    shared tensor-level amax (`SeenWeights.amax`; one per expert for a fused experts weight).
     """
     if site.kind == "experts":
         stats, hist, _ = measure_experts(w, site, cfg, amax)
@@ -468,21 +268,21 @@ def scan_weights(
     default = config_for(fmt, options) if fmt is not None else None
     rot = _rotation(rotation)
     pairs = _select(weight_refs(source), policy)
-    shared = share_amax(policy, [r for r, _ in pairs]) if default is None else {}
-    rotations = resolve_rotations(load_policy(policy).rotate, [r.site for r, _ in pairs]) if policy is not None else {}
+    rotate = rotate_rules(policy) if policy is not None else []
+    groups = scale_groups(policy, [r.site for r, _ in pairs]) if default is None else []
+    seen = SeenWeights.of([r for r, _ in pairs], rotate, groups)
     rows = []
     grids = {}
     with _progress([r for r, _ in pairs], progress, f"scan {fmt or 'policy'}") as bar:
         for ref, by_policy in pairs:
             cfg = default or by_policy
             assert cfg is not None
+            name = ref.site.name
             w = ref.load()
             if (fit := grid_fit(w)) is not None:  # the stored weight, before any rotation
-                grids[ref.site.name] = fit.to_dict()
-            rotation = rotations.get(ref.site.name)
-            if rotation is not None:  # the policy rotates it: measure the weight quantized, W·R
-                w = apply_rotation(w, rotation.operand, ref.site.reduction_axis)
-            row = _measured_row(ref, w, cfg, shared.get(ref.site.name))[0]
+                grids[name] = fit.to_dict()
+            w = seen.tensor(name, w)  # W·R where the policy rotates it: what is quantized
+            row = _measured_row(ref, w, cfg, seen.amax(name))[0]
             rotated = _rotated_row(ref, w, cfg, rot) if rot is not None else None
             if rot is not None and rotated is not None:
                 row.remedies = {rot.label: {"metrics": rotated[1].result(), "state": rotated[1].state()}}
@@ -493,6 +293,7 @@ def scan_weights(
     meta = build_meta(
         kind="weight_scan", source=source_label(source), fmt=fmts[0] if len(fmts) == 1 else "mixed",
         options=default.options() if default else {}, quantize=_rules(policy, default), grids=grids,
+        **({"rotate": rotate} if rotate else {}), **({"scale_groups": groups} if groups else {}),
         **({"rotation": rot.label} if rot is not None else {}),
     )
     return ScanReport(meta=meta, rows=rows, thresholds=_limits(policy, thresholds),

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from qtransform.scan.report import ScanReport
-from qtransform.scan.sensitivity import SensitivityReport
+from qtransform.scan.sensitivity_report import SensitivityReport
 from tests.report.browser import dump_dom, pixel_std, screenshot
 from tests.report.test_page import network_references
 

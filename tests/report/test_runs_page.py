@@ -27,7 +27,7 @@ def _parity(folder, coarse_format: str) -> None:
         {"targets": [COARSE], "format": coarse_format, "block_size": 32}]}
     model = qtransform.transform(tiny_qwen2(), policy)
     parity(model, HFEngine(tiny_qwen2()), PROMPTS, max_new_tokens=6, attribute=True,
-           temperature=0.7).write(folder)
+           temperature=0.7).save(folder)
 
 
 def test_parity_runs_side_by_side(tmp_path):

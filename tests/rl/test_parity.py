@@ -45,7 +45,7 @@ def test_an_engine_with_the_rollout_weights_has_no_gap_and_a_clean_one_shows_it(
     train = parity(model, HFEngine(served), PROMPTS, max_new_tokens=6, phase="train")
     assert train.max_abs_delta > 0
 
-    paths = gap.write(tmp_path)
+    paths = gap.save(tmp_path)
     data = json.loads(paths["json"].read_text())
     assert data["max_abs_delta"] == gap.max_abs_delta and len(data["largest"]) == min(10, gap.tokens)
     assert "| sequence | position | token |" in paths["markdown"].read_text()

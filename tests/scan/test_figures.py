@@ -15,7 +15,8 @@ from qtransform.models import build_tiny
 from qtransform.scan import scan_weights
 from qtransform.scan.activations import scan_activations
 from qtransform.scan.render import report_figure
-from qtransform.scan.sensitivity import LABELED, short_name, site_sensitivity
+from qtransform.scan.sensitivity import site_sensitivity
+from qtransform.scan.sensitivity_report import LABELED, short_name
 from tests.conftest import ids
 
 W4A4 = {"version": 1, "quantize": [{"targets": ["Linear"], "format": "mxfp4", "tensors": ["weight", "input"]}]}

@@ -90,7 +90,7 @@ def test_compare_puts_the_rotated_format_beside_each_format():
     assert rows[PLANTED].metrics["sqnr_db"] == pytest.approx(
         reference_sqnr(weight, Rotation("hadamard", 32)), abs=0.02)
     assert result.reports["mxfp4 with hadamard-32"].meta["rotation"] == "hadamard-32"
-    assert "mxfp4 with hadamard-32" in result.to_markdown()
+    assert "mxfp4 with hadamard-32" in result.markdown()
 
 
 def test_compare_counts_sites_the_rotation_does_not_fit_unrotated():
@@ -211,7 +211,8 @@ def hand_rotated_kl(model: torch.nn.Module, site: str, ids: torch.Tensor) -> flo
 
 
 def test_sensitivity_measures_each_site_with_and_without_the_rotation(tmp_path):
-    from qtransform.scan.sensitivity import SensitivityReport, site_sensitivity
+    from qtransform.scan.sensitivity import site_sensitivity
+    from qtransform.scan.sensitivity_report import SensitivityReport
 
     model = act_outliers()
     ids = torch.randint(0, 256, (4, 16), generator=torch.Generator().manual_seed(2))

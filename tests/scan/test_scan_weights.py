@@ -21,11 +21,8 @@ from qtransform.errors import UserError
 from qtransform.formats import block_exponents
 from qtransform.scan.render import FILES
 from qtransform.scan.report import ScanReport
-from qtransform.scan.weights import (
-    checkpoint_weights,
-    compare_formats,
-    scan_weights,
-)
+from qtransform.scan.sources import checkpoint_weights
+from qtransform.scan.weights import compare_formats, scan_weights
 from qtransform.schemas import load_policy
 from tests.helpers import assert_metrics, assert_untouched, metrics_f64, mxfp4_f64, snapshot
 
@@ -209,7 +206,7 @@ def test_compare_sums_accumulators_and_explains_mean_relative_error(tiny):
     assert result.winners["mean_rel_error"] == "mxfp8_e4m3"
     assert len(result.notes) == 1 and "deadzone" in result.notes[0] and "SQNR" in result.notes[0]
     data = json.loads(json.dumps(result.to_dict()))
-    assert data["winners"]["mse"] == "mxfp6_e2m3" and "| sqnr_db |" in result.to_markdown()
+    assert data["winners"]["mse"] == "mxfp6_e2m3" and "| sqnr_db |" in result.markdown()
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
@@ -286,7 +283,7 @@ def test_compare_shows_per_layer_sqnr_and_where_the_winner_differs():
             assert layers[layer]["sqnr_db"][fmt] == pytest.approx(10 * math.log10(signal / error), rel=1e-12)
     assert (layers[0]["winner"], layers[1]["winner"]) == ("mxfp6_e2m3", "mxfp8_e4m3")
     assert layers[None]["sites"] == 1  # lm_head, outside layers
-    md = result.to_markdown()
+    md = result.markdown()
     overall = result.winners["sqnr_db"]
     table = {line.split(" | ")[0].strip("| "): line for line in md.split("## Per layer")[1].splitlines()
              if line.startswith("| ") and not line.startswith("| layer")}
@@ -328,7 +325,9 @@ def test_a_shared_global_scale_is_scanned_as_the_transformed_model_quantizes(sha
     import qtransform
     from qtransform.formats.quantize import quantize_with_info
     from qtransform.models import build_tiny
-    from qtransform.scan.weights import WeightRef, policy_configs, share_amax, weight_refs
+    from qtransform.scan.seen import SeenWeights, scale_groups
+    from qtransform.scan.sources import WeightRef, weight_refs
+    from qtransform.scan.weights import policy_configs
 
     model = build_tiny("qwen2")
     rule = {"name": "w", "targets": ["Linear"], "ignore": ["lm_head"], "format": "nvfp4",
@@ -336,7 +335,8 @@ def test_a_shared_global_scale_is_scanned_as_the_transformed_model_quantizes(sha
     policy = {"version": 1, "quantize": [rule]}
     seen = dict(qtransform.rollout_weights(qtransform.transform(model, policy)))
     refs: list[WeightRef] = [r for r in weight_refs(model) if r.site.name != "lm_head"]
-    amax = share_amax(policy, refs)
+    view = SeenWeights.of(refs, groups=scale_groups(policy, [r.site for r in refs]))
+    amax = {r.site.name: a for r in refs if (a := view.amax(r.site.name)) is not None}
     members = ["model.layers.0.mlp.gate_proj", "model.layers.0.mlp.up_proj"]
     assert set(members) <= set(amax) and torch.equal(amax[members[0]], amax[members[1]])
     configs = policy_configs(policy, [r.site for r in refs])

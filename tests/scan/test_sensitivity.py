@@ -21,13 +21,9 @@ from scipy.stats import spearmanr
 from qtransform.formats.expected import expected_error
 from qtransform.models import build_tiny
 from qtransform.scan import scan_weights
-from qtransform.scan.recommend import budget_policy
-from qtransform.scan.sensitivity import (
-    SensitivityReport,
-    SensitivityRow,
-    _Reference,
-    site_sensitivity,
-)
+from qtransform.scan.budget import budget_policy
+from qtransform.scan.sensitivity import _Reference, site_sensitivity
+from qtransform.scan.sensitivity_report import SensitivityReport, SensitivityRow
 from tests.helpers import mxfp4_f64
 
 OUTLIER = "model.layers.1.self_attn.o_proj"

@@ -11,16 +11,17 @@ import torch
 from torch import Tensor
 
 from qtransform.core.lora import apply_chain, delta_rotations, deltas, merge
+from qtransform.core.scales import quantizer_weight
 from qtransform.export.checkpoint.collect import LinearExport
 
 
 def source_weight(entry: LinearExport) -> Tensor:
     """The weight of `entry` as its checkpoint starts from (rotation and merged LoRA included)."""
-    weight = entry.module.weight.detach()
     rotation = entry.rotation
+    rotated = rotation is not None and rotation.enabled and not getattr(rotation, "stored_weight", False)
+    weight = quantizer_weight(entry.module.weight, rotation.operand if rotated else None,
+                              rotation.axis if rotated else -1)
     with torch.no_grad():
-        if rotation is not None and not getattr(rotation, "stored_weight", False):
-            weight = rotation.rotate_weight(weight)
         if entry.lora is None or entry.lora.merged:  # PEFT's merge already put s B A into W
             return weight
         rotations = delta_rotations(entry.module)
