@@ -21,6 +21,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from qtransform.checkpoints.shards import TensorFiles
 from qtransform.core.sites import (
     EXPERT_PARAMS,
     LINEAR_KINDS,
@@ -32,7 +33,6 @@ from qtransform.core.sites import (
     role_of,
 )
 from qtransform.models import is_quantized_folder, load_model
-from qtransform.checkpoints.shards import TensorFiles
 
 GPT2_CONV1D_LEAVES = ("c_attn", "c_fc", "c_proj")
 _FLOAT_DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64}
