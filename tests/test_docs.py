@@ -138,7 +138,8 @@ def test_every_path_a_docstring_or_comment_names_exists(folder):
 
 
 def test_nothing_names_an_issue_number():
-    texts = {p: p.read_text(encoding="utf-8") for p in [*DOCS, REPO / ".ci" / "run", *(REPO / "benches").glob("*.sh")]}
+    whole = [*DOCS, REPO / ".ci" / "run", *(REPO / "benches").glob("*.sh")]
+    texts = {p: p.read_text(encoding="utf-8") for p in whole}
     texts |= {p: prose(p) for p in sources(*CODE_ROOTS, "tests", "tests_vllm", "tests_llmc", ".ci")}
     found = [f"{p.relative_to(REPO)}: {m}" for p, text in texts.items() for m in ISSUE.findall(text)]
     assert not found, f"say what, not which issue: {found}"
