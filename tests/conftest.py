@@ -8,8 +8,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests import machine
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 torch.set_num_threads(1)
+
+
+def pytest_report_header(config) -> list[str]:
+    return machine.header()
 
 REPO = Path(__file__).resolve().parents[1]
 

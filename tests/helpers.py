@@ -61,6 +61,31 @@ def assert_metrics(got: dict, want: dict, rel: float = 1e-9) -> None:
         assert got[key] == pytest.approx(value, rel=rel, abs=1e-300), key
 
 
+# -- another library's GEMM -----------------------------------------------------------------
+
+def gemm_rounding(x: torch.Tensor, w: torch.Tensor, ulps: float = 4.0) -> torch.Tensor:
+    """Per element of x @ w.T: how far another library's GEMM (onnxruntime's MLAS, vLLM's
+    kernels) may land from PyTorch's on the very same operands. Both sum the same K products in
+    their own order (block sizes and SIMD width follow the CPU: AVX2 and AVX-512 give different
+    last bits), and each partial sum rounds with relative error <= eps of the dtype; over K terms
+    the error grows like sqrt(K) (the statistical bound; the worst case is K) times the sum of
+    the |products|, not of their signed sum, which may cancel. So: ulps * eps * sqrt(K) *
+    (|x| @ |w|.T) + ulps * eps * |x @ w.T| (the bias add and the final rounding). A fake-quant
+    or layout mistake moves an output by a quantization step, orders of magnitude more. In
+    float64, the dtype of the comparison in `assert_within`."""
+    eps = torch.finfo(x.dtype).eps
+    k = x.shape[-1]
+    xd, wd = x.detach().double(), w.detach().double()
+    return ulps * eps * (math.sqrt(k) * (xd.abs() @ wd.abs().T) + (xd @ wd.T).abs())
+
+
+def assert_within(got: torch.Tensor, want: torch.Tensor, bound: torch.Tensor, what: str = "") -> None:
+    """|got - want| <= bound elementwise, in float64 (the bound from `gemm_rounding`)."""
+    err = (got.double() - want.double()).abs()
+    worst = float((err / bound.clamp_min(torch.finfo(torch.float64).tiny)).max())
+    assert bool((err <= bound).all()), f"{what}: |diff| up to {worst:.3g}x the rounding bound"
+
+
 # -- "the user's model is untouched" ----------------------------------------------------------
 
 _HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks",

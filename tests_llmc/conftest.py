@@ -11,4 +11,11 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch  # noqa: E402
 
+from tests import machine  # noqa: E402
+
 torch.set_num_threads(1)
+
+
+def pytest_report_header(config) -> list[str]:
+    return [*machine.header(), f"llmcompressor {machine.version('llmcompressor')}, "
+                               f"compressed-tensors {machine.version('compressed-tensors')}"]

@@ -1,4 +1,4 @@
-"""llm-compressor's saved checkpoints opened by qtransform's own reader (issue 30, point 4):
+"""llm-compressor's saved checkpoints opened by qtransform's own reader:
 for every preset scheme, the decompressed weights equal compressed-tensors' own decompression
 (transformers with compressed-tensors, bf16) bit for bit, and transforming the opened model with
 `checkpoint_policy` gives llm-compressor's quantized model's logits bit for bit."""

@@ -12,9 +12,14 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+from tests import machine  # noqa: E402
 from tests.tiny_rl import save_folder, tiny_qwen2  # noqa: E402
 
 torch.set_num_threads(1)
+
+
+def pytest_report_header(config) -> list[str]:
+    return [*machine.header(), f"vllm {machine.version('vllm')}"]
 
 
 @pytest.fixture(scope="session")

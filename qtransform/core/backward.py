@@ -1,4 +1,4 @@
-"""The backward GEMMs of a fake-quantized Linear, per role (issue 32).
+"""The backward GEMMs of a fake-quantized Linear, per role.
 
 By default a fake-quantized Linear's gradient is the straight-through estimator through the
 forward's quantized operands: dX = G·Q(W), dW = Gᵀ·Q(X), G unquantized ("dequantized"). A

@@ -4,8 +4,8 @@
  * One pass per block: amax, scale, then every element with exactly the fp32 operations of the
  * torch reference path (qtransform/formats/{mx,nvfp4,intgroup,elements}.py), so the results are
  * bit-identical. The statistics kernel (qf_stats, end of file) does the float64 element math of
- * qtransform/metrics.py. Must be compiled without -ffast-math and with -ffp-contract=off: a fused
- * multiply-add or a reassociation would change roundings. Plain C (GCC vector extensions for
+ * qtransform/core/metrics.py. Must be compiled without -ffast-math and with -ffp-contract=off: a
+ * fused multiply-add or a reassociation would change roundings. Plain C (GCC vector extensions for
  * the statistics and, on AVX-512 builds, for rows of whole blocks: see "Vector path"), no torch
  * headers.
  */

@@ -28,7 +28,7 @@ Why the results are the same bits as the reference:
   every NaN written is the canonical quiet NaN of the output dtype.
 
 `TRITON_INTERPRET=1` (set before importing triton) runs the same kernels on CPU tensors:
-tests/test_triton_kernels.py checks them there against the reference, bit for bit.
+tests/formats/test_triton_kernels.py checks them there against the reference, bit for bit.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@
 Everything works on the sampled tokens' log-probs, [batch, tokens], with r = trainer - rollout
 per token, and returns per-token factors for the policy loss (0 on padding), detached: the
 weights change the measure, not the objective. Names and semantics follow verl's rollout
-correction (verl/trainer/ppo/rollout_corr_helper.py, docs/algo/rollout_corr.md, Jan 2026):
+correction (verl/trainer/ppo/rollout_corr_helper.py, verl/docs/algo/rollout_corr.md, Jan 2026):
 
 - `importance_weights`: `level` "token" (exp r per token), "sequence" (exp Σ r, one weight per
   sequence, verl's rollout_is="sequence") or "geometric" (exp of the sequence's mean r); log-ratios

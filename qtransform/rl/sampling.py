@@ -4,7 +4,7 @@ Engines sample from logits processed by temperature, top-k, top-p and min-p, and
 sampled token's log-prob under that processed, renormalized distribution (vLLM with
 `logprobs_mode="processed_logprobs"`, as TRL starts it; transformers' `generate` scores). A
 trainer that scores the full vocabulary at temperature 1 sees a gap that is the sampler, not the
-numerics (TRL #6789: a model against itself at top-p 0.8 shows a spurious KL). `Sampling`
+numerics (huggingface/trl#6789: a model against itself at top-p 0.8 shows a spurious KL). `Sampling`
 replays the sampler on any logits, so both sides are compared on the same distribution.
 
 The steps, each on the distribution the previous one left (renormalized), in fp32 as both

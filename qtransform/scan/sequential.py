@@ -17,7 +17,7 @@ scan reads a safetensors checkpoint instead and keeps one decoder layer's weight
 4. the final norm and the LM head turn both streams into logits for the end-to-end comparison.
 
 Each site sees the same inputs, in the same batch order, as in the in-memory scan, so the report
-is the same bit for bit (tests/test_scan_sequential.py). Peak memory: one layer (plus the
+is the same bit for bit (tests/scan/test_scan_sequential.py). Peak memory: one layer (plus the
 embedding or the head while they run) and the two streams' hidden states of the whole
 calibration set, `2 x samples x tokens x hidden` elements.
 

@@ -4,7 +4,7 @@ qtransform policies: what `MXFP8Linear` / `mx_mm` compute in the three GEMMs of 
 Read from torchao 0.18.0 (`prototype/moe_training/mxfp8_linear.py`, `prototype/mx_formats/mx_tensor.py`
 `to_mx` and `_to_mx_rceil`) and checked bit for bit on CPU against its emulated kernels
 (`KernelPreference.EMULATED`: each operand quantized, dequantized to the input dtype, `torch.mm`),
-which compute what its GPU kernels compute: tests/training/test_torchao_presets.py.
+which compute what its GPU kernels compute: tests/training/test_training_presets.py.
 
 - forward: X and W in MXFP8 E4M3 blocks of 32 along the input features;
 - dgrad: G along the output features, W along the output features (a second copy, from the

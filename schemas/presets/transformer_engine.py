@@ -5,7 +5,7 @@ Read from Transformer Engine main (d0067d0, 2026-08): `common/recipe/__init__.py
 switches and `NVTE_*` variables), `pytorch/custom_recipes/reference_nvfp4.py` (the Python reference
 of the NVFP4 quantizer: order of operations, 2-D tiles, the Hadamard with its fixed signs),
 `common/util/ptx_arch_spec.cuh` `float_to_e8m0` (MXFP8's scale) and the NVFP4/MXFP8 user guides
-(docs/features/low_precision_training/). docs/training.md gives each rule's source line by line.
+(TransformerEngine/docs/features/low_precision_training/). docs/training.md gives each rule's source line by line.
 
 - NVFP4BlockScaling: E2M1 elements, E4M3 block scales and one fp32 scale per quantized copy, in
   NVIDIA's order (qtransform's default `nvfp4_variant`); weights in 16x16 tiles (one copy serves

@@ -1,4 +1,4 @@
-"""Quantized checkpoints opened back (issue 30, point 4): folders packed here by hand in the
+"""Quantized checkpoints opened back: folders packed here by hand in the
 compressed-tensors and ModelOpt layouts from qtransform's own encoded tensors
 (`formats.encode`), so the reader's unpacking is checked against an independent encoder, bit
 for bit; and every layout it does not know is refused with an error that names it.

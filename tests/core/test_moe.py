@@ -1,4 +1,4 @@
-"""Mixture-of-experts models: fused experts are sites everywhere (issue 15).
+"""Mixture-of-experts models: fused experts are sites everywhere.
 
 Tiny Mixtral, Qwen2-MoE and Qwen3-MoE built from configs (4 experts, 2 per token, seeded
 weights). References are computed independently: a deep copy whose weights are replaced by the

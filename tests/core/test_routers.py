@@ -1,4 +1,4 @@
-"""MoE routers stay in high precision unless a rule names them (issue 29, point 5).
+"""MoE routers stay in high precision unless a rule names them.
 
 Every deployment stack keeps routers unquantized (llm-compressor's `re:.*mlp.gate$`, ModelOpt's
 disabled router quantizers, vLLM's unquantized gate), so class selectors such as `Linear` pass
@@ -153,7 +153,7 @@ def test_linear_never_reaches_an_nn_linear_router():
 
 
 def test_mlp_gate_never_matches_gate_up_proj():
-    """verl PR #7519: substring matching let `mlp.gate` swallow `mlp.gate_up_proj`. Here a glob
+    """volcengine/verl#7519: substring matching let `mlp.gate` swallow `mlp.gate_up_proj`. Here a glob
     matches whole dotted parts and a regex the whole name: Phi-3's nn.Linear `mlp.gate_up_proj`
     and Qwen3-MoE's fused `mlp.experts.gate_up_proj` are never taken."""
     config = tf.Phi3Config(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1,

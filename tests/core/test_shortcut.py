@@ -70,7 +70,7 @@ def test_every_linear_of_a_w4a16_model_takes_the_shortcut():
 
 
 def test_a_forward_with_unchanged_weights_checks_each_weight_once_and_calls_no_quantizer():
-    """Issue 36, point 5, counted: outside a rollout block each forward checks each cached weight
+    """The weight checks counted: outside a rollout block each forward checks each cached weight
     once (at its entry) and reads none of them; a generate() call checks them at its first
     forward only; no fake quantizer runs as a module."""
     model = _model()

@@ -249,13 +249,13 @@ def expected(x: np.ndarray) -> dict:
 def main(seed: int = 20) -> dict:
     rng = np.random.default_rng(seed)
     cases = []
-    # the pair from issue #20: (amax_b * g) * (1/6) lands on 21.0, a tie that goes to 20;
+    # the hand-worked pair of test_formats_nvfp4_order.py: (amax_b * g) * (1/6) lands on 21.0, a tie that goes to 20;
     # NVIDIA's order gives 21.000002 and the scale 22
-    issue = _row(rng, from_bits(["0x40d1e04e"])[0], np.zeros(16, dtype=np.float32))
-    issue[16:] = _filler(rng, from_bits(["0x3e9d683a"])[0], 16)
-    issue[16 + 5] = from_bits(["0x3e9d683a"])[0]
-    cases.append({"name": "issue20_scale_20_vs_22", "variant": "default", "stage": "scale",
-                  "alternative": "(a*g)*sixth", "input_hex": bits(issue)})
+    pair = _row(rng, from_bits(["0x40d1e04e"])[0], np.zeros(16, dtype=np.float32))
+    pair[16:] = _filler(rng, from_bits(["0x3e9d683a"])[0], 16)
+    pair[16 + 5] = from_bits(["0x3e9d683a"])[0]
+    cases.append({"name": "hand_worked_scale_20_vs_22", "variant": "default", "stage": "scale",
+                  "alternative": "(a*g)*sixth", "input_hex": bits(pair)})
     for variant in VARIANTS:
         for stage, alt in ALTERNATIVES[variant]:
             rows = (search_elements(rng, variant, alt, 2) if stage == "elem"

@@ -48,7 +48,7 @@ POLICIES: dict[str, dict[str, Any]] = {
         "noise": {"targets": ["RMSNorm"], "schedule": NOISY, "resample": "forward", "apply_during": "both"},
         "hw_error": {**LINEAR, "error_type": "absolute_gaussian", "error_scale": 0.01,
                      "injection_point": "input", "apply_during": "train"}},
-    # issue 32: the backward GEMMs quantized per role (Transformer Engine's NVFP4 recipe: stochastic
+    # the backward GEMMs quantized per role (Transformer Engine's NVFP4 recipe: stochastic
     # gradient rounding, the forward's weight, a random Hadamard on wgrad), and high precision
     "nvfp4_backward_quantized": {"quantize": [{
         **LINEAR, "format": "nvfp4", "tensors": ["weight", "input"], "backward": "quantized",
@@ -57,7 +57,7 @@ POLICIES: dict[str, dict[str, Any]] = {
         "wgrad_hadamard": {"block_size": 16}}]},
     "mxfp8_backward_high_precision": {"quantize": [{
         **LINEAR, "format": "mxfp8_e4m3", "tensors": ["weight", "input"], "backward": "high_precision"}]},
-    # a random Hadamard rotation before MXFP4 W4A4 (issue 31): the rotated weight is recomputed
+    # a random Hadamard rotation before MXFP4 W4A4: the rotated weight is recomputed
     # in every sharded forward and kept by nobody
     "rotated_w4a4": {"rotate": [{**LINEAR, "kind": "random_hadamard", "block_size": 32, "seed": 4}],
                      "quantize": [{**LINEAR, "format": "mxfp4", "tensors": ["weight", "input"]}]},

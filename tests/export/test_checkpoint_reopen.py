@@ -1,4 +1,4 @@
-"""Re-opening an export (issue 30, point 6, the reading half): a model transformed with each
+"""Re-opening an export (the reading half of the checkpoints): a model transformed with each
 preset, exported with `export_checkpoint` and opened again with `load_model`, holds the
 fake-quantized weights bit for bit, and transforming it with `checkpoint_policy` gives the
 transformed model's logits bit for bit (bf16, the dtype compressed-tensors loads)."""

@@ -1,4 +1,4 @@
-"""Re-opening a rotated export (issue 30, point 4, rotations): a checkpoint whose
+"""Re-opening a rotated export: a checkpoint whose
 `transform_config` holds online Hadamard rotations opens with `load_model` as the model its
 engine runs (stored weights W·R quantized, the inputs rotated online by the policy's rotate rules
 with `weight: "stored"`), bit for bit in bf16 for every preset; a re-export writes the same

@@ -7,13 +7,18 @@ import onnx
 import onnxruntime as ort
 import pytest
 import torch
+from onnx import helper
 from onnx.reference import ReferenceEvaluator
 from torch import nn
+from torch.nn import functional as F
 
 import qtransform
+from qtransform import fake_quantize
 from qtransform.errors import UserError
 from qtransform.export.functions import DOMAIN
+from qtransform.export.graph import config_of, fake_quant_nodes
 from qtransform.export.onnx import export_onnx
+from tests.helpers import assert_within, gemm_rounding
 
 W4A4 = {"version": 1, "quantize": [
     {"targets": ["0"], "format": "mxfp4", "tensors": ["weight", "input"]},
@@ -132,14 +137,49 @@ STACK_SCHEMES = {"version": 1, "quantize": [
     {"targets": ["4"], "format": "fp8_e5m2", "granularity": "tensor", "tensors": ["weight", "input"]}]}
 
 
-def test_fp8_and_per_channel_token_tensor_scales_export_bit_exactly(tmp_path):
+def ort_run_exposing_fake_quant(path, feeds: dict) -> tuple[np.ndarray, dict[str, tuple]]:
+    """onnxruntime's output and, by node name, each fake-quant node's (config, input, output)."""
+    proto = onnx.load(path)
+    nodes = fake_quant_nodes(proto)
+    values = {v for n in nodes for v in (n.input[0], n.output[0])}
+    proto.graph.output.extend(helper.make_empty_tensor_value_info(v) for v in sorted(values))
+    session = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
+    out = dict(zip([o.name for o in session.get_outputs()], session.run(None, feeds), strict=True))
+    return out[proto.graph.output[0].name], {
+        n.name: (config_of(n)[0], torch.from_numpy(out[n.input[0]]), torch.from_numpy(out[n.output[0]]))
+        for n in nodes}
+
+
+def test_fp8_and_per_channel_token_tensor_scales_export_with_pytorchs_bits(tmp_path):
     """FP8_DYNAMIC- and W8A8-style rules and per-tensor E5M2 run in onnxruntime with PyTorch's
-    bits (function mode); QDQ refuses them in one line and writes nothing."""
+    bits (function mode); QDQ refuses them in one line and writes nothing.
+
+    Bit for bit: every fake-quant node on what onnxruntime gave it (qtransform's own function
+    bodies) and the stored weights. The Linears' GEMMs are onnxruntime's (MLAS sums in a
+    CPU-dependent order: AVX2 and AVX-512 differ in the last bit), so each layer's output is
+    checked against PyTorch's on the same quantized operands, within that rounding; comparing the
+    whole MLP's output bit for bit would test MLAS's summation order, and a 1-ulp difference
+    can flip a downstream rounding by a whole quantization step."""
     m = qtransform.transform(mlp(), STACK_SCHEMES)
     path = export_onnx(m, tmp_path / "s.onnx", x())
     for batch in (3, 5):
-        got = ort_run(path, {"input_0": x(batch).numpy()})[0]
-        assert np.array_equal(got.view(np.int32), torch_out(m, x(batch)).numpy().view(np.int32))
+        got, nodes = ort_run_exposing_fake_quant(path, {"input_0": x(batch).numpy()})
+        assert sorted(nodes) == sorted(f"{s}/{p}_fake_quant" for s in "024" for p in ("weight", "input"))
+        for label, (cfg, given, quantized) in nodes.items():
+            assert torch.equal(quantized.view(torch.int32), fake_quantize(given, cfg).view(torch.int32)), label
+        assert torch.equal(nodes["0/input_fake_quant"][1], x(batch))
+        layer = {}  # site -> PyTorch's Linear on onnxruntime's quantized operands, and its bound
+        for site in "024":
+            xq, wq = nodes[f"{site}/input_fake_quant"][2], nodes[f"{site}/weight_fake_quant"][2]
+            assert torch.equal(nodes[f"{site}/weight_fake_quant"][1], m[int(site)].weight.detach()), site
+            layer[site] = (F.linear(xq, wq, m[int(site)].bias.detach()), gemm_rounding(xq, wq))
+        y0, bound0 = layer["0"]  # ReLU is exact and 1-Lipschitz: the GEMM's bound carries over
+        assert_within(nodes["2/input_fake_quant"][1], F.relu(y0), bound0, "layer 0")
+        y2, bound2 = layer["2"]  # GELU: slope <= 1.13, and its erf is onnxruntime's (a few ulps of y)
+        gelu_bound = 1.13 * bound2 + 4 * torch.finfo(torch.float32).eps * y2.double().abs()
+        assert_within(nodes["4/input_fake_quant"][1], F.gelu(y2), gelu_bound, "layer 2")
+        y4, bound4 = layer["4"]
+        assert_within(torch.from_numpy(got), y4, bound4, "layer 4")
     with pytest.raises(UserError, match=r"fp8_e4m3, fp8_e5m2, int8: .*\(fp8_e4m3: the fp8 family has no "
                                         r"QDQ form\).*int8: granularity 'channel'"):
         export_onnx(m, tmp_path / "q.onnx", x(), fake_quant="qdq")

@@ -1,4 +1,4 @@
-"""Pins found by mutation testing of the formats group (issue 20, docs/testing.md).
+"""Pins found by mutation testing of the formats group (docs/testing.md).
 
 Each test kills one or more mutants that survived `benches/mutation.sh formats`; the expected
 values are worked out by hand or in float64 in the test, never taken from the code under test.

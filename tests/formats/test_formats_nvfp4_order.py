@@ -100,8 +100,8 @@ def test_encode_scales_and_decode_bit_exact(variant):
         assert _bits(decode(enc)) == _bits(_t(exp["out_hex"])), case["name"]
 
 
-def test_issue_pair_hand_worked():
-    """Block amax 0x3e9d683a under tensor amax 0x40d1e04e (issue #20): g = 2688 / 6.5586 =
+def test_the_pair_worked_by_hand():
+    """Block amax 0x3e9d683a under tensor amax 0x40d1e04e: g = 2688 / 6.5586 =
     409.84164 in fp32; NVIDIA's g * fl(1/6) = 68.30694, times the amax gives 21.000002 and the
     E4M3 scale 22 (step 2 above 16); `(amax_b * g) * fl(1/6)` gives exactly 21.0, a tie that
     goes to the even code, 20."""
@@ -111,6 +111,6 @@ def test_issue_pair_hand_worked():
     assert MODEL.bits(np.array([g])) == ["0x43ccebbb"]
     assert amax_b * (g * f(1 / 6)) == np.nextafter(f(21), f(22))
     assert (amax_b * g) * f(1 / 6) == f(21)
-    case = next(c for c in CASES if c["name"] == "issue20_scale_20_vs_22")
+    case = next(c for c in CASES if c["name"] == "hand_worked_scale_20_vs_22")
     enc = encode(_t(case["input_hex"]), "nvfp4")
     assert enc.scales.tolist() == [448.0, 22.0]

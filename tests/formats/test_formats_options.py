@@ -1,6 +1,6 @@
 """`resolve` and its helpers (qtransform/formats/options.py): exact messages and field values.
 
-Issue 20: these pin the options.py mutants that survived `benches/mutation.sh formats`. Every
+These pin the options.py mutants that survived `benches/mutation.sh formats`. Every
 expected message is written out in full here (matched anchored, with re.escape), and every
 expected field value comes from the request, not from the code under test. The registry facts
 used (MX takes scale_rule and rounding, NVFP4 rounding and nvfp4_variant, INT rounding; MX

@@ -1,4 +1,4 @@
-"""A quantize rule's `backward`: per-role quantization of a Linear's backward GEMMs (issue 32).
+"""A quantize rule's `backward`: per-role quantization of a Linear's backward GEMMs.
 
 Every mode is checked against an implementation written here with explicit torch ops: the
 operands quantized by `formats.fake_quantize` along the stated axes of the untransposed tensors

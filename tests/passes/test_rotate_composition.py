@@ -1,4 +1,4 @@
-"""Rotations composed with the rest of qtransform (issue 31, point 2 and 5): ONNX, PEFT LoRA and
+"""Rotations composed with the rest of qtransform: ONNX, PEFT LoRA and
 rollout weights, noise, plans and explanations, saving. References are built here: a dense R
 (scipy's Hadamard matrix) applied by hand, onnxruntime, plain transformers models."""
 

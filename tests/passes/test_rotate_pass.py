@@ -1,4 +1,4 @@
-"""The rotate pass against an independent implementation (issue 31).
+"""The rotate pass against an independent implementation.
 
 The reference is written here without qtransform's rotation code: R is built densely in float64
 (scipy's Sylvester Hadamard matrix, divided by sqrt(b), the signs from the documented stream)

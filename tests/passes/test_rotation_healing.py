@@ -1,4 +1,4 @@
-"""Outlier healing (issue 31): a 32-wide Hadamard rotation before MXFP4 W4A4 on a tiny Qwen2
+"""Outlier healing: a 32-wide Hadamard rotation before MXFP4 W4A4 on a tiny Qwen2
 with four planted outlier input channels cuts the next-token KL, and an activation scan reports
 the same sites with and without it side by side (taps measure the rotated tensors). The model
 and the figures are those of benches/bench_rotation_healing.py (docs/benchmarks.md)."""

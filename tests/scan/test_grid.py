@@ -1,4 +1,4 @@
-"""Weights already on a coarse grid (issue 30, point 5): each known scheme is recognized in the
+"""Weights already on a coarse grid: each known scheme is recognized in the
 values our own formats and the real gguf library produce, trained-like (Gaussian) data never is,
 and the scan report and `qtransform plan` say so."""
 

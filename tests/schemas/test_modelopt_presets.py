@@ -5,6 +5,14 @@ CPU on the same tiny Qwen2 and stored what it computed: the calibrated amax of e
 (`mtq.quantize`), the fake-quantized logits where its fake quantization runs on CPU (FP8,
 INT4), and, where it needs CUDA (NVFP4, MXFP8), the weights its export
 writes into the deployed checkpoint. docs/recipes.md records each comparison.
+
+The weights and the fake quantization of stored tensors are elementwise: bit for bit on any
+machine. The calibrated amaxes and the logits come out of whole forwards, whose float32 GEMMs
+and reductions sum in an order that follows the CPU (MKL's and ATen's kernels per instruction
+set): they are compared bit for bit where this CPU reproduces the golden run's full-precision
+logits bit for bit (`same_gemms`), and elsewhere the amaxes within that rounding, while the
+fake-quantized logits cannot be compared at all (a 1-ulp difference in an activation can flip
+one of its roundings, a whole quantization step).
 """
 
 from __future__ import annotations
@@ -46,8 +54,18 @@ def model(golden) -> torch.nn.Module:
     model = build_tiny("qwen2")
     assert repr(sum(float(p.detach().double().sum()) for p in model.parameters())) == meta["param_sum"]
     with torch.no_grad():
-        assert torch.equal(model(input_ids=tensors["ids"]).logits, tensors["fp.logits"])
+        got, want = model(input_ids=tensors["ids"]).logits, tensors["fp.logits"]
+    # the golden machine's GEMMs, not this one's: equal up to float32 summation order
+    assert float((got - want).abs().max()) <= 1e-5 * float(want.abs().max())
     return model
+
+
+@pytest.fixture(scope="module")
+def same_gemms(golden, model) -> bool:
+    """Whether this CPU's float32 forward gives the golden run's full-precision logits bit for
+    bit (the machine that wrote the file did; a CPU with other vector units may not)."""
+    with torch.no_grad():
+        return torch.equal(model(input_ids=golden[0]["ids"]).logits, golden[0]["fp.logits"])
 
 
 def _preset(name: str, model: torch.nn.Module, calib=None) -> torch.nn.Module:
@@ -105,17 +123,23 @@ def test_routers_and_lm_head_are_left_out_on_a_moe_model():
 
 
 # -- numbers ------------------------------------------------------------------------------------
-def test_calibration_observes_the_full_precision_model_as_modelopt_does(golden, model):
+def test_calibration_observes_the_full_precision_model_as_modelopt_does(golden, model, same_gemms):
     """ModelOpt's max calibration collects with every quantizer off; so does qtransform's
-    calibration pass: the static input amax of every Linear equals ModelOpt's, bit for bit."""
+    calibration pass: the static input amax of every Linear equals ModelOpt's, bit for bit where
+    this CPU sums as the golden machine did, else within float32 rounding (quantizers on during
+    calibration would move those after the first quantized Linear by a quantization step)."""
     tensors, _ = golden
     out = _preset("NVFP4_DEFAULT_CFG", model, list(tensors["calib"].split(2)))
     found = {name.split(".input_fake_quant")[0]: m.amax for name, m in out.named_modules()
              if isinstance(m, StaticScale)}
     assert len(found) == 14
     for linear, amax in found.items():
-        assert torch.equal(amax, tensors[f"NVFP4_DEFAULT_CFG.amax.{linear}.input"]), linear
-        assert torch.equal(tensors[f"FP8_DEFAULT_CFG.amax.{linear}.input"], amax)
+        for config in ("NVFP4_DEFAULT_CFG", "FP8_DEFAULT_CFG"):
+            want = tensors[f"{config}.amax.{linear}.input"]
+            if same_gemms:
+                assert torch.equal(amax, want), (config, linear)
+            else:
+                torch.testing.assert_close(amax, want, rtol=1e-5, atol=0, msg=f"{config} {linear}")
 
 
 @pytest.mark.parametrize("share", ["fused", "tensor"])
@@ -166,12 +190,15 @@ ORDERS = {"FP8_DEFAULT_CFG": ("fp8_variant", "default"),
 
 
 @pytest.mark.parametrize(("config", "moved"), [("INT4_BLOCKWISE_WEIGHT_ONLY_CFG", 0.1), ("FP8_DEFAULT_CFG", 0.03)])
-def test_logits_equal_modelopts_fake_quantized_model(golden, model, config, moved):
+def test_logits_equal_modelopts_fake_quantized_model(golden, model, same_gemms, config, moved):
     """Where ModelOpt's fake quantization runs on CPU, its logits are the preset's, bit for bit:
     FP8 in ModelOpt's order x * (448/amax), q * (1/(448/amax)) (`fp8_variant: "modelopt"`), INT4
     as q = clamp(rne(x * (7/amax)), -8, 7), q / (7/amax) (`int_range: "modelopt"`); quantization
     itself moves them by `moved`. The control: the same rules in the division order x / (amax/448)
     (amax/7) are not ModelOpt's logits."""
+    if not same_gemms:
+        pytest.skip("this CPU's float32 GEMMs do not reproduce the golden machine's logits bit for "
+                    "bit, and a 1-ulp difference can flip a quantization rounding")
     tensors, _ = golden
     calib = list(tensors["calib"].split(2))
     want = tensors[f"{config}.logits"]

@@ -1,4 +1,4 @@
-"""Policy fields of issue 29's formats: `granularity`, `int_range`, `scale_dtype`, the fp8
+"""Policy fields of the per-channel, per-token and fp8 formats: `granularity`, `int_range`, `scale_dtype`, the fp8
 formats; their validation (one line per problem, naming the fix) and their words in `explain`."""
 
 from __future__ import annotations
