@@ -4,9 +4,10 @@ calibrates on unpadded samples, so one padded batch calibrates what its sequence
 The pad token's embedding is made an outlier ([0, 0, 0, 1000, 0, ...]: its normalized hidden
 state is sqrt(hidden) times the norm's weight, ~2.4x the real tokens' largest input), so a
 padded position seen by an observer shows in its scale. Sequence lengths 12, 16 and 20: MKL's
-fp32 GEMM on this CPU gives a row the same bits whatever the other rows from 12 rows on (not
-below: one- to three-row products round differently), so the full-precision activations of the
-real tokens are the same bits padded and alone, and the calibrated scales must be too.
+fp32 GEMM on this CPU gives a row the same bits whatever the other rows once a product has 12
+rows or more (measured; products of 1-3, 5-7 or 9-11 rows round some rows differently), so the
+full-precision activations of the real tokens are the same bits padded and alone, and the
+calibrated scales must be too.
 """
 
 from __future__ import annotations
