@@ -86,10 +86,11 @@ def transformed_models(args: argparse.Namespace) -> tuple[torch.nn.Module, torch
 
 def healing(rotations: list[str]) -> None:
     """The end-to-end error of W4A4 MXFP4 without and with each rotation (see the docstring)."""
+    from qtransform.calibration import CalibrationSpec, read_source
     from qtransform.models import build_tiny, demo_model_dir, load_model, load_tokenizer
     from qtransform.scan.remedy import Rotation
     from qtransform.scan.sensitivity import measure_policy
-    from qtransform.scan.setup import CalibrationSpec, read_source, scan_policy
+    from qtransform.scan.setup import scan_policy
     from qtransform.schemas import dump_policy
 
     planted = build_tiny("qwen2", num_layers=4, hidden=128)

@@ -229,7 +229,10 @@ class FakeQuantize(nn.Module):
             return self._traced(x)
         if collecting():  # a calibration run: the full-precision model, observed
             if self.static_scale is not None:
-                self.static_scale.observe(x)
+                try:
+                    self.static_scale.observe(x)
+                except UserError as exc:  # a tensor without token positions: name the site
+                    raise UserError(f"{self.label}: {exc}") from None
             return x
         if not self.enabled:
             return x
@@ -369,8 +372,8 @@ class FakeQuantPass(Pass[list[QuantRule], QuantRule]):
             name = observer_name(rule)
             assert name is not None
             kwargs = rule.observer_kwargs
-            static = StaticScale(name, config.block,
-                                 kwargs.averaging_constant if kwargs else 0.01)
+            static = StaticScale(name, config.block, kwargs.averaging_constant if kwargs else 0.01,
+                                 routed=site.kind == "experts")
         group = self._group(program, site) if weight else None
         return FakeQuantize(config, label, cache=weight,
                             per_expert=site.kind == "experts" and weight, lora=rule.lora,

@@ -86,7 +86,7 @@ def calib_batches(source: str | None, model_path: str, model: Any) -> list[Any] 
     beside `model_path`); None without --calib."""
     if source is None:
         return None
+    from qtransform.calibration import CalibrationSpec
     from qtransform.models import load_tokenizer
-    from qtransform.scan.setup import CalibrationSpec
 
     return CalibrationSpec.read(source, tokenizer=load_tokenizer(model_path)).batches(model)

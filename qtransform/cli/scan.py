@@ -13,6 +13,7 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
+from qtransform.calibration import CalibrationSpec, read_source
 from qtransform.cli.demo import run_from_args
 from qtransform.cli.options import (
     add_common,
@@ -44,7 +45,7 @@ from qtransform.scan.render import format_metric as fm
 from qtransform.scan.report import ScanReport
 from qtransform.scan.sensitivity_report import SensitivityReport
 from qtransform.scan.sequential import scan_sequential, skeleton
-from qtransform.scan.setup import CalibrationSpec, read_source, scan_policy
+from qtransform.scan.setup import scan_policy
 from qtransform.scan.weights import scan_weights
 
 MAX_TIER = 100.0  # an AQN sigma multiplier beyond this drowns the weights in noise

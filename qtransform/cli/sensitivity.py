@@ -9,6 +9,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+from qtransform.calibration import CalibrationSpec, read_source
 from qtransform.cli.options import add_common, format_options, progress
 from qtransform.core import io as qio
 from qtransform.errors import UserError
@@ -17,7 +18,7 @@ from qtransform.report.scan_pages import command_line, sensitivity_page
 from qtransform.scan.budget import measured_budget
 from qtransform.scan.sensitivity import site_sensitivity
 from qtransform.scan.sensitivity_report import measure_label, timing_text
-from qtransform.scan.setup import CalibrationSpec, read_source, scan_policy
+from qtransform.scan.setup import scan_policy
 
 EPILOG = """examples:
   qtransform sensitivity ./Qwen2.5-0.5B --format mxfp4 --calib calib.txt --out sens/mxfp4

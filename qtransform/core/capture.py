@@ -40,7 +40,7 @@ def normalize_inputs(model: nn.Module, example_inputs: Any) -> tuple[tuple, dict
         args, kwargs = tuple(example_inputs), {}
     else:
         args, kwargs = (example_inputs,), {}
-    params = _forward_params(model)
+    params = forward_params(model)
     if "use_cache" in params and "use_cache" not in kwargs:
         kwargs["use_cache"] = False
     if args and "input_ids" in params and "input_ids" not in kwargs:
@@ -48,7 +48,8 @@ def normalize_inputs(model: nn.Module, example_inputs: Any) -> tuple[tuple, dict
     return args, kwargs
 
 
-def _forward_params(model: nn.Module) -> Any:
+def forward_params(model: nn.Module) -> Any:
+    """The parameters of the model's forward (empty when it has no readable signature)."""
     try:
         return inspect.signature(model.forward).parameters
     except (TypeError, ValueError):
@@ -59,7 +60,7 @@ def with_attention_mask(model: nn.Module, example_inputs: Any) -> dict[str, Any]
     """The example inputs as keywords with an all-ones `attention_mask` beside `input_ids` (a
     given mask is kept), so that an export has a mask input and padded batches run through it."""
     args, kwargs = normalize_inputs(model, example_inputs)
-    if "attention_mask" not in _forward_params(model):
+    if "attention_mask" not in forward_params(model):
         raise UserError(f"{type(model).__name__}.forward takes no attention_mask; export it "
                         "without one (attention_mask=False, no --attention-mask)")
     ids = kwargs.get("input_ids")

@@ -38,6 +38,7 @@ import torch
 from torch import Tensor, fx, nn
 
 from qtransform.core import ops
+from qtransform.core.observers import collecting, route
 from qtransform.core.sites import expert_params
 
 _GROUPED_MM = getattr(torch.nn.functional, "grouped_mm", None)  # torch >= 2.10 (CPU and CUDA)
@@ -63,6 +64,8 @@ def dispatch(hidden: Tensor, top_k_index: Tensor, top_k_weights: Tensor, num_exp
     k = top_k_index.size(-1)
     ids, perm = torch.sort(top_k_index.reshape(-1))  # the order transformers uses
     rows = hidden[perm // k]
+    if collecting():  # a calibration run: observers map the rows to the batch's tokens
+        route(perm // k, hidden.shape[0])
     weights = top_k_weights.reshape(-1)[perm]
     experts = torch.arange(num_experts, device=ids.device)
     counts = (ids.unsqueeze(-1) == experts).sum(0)  # static shape, unlike bincount

@@ -20,6 +20,15 @@ noise never writes it), and leaves `state_dict()` keys unchanged; `save_transfor
 beside the weights. While `collecting()` is on (`qtransform.calibration.calibrate`), every
 fake-quant passes its tensor through unquantized: both llm-compressor (its sequential pipeline
 runs under `DisableQuantization`) and ModelOpt calibrate on the full-precision activations.
+
+Observers see real tokens only: llm-compressor calibrates on unpadded samples, so a padded
+batch must give the statistics of its sequences one by one. The calibration run puts each
+batch's attention mask here (`real_tokens`); an observed tensor keeps the rows of positions
+where the mask is 1 (`real_rows`): a [batch, tokens, ...] tensor by its two leading dims, a
+[batch * tokens, features] one by its rows, and a fused experts module's rows (token rows
+repeated top_k times and grouped by expert) by the token each row came from (`route`, noted by
+its dispatch). A tensor whose rows cannot be mapped to token positions is refused while the
+mask has padding.
 """
 
 from __future__ import annotations
@@ -30,11 +39,18 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor, nn
 
+from qtransform.errors import UserError
+
 OBSERVERS = ("static_minmax", "minmax", "memoryless_minmax")
 _collecting = False
 # the statistics of the last observed tensor: q/k/v (and gate/up) observe one input tensor, so
 # it is reduced once (kept by identity and version, so a tensor written in place is read again)
-_last: tuple[Tensor, int, int, tuple[Tensor, Tensor]] | None = None
+_last: tuple[Tensor, int, int, bool, tuple[Tensor, Tensor] | None] | None = None
+# the current calibration batch's real tokens ([batch, tokens] bool), None when all are real
+_mask: Tensor | None = None
+# for the rows of the experts module running now: whether each row's token is real (None: the
+# module's tokens did not match the mask)
+_routed: Tensor | None = None
 
 
 def collecting() -> bool:
@@ -53,6 +69,47 @@ def collect() -> Iterator[None]:
         _collecting, _last = before, None
 
 
+@contextlib.contextmanager
+def real_tokens(mask: Tensor | None) -> Iterator[None]:
+    """The span of one calibration batch whose attention mask is `mask` ([batch, tokens], 1 at
+    real tokens; None or all ones: every position is real)."""
+    global _mask, _routed, _last
+    _mask = None if mask is None or bool(mask.all()) else mask.bool()
+    _routed, _last = None, None
+    try:
+        yield
+    finally:
+        _mask, _routed, _last = None, None, None
+
+
+def route(token_of_row: Tensor, tokens: int) -> None:
+    """An experts module's dispatch: row r of its grouped tensors holds token `token_of_row[r]`
+    of its `tokens` flattened [batch * tokens] inputs."""
+    global _routed
+    if _mask is not None:
+        flat = _mask.reshape(-1)
+        _routed = flat[token_of_row.to(flat.device)] if flat.numel() == tokens else None
+
+
+def real_rows(x: Tensor, routed: bool = False) -> Tensor:
+    """The rows of `x` at real tokens (x itself when every position is real); `routed`: x is an
+    experts module's grouped tensor (`route`). A tensor whose rows are not token positions of
+    the batch is refused, as calibrating on its padding would be wrong."""
+    if _mask is None:
+        return x
+    shape = tuple(_mask.shape)
+    if routed:
+        if _routed is not None and x.ndim >= 1 and x.shape[0] == _routed.numel():
+            return x[_routed.to(x.device)]
+    elif x.ndim >= 3 and tuple(x.shape[:2]) == shape:
+        return x[_mask.to(x.device)]
+    elif x.ndim == 2 and x.shape[0] == _mask.numel():
+        return x[_mask.reshape(-1).to(x.device)]
+    raise UserError(f"a tensor of shape {tuple(x.shape)} has no token positions of the "
+                    f"attention_mask {list(shape)}: calibrate its static scale on batches "
+                    "without padding (no attention_mask, or all ones)")
+
+
 def group_min_max(x: Tensor, group: int) -> tuple[Tensor, Tensor]:
     """Per-group min and max of x over its rows: groups of `group` elements along the last axis
     (zero-padded, as the format's blocks are), or the whole row when `group` is 0."""
@@ -65,13 +122,17 @@ def group_min_max(x: Tensor, group: int) -> tuple[Tensor, Tensor]:
     return lo.amin(dim=0), hi.amax(dim=0)
 
 
-def _statistics(x: Tensor, group: int) -> tuple[Tensor, Tensor]:
-    """Per-group min and max (`group_min_max`), or with `group` -1 the tensor's min and max."""
+def _statistics(x: Tensor, group: int, routed: bool = False) -> tuple[Tensor, Tensor] | None:
+    """Per-group min and max (`group_min_max`), or with `group` -1 the tensor's min and max, of
+    x's real rows (`real_rows`); None when it has none."""
     global _last
-    if _last is not None and _last[0] is x and _last[1] == x._version and _last[2] == group:
-        return _last[3]
-    stats = group_min_max(x, group) if group >= 0 else torch.aminmax(x.detach())
-    _last = (x, x._version, group, stats) if _collecting else None
+    if (_last is not None and _last[0] is x and _last[1] == x._version and _last[2] == group
+            and _last[3] == routed):
+        return _last[4]
+    rows = real_rows(x, routed)
+    stats = None if rows.numel() == 0 else (
+        group_min_max(rows, group) if group >= 0 else torch.aminmax(rows.detach()))
+    _last = (x, x._version, group, routed, stats) if _collecting else None
     return stats
 
 
@@ -88,10 +149,14 @@ class Observer:
         self.max_vals: Tensor | None = None
         self.calls = 0
 
-    def observe(self, x: Tensor) -> None:
+    def observe(self, x: Tensor, routed: bool = False) -> None:
+        """One call's statistics, of x's real tokens (`real_rows`)."""
         if x.numel() == 0:
             return
-        lo, hi = _statistics(x, self.group if self.per_group else -1)
+        stats = _statistics(x, self.group if self.per_group else -1, routed)
+        if stats is None:
+            return
+        lo, hi = stats
         if self.min_vals is not None and self.min_vals.shape != lo.shape:
             raise ValueError(f"observed a tensor of {x.shape[-1]} features after one of another "
                              "width: one static scale per tensor of one shape")
@@ -154,8 +219,10 @@ class StaticScale(nn.Module):
     every batch, then freezes. The value stays until the next calibration or `load`.
     """
 
-    def __init__(self, observer: str, group: int, averaging_constant: float = 0.01):
+    def __init__(self, observer: str, group: int, averaging_constant: float = 0.01, *,
+                 routed: bool = False):
         super().__init__()
+        self.routed = routed  # observes an experts module's grouped rows (`real_rows`)
         self.observer_name = observer
         self.group = group
         self.averaging_constant = averaging_constant
@@ -175,7 +242,7 @@ class StaticScale(nn.Module):
         if self._observer is None:
             self.start()
         assert self._observer is not None
-        self._observer.observe(x)
+        self._observer.observe(x, self.routed)
 
     @property
     def calls(self) -> int:

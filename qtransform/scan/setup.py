@@ -24,12 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from qtransform import formats
-from qtransform.calibration import (
-    Calibration,
-    builtin_calibration,
-    calibration_batches,
-    read_calibration,
-)
+from qtransform.calibration import Calibration, CalibrationSpec
 from qtransform.core.program import Program
 from qtransform.core.sites import discover_sites
 from qtransform.errors import UserError
@@ -41,7 +36,6 @@ from qtransform.schemas import InstrumentSpec, Policy, dump_policy, load_policy
 MEASURED_TOKENS = 1024  # the automatic stride keeps at least this many tokens when it can
 MAX_AUTO_STRIDE = 16  # taps within ~1.5x of the forward (docs/benchmarks.md)
 W4A4_TENSORS = ["weight", "input"]
-BUILTIN = "builtin"  # the calibration source that names the demo's sentences
 
 
 # -- policies ------------------------------------------------------------------------------------
@@ -151,55 +145,6 @@ def placement(model: nn.Module) -> tuple[torch.device, torch.dtype]:
 
 
 # -- calibration ---------------------------------------------------------------------------------
-def read_source(source: str) -> Calibration:
-    """The samples a calibration source names: "builtin", the demo's sentences (unless a file of
-    that name exists), else a calibration file (`calibration.read_calibration`)."""
-    if source == BUILTIN and not Path(source).exists():
-        return builtin_calibration()
-    return read_calibration(source)
-
-
-@dataclass(frozen=True)
-class CalibrationSpec:
-    """Calibration data and how it becomes batches: token ids (a [N, T] tensor or lists), text
-    (with `tokenizer`) or a float tensor of inputs for plain torch models; `batch_size` samples
-    per batch, each truncated to `max_length` tokens (`qtransform.calibration`). `source`: where
-    the samples came from (a file, "builtin"), recorded in reports as `calibration.file`."""
-
-    data: Calibration
-    tokenizer: Any = None
-    batch_size: int = 8
-    max_length: int = 128
-    source: str | None = None
-
-    @classmethod
-    def read(cls, source: str, **kw: Any) -> CalibrationSpec:
-        """The spec of the samples `source` names (`read_source`), as `--calib` reads it."""
-        return cls(read_source(source), source=source, **kw)
-
-    @classmethod
-    def of(cls, calib: CalibrationSpec | Calibration, tokenizer: Any = None, batch_size: int = 8,
-           max_length: int = 128) -> CalibrationSpec:
-        """`calib` when it is a spec already (its own settings hold), else the spec of these
-        samples: how every scan function takes its calibration arguments."""
-        if isinstance(calib, CalibrationSpec):
-            return calib
-        return cls(calib, tokenizer, batch_size, max_length)
-
-    def batches(self, model: nn.Module, device: torch.device | None = None,
-                dtype: torch.dtype | None = None) -> list[Tensor]:
-        """Padding-free batches checked against `model`, on `device` (float inputs in `dtype`)."""
-        batches = calibration_batches(self.data, tokenizer=self.tokenizer, batch_size=self.batch_size,
-                                      max_length=self.max_length, model=model)
-        return [b.to(device, dtype if b.is_floating_point() else None) for b in batches]
-
-    def meta(self, batches: list[Tensor], **extra: Any) -> dict[str, Any]:
-        """What a report records about the calibration it ran."""
-        return {"batches": len(batches), "samples": sum(len(b) for b in batches),
-                "batch_size": self.batch_size, "max_length": self.max_length, **extra,
-                **({"file": self.source} if self.source is not None else {})}
-
-
 def tokens(batches: list[Tensor]) -> int:
     """Token positions in the batches (rows of a float input of a plain model)."""
     return sum(b.numel() // b.shape[-1] if b.is_floating_point() else b.numel() for b in batches)

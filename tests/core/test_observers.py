@@ -111,3 +111,25 @@ def test_one_input_shared_by_sites_is_reduced_once_and_rewrites_are_seen():
     for s in (q, k, v):
         s.freeze()
     assert (q.amax.item(), k.amax.item(), v.amax.item()) == (3.0, 3.0, 6.0)
+
+
+def test_real_rows_follow_the_attention_mask():
+    from qtransform.core.observers import collect, real_rows, real_tokens, route
+    from qtransform.errors import UserError
+
+    mask = torch.tensor([[1, 1, 0], [0, 1, 1]])
+    x = torch.arange(6.0).reshape(2, 3, 1)  # [batch, tokens, features]: token t of row b is 3b + t
+    with collect(), real_tokens(mask):
+        assert real_rows(x).flatten().tolist() == [0.0, 1.0, 4.0, 5.0]
+        assert real_rows(x.reshape(6, 1)).flatten().tolist() == [0.0, 1.0, 4.0, 5.0]
+        route(torch.tensor([5, 2, 0, 2]), 6)  # an experts module's rows: tokens 5, 2, 0, 2
+        assert real_rows(torch.tensor([[50.0], [20.0], [0.0], [21.0]]), routed=True).flatten().tolist() == [50.0, 0.0]
+        with pytest.raises(UserError, match=r"shape \(2, 1\) has no token positions of the attention_mask \[2, 3\]"):
+            real_rows(torch.zeros(2, 1))
+        scale = StaticScale("static_minmax", 0)
+        scale.observe(x * torch.tensor([1.0, 1.0, -100.0, -100.0, 1.0, 1.0]).reshape(2, 3, 1))
+        assert scale.calls == 1
+    scale.freeze()
+    assert scale.amax.item() == 5.0  # the padded -200 and -300 are not seen
+    with real_tokens(torch.ones(2, 3)):
+        assert real_rows(x) is x  # no padding: the tensor as it is

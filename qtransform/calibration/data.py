@@ -1,7 +1,7 @@
-"""Calibration data and runs: files, the built-in sentences, padding-free batches for activation
-scans, and the calibration of static scales (`calibrate`).
+"""Calibration data: files, the built-in sentences, the sources `--calib` names, and the
+padding-free batches that scans and the CLI's calibration run on (`CalibrationSpec`).
 
-Scans compare activations token by token, so batches never contain padding: sequences are
+Scans compare activations token by token, so these batches never contain padding: sequences are
 truncated to `max_length` and only sequences of equal length share a batch. Every measured
 activation then belongs to a real token, and no attention mask has to reach the metrics.
 """
@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Sequence
+from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -19,13 +20,11 @@ import torch
 from torch import Tensor, nn
 
 from qtransform.core import io as qio
-from qtransform.core.capture import normalize_inputs
-from qtransform.core.noise import noise_modules
-from qtransform.core.observers import collect, static_scales
 from qtransform.errors import UserError
 
 Calibration = Tensor | Sequence[str] | Sequence[Sequence[int]]
 MAX_CALIBRATION_BYTES = 64 * 2**20  # scans use a few hundred samples; more is a wrong file
+BUILTIN = "builtin"  # the calibration source that names the demo's sentences
 
 
 def builtin_calibration() -> list[str]:
@@ -114,75 +113,50 @@ def _batches(calib: Calibration, tokenizer: Any, batch_size: int, max_length: in
                         "tokenizer") from None
 
 
-def run_model(model: nn.Module, batch: Tensor) -> Any:
-    """One forward on a calibration batch (causal LMs without a KV cache)."""
-    if batch.is_floating_point():
-        return model(batch)
-    args, kwargs = normalize_inputs(model, {"input_ids": batch})
-    return model(*args, **kwargs)
+def read_source(source: str) -> Calibration:
+    """The samples a calibration source names: "builtin", the demo's sentences (unless a file of
+    that name exists), else a calibration file (`read_calibration`)."""
+    if source == BUILTIN and not Path(source).exists():
+        return builtin_calibration()
+    return read_calibration(source)
 
 
-CalibrationBatches = Iterable[Mapping[str, Any] | Tensor]
+@dataclass(frozen=True)
+class CalibrationSpec:
+    """Calibration data and how it becomes batches: token ids (a [N, T] tensor or lists), text
+    (with `tokenizer`) or a float tensor of inputs for plain torch models; `batch_size` samples
+    per batch, each truncated to `max_length` tokens. `source`: where the samples came from (a
+    file, "builtin"), recorded in reports as `calibration.file`."""
 
+    data: Calibration
+    tokenizer: Any = None
+    batch_size: int = 8
+    max_length: int = 128
+    source: str | None = None
 
-def calibrate(model: nn.Module, batches: CalibrationBatches, *, attention: str = "model") -> int:
-    """Calibrate every static scale of a transformed model on `batches` (model-input dicts, or
-    input_ids / input tensors), then freeze them; returns the number of batches.
+    @classmethod
+    def read(cls, source: str, **kw: Any) -> CalibrationSpec:
+        """The spec of the samples `source` names (`read_source`), as `--calib` reads it."""
+        return cls(read_source(source), source=source, **kw)
 
-    The model runs as it would deployed before quantization, as llm-compressor's and ModelOpt's
-    calibration do: eval mode, no gradient, every fake-quant and noise module passing its tensor
-    through (`core.observers.collecting`), no KV cache; `attention` "eager" runs transformers'
-    eager attention meanwhile (llm-compressor's calibration does). Training mode, noise switches
-    and the attention are put back afterwards. A static scale that no batch reached is an error
-    naming it."""
-    scales = static_scales(model)
-    if not scales:
-        return 0
-    for scale in scales.values():
-        scale.start()
-    noise = [(m, m.enabled) for m in noise_modules(model)]
-    training = [(m, m.training) for m in model.modules()]
-    count = 0
-    config = getattr(model, "config", None)
-    attn = getattr(config, "_attn_implementation", None)
-    try:
-        if attention == "eager" and config is not None:
-            config._attn_implementation = "eager"
-        model.eval()
-        for m, _ in noise:
-            m.enabled = False
-        with torch.no_grad(), collect():
-            for batch in batches:
-                run_batch(model, batch)
-                count += 1
-    finally:
-        if attention == "eager" and config is not None:
-            config._attn_implementation = attn
-        for m, enabled in noise:
-            m.enabled = enabled
-        for m, mode in training:
-            m.training = mode
-    if count == 0:
-        raise UserError("calibration: no batches; give at least one batch of model inputs")
-    missed = [name for name, scale in scales.items() if scale.calls == 0]
-    if missed:
-        raise UserError(f"calibration: no batch reached {len(missed)} static scale(s), e.g. "
-                        f"{missed[0]}; calibrate on inputs that run those modules")
-    for scale in scales.values():
-        scale.freeze()
-    return count
+    @classmethod
+    def of(cls, calib: CalibrationSpec | Calibration, tokenizer: Any = None, batch_size: int = 8,
+           max_length: int = 128) -> CalibrationSpec:
+        """`calib` when it is a spec already (its own settings hold), else the spec of these
+        samples: how every scan function takes its calibration arguments."""
+        if isinstance(calib, CalibrationSpec):
+            return calib
+        return cls(calib, tokenizer, batch_size, max_length)
 
+    def batches(self, model: nn.Module, device: torch.device | None = None,
+                dtype: torch.dtype | None = None) -> list[Tensor]:
+        """Padding-free batches checked against `model`, on `device` (float inputs in `dtype`)."""
+        batches = calibration_batches(self.data, tokenizer=self.tokenizer, batch_size=self.batch_size,
+                                      max_length=self.max_length, model=model)
+        return [b.to(device, dtype if b.is_floating_point() else None) for b in batches]
 
-def run_batch(model: nn.Module, batch: Mapping[str, Any] | Tensor) -> Any:
-    """One forward on a batch of model inputs (a dict of keyword inputs, token ids or a float
-    input tensor), moved to the model's device, without a KV cache."""
-    device = next((p.device for p in model.parameters()), None)
-    if isinstance(batch, Tensor):
-        return run_model(model, batch if device is None else batch.to(device))
-    if not isinstance(batch, Mapping):
-        raise UserError(f"a calibration batch must be a dict of model inputs or a tensor of "
-                        f"token ids, got {type(batch).__name__}")
-    inputs = {k: v.to(device) if isinstance(v, Tensor) and device is not None else v
-              for k, v in batch.items()}
-    args, kwargs = normalize_inputs(model, inputs)
-    return model(*args, **kwargs)
+    def meta(self, batches: list[Tensor], **extra: Any) -> dict[str, Any]:
+        """What a report records about the calibration it ran."""
+        return {"batches": len(batches), "samples": sum(len(b) for b in batches),
+                "batch_size": self.batch_size, "max_length": self.max_length, **extra,
+                **({"file": self.source} if self.source is not None else {})}
