@@ -3,11 +3,16 @@ calibrates on unpadded samples, so one padded batch calibrates what its sequence
 
 The pad token's embedding is made an outlier ([0, 0, 0, 1000, 0, ...]: its normalized hidden
 state is sqrt(hidden) times the norm's weight, ~2.4x the real tokens' largest input), so a
-padded position seen by an observer shows in its scale. Sequence lengths 12, 16 and 20: MKL's
-fp32 GEMM on this CPU gives a row the same bits whatever the other rows once a product has 12
-rows or more (measured; products of 1-3, 5-7 or 9-11 rows round some rows differently), so the
-full-precision activations of the real tokens are the same bits padded and alone, and the
-calibrated scales must be too.
+padded position seen by an observer shows in its scale (8.0 where the real tokens' amax is 3.3;
+logits 0.028 (FP8) and 0.091 (NVFP4) away, before observers honoured the mask).
+
+Padded and alone, the model runs GEMMs of other shapes (a batch of 3 against one sequence), and
+whether a row's bits depend on the other rows is the BLAS library's choice: MKL on the machine
+that wrote these tests gives equal bits once a product has 12 rows or more (hence lengths 12, 16
+and 20), another CPU or library may not. So `assert_same_calibration` asks for the same bits
+where the full-precision activations are the same bits, and otherwise for the scales within
+float32 rounding of the GEMMs (far below what one observed pad does) and logits within what such
+a rounding of a scale can move.
 """
 
 from __future__ import annotations
@@ -56,6 +61,14 @@ def scales(model: torch.nn.Module) -> dict[str, float]:
     return {name: s.amax.item() for name, s in static_scales(model).items()}
 
 
+def assert_same_calibration(got: dict[str, float], want: dict[str, float]) -> None:
+    """Bit for bit where the library's GEMMs give rows the same bits at any batch size; within
+    their float32 rounding (1e-5 relative) elsewhere."""
+    assert got.keys() == want.keys()
+    if got != want:
+        assert all(abs(got[k] - want[k]) <= 1e-5 * abs(want[k]) for k in want), (got, want)
+
+
 @pytest.mark.parametrize("side", ["right", "left"])
 @pytest.mark.parametrize("preset", ["llm-compressor/FP8", "llm-compressor/NVFP4"])
 def test_a_padded_batch_calibrates_what_its_sequences_one_by_one_do(preset, side):
@@ -64,10 +77,15 @@ def test_a_padded_batch_calibrates_what_its_sequences_one_by_one_do(preset, side
     alone = qtransform.transform(outlier_pad(), policy, calibration=[{"input_ids": s[None]} for s in seqs])
     batch = qtransform.transform(outlier_pad(), policy, calibration=[padded(seqs, side)])
     want, got = scales(alone), scales(batch)
-    assert len(want) == 14 and got == want  # bit for bit, every site (q/k/v, o, gate/up, down)
+    assert len(want) == 14  # every site (q/k/v, o, gate/up, down)
+    assert_same_calibration(got, want)
     with torch.no_grad():
         for s in seqs:
-            assert torch.equal(batch(input_ids=s[None]).logits, alone(input_ids=s[None]).logits)
+            ours, theirs = batch(input_ids=s[None]).logits, alone(input_ids=s[None]).logits
+            if got == want:  # the same scales: the same model, the same bits
+                assert torch.equal(ours, theirs)
+            else:  # a scale a rounding apart may move an element one grid step
+                assert (ours - theirs).abs().max() < 5e-3
 
 
 @pytest.mark.parametrize("observer", ["static_minmax", "minmax", "memoryless_minmax"])
@@ -89,7 +107,8 @@ def test_experts_rows_are_mapped_to_their_tokens():
     alone = scales(qtransform.transform(outlier_pad("qwen3_moe"), policy,
                                         calibration=[{"input_ids": s[None]} for s in seqs]))
     got = scales(qtransform.transform(outlier_pad("qwen3_moe"), policy, calibration=[padded(seqs, "left")]))
-    assert sum("experts" in name for name in got) == 4 and got == alone
+    assert sum("experts" in name for name in got) == 4
+    assert_same_calibration(got, alone)
 
 
 def test_shared_expert_inputs_are_flattened_tokens():
