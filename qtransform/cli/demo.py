@@ -49,10 +49,10 @@ from qtransform.report.scan_pages import (
     write_scan_page,
 )
 from qtransform.scan.activations import scan_activations
+from qtransform.scan.problems import expected_for
 from qtransform.scan.recommend import recommend
 from qtransform.scan.render import end_to_end_text
 from qtransform.scan.render import format_metric as fm
-from qtransform.scan.report import expected_for
 from qtransform.scan.sensitivity import site_sensitivity
 from qtransform.scan.setup import resolve_policy
 from qtransform.scan.weights import compare_formats, config_for, scan_weights

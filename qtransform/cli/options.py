@@ -9,7 +9,7 @@ from typing import Any
 from qtransform.errors import UserError
 from qtransform.formats import suggest
 from qtransform.formats.options import CHOICE_OPTIONS
-from qtransform.scan.report import ABSOLUTE_THRESHOLDS, DEFAULT_THRESHOLDS, FLAGGING
+from qtransform.scan.problems import ABSOLUTE_THRESHOLDS, DEFAULT_THRESHOLDS, FLAGGING
 
 
 def add_common(p: argparse.ArgumentParser) -> None:

@@ -20,9 +20,10 @@ from typing import Any
 from qtransform.report.histograms import site_histograms
 from qtransform.report.page import Page
 from qtransform.scan.compare import Comparison
+from qtransform.scan.problems import expected_for
 from qtransform.scan.recommend import recommend
 from qtransform.scan.render import end_to_end_text, plot_title
-from qtransform.scan.report import ScanReport, SiteRow, expected_for
+from qtransform.scan.report import ScanReport, SiteRow
 from qtransform.scan.sensitivity_report import SensitivityReport, measure_label
 
 SPAN_DB = 6.0  # SQNR heatmaps: colors cover at least ±6 dB (one bit), so noise is not drawn red

@@ -41,14 +41,9 @@ from qtransform.formats.quantize import quantize_with_info
 from qtransform.passes.fake_quant import first_weight_seed
 from qtransform.scan.compare import Comparison
 from qtransform.scan.grid import grid_fit
+from qtransform.scan.problems import DEFAULT_THRESHOLDS, check_flagging
 from qtransform.scan.remedy import Rotation
-from qtransform.scan.report import (
-    DEFAULT_THRESHOLDS,
-    ScanReport,
-    SiteRow,
-    build_meta,
-    check_flagging,
-)
+from qtransform.scan.report import ScanReport, SiteRow, build_meta
 from qtransform.scan.seen import SeenWeights, scale_groups
 from qtransform.scan.sources import WeightRef, source_label, weight_refs
 from qtransform.schemas import Selector, load_policy, resolve_quant_rules
