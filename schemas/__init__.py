@@ -4,7 +4,7 @@ from qtransform.core.sites import closest_names
 
 from .errors import PolicyError, Problem
 from .legacy import from_legacy_srdd
-from .loading import dump_policy, is_legacy_srdd, load_policy
+from .loading import PolicyLike, dump_policy, is_legacy_srdd, load_policy
 from .policy import Policy
 from .sections.hw_error import HWErrorSpec
 from .sections.instrument import InstrumentSpec, Thresholds
@@ -19,6 +19,7 @@ __all__ = [
     "NoiseSpec",
     "Policy",
     "PolicyError",
+    "PolicyLike",
     "Problem",
     "QuantRule",
     "Schedule",

@@ -102,7 +102,7 @@ class BackwardRoles(StrictModel):
 
     @field_validator("weight", mode="before")
     @classmethod
-    def _weight_word(cls, value: Any) -> Any:
+    def _weight_word(cls, value: object) -> Any:
         if isinstance(value, str) and value != "forward":
             raise problems_error([Issue((), 'expected "forward" or a role object such as '
                                         '{"format": "nvfp4"}', value, ["forward"],

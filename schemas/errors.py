@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ValidationError
-from pydantic_core import PydanticCustomError
+from pydantic_core import ErrorDetails, PydanticCustomError
 
 from qtransform.errors import UserError
 from qtransform.formats.registry import suggest
@@ -27,7 +27,7 @@ _NOTHING = object()
 _MAX_SHOWN = 60
 
 
-def show(value: Any) -> str:
+def show(value: object) -> str:
     """A short, JSON-flavoured rendering of a user value ('abc', 3, true, null, [...])."""
     if value is None:
         return "null"
@@ -123,7 +123,7 @@ _TYPE_WORDS = {
 }
 
 
-def _unwrap(ann: Any) -> Any:
+def _unwrap(ann: object) -> Any:
     """Strip Annotated[...] and Optional[...] down to the type the value must have."""
     while True:
         origin = typing.get_origin(ann)
@@ -158,13 +158,13 @@ def _annotation_at(root: type[BaseModel], loc: Loc) -> Any:
     return _unwrap(ann)
 
 
-def _literal_values(ann: Any) -> list[str] | None:
+def _literal_values(ann: object) -> list[str] | None:
     if typing.get_origin(ann) is Literal:
         return [str(v) for v in typing.get_args(ann)]
     return None
 
 
-def _translate(root: type[BaseModel], err: Any) -> list[Problem]:
+def _translate(root: type[BaseModel], err: ErrorDetails) -> list[Problem]:
     loc: Loc = tuple(err["loc"])
     kind: str = err["type"]
     ctx = err.get("ctx") or {}

@@ -23,7 +23,7 @@ def all_option_values(option: str) -> list[str]:
 
 
 
-def lowered(cls: type, value: Any) -> Any:  # noqa: ARG001 (a pydantic class validator)
+def lowered(cls: type, value: object) -> Any:  # noqa: ARG001 (a pydantic class validator)
     """Format names are case-insensitive: "MXFP4" is mxfp4."""
     return value.lower() if isinstance(value, str) else value
 

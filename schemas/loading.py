@@ -17,7 +17,8 @@ from qtransform.errors import UserError
 from .errors import PolicyError, Problem, from_validation_error
 from .policy import Policy
 
-PolicySource = Policy | Mapping[str, Any] | str | os.PathLike
+# what every function that takes a policy accepts: load_policy reads each of them
+PolicyLike = Policy | Mapping[str, Any] | str | os.PathLike
 LEGACY_MARKERS = ("base_sigma", "layer_multipliers", "sigma_start")
 MAX_INT_DIGITS = 19
 MAX_NUMBER_CHARS = 400
@@ -108,14 +109,14 @@ def _is_file(text: str) -> bool:
         return False
 
 
-def is_legacy_srdd(data: Any) -> bool:
+def is_legacy_srdd(data: object) -> bool:
     """True for a pre-policy SRDD sigma config such as {"base_sigma": 0.01, "layer_multipliers": ...}."""
     return (
         isinstance(data, dict) and "version" not in data and any(k in data for k in LEGACY_MARKERS)
     )
 
 
-def validate_policy(data: Any, source: str | None = None) -> Policy:
+def validate_policy(data: object, source: str | None = None) -> Policy:
     """Validate parsed JSON as a Policy, raising PolicyError with one line per problem."""
     if is_legacy_srdd(data):
         raise PolicyError(
@@ -137,7 +138,7 @@ def validate_policy(data: Any, source: str | None = None) -> Policy:
         raise from_validation_error(exc, Policy, source) from None
 
 
-def load_policy(source: PolicySource) -> Policy:
+def load_policy(source: PolicyLike) -> Policy:
     """A Policy from a Policy (returned as is), a dict, a path, or JSON text."""
     if isinstance(source, Policy):
         return source

@@ -22,7 +22,7 @@ from pydantic import (
 from . import presets
 from .base import StrictModel
 from .errors import Issue, problems_error
-from .sections import SECTIONS, ordered
+from .sections import SECTIONS, Section, ordered
 
 
 class PolicyRoot(StrictModel):
@@ -38,7 +38,7 @@ class PolicyRoot(StrictModel):
 
     @model_validator(mode="before")
     @classmethod
-    def _expand_preset(cls, data: Any) -> Any:
+    def _expand_preset(cls, data: object) -> Any:
         """A named preset becomes its explicit rules and sections, with the user's fields merged
         over them (`qtransform.schemas.presets`), before anything else is validated."""
         if not isinstance(data, Mapping):
@@ -59,7 +59,7 @@ class PolicyRoot(StrictModel):
 
     @field_validator("version", mode="before")
     @classmethod
-    def _version_one(cls, value: Any) -> Any:
+    def _version_one(cls, value: object) -> Any:
         """Only exactly 1 (not true, not 1.0): later versions will be migrated, not guessed."""
         if type(value) is not int or value != 1:
             raise problems_error([Issue((), "unsupported policy version", value, ["1"])])
@@ -76,7 +76,7 @@ class PolicyRoot(StrictModel):
         return self.model_dump_json(indent=indent)
 
 
-def _field(section: Any) -> tuple[Any, Any]:
+def _field(section: Section) -> tuple[Any, Any]:
     """The root's field for a section; its example travels into the JSON Schema (`examples`)."""
     text = {"description": section.description or None, "examples": [section.example]}
     if isinstance(section.default, list):

@@ -45,9 +45,12 @@ import re
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from qtransform.core.sites import ADAPTER_KEYS, LINEAR_KINDS, REGEX_PREFIX, ROUTER_ROLE
+
+if TYPE_CHECKING:  # base imports this module
+    from .base import Selected
 
 try:  # Python 3.11+ names the regex parser's modules this way; 3.10 has sre_parse/sre_constants
     from re import _constants as re_constants
@@ -162,7 +165,7 @@ def check_regex(pattern: str) -> None:
 _REPEATS = {re_constants.MAX_REPEAT, re_constants.MIN_REPEAT, re_constants.POSSESSIVE_REPEAT}
 
 
-def _check_nodes(nodes: Any, inside_repeat: bool) -> int:
+def _check_nodes(nodes: Iterable[tuple[Any, Any]], inside_repeat: bool) -> int:
     """Raise for a construct that backtracks exponentially; return the number of repeats."""
     count = 0
     for op, arg in nodes:
@@ -265,7 +268,7 @@ class Selector:
         return _compile(tuple(targets), tuple(ignore), layers, lenient_targets)
 
     @classmethod
-    def from_section(cls, section: Any) -> Selector:
+    def from_section(cls, section: Selected) -> Selector:
         """The selector of a policy section (anything with targets/ignore/layers fields)."""
         field = getattr(type(section), "model_fields", {}).get("targets")
         default = None

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from qtransform.formats import registry
 
 from .selectors import ROUTER_ENTRY, Entry, Selector
+
+if TYPE_CHECKING:  # the sections import this module
+    from .sections.quantize import QuantRule
 
 _SCALES = {
     "e8m0": "E8M0 scale",
@@ -65,7 +68,7 @@ _WHOLE = {"channel": "one scale per output channel", "token": "one scale per tok
           "tensor": "one scale per tensor"}
 
 
-def describe_format(rule: Any) -> str:
+def describe_format(rule: QuantRule) -> str:
     """'MXFP4 (E2M1 elements, block 32, E8M0 scale, floor scale rule, round-half-even)': the
     rule's `QuantConfig`, each choice option of its family in the family's order."""
     cfg = rule.config()
@@ -98,7 +101,7 @@ def describe_format(rule: Any) -> str:
     return f"{spec.name.upper()} ({', '.join(parts)})"
 
 
-def scheme(rule: Any) -> str | None:
+def scheme(rule: QuantRule) -> str | None:
     """'W4A16', 'W16A4', 'W4A4'; None when outputs are quantized too."""
     chosen = set(rule.tensors)
     if not chosen <= {"weight", "input"}:
@@ -107,7 +110,7 @@ def scheme(rule: Any) -> str | None:
     return f"W{bits if 'weight' in chosen else 16}A{bits if 'input' in chosen else 16}"
 
 
-def tensor_words(rule: Any) -> str:
+def tensor_words(rule: QuantRule) -> str:
     """'the weights (W4A16)', 'the input activations (W16A4)', ..."""
     text = "the " + join([TENSOR_WORDS[t] for t in rule.tensors])
     name = scheme(rule)

@@ -200,7 +200,7 @@ def parse(file: Path, q: dict) -> Checkpoint:
     return Checkpoint(NAME, groups, [str(i) for i in ignore], rotations=rotations)
 
 
-def _scheme(a: Any, where: str) -> TensorScheme | None:
+def _scheme(a: object, where: str) -> TensorScheme | None:
     """A QuantizationArgs dict as a TensorScheme, or a refusal naming the field."""
     if a is None:
         return None
@@ -267,7 +267,7 @@ def granularity_fields(s: TensorScheme) -> dict[str, Any]:
 
 # --- writing: a fake-quant's options as QuantizationArgs ------------------------------------------
 
-def args_json(**fields: Any) -> str:
+def args_json(**fields: object) -> str:
     """QuantizationArgs as compressed-tensors serializes them (every field), as sorted JSON."""
     base = {"actorder": None, "block_structure": None, "dynamic": False, "group_size": None,
             "observer": None, "observer_kwargs": {}, "scale_dtype": None, "strategy": None,

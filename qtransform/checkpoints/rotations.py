@@ -41,7 +41,7 @@ class RotationGroup:
     ignore: tuple[str, ...]
 
 
-def _names(value: Any, where: str) -> tuple[str, ...]:
+def _names(value: object, where: str) -> tuple[str, ...]:
     """A TransformArgs targets / ignore field (a string or a list of strings)."""
     items = [value] if isinstance(value, str) else value or []
     if not isinstance(items, list) or not all(isinstance(t, str) for t in items):
@@ -49,7 +49,7 @@ def _names(value: Any, where: str) -> tuple[str, ...]:
     return tuple(items)
 
 
-def parse(where: str, tc: Any) -> list[RotationGroup]:
+def parse(where: str, tc: object) -> list[RotationGroup]:
     """The rotations of a transform_config, or a refusal naming the group and why qtransform
     cannot reproduce it."""
     if not tc:

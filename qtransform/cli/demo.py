@@ -29,7 +29,7 @@ import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from qtransform.calibration import builtin_calibration, calibration_batches, read_calibration
 from qtransform.cli import options as cli_options
@@ -57,6 +57,15 @@ from qtransform.scan.sensitivity import site_sensitivity
 from qtransform.scan.setup import resolve_policy
 from qtransform.scan.weights import compare_formats, config_for, scan_weights
 from qtransform.schemas import dump_policy
+
+if TYPE_CHECKING:
+    from torch import nn
+    from transformers import PreTrainedTokenizerBase
+
+    from qtransform.scan.compare import Comparison
+    from qtransform.scan.report import ScanReport
+    from qtransform.scan.sensitivity_report import SensitivityReport
+    from qtransform.schemas import PolicyLike
 
 DEFAULT_OUT = "qtransform-demo"
 DEFAULT_FORMAT = "mxfp4"
@@ -206,8 +215,8 @@ DEMO_PAGES = (  # (title, file, what it shows): the index page's list
 EXPORT_PAGE = ("ONNX export", "model.html", "what model.onnx holds: inserted modules, taps")
 
 
-def write_demo_pages(out: Path, model: Any, weights: Any, activations: Any, comparison: Any,
-                     sensitivity: Any, onnx: bool) -> list[Path]:
+def write_demo_pages(out: Path, model: nn.Module, weights: ScanReport, activations: ScanReport,
+                     comparison: Comparison, sensitivity: SensitivityReport, onnx: bool) -> list[Path]:
     """One HTML page per result, each linking back to index.html, which links them all."""
     command = command_line()
     up = [("index of this run", "../index.html")]
@@ -229,17 +238,18 @@ def write_demo_pages(out: Path, model: Any, weights: Any, activations: Any, comp
     return paths
 
 
-def _save(report: Any, folder: Path) -> list[Path]:
+def _save(report: ScanReport | SensitivityReport, folder: Path) -> list[Path]:
     return list(report.save(folder).values())
 
 
-def export_demo_onnx(model: Any, policy: Any, tokenizer: Any, samples: list, path: Path) -> Path:
+def export_demo_onnx(model: nn.Module, policy: PolicyLike, tokenizer: PreTrainedTokenizerBase,
+                     samples: list, path: Path) -> Path:
     """The transformed model as instrumented ONNX (taps as graph outputs, dynamic batch and
     sequence), traced on the first calibration sentences."""
     return _export(transform(model, policy).eval(), _example(tokenizer, samples), path)
 
 
-def _example(tokenizer: Any, samples: list) -> dict[str, Any]:
+def _example(tokenizer: PreTrainedTokenizerBase, samples: list) -> dict[str, Any]:
     """The example batch the export traces: the first calibration sentences."""
     if all(isinstance(s, str) for s in samples):
         batch = tokenizer(samples[:EXPORT_SAMPLES], padding=True, return_tensors="pt")
@@ -247,7 +257,7 @@ def _example(tokenizer: Any, samples: list) -> dict[str, Any]:
     return {"input_ids": calibration_batches(samples[:1], max_length=128)[0]}
 
 
-def _export(quantized: Any, example: dict[str, Any], path: Path) -> Path:
+def _export(quantized: nn.Module, example: dict[str, Any], path: Path) -> Path:
     """Export quietly: the exporter's chatter is not the demo's output."""
     exporter_log = logging.getLogger("torch.onnx")
     level = exporter_log.level
@@ -328,7 +338,7 @@ def summary_text(result: DemoResult) -> str:
     return "\n".join(lines)
 
 
-def _expected_text(report: Any) -> str:
+def _expected_text(report: ScanReport) -> str:
     """What the format does to Gaussian data of the first row's block structure, in words."""
     row = next((r for r in report.rows if expected_for(r) is not None), None)
     if row is None:

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import argparse
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from qtransform.errors import UserError
 from qtransform.formats import suggest
 from qtransform.formats.options import CHOICE_OPTIONS
 from qtransform.scan.problems import ABSOLUTE_THRESHOLDS, DEFAULT_THRESHOLDS, FLAGGING
+
+if TYPE_CHECKING:
+    from torch import nn
 
 
 def add_common(p: argparse.ArgumentParser) -> None:
@@ -81,7 +84,7 @@ def add_calib(p: argparse.ArgumentParser) -> None:
     p.add_argument("--calib", metavar="FILE", help=CALIB_HELP)
 
 
-def calib_batches(source: str | None, model_path: str, model: Any) -> list[Any] | None:
+def calib_batches(source: str | None, model_path: str, model: nn.Module) -> list[Any] | None:
     """The padding-free token batches of `--calib` for `model` (text through the tokenizer saved
     beside `model_path`); None without --calib."""
     if source is None:

@@ -227,7 +227,7 @@ def _activation_scan(args: argparse.Namespace):
     return report
 
 
-def scan_table(report) -> str:
+def scan_table(report: ScanReport) -> str:
     """The terminal view: one line per layer, then sites outside layers, problems, advice."""
     head = f"{'layer':>5} {'point':<6} {'sites':>5} {'SQNR dB':>8} {'worst site':<28} {'worst':>7} " \
            f"{'rel_rmse':>9} {'deadzone':>9} {'satur.':>8} {'bad':>4}"

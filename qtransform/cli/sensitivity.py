@@ -7,7 +7,7 @@ import argparse
 import json
 import math
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from qtransform.calibration import CalibrationSpec, read_source
 from qtransform.cli.options import add_common, format_options, progress
@@ -19,6 +19,9 @@ from qtransform.scan.budget import measured_budget
 from qtransform.scan.sensitivity import site_sensitivity
 from qtransform.scan.sensitivity_report import measure_label, timing_text
 from qtransform.scan.setup import scan_policy
+
+if TYPE_CHECKING:
+    from qtransform.scan.budget import Budgeted
 
 EPILOG = """examples:
   qtransform sensitivity ./Qwen2.5-0.5B --format mxfp4 --calib calib.txt --out sens/mxfp4
@@ -89,7 +92,7 @@ def budget_args(args: argparse.Namespace) -> dict[str, Any] | None:
     return None
 
 
-def budget_text(result: Any, measure: str) -> str:
+def budget_text(result: Budgeted, measure: str) -> str:
     label = measure_label(measure)
     kept = ", ".join(result.kept_sites[:8]) + (" ..." if len(result.kept_sites) > 8 else "")
     text = (f"budget {', '.join(f'{k}={v:g}' for k, v in result.budget.items())} ({result.method}): keep "

@@ -28,11 +28,15 @@ _MATMUL_OPS = {
 }
 
 
+# what a model is called with: keyword inputs, positional inputs, or one positional tensor
+ExampleInputs = torch.Tensor | tuple[object, ...] | list[object] | dict[str, object]
+
+
 class CaptureError(UserError):
     """The whole-model graph could not be captured; names the construct that failed."""
 
 
-def normalize_inputs(model: nn.Module, example_inputs: Any) -> tuple[tuple, dict]:
+def normalize_inputs(model: nn.Module, example_inputs: ExampleInputs) -> tuple[tuple, dict]:
     """(args, kwargs) for a model call; causal LMs get `use_cache=False` (export rejects caches)."""
     if isinstance(example_inputs, dict):
         args, kwargs = (), dict(example_inputs)
@@ -56,7 +60,7 @@ def forward_params(model: nn.Module) -> Any:
         return {}
 
 
-def with_attention_mask(model: nn.Module, example_inputs: Any) -> dict[str, Any]:
+def with_attention_mask(model: nn.Module, example_inputs: ExampleInputs) -> dict[str, Any]:
     """The example inputs as keywords with an all-ones `attention_mask` beside `input_ids` (a
     given mask is kept), so that an export has a mask input and padded batches run through it."""
     args, kwargs = normalize_inputs(model, example_inputs)
@@ -79,7 +83,7 @@ def _failing_construct(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {first}{where}"
 
 
-def export_whole_graph(model: nn.Module, example_inputs: Any) -> torch.export.ExportedProgram:
+def export_whole_graph(model: nn.Module, example_inputs: ExampleInputs) -> torch.export.ExportedProgram:
     """torch.export in non-strict mode; a failure names the construct that could not be traced."""
     args, kwargs = normalize_inputs(model, example_inputs)
     try:
@@ -97,7 +101,7 @@ def _module_path(node: fx.Node) -> str:
     return list(stack.values())[-1][0] if stack else ""
 
 
-def build_whole_graph(model: nn.Module, sites: dict[str, Site], example_inputs: Any) -> WholeGraph:
+def build_whole_graph(model: nn.Module, sites: dict[str, Site], example_inputs: ExampleInputs) -> WholeGraph:
     """Map sites onto the exported graph, add matmul sites, and compute order and dataflow."""
     ep = export_whole_graph(model, example_inputs)
     gm = ep.module()
@@ -138,7 +142,7 @@ def build_whole_graph(model: nn.Module, sites: dict[str, Site], example_inputs: 
     return whole
 
 
-def capture(model: nn.Module, example_inputs: Any = None, *, mode: str = "module") -> Program:
+def capture(model: nn.Module, example_inputs: ExampleInputs | None = None, *, mode: str = "module") -> Program:
     """Capture `model` into a Program.
 
     `mode="module"` (default) transforms module graphs spliced back into the model, which keeps

@@ -32,6 +32,7 @@ import tempfile
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 from qtransform.errors import UserError
@@ -60,7 +61,7 @@ def install_signal_handlers() -> None:
     that the first one started (removing staging folders) runs to the end."""
     state = {"seen": False}
 
-    def handler(signum: int, frame: Any) -> None:  # noqa: ARG001
+    def handler(signum: int, frame: FrameType | None) -> None:  # noqa: ARG001
         if state["seen"]:
             return
         state["seen"] = True
@@ -345,12 +346,12 @@ def write_text(path: str | os.PathLike[str], text: str, encoding: str = "utf-8")
     return write_bytes(path, text.encode(encoding))
 
 
-def write_json(path: str | os.PathLike[str], obj: Any, *, indent: int = 2) -> Path:
+def write_json(path: str | os.PathLike[str], obj: object, *, indent: int = 2) -> Path:
     """Atomically write `obj` as strict JSON (NaN/Infinity are rejected: encode them first)."""
     return write_text(path, json.dumps(obj, indent=indent, allow_nan=False) + "\n")
 
 
-def encode_floats(obj: Any) -> Any:
+def encode_floats(obj: object) -> Any:
     """Strict-JSON copy of obj: non-finite floats become the strings "inf", "-inf", "nan"."""
     if isinstance(obj, float) and not math.isfinite(obj):
         return "nan" if math.isnan(obj) else ("inf" if obj > 0 else "-inf")

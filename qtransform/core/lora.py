@@ -243,7 +243,7 @@ class LoraForward:
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__init__(state["layer"])
 
-    def __call__(self, x: Tensor, *args: Any, **kwargs: Any) -> Any:
+    def __call__(self, x: Tensor, *args: object, **kwargs: object) -> Any:
         layer = self.layer
         dense = (not args and not kwargs and adapters_on(layer)
                  and (in_rollout() or lora_mode(layer.base_layer) == "merged"))
@@ -323,7 +323,7 @@ class LoraWatch:
             if now is not child and is_lora_layer(now) and now.base_layer is child:
                 bind(now)
 
-    def __call__(self, module: nn.Module, args: Any) -> None:
+    def __call__(self, module: nn.Module, args: tuple[object, ...]) -> None:
         self.check(module)
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import torch
 from torch import Tensor, nn
@@ -80,7 +80,7 @@ class NoiseModule(nn.Module):
     # torch.Generator: for activation-sized draws, one per output element and forward
     counter_draws: ClassVar[bool] = False
 
-    def __init_subclass__(cls, **kwargs: Any) -> None:
+    def __init_subclass__(cls, **kwargs: object) -> None:
         """Checked when the class is defined (at import): the parts the controller and the
         export call must be there, and one pass has one noise module class."""
         super().__init_subclass__(**kwargs)

@@ -12,9 +12,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol
+from typing import TYPE_CHECKING, Literal, Protocol
 
 from torch import Tensor
+
+if TYPE_CHECKING:
+    from numpy.typing import ArrayLike
 
 Draw = Literal["normal", "uniform"]
 DRAWS: tuple[str, ...] = ("normal", "uniform")
@@ -26,9 +29,9 @@ class OnnxBuilder(Protocol):
     inputs are "X" (the value noised) and "Z" (the draw, fp32); the form returns its fp32 result,
     which the export casts to X's dtype."""
 
-    def op(self, op_type: str, *inputs: str, **attrs: Any) -> str: ...
+    def op(self, op_type: str, *inputs: str, **attrs: object) -> str: ...
 
-    def const(self, value: Any) -> str: ...
+    def const(self, value: ArrayLike) -> str: ...
 
     def as_float(self, value: str) -> str: ...
 

@@ -75,7 +75,7 @@ class RolloutGenerate:
     def __init__(self, model: nn.Module):
         self.model = model
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    def __call__(self, *args: object, **kwargs: object) -> Any:
         with rollout():
             return type(self.model).generate(self.model, *args, **kwargs)
 

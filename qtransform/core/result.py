@@ -32,7 +32,7 @@ class Result(Protocol):
         ...
 
 
-def decode_numbers(obj: Any) -> Any:
+def decode_numbers(obj: object) -> Any:
     """The inverse of `core.io.encode_floats` for numeric fields: "inf", "-inf" and "nan" become
     floats again, in nested dicts and lists (apply it to numbers only, never to free text)."""
     if isinstance(obj, str):

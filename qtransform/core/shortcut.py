@@ -93,7 +93,7 @@ class ShortcutForward(GraphForward):
         if cached is not None:
             self.armed = (cached, weight, weight._version, weight.data_ptr(), stamp, block)
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    def __call__(self, *args: object, **kwargs: object) -> Any:
         armed = self.armed
         module = self.state.module
         if armed is not None and len(args) == 1 and not kwargs:
@@ -130,7 +130,7 @@ class WeightCheck:
     def __setstate__(self, state: dict) -> None:
         self.__init__()
 
-    def __call__(self, module: nn.Module, args: Any) -> None:
+    def __call__(self, module: nn.Module, args: tuple[object, ...]) -> None:
         self.stamp += 1
         if ops.is_tracing(None):  # traced: every site runs its graph (the custom ops appear),
             for site in self._sites or ():  # also inside a rollout block armed before
@@ -149,7 +149,7 @@ class WeightCheck:
         for site in self._sites:
             site.arm(self.stamp, block)
 
-    def end(self, module: nn.Module, args: Any, output: Any) -> None:
+    def end(self, module: nn.Module, args: tuple[object, ...], output: object) -> None:
         self.stamp += 1
 
 

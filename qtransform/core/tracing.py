@@ -106,7 +106,7 @@ class GraphForward:
         self.fn = state.compile()
         self.__signature__ = inspect.Signature(list(inspect.signature(self.fn).parameters.values())[1:])
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    def __call__(self, *args: object, **kwargs: object) -> Any:
         return self.fn(self.state.module, *args, **kwargs)
 
     def __getstate__(self) -> dict[str, Any]:

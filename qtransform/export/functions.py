@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+from numpy.typing import ArrayLike, DTypeLike
 from onnx import FunctionProto, NodeProto, TensorProto, helper, numpy_helper
 
 from qtransform.errors import UserError
@@ -145,12 +146,12 @@ class Body:
         self._count += 1
         return f"{op_type.lower()}_{self._count}"
 
-    def op(self, op_type: str, *inputs: str, **attrs: Any) -> str:
+    def op(self, op_type: str, *inputs: str, **attrs: object) -> str:
         out = self._name(op_type)
         self.nodes.append(helper.make_node(op_type, list(inputs), [out], **attrs))
         return out
 
-    def const(self, value: Any, dtype: Any = np.float32) -> str:
+    def const(self, value: ArrayLike, dtype: DTypeLike = np.float32) -> str:
         """A Constant node (scalars stay 0-dim so they broadcast)."""
         arr = np.asarray(value, dtype=dtype)
         out = self._name("const")

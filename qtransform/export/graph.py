@@ -74,7 +74,7 @@ def _attrs(node: NodeProto) -> dict[str, Any]:
     return {a.name: helper.get_attribute_value(a) for a in node.attribute}
 
 
-def _decode(value: Any) -> Any:
+def _decode(value: object) -> Any:
     if isinstance(value, bytes):
         return value.decode()
     return list(value) if isinstance(value, list) else value

@@ -27,7 +27,7 @@ from onnx import ModelProto, helper
 from torch import nn
 
 import qtransform.core.ops  # noqa: F401 - registers the custom ops the translations refer to
-from qtransform.core.capture import normalize_inputs, with_attention_mask
+from qtransform.core.capture import ExampleInputs, normalize_inputs, with_attention_mask
 from qtransform.core.experts import traceable_experts
 from qtransform.core.io import atomic_files
 from qtransform.core.noise import NoiseModule
@@ -160,7 +160,7 @@ def _noise_modules(module: nn.Module, log: list[dict]) -> list[tuple[str, str, n
     return named
 
 
-def _flatten_outputs(out: Any) -> tuple[list[str], tuple[torch.Tensor, ...]]:
+def _flatten_outputs(out: object) -> tuple[list[str], tuple[torch.Tensor, ...]]:
     if isinstance(out, torch.Tensor):
         return ["output"], (out,)
     if isinstance(out, dict):  # ModelOutput is a dict
@@ -257,7 +257,7 @@ def _quiet_exporter() -> Iterator[None]:
         logger.setLevel(level)
 
 
-def _no_unit_dims(value: Any) -> Any:
+def _no_unit_dims(value: object) -> Any:
     """A tensor with every size-1 dim repeated to 2, so a dynamic export keeps that dim dynamic;
     other values unchanged. A batch of one sample or a one-token example would otherwise give a
     graph that declares dynamic axes but runs only at that size."""
@@ -269,7 +269,7 @@ def _no_unit_dims(value: Any) -> Any:
     return value
 
 
-def _torch_export(module: nn.Module, signature_model: nn.Module, example_inputs: Any, *,
+def _torch_export(module: nn.Module, signature_model: nn.Module, example_inputs: ExampleInputs, *,
                   dynamic: bool, opset: int, log: list[dict], optimize: bool = False,
                   ) -> tuple[ModelProto, list[str]]:
     """torch.onnx.export of the wrapped module; returns the raw proto and the noise input names."""
@@ -344,7 +344,7 @@ def check_opset(fake_quant: str, opset: int | None) -> int:
 def export_onnx(
     model_or_program: nn.Module | Program,
     path: str | os.PathLike,
-    example_inputs: Any,
+    example_inputs: ExampleInputs,
     *,
     dynamic: bool = True,
     fake_quant: str = "function",

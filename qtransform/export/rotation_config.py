@@ -25,8 +25,7 @@ from qtransform.core.program import Program
 from qtransform.errors import UserError
 from qtransform.passes import RotatePass
 from qtransform.passes.rotate import Rotation
-from qtransform.schemas import load_policy
-from qtransform.schemas.loading import PolicySource
+from qtransform.schemas import PolicyLike, load_policy
 
 PRECISION = "torch.float32"  # the online rotation's precision: qtransform rotates in fp32
 
@@ -53,7 +52,7 @@ def _check(rotation: Rotation, site_kind: str, site: str) -> None:
                         "to nn.Linear modules only: leave it out of the rule (ignore) for this checkpoint")
 
 
-def transform_config(policy: PolicySource, program: Program) -> dict[str, Any] | None:
+def transform_config(policy: PolicyLike, program: Program) -> dict[str, Any] | None:
     """The `transform_config` (compressed-tensors' TransformConfig as JSON) of the policy's
     rotations on `program`'s sites; None when the policy rotates nothing.
 

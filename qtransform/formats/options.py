@@ -144,7 +144,7 @@ class QuantConfig:
         return resolve(fmt, **({"axis": None} | opts))
 
 
-def _choice(spec: FormatSpec, option: str, value: Any) -> str:
+def _choice(spec: FormatSpec, option: str, value: object) -> str:
     allowed = spec.options[option]
     if value not in allowed:
         raise ValueError(
@@ -154,7 +154,7 @@ def _choice(spec: FormatSpec, option: str, value: Any) -> str:
     return value
 
 
-def _block_size(spec: FormatSpec, block_size: Any) -> int:
+def _block_size(spec: FormatSpec, block_size: object) -> int:
     if block_size is None:
         return spec.default_block
     if isinstance(block_size, bool) or not isinstance(block_size, int):
@@ -163,7 +163,7 @@ def _block_size(spec: FormatSpec, block_size: Any) -> int:
     return block_size
 
 
-def _tile(spec: FormatSpec, block_shape: Any, block_size: Any, axis: int | None) -> tuple[int, int]:
+def _tile(spec: FormatSpec, block_shape: object, block_size: object, axis: int | None) -> tuple[int, int]:
     if (
         not isinstance(block_shape, tuple | list)
         or len(block_shape) != 2
@@ -182,7 +182,7 @@ def _tile(spec: FormatSpec, block_shape: Any, block_size: Any, axis: int | None)
     return (block_shape[0], block_shape[1])
 
 
-def _granularity(spec: FormatSpec, granularity: Any, block_size: Any, block_shape: Any) -> str:
+def _granularity(spec: FormatSpec, granularity: object, block_size: object, block_shape: object) -> str:
     """The granularity asked for (None: a tile with block_shape, else a block of block_size or
     of the format's default size), checked against the format's family and the block options given."""
     if granularity is not None and granularity not in registry.GRANULARITIES:

@@ -31,7 +31,7 @@ from qtransform.formats.registry import FormatSpec
 from qtransform.formats.scaled import bind_dtype
 
 
-def check_input(x: Any, cfg: QuantConfig) -> None:
+def check_input(x: object, cfg: QuantConfig) -> None:
     """Only floating tensors can be fake-quantized."""
     if not isinstance(x, torch.Tensor) or not x.is_floating_point():
         got = x.dtype if isinstance(x, torch.Tensor) else type(x).__name__
@@ -297,7 +297,7 @@ def fake_quantize(
     return _forward(x, cfg, generator, want_sat=False, seed=seed, amax=amax)[0]
 
 
-def check_amax(x: torch.Tensor, cfg: QuantConfig, amax: Any) -> torch.Tensor | None:
+def check_amax(x: torch.Tensor, cfg: QuantConfig, amax: object) -> torch.Tensor | None:
     """The `amax=` override as fp32 on x's device, or a ValueError: the format must have a
     tensor-level scale; the value is a 0-dim tensor, or (NVFP4) one per row of x's blocks."""
     if amax is None:

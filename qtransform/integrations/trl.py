@@ -26,11 +26,17 @@ log-probs, corrects the loss for them, and logs through the trainer's own report
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
-from transformers import LogitsProcessor, TrainerCallback
+from transformers import (
+    LogitsProcessor,
+    TrainerCallback,
+    TrainerControl,
+    TrainerState,
+    TrainingArguments,
+)
 
 from qtransform.core.schedule import sigma_at
 from qtransform.errors import UserError
@@ -42,6 +48,10 @@ from qtransform.rl import (
     rollout_filter,
 )
 from qtransform.rl.tracking import PREFIX, noise_metrics, weight_stats
+
+if TYPE_CHECKING:
+    from transformers import Trainer
+    from trl import GRPOTrainer
 
 # the correction's per-token factors in TRL's batch dict: a key of our own, so that TRL's own
 # `importance_sampling_ratio` (vLLM path) is never applied twice
@@ -73,8 +83,8 @@ class QTransformCallback(TrainerCallback):
         self.records_rollouts = False  # set by attach: generation reports its own sigma
         self._pending: dict[str, float] = {}
 
-    def on_train_begin(self, args: Any, state: Any, control: Any, model: nn.Module | None = None,
-                       **kwargs: Any) -> None:
+    def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, model: nn.Module | None = None,
+                       **kwargs: object) -> None:
         target = self.model if self.model is not None else model
         if target is None:
             raise UserError("QTransformCallback needs the model: QTransformCallback(model)")
@@ -88,11 +98,11 @@ class QTransformCallback(TrainerCallback):
         if self.noise is not None and self.noise.modules:
             self.rollout_sigma = sigma_at(self.noise.current_step, self.noise.schedule)
 
-    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+    def on_step_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: object) -> None:
         if not self.records_rollouts:  # without attach: the step's rollouts use this step's sigma
             self.rollouts_generated()
 
-    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+    def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: object) -> None:
         if self.noise is not None:
             self.noise.set_step(state.global_step)  # once per optimizer step
         every = self.weight_stats_every
@@ -104,8 +114,8 @@ class QTransformCallback(TrainerCallback):
         statistics measured since the last log."""
         return {**noise_metrics(self.noise, self.rollout_sigma), **self._pending}
 
-    def on_log(self, args: Any, state: Any, control: Any, logs: dict | None = None,
-               **kwargs: Any) -> None:
+    def on_log(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, logs: dict | None = None,
+               **kwargs: object) -> None:
         values = self.metrics()
         self._pending = {}
         if logs is not None:
@@ -159,7 +169,7 @@ class _AppendProcessor:
     def __init__(self, model: nn.Module, recorder: _SampledLogProbs):
         self.model, self.recorder, self.calls = model, recorder, 0
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    def __call__(self, *args: object, **kwargs: object) -> Any:
         self.calls += 1
         if self.calls > 1:
             raise UserError("one rollout batch ran generate() twice: qtransform's recorder expects one")
@@ -172,10 +182,10 @@ class _Generation:
     """Wraps GRPOTrainer._generate_single_turn: notes the rollouts' sigma and, on the generate()
     path, returns the sampled log-probs where TRL's own code returns None."""
 
-    def __init__(self, trainer: Any, callback: QTransformCallback, original: Callable[..., Any]):
+    def __init__(self, trainer: GRPOTrainer, callback: QTransformCallback, original: Callable[..., Any]):
         self.trainer, self.callback, self.original = trainer, callback, original
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    def __call__(self, *args: object, **kwargs: object) -> Any:
         self.callback.rollouts_generated()
         trainer = self.trainer
         if trainer.use_vllm or getattr(trainer, "use_transformers_continuous_batching", False):
@@ -205,11 +215,11 @@ class _Scoring:
     """Wraps GRPOTrainer._generate_and_score_completions: the mismatch metrics of the recorded
     rollout log-probs against the trainer's, and the correction's weights for the loss."""
 
-    def __init__(self, trainer: Any, correction: Correction | None, metrics: bool,
+    def __init__(self, trainer: GRPOTrainer, correction: Correction | None, metrics: bool,
                  original: Callable[..., Any]):
         self.trainer, self.correction, self.metrics, self.original = trainer, correction, metrics, original
 
-    def __call__(self, inputs: Any) -> dict[str, Any]:
+    def __call__(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
         out = self.original(inputs)
         trainer = self.trainer
         rollout = out.get("sampling_per_token_logps")
@@ -262,7 +272,7 @@ class _CorrectedLoss:
         return self.original(model, inputs)
 
 
-def attach(trainer: Any, *, correction: Correction | None = None, mismatch: bool = True,
+def attach(trainer: Trainer, *, correction: Correction | None = None, mismatch: bool = True,
            weight_stats_every: int = 50) -> QTransformCallback:
     """Hook a transformed model into a TRL trainer: the callback (first, so reporters log its
     values); with vLLM the weight sync through `rollout_filter`; with generate() the rollouts'

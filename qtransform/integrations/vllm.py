@@ -15,11 +15,16 @@ be matched. A generator is passed as is when the engine runs in this process
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch import Tensor
 
 from qtransform.errors import UserError
+
+if TYPE_CHECKING:
+    from vllm import LLM, RequestOutput  # the optional dependency
+
+    from qtransform.rl.sampling import Sampling
 
 
 def _load_weights(worker: Any, pairs: Iterable[tuple[str, Tensor]]) -> int:
@@ -28,7 +33,7 @@ def _load_weights(worker: Any, pairs: Iterable[tuple[str, Tensor]]) -> int:
     return len(loaded) if loaded is not None else -1
 
 
-def push_weights(llm: Any, pairs: Iterable[tuple[str, Tensor]], *, via: str = "reload_weights") -> None:
+def push_weights(llm: LLM, pairs: Iterable[tuple[str, Tensor]], *, via: str = "reload_weights") -> None:
     """Load `pairs` (e.g. `qtransform.rollout_weights(model)`) into the engine `llm` (a
     `vllm.LLM`), then drop the prefix cache so no stale KV blocks are reused."""
     if via == "load_weights":
@@ -50,7 +55,7 @@ class VLLMEngine:
 
     order = "vllm"
 
-    def __init__(self, llm: Any, seed: int = 0):
+    def __init__(self, llm: LLM, seed: int = 0):
         self.llm = llm
         self.seed = seed
 
@@ -62,7 +67,7 @@ class VLLMEngine:
         config = getattr(getattr(self.llm, "llm_engine", None), "model_config", None)
         return str(getattr(config, "logprobs_mode", "raw_logprobs"))
 
-    def _run(self, prompt: list[int], **params: Any) -> Any:
+    def _run(self, prompt: list[int], **params: int | float | None) -> RequestOutput:
         from vllm import SamplingParams  # the optional dependency, imported where it is used
         from vllm.inputs import TokensPrompt
 
@@ -70,7 +75,7 @@ class VLLMEngine:
                                 use_tqdm=False)
         return out[0]
 
-    def logprobs(self, prompt: list[int], completion: list[int], sampling: Any = None) -> list[float]:
+    def logprobs(self, prompt: list[int], completion: list[int], sampling: Sampling | None = None) -> list[float]:
         """Prompt log-probs of the whole sequence (one prefill), read at the completion. vLLM
         computes them from the raw logits, so only without a sampler."""
         if sampling is not None and not sampling.is_identity:
@@ -85,7 +90,7 @@ class VLLMEngine:
         out = self._run(prompt, max_tokens=n, min_tokens=n, temperature=0.0, ignore_eos=True)
         return list(out.outputs[0].token_ids)
 
-    def sample(self, prompt: list[int], n: int, sampling: Any) -> tuple[list[int], list[float]]:
+    def sample(self, prompt: list[int], n: int, sampling: Sampling) -> tuple[list[int], list[float]]:
         """Up to n tokens from vLLM's sampler and the log-probs it reports for them (no minimum
         length: vLLM's min_tokens would mask the end token out of the processed distribution)."""
         if not sampling.is_identity and self._logprobs_mode() != "processed_logprobs":

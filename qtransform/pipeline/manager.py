@@ -8,8 +8,8 @@ user's mistake is re-raised naming the pass and the passes that ran before it.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 import networkx as nx
 
@@ -18,6 +18,8 @@ from qtransform.core.program import Program
 from qtransform.errors import UserError
 from qtransform.pipeline.base import Action, Pass, payload_type
 from qtransform.schemas import Policy
+
+T = TypeVar("T")  # what a guarded pass hook returns
 
 
 class PassManager:
@@ -45,7 +47,7 @@ class PassManager:
             raise ValueError(f"passes form a dependency cycle: {cycle}") from None
         return [by_name[n] for n in names]
 
-    def _guarded(self, p: Pass, what: str, fn, *args: Any):
+    def _guarded(self, p: Pass, what: str, fn: Callable[..., T], *args: object) -> T:
         """Call a pass hook; a bug (not a user mistake) names the pass and those before it."""
         try:
             return fn(*args)

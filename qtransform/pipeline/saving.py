@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -25,8 +25,11 @@ from qtransform.core.observers import static_scales
 from qtransform.core.sites import ADAPTER_KEYS, hf_name
 from qtransform.errors import UserError
 from qtransform.models import load_model, source_tokenizer
-from qtransform.pipeline.transform import PolicyLike, transform, transform_program
-from qtransform.schemas import dump_policy, load_policy
+from qtransform.pipeline.transform import transform, transform_program
+from qtransform.schemas import PolicyLike, dump_policy, load_policy
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 POLICY_FILE = "qtransform_policy.json"
 SCALES_FILE = "qtransform_scales.safetensors"  # calibrated static scales (module path -> amax)
@@ -34,7 +37,7 @@ ADAPTER_DIR = "adapter"  # a PEFT model's adapter, beside the base weights
 
 
 def save_transformed(model: nn.Module, policy: PolicyLike, out_dir: str | os.PathLike, *,
-                     force: bool = False, tokenizer: Any = None) -> Path:
+                     force: bool = False, tokenizer: PreTrainedTokenizerBase | None = None) -> Path:
     """Write `save_pretrained` output, the policy and the tokenizer to `out_dir`, atomically as a
     folder. `tokenizer` defaults to the one saved beside the folder the model was loaded from.
 
@@ -58,7 +61,8 @@ def base_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
             if not any(f".{key}." in name for key in ADAPTER_KEYS)}
 
 
-def write_transformed(model: nn.Module, policy: PolicyLike, folder: Path, *, tokenizer: Any = None) -> None:
+def write_transformed(model: nn.Module, policy: PolicyLike, folder: Path, *,
+                      tokenizer: PreTrainedTokenizerBase | None = None) -> None:
     """The files of a saved transformed model, into an existing (staging) folder.
 
     A PEFT model is saved as its base model (clean weights, loadable by any transformers code)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import difflib
 from collections.abc import Sequence
-from typing import Any
 
 from qtransform.core.program import Program
 from qtransform.core.scales import fused_groups
@@ -18,6 +17,7 @@ from qtransform.core.sites import LINEAR_KINDS, ROUTER_ROLE, Site, closest_names
 from qtransform.errors import UserError
 from qtransform.pipeline.base import Action
 from qtransform.schemas import QuantRule
+from qtransform.schemas.base import Selected
 from qtransform.schemas.presets import own_entries
 from qtransform.schemas.selectors import (
     ROUTER_ENTRY,
@@ -28,7 +28,7 @@ from qtransform.schemas.selectors import (
 )
 
 
-def select_sites(program: Program, section: Any, where: str, *, kinds: tuple[str, ...]) -> list[Site]:
+def select_sites(program: Program, section: Selected, where: str, *, kinds: tuple[str, ...]) -> list[Site]:
     """Sites of the given kinds matched by a policy section's targets/ignore/layers.
 
     Raises UserError when a target or ignore entry matches no site of those kinds (a preset's own

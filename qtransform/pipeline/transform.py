@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Iterable, Mapping
-from pathlib import Path
 from typing import Any
 
 from torch import Tensor, nn
@@ -23,9 +22,7 @@ from qtransform.errors import UserError
 from qtransform.models import loaded_checkpoint
 from qtransform.pipeline.base import Pass, registered_passes
 from qtransform.pipeline.manager import PassManager
-from qtransform.schemas import Policy, load_policy
-
-PolicyLike = Policy | dict | str | Path
+from qtransform.schemas import Policy, PolicyLike, load_policy
 
 
 def transform(

@@ -13,7 +13,7 @@ demo models; docs/reports.md); above, the pages show the block-exponent spread a
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -23,6 +23,11 @@ from qtransform.scan.report import ScanReport
 from qtransform.scan.seen import SeenWeights
 from qtransform.scan.sources import weight_refs
 from qtransform.scan.weights import config_for
+
+if TYPE_CHECKING:
+    import os
+
+    from torch import nn
 
 MAX_ELEMENTS = 50_000_000
 BINS = 40
@@ -48,7 +53,7 @@ def _hist(x: torch.Tensor, bins: int) -> dict[str, list[float]]:
     return {"edges": [lo + i * step for i in range(bins + 1)], "counts": [int(c) for c in counts.tolist()]}
 
 
-def site_histograms(source: Any, report: ScanReport, *, bins: int = BINS,
+def site_histograms(source: nn.Module | str | os.PathLike[str], report: ScanReport, *, bins: int = BINS,
                     max_elements: int = MAX_ELEMENTS) -> dict[str, dict[str, Any]]:
     """{site: {"weight": hist, "error": hist}} for the report's 2-D weight rows; {} when the
     source holds more than `max_elements` scanned weight elements (or none)."""

@@ -33,9 +33,12 @@ import math
 import os
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from qtransform.core import io as qio
+
+if TYPE_CHECKING:
+    from plotly.graph_objects import Figure
 
 _STYLE = """
 body{font:14px/1.45 system-ui,sans-serif;margin:1.5em auto;max-width:1200px;padding:0 1em;color:#222}
@@ -91,7 +94,7 @@ def _json(text: str) -> str:
     return text.replace("</", "<\\/")
 
 
-def _figure_json(fig: Any) -> str:
+def _figure_json(fig: Figure | dict[str, Any]) -> str:
     """A Plotly figure (or its dict) as JSON, through plotly's own encoder (numpy arrays)."""
     if isinstance(fig, dict):  # already plain data: plotly.py's encoder would only slow it down
         return _json(json.dumps(fig, allow_nan=False))
@@ -100,7 +103,7 @@ def _figure_json(fig: Any) -> str:
     return _json(pio.to_json(fig, validate=False, remove_uids=True))
 
 
-def _cell(value: Any) -> str:
+def _cell(value: object) -> str:
     if isinstance(value, bool) or value is None:
         return f"<td>{'' if value is None else html.escape(str(value))}</td>"
     if isinstance(value, int | float):
@@ -164,7 +167,7 @@ class Page:
         self._blocks.append("".join(parts))
         return self
 
-    def figure(self, fig: Any) -> Page:
+    def figure(self, fig: Figure | dict[str, Any]) -> Page:
         """A Plotly figure (go.Figure or its dict), drawn by plotly.js in the browser."""
         self._plotly = True
         fid = self._id("fig")
@@ -246,7 +249,7 @@ class Page:
         return qio.write_text(path, self.html())
 
 
-def _meta_text(value: Any) -> str:
+def _meta_text(value: object) -> str:
     if isinstance(value, dict):
         return ", ".join(f"{k}={v}" for k, v in value.items())
     if isinstance(value, list | tuple):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from qtransform.core.program import insertion_log
 from qtransform.core.sites import layer_index
@@ -14,6 +14,9 @@ from qtransform.passes import FakeQuantPass
 from qtransform.report.page import Page
 from qtransform.report.scan_pages import Links, grid, link_section, run_metadata
 from qtransform.rl.parity_report import ATTRIBUTION_KEY, MEANING, ParityReport
+
+if TYPE_CHECKING:
+    from torch import nn
 
 
 def _role(site: str) -> str:
@@ -72,7 +75,7 @@ def parity_page(report: ParityReport, *, command: str | None = None, links: Link
     return page
 
 
-def export_summary(path: str | os.PathLike[str], model: Any, fake_quant: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+def export_summary(path: str | os.PathLike[str], model: nn.Module, fake_quant: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """What `export_page` shows of an exported model: the file's graph inputs and outputs and
     the transformed model's insertion log."""
     import onnx

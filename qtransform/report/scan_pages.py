@@ -13,9 +13,9 @@ import math
 import os
 import shlex
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from qtransform.report.histograms import site_histograms
 from qtransform.report.page import Page
@@ -26,8 +26,12 @@ from qtransform.scan.render import end_to_end_text, plot_title
 from qtransform.scan.report import ScanReport, SiteRow
 from qtransform.scan.sensitivity_report import SensitivityReport, measure_label
 
+if TYPE_CHECKING:
+    from torch import nn
+
 SPAN_DB = 6.0  # SQNR heatmaps: colors cover at least ±6 dB (one bit), so noise is not drawn red
 Links = Sequence[tuple[str, str]]  # (text, relative href) of the run's other pages
+T = TypeVar("T")  # what a heatmap's items are: report rows, insertion dicts
 POINT_TITLE = {"weight": "weights", "input": "inputs (activations)", "output": "outputs (local error)"}
 
 
@@ -55,7 +59,8 @@ def layer_label(layer: int | None) -> str:
     return "other" if layer is None else str(layer)
 
 
-def grid(items: Sequence[Any], layer: Any, role: Any, value: Any) -> tuple[list[str], list[str], list[list[float | None]]]:
+def grid(items: Sequence[T], layer: Callable[[T], int | None], role: Callable[[T], str],
+         value: Callable[[list[T]], float | None]) -> tuple[list[str], list[str], list[list[float | None]]]:
     """(layers, roles, values[role][layer]) of items placed by the `layer`/`role` getters, the
     value of a cell from the items that fall into it (None where none does)."""
     layers = sorted({layer(i) for i in items}, key=lambda x: (x is None, x or 0))
@@ -184,7 +189,8 @@ def scan_page(report: ScanReport, *, histograms: dict[str, dict[str, Any]] | Non
     return page
 
 
-def write_scan_page(report: ScanReport, path: str | os.PathLike[str], *, source: Any = None,
+def write_scan_page(report: ScanReport, path: str | os.PathLike[str], *,
+                    source: nn.Module | str | os.PathLike[str] | None = None,
                     command: str | None = None, links: Links = ()) -> Path:
     """report.html: `scan_page`, with weight and error histograms when `source` (the scanned
     module or checkpoint) is given and small enough."""

@@ -196,7 +196,7 @@ def evaluation(model: nn.Module) -> Iterator[None]:
             module.enabled = was
 
 
-def _first_noisy_step(schedule: Any) -> int | None:
+def _first_noisy_step(schedule: Schedule) -> int | None:
     span = schedule.total_steps or schedule.steps_per_epoch * (schedule.epochs or 1)
     return next((t for t in range(span + 1) if sigma_at(t, schedule) > 0), None)
 

@@ -31,7 +31,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from datetime import datetime, timezone
 from importlib.metadata import version
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import nn
@@ -45,6 +45,9 @@ from qtransform.passes import FakeQuantize
 from qtransform.rl.mismatch import mismatch_metrics
 from qtransform.rl.parity_report import ATTRIBUTION_KEY, ParityReport
 from qtransform.rl.sampling import Sampling
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 LogProbs = Callable[[list[int], list[int]], Sequence[float]]
 
@@ -189,7 +192,7 @@ def parity(model: nn.Module, engine: Engine | LogProbs, prompts: Sequence[list[i
            completions: list[list[int]] | None = None, *, max_new_tokens: int = 16,
            phase: str = "train", top: int = 10, seed: int = 0, temperature: float = 1.0,
            top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0, floor: bool = True,
-           attribute: bool = False, tokenizer: Any = None,
+           attribute: bool = False, tokenizer: PreTrainedTokenizerBase | None = None,
            metadata: dict[str, Any] | None = None) -> ParityReport:
     """Compare the trainer's per-token log-probs (the transformed `model`) with `engine`'s.
 
@@ -244,7 +247,7 @@ def parity(model: nn.Module, engine: Engine | LogProbs, prompts: Sequence[list[i
         meta=meta)
 
 
-def _rollouts(model: nn.Module, engine: Any, ids: list[list[int]],
+def _rollouts(model: nn.Module, engine: Engine | LogProbs, ids: list[list[int]],
               completions: list[list[int]] | None, n: int, sampling: Sampling,
               seed: int) -> tuple[list[list[int]], list[list[float]]]:
     """The completions (given, or sampled by the engine, else by the model's rollout) and the
@@ -291,7 +294,8 @@ def _attribution(switches: dict[str, list[nn.Module]], scored: Callable[[], list
 
 
 def _encode(model: nn.Module, prompts: Sequence[list[int] | str],
-            tokenizer: Any) -> tuple[Any, list[list[int]]]:
+            tokenizer: PreTrainedTokenizerBase | None,
+            ) -> tuple[PreTrainedTokenizerBase | None, list[list[int]]]:
     if not prompts:
         raise UserError("parity needs at least one prompt")
     texts = [p for p in prompts if isinstance(p, str)]
@@ -306,7 +310,7 @@ def _encode(model: nn.Module, prompts: Sequence[list[int] | str],
     return tokenizer, ids
 
 
-def _meta(model: nn.Module, engine: Any, sampling: Sampling, phase: str, seed: int,
+def _meta(model: nn.Module, engine: Engine | LogProbs, sampling: Sampling, phase: str, seed: int,
           max_new_tokens: int, extra: dict[str, Any] | None) -> dict[str, Any]:
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     noise = noise_modules(model)
@@ -323,7 +327,7 @@ def _meta(model: nn.Module, engine: Any, sampling: Sampling, phase: str, seed: i
     }
 
 
-def _greedy_agreement(model: nn.Module, engine: Any, prompts: list[list[int]],
+def _greedy_agreement(model: nn.Module, engine: Engine | LogProbs, prompts: list[list[int]],
                       n: int) -> tuple[float | None, list[int | None] | None]:
     greedy = getattr(engine, "greedy", None)
     if greedy is None:

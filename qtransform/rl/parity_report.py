@@ -8,11 +8,14 @@ import math
 import os
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from qtransform.core.io import encode_floats, read_input_text, write_json, write_text
 from qtransform.core.result import decode_numbers, json_file
 from qtransform.errors import UserError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 ATTRIBUTION_KEY = "k3_kl"  # sites are ranked by what they add to the floor's k3_kl
 SUMMARY_KEYS = ("kl", "k3_kl", "chi2_token", "chi2_seq", "log_ppl_abs_diff", "ppl_ratio", "ess",
@@ -65,7 +68,7 @@ class ParityReport:
               prompts: list[list[int]], completions: list[list[int]], metrics: dict[str, float],
               outside_support: int, floor: dict[str, float] | None,
               attribution: list[dict[str, Any]] | None, greedy_agreement: float | None,
-              first_divergence: list[int | None] | None, top: int, tokenizer: Any,
+              first_divergence: list[int | None] | None, top: int, tokenizer: PreTrainedTokenizerBase | None,
               meta: dict[str, Any]) -> ParityReport:
         deltas = [[e - t if math.isfinite(e - t) else math.inf for e, t in zip(es, ts, strict=True)]
                   for es, ts in zip(engine, trainer, strict=True)]

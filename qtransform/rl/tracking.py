@@ -14,7 +14,6 @@ loop (`rl_metrics` + `log_to`):
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -102,7 +101,7 @@ def rl_metrics(model: nn.Module, *, trainer_logp: Tensor | None = None, rollout_
     return out
 
 
-def log_to(tracker: Any, metrics: dict[str, float], step: int) -> None:
+def log_to(tracker: object, metrics: dict[str, float], step: int) -> None:
     """Write `metrics` at `step` to a tracker: trackio or wandb (`log(dict, step=)`), a tensorboard
     `SummaryWriter` (`add_scalar`), mlflow (`log_metrics`), or a callable `f(metrics, step)`."""
     if hasattr(tracker, "add_scalar"):

@@ -20,7 +20,7 @@ field notes' fault-diagnosis scans (gain, kurtosis, instability) are in `scan/fa
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -39,9 +39,14 @@ from qtransform.scan.measure import (
 from qtransform.scan.report import ScanReport
 from qtransform.scan.setup import CalibrationSpec, ScanSetup, eval_mode, prepare_scan
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
-def scan_activations(model: nn.Module, policy_or_format: Any, calib: Calibration | CalibrationSpec, *,
-                     tokenizer: Any = None, batch_size: int = 8, max_length: int = 128,
+    from qtransform.schemas import PolicyLike
+
+
+def scan_activations(model: nn.Module, policy_or_format: PolicyLike, calib: Calibration | CalibrationSpec, *,
+                     tokenizer: PreTrainedTokenizerBase | None = None, batch_size: int = 8, max_length: int = 128,
                      token_stride: int | None = None, progress: bool | None = False) -> ScanReport:
     """Scan a model's activations under a policy (or a bare format name) on calibration data.
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
@@ -23,6 +23,9 @@ from qtransform.scan.report import ScanReport
 from qtransform.scan.sensitivity import measure_policy, site_sensitivity
 from qtransform.scan.sensitivity_report import SensitivityReport
 from qtransform.scan.setup import CalibrationSpec
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 MAX_KNAPSACK_CELLS = 20_000_000
 
@@ -43,7 +46,7 @@ class Budgeted:
         return dict(self.__dict__)
 
 
-def budget_policy(report: Any, *, bits: float | None = None, keep: int | None = None,
+def budget_policy(report: SensitivityReport, *, bits: float | None = None, keep: int | None = None,
                   share: float | None = None, target: float | None = None) -> Budgeted:
     """Choose the sites to keep in high precision under exactly one budget, from a
     `SensitivityReport` (additive model: the end-to-end effect of a policy is predicted as the sum
@@ -131,7 +134,7 @@ def _knapsack(rows: list[Any], score: dict[str, float], qbits: dict[str, float],
 
 
 def measured_budget(sensitivity: SensitivityReport, budget: dict[str, float], model: nn.Module,
-                    calib: Calibration | CalibrationSpec, *, tokenizer: Any = None, batch_size: int = 8,
+                    calib: Calibration | CalibrationSpec, *, tokenizer: PreTrainedTokenizerBase | None = None, batch_size: int = 8,
                     max_length: int = 128) -> Budgeted:
     """`budget_policy` under one budget (`bits`, `keep`, `share` or `target`), its policy then run
     end to end on `model` (`measure_policy`), so the prediction is checked by a measurement."""
@@ -142,7 +145,7 @@ def measured_budget(sensitivity: SensitivityReport, budget: dict[str, float], mo
 
 
 def budget_guide(report: ScanReport, budget: dict[str, float], model: nn.Module, calib: Calibration | CalibrationSpec, *,
-                 sensitivity: SensitivityReport | None = None, tokenizer: Any = None,
+                 sensitivity: SensitivityReport | None = None, tokenizer: PreTrainedTokenizerBase | None = None,
                  batch_size: int = 8, max_length: int = 128,
                  progress: bool | None = False) -> tuple[Budgeted, SensitivityReport]:
     """A scan report's budgeted mixed precision: the policy that keeps the most sensitive of its

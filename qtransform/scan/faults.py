@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor, nn
@@ -25,6 +25,11 @@ from qtransform.scan.measure import ForwardHooks, SitePairs, build_report, site_
 from qtransform.scan.report import ScanReport
 from qtransform.scan.setup import CalibrationSpec, eval_mode, prepare_scan, resolve_policy
 from qtransform.schemas import Policy, dump_policy, load_policy
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from qtransform.schemas import PolicyLike
 
 
 def _main(output: Tensor | tuple) -> Tensor:
@@ -136,8 +141,8 @@ class RunVariance(ForwardHooks):
                 "rel_std": math.sqrt(var_sum / signal) if signal else math.nan}
 
 
-def gain_scan(model: nn.Module, policy_or_format: Any, calib: Calibration | CalibrationSpec, *, eps: float = 1e-3,
-              seed: int = 0, tokenizer: Any = None, batch_size: int = 8, max_length: int = 128,
+def gain_scan(model: nn.Module, policy_or_format: PolicyLike, calib: Calibration | CalibrationSpec, *, eps: float = 1e-3,
+              seed: int = 0, tokenizer: PreTrainedTokenizerBase | None = None, batch_size: int = 8, max_length: int = 128,
               progress: bool | None = False) -> ScanReport:
     """Per-site gain_fp, gain_q and gain_ratio (see `GainProbe`); the row's error metrics compare
     the quantized site's response to the perturbation with the full-precision response."""
@@ -152,8 +157,8 @@ def gain_scan(model: nn.Module, policy_or_format: Any, calib: Calibration | Cali
     return build_report("gain_scan", program, setup.policy, rows, eps=eps, seed=seed)
 
 
-def kurtosis_scan(model: nn.Module, policy_or_format: Any, calib: Calibration | CalibrationSpec, *,
-                  tokenizer: Any = None, batch_size: int = 8, max_length: int = 128,
+def kurtosis_scan(model: nn.Module, policy_or_format: PolicyLike, calib: Calibration | CalibrationSpec, *,
+                  tokenizer: PreTrainedTokenizerBase | None = None, batch_size: int = 8, max_length: int = 128,
                   progress: bool | None = False) -> ScanReport:
     """Kurtosis (non-excess: 3 for a Gaussian) of each site's output in the full-precision and
     the quantized model and their ratio; clipping (saturation) flattens tails and lowers it.
@@ -186,8 +191,8 @@ def stochastic_policy(policy: Policy, seed: int) -> Policy:
     return load_policy(data)
 
 
-def instability_scan(model: nn.Module, policy_or_format: Any, calib: Calibration | CalibrationSpec, *,
-                     runs: int = 8, seed: int = 0, tokenizer: Any = None, batch_size: int = 8,
+def instability_scan(model: nn.Module, policy_or_format: PolicyLike, calib: Calibration | CalibrationSpec, *,
+                     runs: int = 8, seed: int = 0, tokenizer: PreTrainedTokenizerBase | None = None, batch_size: int = 8,
                      max_length: int = 128, progress: bool | None = False) -> ScanReport:
     """Run each batch `runs` times with stochastic rounding: per site, the output variance across
     runs (0 for a deterministic site) and its std relative to the output RMS; the row's error

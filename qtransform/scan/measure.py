@@ -11,7 +11,7 @@ import math
 from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
@@ -27,6 +27,9 @@ from qtransform.scan.setup import primary_output
 from qtransform.scan.sources import source_label
 from qtransform.scan.weights import policy_rules, policy_thresholds, rotate_rules
 from qtransform.schemas import Policy
+
+if TYPE_CHECKING:
+    from qtransform.core.program import Program
 
 
 # -- streaming comparisons -----------------------------------------------------------------------
@@ -125,7 +128,7 @@ class EndToEnd:
         self.vectors = 0  # measured output vectors (every `stride`-th)
         self.vectors_seen = 0
 
-    def update(self, batch: Tensor, fp_out: Any, q_out: Any) -> None:
+    def update(self, batch: Tensor, fp_out: object, q_out: object) -> None:
         fp, q = primary_output(fp_out).detach(), primary_output(q_out).detach()
         offset = next_offset(self.vectors_seen, self.stride)
         self.vectors_seen += fp.numel() // fp.shape[-1]
@@ -186,7 +189,7 @@ def site_row(site: Site, point: str, stats: ErrorStats, quantizer: QuantConfig |
     return row
 
 
-def site_quantizer(program: Any, site: str) -> QuantConfig | None:
+def site_quantizer(program: Program, site: str) -> QuantConfig | None:
     """The format a site's output error comes from: its weight's, else its input's, output's."""
     for point in ("weight", "input", "output"):
         found = quantizer(program, site, point)
@@ -195,8 +198,8 @@ def site_quantizer(program: Any, site: str) -> QuantConfig | None:
     return None
 
 
-def build_report(kind: str, program: Any, policy: Policy, rows: list[SiteRow],
-                 **extra: Any) -> ScanReport:
+def build_report(kind: str, program: Program, policy: Policy, rows: list[SiteRow],
+                 **extra: object) -> ScanReport:
     """A ScanReport with the policy's rules and thresholds, so recommendations start from them."""
     fmts = sorted({r.format for r in rows if r.format != "none"})
     single = len(fmts) == 1
@@ -210,6 +213,6 @@ def build_report(kind: str, program: Any, policy: Policy, rows: list[SiteRow],
     return ScanReport(meta=meta, rows=rows, thresholds=policy_thresholds(policy))
 
 
-def pairs_table(program: Any, stats: dict[str, ErrorStats]) -> list[dict[str, Any]]:
+def pairs_table(program: Program, stats: dict[str, ErrorStats]) -> list[dict[str, Any]]:
     return [{"site": name, "layer": program.sites[name].layer, "role": program.sites[name].role,
              "metrics": s.result(), "state": s.state()} for name, s in stats.items()]

@@ -31,6 +31,7 @@ from qtransform.schemas.selectors import format_layers
 
 if TYPE_CHECKING:
     from qtransform.scan.report import ScanReport
+    from qtransform.scan.sensitivity_report import SensitivityReport
 
 DEFAULT_TIERS = (1.5, 1.2, 1.0)
 AQN_SCHEDULE = {"kind": "exponential", "sigma_start": 1e-2, "sigma_end": 1e-4, "num_stages": 10}
@@ -115,7 +116,7 @@ def validated(policy: dict[str, Any]) -> dict[str, Any]:
 
 def recommend(
     report: ScanReport, tiers: Sequence[float] = DEFAULT_TIERS, *, keep_fraction: float = KEEP_BELOW,
-    total_steps: int = 1000, sensitivity: Any = None,
+    total_steps: int = 1000, sensitivity: SensitivityReport | None = None,
 ) -> Recommendation:
     """The recommendation for a report (see the module docstring for the rule). With a
     `sensitivity` report of the same run, the sites kept in high precision follow its ranking
@@ -203,7 +204,7 @@ def _by_weight_error(report: ScanReport, tiers: Sequence[float], *, keep_fractio
     return Recommendation("high_precision_and_aqn", share, bad_layers, kept_layers, kept, text, validated(policy))
 
 
-def follow_sensitivity(report: ScanReport, rec: Recommendation, sensitivity: Any,
+def follow_sensitivity(report: ScanReport, rec: Recommendation, sensitivity: SensitivityReport,
                        tiers: Sequence[float] = DEFAULT_TIERS, *, total_steps: int = 1000) -> Recommendation:
     """The weight-error recommendation `rec` with its kept sites chosen by end-to-end sensitivity:
     as many sites as the weight view keeps, the most sensitive ones, and in words where the two
@@ -288,7 +289,7 @@ def _ordinal(n: int) -> str:
 
 def guide(
     report: ScanReport, tiers: Sequence[float] = DEFAULT_TIERS, *, total_steps: int = 1000, aqn: bool = False,
-    sensitivity: Any = None,
+    sensitivity: SensitivityReport | None = None,
 ) -> dict[str, Any]:
     """The policy that carries out the report's recommendation (see `recommend`; with a
     `sensitivity` report, the kept sites follow its ranking).

@@ -22,12 +22,15 @@ import math
 import re
 import statistics
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from qtransform.errors import UserError
 from qtransform.formats import hadamard
+
+if TYPE_CHECKING:
+    from qtransform.scan.report import ScanReport, SiteRow
 
 ENERGY = ("sqnr_db", "rel_rmse")  # the error-energy checks a rotated weight must always meet
 
@@ -88,7 +91,7 @@ class Rotation:
         return int(math.log2(b))
 
 
-def rotated_row(row: Any, label: str) -> Any | None:
+def rotated_row(row: SiteRow, label: str) -> SiteRow | None:
     """The SiteRow as it would read with the rotation `label` measured on it (None: not measured)."""
     found = (row.remedies or {}).get(label)
     if not found:
@@ -97,7 +100,7 @@ def rotated_row(row: Any, label: str) -> Any | None:
                    remedies=None, experts=None)
 
 
-def heals(report: Any, row: Any, rotated: Any) -> bool:
+def heals(report: ScanReport, row: SiteRow, rotated: SiteRow) -> bool:
     """Whether the rotated row heals a flagged row under the report's flagging rule. A rotation
     flattens the blocks it spreads an outlier over, which moves their deadzone and saturation
     (measures of block shape, whose error SQNR already counts): so the rotated weight must meet
@@ -115,7 +118,7 @@ def heals(report: Any, row: Any, rotated: Any) -> bool:
     return rotated.metrics["sqnr_db"] >= statistics.median(peers)
 
 
-def healed_sites(report: Any) -> tuple[str | None, list[str], Any]:
+def healed_sites(report: ScanReport) -> tuple[str | None, list[str], ScanReport]:
     """(the rotation's label, the flagged sites it heals (`heals`), the report without them:
     what is left for the other remedies); (None, [], report) when it measured no rotation."""
     labels = sorted({k for r in report.rows for k in (r.remedies or {})})

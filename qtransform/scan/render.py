@@ -354,7 +354,7 @@ def _ranges(layers: list[int]) -> str:
 
 
 def _md_table(head: list[str], body: list[list[Any]]) -> list[str]:
-    def esc(v: Any) -> str:
+    def esc(v: object) -> str:
         return str(v).replace("|", "\\|")
 
     return ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)] + [

@@ -74,7 +74,7 @@ def _decode_numbers(values: dict[str, Any]) -> dict[str, Any]:
     return {k: float(v) if v in ("inf", "-inf", "nan") else v for k, v in values.items()}
 
 
-def build_meta(*, kind: str, source: str, fmt: str, options: dict[str, Any], **extra: Any) -> dict[str, Any]:
+def build_meta(*, kind: str, source: str, fmt: str, options: dict[str, Any], **extra: object) -> dict[str, Any]:
     """Report metadata: what was measured, with which numerics, by which version, when."""
     return {
         "kind": kind,

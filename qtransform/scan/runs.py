@@ -374,7 +374,7 @@ def _describe(run: Run) -> str:
 
 
 def _table(head: list[Any], body: list[list[Any]]) -> list[str]:
-    def esc(v: Any) -> str:
+    def esc(v: object) -> str:
         return str(v).replace("|", "\\|")
 
     return ["| " + " | ".join(esc(h) for h in head) + " |", "|" + "---|" * len(head)] + [

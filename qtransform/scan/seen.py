@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -23,8 +23,11 @@ from qtransform.scan.sources import WeightRef
 from qtransform.schemas import load_policy, resolve_quant_rules
 from qtransform.schemas.selectors import compile_entry
 
+if TYPE_CHECKING:
+    from qtransform.schemas import PolicyLike
 
-def scale_groups(policy: Any, sites: Sequence[Site]) -> list[list[str]]:
+
+def scale_groups(policy: PolicyLike, sites: Sequence[Site]) -> list[list[str]]:
     """The groups of `sites` whose weights share one tensor-level amax under `policy` (site names,
     in site order): "fused" siblings all quantized by the same rule, or each explicit group's
     sites among that rule's own; rules whose format has no tensor-level scale share nothing."""

@@ -31,7 +31,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
@@ -52,6 +52,11 @@ from qtransform.scan.setup import (
     primary_output,
 )
 from qtransform.schemas import dump_policy
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from qtransform.schemas import PolicyLike
 
 METHODS = ("exact", "estimate", "both")
 
@@ -267,8 +272,8 @@ def _ranks_desc(values: list[float]) -> list[int]:
 
 
 # -- public API ----------------------------------------------------------------------------------
-def site_sensitivity(model: nn.Module, policy_or_format: Any, calib: Calibration | CalibrationSpec, *,
-                     tokenizer: Any = None, method: str = "exact", activations: bool = False,
+def site_sensitivity(model: nn.Module, policy_or_format: PolicyLike, calib: Calibration | CalibrationSpec, *,
+                     tokenizer: PreTrainedTokenizerBase | None = None, method: str = "exact", activations: bool = False,
                      draws: int = 4, seed: int = 0, batch_size: int = 8, max_length: int = 128,
                      progress: bool | None = False, rotation: str | Rotation | None = None) -> SensitivityReport:
     """Rank the policy's quantized sites by what quantizing each alone does to the model's output
@@ -356,7 +361,7 @@ def _rotated_runs(setup: ScanSetup, sites: dict[str, Any], rotation: Rotation,
             row.rotated = _run(q.model, setup.batches, ref)[0]
 
 
-def measure_policy(model: nn.Module, policy: Any, calib: Calibration | CalibrationSpec, *, tokenizer: Any = None,
+def measure_policy(model: nn.Module, policy: PolicyLike, calib: Calibration | CalibrationSpec, *, tokenizer: PreTrainedTokenizerBase | None = None,
                    batch_size: int = 8, max_length: int = 128) -> float:
     """The end-to-end measure (mean KL per token, or output nsr) of a whole policy at once: what
     a budgeted policy's prediction (the sum of its quantized sites' sensitivities) is checked by."""

@@ -33,7 +33,7 @@ import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
@@ -50,6 +50,11 @@ from qtransform.scan.activations import activation_report
 from qtransform.scan.measure import EndToEnd, SitePairs
 from qtransform.scan.report import ScanReport
 from qtransform.scan.setup import CalibrationSpec, as_policy, prepare_scan
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from qtransform.schemas import PolicyLike
 
 
 @contextmanager
@@ -133,7 +138,7 @@ def layer_inputs(model: nn.Module, layers: nn.ModuleList, norm: nn.Module,
     calls: list[LayerCall] = []
     first: list[Tensor] = []
 
-    def recorder(*args: Any, **kwargs: Any) -> Any:
+    def recorder(*args: object, **kwargs: object) -> Any:
         h = args[0] if args else kwargs.pop("hidden_states")
         if not first:
             first.append(h)
@@ -161,7 +166,7 @@ def layer_inputs(model: nn.Module, layers: nn.ModuleList, norm: nn.Module,
     return first[0], calls
 
 
-def hidden(output: Any) -> Tensor:
+def hidden(output: Tensor | tuple[Tensor, ...]) -> Tensor:
     """A layer's hidden states (older layers return a tuple)."""
     return output[0] if isinstance(output, tuple) else output
 
@@ -170,8 +175,8 @@ def tensor_names(files: dict[str, Path], prefix: str) -> list[str]:
     return [n for n in files if n.startswith(prefix)]
 
 
-def scan_sequential(checkpoint: str | os.PathLike, policy_or_format: Any, calib: Calibration | CalibrationSpec, *,
-                    tokenizer: Any = None, batch_size: int = 8, max_length: int = 128,
+def scan_sequential(checkpoint: str | os.PathLike, policy_or_format: PolicyLike, calib: Calibration | CalibrationSpec, *,
+                    tokenizer: PreTrainedTokenizerBase | None = None, batch_size: int = 8, max_length: int = 128,
                     token_stride: int | None = None, progress: bool | None = False,
                     dtype: torch.dtype | None = None) -> ScanReport:
     """`scan_activations` on a safetensors checkpoint folder, one decoder layer in memory at a

@@ -15,7 +15,6 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -183,5 +182,5 @@ def weight_refs(source: nn.Module | str | os.PathLike[str]) -> list[WeightRef]:
     return checkpoint_weights(source)
 
 
-def source_label(source: Any) -> str:
+def source_label(source: nn.Module | str | os.PathLike[str]) -> str:
     return type(source).__name__ if isinstance(source, nn.Module) else str(source)

@@ -25,7 +25,7 @@ import math
 import os
 from collections.abc import Sequence
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -47,6 +47,9 @@ from qtransform.scan.report import ScanReport, SiteRow, build_meta
 from qtransform.scan.seen import SeenWeights, scale_groups
 from qtransform.scan.sources import WeightRef, source_label, weight_refs
 from qtransform.schemas import Selector, load_policy, resolve_quant_rules
+
+if TYPE_CHECKING:
+    from qtransform.schemas import PolicyLike
 
 DEFAULT_TARGET = "Linear"  # what a scan without a policy measures: every linear site but the routers
 
@@ -75,7 +78,7 @@ def applicable_options(fmt: str, options: dict[str, Any] | None) -> dict[str, An
     }
 
 
-def policy_configs(policy: Any, sites: Sequence[Site]) -> dict[str, QuantConfig]:
+def policy_configs(policy: PolicyLike, sites: Sequence[Site]) -> dict[str, QuantConfig]:
     """Site name -> the config of the quantize rule that applies to its weight (the training
     option zero_saturated_grad dropped: it changes no value)."""
     per_rule: dict[int, QuantConfig] = {}
@@ -90,19 +93,19 @@ def policy_configs(policy: Any, sites: Sequence[Site]) -> dict[str, QuantConfig]
     return out
 
 
-def policy_thresholds(policy: Any) -> dict[str, float]:
+def policy_thresholds(policy: PolicyLike) -> dict[str, float]:
     pol = load_policy(policy)
     if pol.instrument is None:
         return dict(DEFAULT_THRESHOLDS)
     return dict(pol.instrument.thresholds.model_dump())
 
 
-def policy_rules(policy: Any) -> list[dict[str, Any]]:
+def policy_rules(policy: PolicyLike) -> list[dict[str, Any]]:
     """The policy's quantize rules as JSON dicts (recommendations edit copies of them)."""
     return [r.model_dump(mode="json", exclude_defaults=True) for r in load_policy(policy).quantize]
 
 
-def rotate_rules(policy: Any) -> list[dict[str, Any]]:
+def rotate_rules(policy: PolicyLike) -> list[dict[str, Any]]:
     """The policy's rotate rules as JSON dicts (a report records what its weights were rotated by)."""
     return [r.model_dump(mode="json", exclude_defaults=True) for r in load_policy(policy).rotate]
 
@@ -184,7 +187,7 @@ def _progress(refs: Sequence[WeightRef], progress: bool | None, desc: str) -> Pr
     return Progress(total=total, desc=desc, unit="param", unit_scale=True, enabled=progress)
 
 
-def _select(refs: list[WeightRef], policy: Any) -> list[tuple[WeightRef, QuantConfig | None]]:
+def _select(refs: list[WeightRef], policy: PolicyLike | None) -> list[tuple[WeightRef, QuantConfig | None]]:
     """(weight, choice) pairs; with a policy only the sites its rules select, with their choice;
     without one, those of the rule `_rules` records (`Linear`: MoE routers only when named)."""
     if not refs:
@@ -240,7 +243,7 @@ def scan_weights(
     source: nn.Module | str | os.PathLike[str],
     fmt: str | None = None,
     *,
-    policy: Any = None,
+    policy: PolicyLike | None = None,
     options: dict[str, Any] | None = None,
     thresholds: dict[str, float] | None = None,
     flagging: str = "expected",
@@ -295,13 +298,13 @@ def scan_weights(
                       flagging=check_flagging(flagging))
 
 
-def _limits(policy: Any, thresholds: dict[str, float] | None) -> dict[str, float]:
+def _limits(policy: PolicyLike | None, thresholds: dict[str, float] | None) -> dict[str, float]:
     limits = dict(policy_thresholds(policy) if policy is not None else DEFAULT_THRESHOLDS)
     limits.update(thresholds or {})
     return limits
 
 
-def _rules(policy: Any, cfg: QuantConfig | None) -> list[dict[str, Any]]:
+def _rules(policy: PolicyLike | None, cfg: QuantConfig | None) -> list[dict[str, Any]]:
     """The quantize rules the scan measured: the policy's (with the scanned format, if one was
     given) or one rule for every Linear; recommendations start from them."""
     rules = policy_rules(policy) if policy is not None else [{"name": "weights", "targets": [DEFAULT_TARGET]}]
@@ -325,7 +328,7 @@ def compare_formats(
     source: nn.Module | str | os.PathLike[str],
     formats_: Sequence[str],
     *,
-    policy: Any = None,
+    policy: PolicyLike | None = None,
     options: dict[str, Any] | None = None,
     progress: bool | None = False,
     rotation: str | Rotation | None = None,

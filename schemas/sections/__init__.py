@@ -30,7 +30,7 @@ class Section:
     description: str = ""
     example: Any = None  # a minimal valid value: docs, and the conformance test over every pass
 
-    def validate(self, value: Any) -> Any:
+    def validate(self, value: object) -> Any:
         """`value` parsed as this section's value (pydantic errors for a bad one)."""
         return TypeAdapter(self.annotation).validate_python(value)
 

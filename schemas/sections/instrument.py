@@ -45,7 +45,7 @@ class InstrumentSpec(Selected):
 
     @model_validator(mode="before")
     @classmethod
-    def _metrics_removed(cls, data: Any) -> Any:
+    def _metrics_removed(cls, data: object) -> Any:
         """`metrics` listed 11 names but selected nothing: the error statistics are one pass,
         always all computed. Its two real choices are the booleans above."""
         if isinstance(data, dict) and "metrics" in data:

@@ -179,7 +179,7 @@ class NoiseSpec(Selected):
 
     @field_validator("layer_multipliers", mode="before")
     @classmethod
-    def _layer_keys(cls, value: Any) -> Any:
+    def _layer_keys(cls, value: object) -> Any:
         """JSON object keys are strings: accept "14" and 14 alike, as integers."""
         if not isinstance(value, dict):
             return value

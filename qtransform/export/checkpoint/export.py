@@ -12,11 +12,12 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
 
+from qtransform.calibration import CalibrationBatches
 from qtransform.core import io as qio
 from qtransform.core.program import insertion_log
 from qtransform.core.sites import ADAPTER_KEYS, hf_name
@@ -28,6 +29,10 @@ from qtransform.export.checkpoint.source import source_weight
 from qtransform.export.checkpoint.writer import DEFAULT_SHARD, Entry, Spec, shard_size, write_shards
 from qtransform.models import source_tokenizer
 from qtransform.pipeline import transform_program
+from qtransform.schemas import PolicyLike
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 FORMATS = tuple(WRITERS)
 COMMAND = "export"  # the manifest's command: `qtransform export` writes these folders
@@ -38,9 +43,9 @@ def export_checkpoint(
     folder: str | os.PathLike[str],
     *,
     format: str = FORMATS[0],  # noqa: A002  (the word users know)
-    policy: Any = None,
-    calibration: Any = None,
-    tokenizer: Any = None,
+    policy: PolicyLike | None = None,
+    calibration: CalibrationBatches | None = None,
+    tokenizer: PreTrainedTokenizerBase | None = None,
     max_shard_size: int | str = DEFAULT_SHARD,
     requantize_lora: bool = False,
     force: bool = False,

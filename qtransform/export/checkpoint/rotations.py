@@ -26,12 +26,13 @@ from qtransform.errors import UserError
 from qtransform.export.checkpoint.collect import Collected
 from qtransform.export.rotation_config import PRECISION, scheme, transform_config
 from qtransform.formats import hadamard
+from qtransform.schemas import PolicyLike
 
 _DTYPES = {"torch.float32": torch.float32, "torch.float64": torch.float64,
            "torch.bfloat16": torch.bfloat16, "torch.float16": torch.float16}
 
 
-def rotation_config(collected: Collected, policy: Any = None, program: Program | None = None) -> dict[str, Any] | None:
+def rotation_config(collected: Collected, policy: PolicyLike | None = None, program: Program | None = None) -> dict[str, Any] | None:
     """compressed-tensors' `transform_config` of the rotations the collected Linears run, or
     None; a UserError (before any file is written) for one it cannot express."""
     rotated = {name: e.rotation for name, e in collected.linears.items() if e.rotation is not None}
