@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
@@ -25,6 +25,9 @@ from qtransform.errors import UserError
 Calibration = Tensor | Sequence[str] | Sequence[Sequence[int]]
 MAX_CALIBRATION_BYTES = 64 * 2**20  # scans use a few hundred samples; more is a wrong file
 BUILTIN = "builtin"  # the calibration source that names the demo's sentences
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 
 def builtin_calibration() -> list[str]:
@@ -56,7 +59,7 @@ def read_calibration(path: str | os.PathLike) -> list[str] | list[list[int]]:
     return samples
 
 
-def calibration_batches(calib: Calibration, *, tokenizer: Any = None, batch_size: int = 8,
+def calibration_batches(calib: Calibration, *, tokenizer: PreTrainedTokenizerBase | None = None, batch_size: int = 8,
                         max_length: int = 128, model: nn.Module | None = None) -> list[Tensor]:
     """Padding-free batches of token ids (text goes through `tokenizer`), or batches of rows of a
     float tensor (inputs of plain torch models). With `model`, the batches are checked against it
@@ -84,7 +87,7 @@ def check_token_ids(vocab: int | None, batches: list[Tensor]) -> None:
                                 f"(0 to {vocab - 1}); use ids of this model's tokenizer")
 
 
-def _batches(calib: Calibration, tokenizer: Any, batch_size: int, max_length: int) -> list[Tensor]:
+def _batches(calib: Calibration, tokenizer: PreTrainedTokenizerBase | None, batch_size: int, max_length: int) -> list[Tensor]:
     if isinstance(calib, Tensor):
         if calib.is_floating_point():
             return list(calib.split(batch_size))
@@ -129,7 +132,7 @@ class CalibrationSpec:
     file, "builtin"), recorded in reports as `calibration.file`."""
 
     data: Calibration
-    tokenizer: Any = None
+    tokenizer: PreTrainedTokenizerBase | None = None
     batch_size: int = 8
     max_length: int = 128
     source: str | None = None
@@ -140,7 +143,7 @@ class CalibrationSpec:
         return cls(read_source(source), source=source, **kw)
 
     @classmethod
-    def of(cls, calib: CalibrationSpec | Calibration, tokenizer: Any = None, batch_size: int = 8,
+    def of(cls, calib: CalibrationSpec | Calibration, tokenizer: PreTrainedTokenizerBase | None = None, batch_size: int = 8,
            max_length: int = 128) -> CalibrationSpec:
         """`calib` when it is a spec already (its own settings hold), else the spec of these
         samples: how every scan function takes its calibration arguments."""

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Iterable, Mapping
-from typing import Any
 
 from torch import Tensor, nn
 
 from qtransform import checkpoints
 from qtransform.calibration import CalibrationBatches, calibrate
-from qtransform.core.capture import capture
+from qtransform.core.capture import ExampleInputs, capture
 from qtransform.core.lora import watch_lora
 from qtransform.core.observers import StaticScale, static_scales
 from qtransform.core.phase import mark_rollout_generate
@@ -28,7 +27,7 @@ from qtransform.schemas import Policy, PolicyLike, load_policy
 def transform(
     model: nn.Module,
     policy: PolicyLike,
-    example_inputs: Any = None,
+    example_inputs: ExampleInputs | None = None,
     *,
     inplace: bool = False,
     mode: str = "module",
@@ -64,7 +63,7 @@ def transform(
 def transform_program(
     model: nn.Module,
     policy: PolicyLike,
-    example_inputs: Any = None,
+    example_inputs: ExampleInputs | None = None,
     *,
     inplace: bool = False,
     mode: str = "module",
@@ -194,7 +193,7 @@ def calibrated_rows(program: Program) -> list[PlanRow]:
             for r in program.plan_rows]
 
 
-def plan(model: nn.Module, policy: PolicyLike, example_inputs: Any = None,
+def plan(model: nn.Module, policy: PolicyLike, example_inputs: ExampleInputs | None = None,
          passes: Iterable[Pass] | None = None) -> Plan:
     """What `transform` would do, without doing it: every site with its selecting rules."""
     policy = load_policy(policy)

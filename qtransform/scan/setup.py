@@ -31,7 +31,7 @@ from qtransform.errors import UserError
 from qtransform.passes import FakeQuantPass, InstrumentPass
 from qtransform.pipeline import plan, transform_program
 from qtransform.pipeline.transform import static_rules
-from qtransform.schemas import InstrumentSpec, Policy, dump_policy, load_policy
+from qtransform.schemas import InstrumentSpec, Policy, PolicyLike, dump_policy, load_policy
 
 MEASURED_TOKENS = 1024  # the automatic stride keeps at least this many tokens when it can
 MAX_AUTO_STRIDE = 16  # taps within ~1.5x of the forward (docs/benchmarks.md)
@@ -49,12 +49,12 @@ def format_policy(model: nn.Module, fmt: str, options: dict[str, Any] | None = N
     return load_policy({"version": 1, "quantize": [rule]})
 
 
-def is_format_name(value: Any) -> bool:
+def is_format_name(value: object) -> bool:
     """A string that names a format rather than a policy file (an existing path is a file)."""
     return isinstance(value, str) and (value.lower() in formats.names() or not Path(value).exists())
 
 
-def scan_policy(model: nn.Module, fmt: str | None = None, policy: Any = None, *,
+def scan_policy(model: nn.Module, fmt: str | None = None, policy: PolicyLike | None = None, *,
                 options: dict[str, Any] | None = None, activations: bool = False) -> Policy:
     """The policy a scan runs from a format and/or a policy, as the CLI's options mean them.
 
@@ -79,14 +79,14 @@ def scan_policy(model: nn.Module, fmt: str | None = None, policy: Any = None, *,
     return load_policy(data)
 
 
-def as_policy(model: nn.Module, policy_or_format: Any, *, activations: bool = False) -> Policy:
+def as_policy(model: nn.Module, policy_or_format: PolicyLike, *, activations: bool = False) -> Policy:
     """A Policy (or dict, or path) as given, or the policy a format name means (`scan_policy`)."""
     if is_format_name(policy_or_format):
         return scan_policy(model, policy_or_format, activations=activations)
     return scan_policy(model, None, policy_or_format, activations=activations)
 
 
-def resolve_policy(model: nn.Module, policy_or_format: Any) -> Policy:
+def resolve_policy(model: nn.Module, policy_or_format: PolicyLike) -> Policy:
     """A Policy (or format name) with an instrument section; without one, every quantized site
     is instrumented at every point."""
     policy = as_policy(model, policy_or_format)
@@ -110,7 +110,7 @@ def is_causal_lm(model: nn.Module) -> bool:
     return type(model).__name__ in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()
 
 
-def primary_output(output: Any) -> Tensor:
+def primary_output(output: object) -> Tensor:
     """Logits, else the last hidden state, else the first output."""
     if isinstance(output, Tensor):
         return output
@@ -118,7 +118,7 @@ def primary_output(output: Any) -> Tensor:
         value = getattr(output, key, None)
         if isinstance(value, Tensor):
             return value
-    return output[0]
+    return output[0]  # type: ignore[index]  (a tuple or list of outputs)
 
 
 @contextmanager
@@ -194,7 +194,7 @@ class ScanSetup:
         return {s: self.program.sites[s].module_name for s in self.sites}
 
 
-def prepare_scan(model: nn.Module, policy_or_format: Any, calib: CalibrationSpec | Calibration, *,
+def prepare_scan(model: nn.Module, policy_or_format: PolicyLike, calib: CalibrationSpec | Calibration, *,
                  instrument: bool = True, activations: bool = False) -> ScanSetup:
     """The common prologue of every scan on calibration data (see the module docstring).
 
