@@ -54,7 +54,6 @@ CT_FORMATS = ("nvfp4-pack-quantized", "mxfp4-pack-quantized", "pack-quantized", 
               "float-quantized", "naive-quantized")
 MODELOPT_ALGOS = ("NVFP4", "FP8")
 ATTRIBUTE = "_qtransform_checkpoint"  # where load_model keeps the Checkpoint on the model
-FP4_FP8_MAX = 6.0 * 448.0  # NVFP4's global scale numerator (E2M1 max * E4M3 max)
 
 
 
@@ -449,7 +448,8 @@ def policy(checkpoint: Checkpoint, names: list[str], *, weights: bool = False) -
     activations only: re-quantizing the weights would stack a second rounding (NVFP4 recomputes
     its global scale from the smaller dequantized amax; compressed-tensors' integers reach
     -2^(bits-1), which moves amax/(qmax+0.5)). Each rule's name says what the weights are.
-    Static input scales come from the checkpoint (`static_amax`). `weights=True` adds each
+    Static input scales are the checkpoint's stored ones, used as stored (`input_scales`, in
+    the terms of each rule's format: NVFP4's g or d, FP8's scale). `weights=True` adds each
     group's weight rule first: the whole scheme, for the full-precision model the checkpoint was
     made from (the same numbers as the producer's preset).
 
@@ -520,20 +520,6 @@ def _rule(s: TensorScheme, fmt: str, tensor: str) -> dict[str, Any]:
     if tensor == "input" and not s.dynamic:
         out.update(static)
     return out
-
-
-def static_amax(checkpoint: Checkpoint, module: str) -> Tensor | None:
-    """The activation amax a static input scale stands for: NVFP4's global scale g = 2688/amax
-    (compressed-tensors) or d = amax/2688 (ModelOpt); FP8's scale = amax/448."""
-    scale = checkpoint.input_scales.get(module)
-    if scale is None:
-        return None
-    s = checkpoint.groups[checkpoint.modules[module]].inputs
-    if s is not None and s.bits == 4:
-        if checkpoint.producer == MODELOPT:
-            return scale * FP4_FP8_MAX
-        return torch.full_like(scale, FP4_FP8_MAX) / scale  # true division (scalar / tensor is not)
-    return (scale * 448.0).to(torch.float32)
 
 
 def describe(checkpoint: Checkpoint) -> list[str]:
