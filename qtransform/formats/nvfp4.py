@@ -47,19 +47,12 @@ def _canonical(t: torch.Tensor) -> torch.Tensor:
 
 
 def _default(
-    blocks: torch.Tensor, amax_t: torch.Tensor | None, cfg: QuantConfig, u: torch.Tensor | None,
-    scale_t: torch.Tensor | None = None,
+    blocks: torch.Tensor, amax_t: torch.Tensor, cfg: QuantConfig, u: torch.Tensor | None
 ) -> Parts:
-    """NVIDIA's reference order (NVFP4 pretraining paper, App. B); a stored `scale_t` is the
-    decode scale d (its encode scale g = 1 / d)."""
-    if scale_t is None:
-        assert amax_t is not None
-        g = torch.clamp_max(amax_t.new_tensor(GLOBAL_RANGE) / amax_t, FLT_MAX)  # a true division
-        g = torch.where(g == 0, 1.0, g)
-        d = 1.0 / g
-    else:
-        d = scale_t
-        g = 1.0 / d
+    """NVIDIA's reference order (NVFP4 pretraining paper, App. B)."""
+    g = torch.clamp_max(amax_t.new_tensor(GLOBAL_RANGE) / amax_t, FLT_MAX)  # a true division
+    g = torch.where(g == 0, 1.0, g)
+    d = 1.0 / g
     amax_b = blocks.abs().amax(dim=1)
     # NUMERICS.md's clamp to [-448, 448] is e4m3_rne's own saturation (the product is >= 0)
     s = e4m3_rne(torch.clamp_max(amax_b * (g * ONE_SIXTH), FLT_MAX))
@@ -141,13 +134,18 @@ def quantize_nvfp4(
 ) -> BlockQuant:
     """Quantize NVFP4 blocks; `amax_t` is the amax of the whole (unpadded) tensor, or `scale_t`
     the stored tensor scale (what `BlockQuant.tensor_scale` holds for the variant: g for
-    compressed-tensors, d for the others), used as it is."""
+    compressed-tensors, d for ModelOpt), used as it is. NVIDIA's default order encodes with g
+    and decodes with d = 1/g, which a stored d does not give back exactly: it takes an amax."""
     if cfg.nvfp4_variant == "one_level":
         q, out, y, s, ts = _one_level(blocks, cfg, u)
+    elif scale_t is not None and cfg.nvfp4_variant == "default":
+        raise ValueError("nvfp4: a stored tensor scale takes nvfp4_variant 'compressed-tensors' "
+                         "(g) or 'modelopt' (d); the default order derives both from the amax")
     elif amax_t is None and scale_t is None:
         raise ValueError("two-level NVFP4 needs the amax of the whole tensor")
     elif cfg.nvfp4_variant == "default":
-        q, out, y, s, ts = _default(blocks, amax_t, cfg, u, scale_t)
+        assert amax_t is not None
+        q, out, y, s, ts = _default(blocks, amax_t, cfg, u)
     elif cfg.nvfp4_variant == "modelopt":
         q, out, y, s, ts = _modelopt(blocks, amax_t, cfg, u, scale_t)
     else:

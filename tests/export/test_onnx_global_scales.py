@@ -30,7 +30,6 @@ CASES = [
     # a checkpoint's stored tensor scale, used as it is (`fake_quantize`'s scale=)
     ("nvfp4", {"nvfp4_variant": "compressed-tensors"}, {"tensor_scale": 2144.0}),
     ("nvfp4", {"nvfp4_variant": "modelopt"}, {"tensor_scale": 0.0012318840296939015}),
-    ("nvfp4", {}, {"tensor_scale": 0.0012318840296939015}),
     ("fp8_e4m3", {"granularity": "tensor"}, {"tensor_scale": 0.0390625}),
     ("fp8_e4m3", {"granularity": "tensor", "fp8_variant": "modelopt"}, {"tensor_scale": 0.0390625}),
     ("int8", {"granularity": "tensor", "int_range": "full"}, {"tensor_scale": 0.02}),

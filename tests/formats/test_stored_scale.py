@@ -32,7 +32,7 @@ def tensor_scale(x: torch.Tensor, fmt: str, opts: dict, amax: torch.Tensor) -> t
 
 
 CASES = [("nvfp4", CT_NVFP4), ("nvfp4", {"nvfp4_variant": "compressed-tensors"}),
-         ("nvfp4", {"nvfp4_variant": "modelopt"}), ("nvfp4", {}),
+         ("nvfp4", {"nvfp4_variant": "modelopt"}),
          ("fp8_e4m3", {"granularity": "tensor", "scale_dtype": "input"}),
          ("int8", {"granularity": "tensor", "int_range": "full"})]
 
@@ -75,6 +75,7 @@ def test_a_bf16_rounded_global_scale_is_used_as_stored():
     ("mxfp4", {}, "has none of"),
     ("fp8_e4m3", {"granularity": "channel"}, "has none of"),
     ("nvfp4", {"nvfp4_variant": "one_level"}, "has none of"),
+    ("nvfp4", {}, "takes nvfp4_variant 'compressed-tensors'"),
 ])
 def test_scale_needs_a_tensor_level_scale(fmt, opts, message):
     with pytest.raises(ValueError, match=message):

@@ -12,6 +12,7 @@ from qtransform.export.functions import (
     FLT_MAX,
     Body,
     OnnxFamily,
+    UnsupportedExport,
     amax_nan,
     amax_or_inf,
     initializer,
@@ -47,14 +48,13 @@ def nvfp4_blocks(b: Body, x: str, axes: str, cfg: QuantConfig, amax_t: str | Non
     if amax_t is None and scale_t is None:
         amax_t = amax_nan(b, x, None)
     if cfg.nvfp4_variant == "default":
+        if scale_t is not None:
+            raise UnsupportedExport("nvfp4: a stored tensor scale takes nvfp4_variant "
+                                    "'compressed-tensors' or 'modelopt'")
         amax_b = amax_or_inf(b, x, axes)  # a NaN anywhere makes every output NaN through g
-        if scale_t is None:
-            g = b.op("Min", b.op("Div", b.const(2688.0), amax_t), b.const(FLT_MAX))
-            g = b.op("Where", b.op("Equal", g, b.const(0.0)), b.const(1.0), g)
-            d = b.op("Div", b.const(1.0), g)
-        else:
-            d = scale_t
-            g = b.op("Div", b.const(1.0), d)
+        g = b.op("Min", b.op("Div", b.const(2688.0), amax_t), b.const(FLT_MAX))
+        g = b.op("Where", b.op("Equal", g, b.const(0.0)), b.const(1.0), g)
+        d = b.op("Div", b.const(1.0), g)
         d = b.op("Min", d, b.const(FLT_MAX))  # no-op on values; stops Div(1,g)*s becoming s/g
         gs = b.op("Mul", g, b.const(np.float32(1 / 6)))
         s = b.op("Min", b.op("Mul", amax_b, gs), b.const(FLT_MAX))
