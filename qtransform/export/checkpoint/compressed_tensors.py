@@ -34,7 +34,7 @@ from qtransform.export.checkpoint.packing import e2m1_codes, pack_int32, pack_ni
 from qtransform.export.checkpoint.source import source_weight
 from qtransform.export.checkpoint.tensors import (
     fp4_stored,
-    scale_of,
+    input_scale_of,
     stored_scale_dtype,
     weight_chunks,
 )
@@ -349,7 +349,7 @@ def _input_scales(entry: LinearExport, out: dict[str, Tensor]) -> None:
     if fq is None or fq.static_scale is None:
         return
     dtype = entry.module.weight.dtype
-    scale, tensor_scale = scale_of(fq.config, fq.static_scale.amax, dtype)
+    scale, tensor_scale = input_scale_of(fq.config, fq.static_scale, dtype)
     if fq.config.family.name == "nvfp4":
         assert tensor_scale is not None
         out[entry.name + ".input_global_scale"][0] = tensor_scale

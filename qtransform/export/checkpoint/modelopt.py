@@ -29,7 +29,7 @@ from qtransform.core.observers import StaticScale
 from qtransform.export.checkpoint.collect import Collected, LinearExport, Reason, fused_sets
 from qtransform.export.checkpoint.packing import e2m1_codes, pack_nibbles
 from qtransform.export.checkpoint.source import source_weight
-from qtransform.export.checkpoint.tensors import fp4_stored, scale_of, weight_chunks
+from qtransform.export.checkpoint.tensors import fp4_stored, input_scale_of, weight_chunks
 from qtransform.export.checkpoint.writer import Entry, Spec
 from qtransform.passes import FakeQuantize
 
@@ -204,7 +204,7 @@ def _tensors(entry: LinearExport, scheme: Scheme, specs: list[Spec]) -> dict[str
             out[prefix + "weight_scale"].fill_(chunk.scales.reshape(-1)[0])
     fq_in = entry.input
     if fq_in is not None and fq_in.static_scale is not None:
-        scale, tensor_scale = scale_of(fq_in.config, fq_in.static_scale.amax, entry.module.weight.dtype)
+        scale, tensor_scale = input_scale_of(fq_in.config, fq_in.static_scale, entry.module.weight.dtype)
         out[prefix + "input_scale"].fill_(tensor_scale if scheme.algo == "NVFP4" else scale)
     return out
 

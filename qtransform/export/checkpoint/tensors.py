@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor
 
+from qtransform.core.observers import StaticScale
 from qtransform.formats import QuantConfig, fastpath
 from qtransform.formats.blocking import from_blocks, per_block, tensor_amax, to_blocks
 from qtransform.formats.quantize import fake_quantize, layout_for, quantize_blocks
@@ -146,6 +147,17 @@ def scale_of(config: QuantConfig, amax: Tensor, dtype: torch.dtype) -> tuple[Ten
     tensor of `dtype`: what a static activation scale is stored as."""
     zeros = torch.zeros(1, max(config.block, 1), dtype=dtype)
     res, _ = quantize_blocks(zeros, config, amax_t=amax.to(torch.float32))
+    return res.scales[0], res.tensor_scale
+
+
+def input_scale_of(config: QuantConfig, static: StaticScale,
+                   dtype: torch.dtype) -> tuple[Tensor, Tensor | None]:
+    """`scale_of` a static input scale: from its amax, or (opened from a checkpoint) the stored
+    scale itself, as the format uses it."""
+    if not static.stored:
+        return scale_of(config, static.amax, dtype)
+    zeros = torch.zeros(1, max(config.block, 1), dtype=dtype)
+    res, _ = quantize_blocks(zeros, config, scale_t=static.scale)
     return res.scales[0], res.tensor_scale
 
 
