@@ -19,10 +19,11 @@ a non-persistent buffer: it moves with `.to()`, is not a parameter (an optimizer
 noise never writes it), and leaves `state_dict()` keys unchanged; `save_transformed` writes it
 beside the weights. Opened from a quantized checkpoint, it holds the checkpoint's stored scale
 instead (`StoredScale`: NVFP4's global scale, an FP8 input scale), which the fake-quant uses as
-it is: an amax reconstructed from it would give the stored scale back only up to rounding (a
-bf16 model's llm-compressor rounds g = 2688/amax to bf16, which no fp32 amax reproduces). While `collecting()` is on (`qtransform.calibration.calibrate`), every
-fake-quant passes its tensor through unquantized: both llm-compressor (its sequential pipeline
-runs under `DisableQuantization`) and ModelOpt calibrate on the full-precision activations.
+it is: an amax reconstructed from it would give the stored scale back only up to rounding
+(llm-compressor rounds a bf16 model's g = 2688/amax to bf16, and 2688/g gives that model another
+g). While `collecting()` is on (`qtransform.calibration.calibrate`), every fake-quant passes
+its tensor through unquantized: both llm-compressor (its sequential pipeline runs under
+`DisableQuantization`) and ModelOpt calibrate on the full-precision activations.
 """
 
 from __future__ import annotations
