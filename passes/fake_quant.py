@@ -9,7 +9,9 @@ is kept (a cached copy would be the unsharded weight on every rank).
 Tensor-level scales (NVFP4's global scale) come from the tensor itself, unless the rule says
 otherwise: a weight in a scale group (`share_scale`) takes the group's amax (`core.scales`), an
 activation takes one amax per token row (`global_scale` "token", the default), the whole call's
-("tensor") or a calibrated, frozen one (`scale_source` "static", `core.observers`).
+("tensor") or a calibrated, frozen one (`scale_source` "static", `core.observers`). A static
+scale opened from a quantized checkpoint holds the stored tensor-level scale itself, which goes to
+`fake_quantize` as its `scale=`, as the checkpoint's library uses it.
 """
 
 from __future__ import annotations
@@ -98,7 +100,7 @@ class FakeQuantize(nn.Module):
         self.static_scale = static_scale
         self.group = group
         self._group_version = -1
-        self._pinned: list[float] | None = None  # `pin_amax`: the fixed amax a trace carries
+        self._pinned: list[dict] | None = None  # `pin_amax`: the fixed value(s) a trace carries
         self.lora = lora  # how a LoRA adapter on this weight combines with it (core/lora.py)
         self.per_expert = per_expert
         self.config = config.bind(-1)  # an unbound axis means the last dim, as in fake_quantize
@@ -135,29 +137,33 @@ class FakeQuantize(nn.Module):
         cfg = self.config
         return self.per_expert and (cfg.stochastic or cfg.family.per_tensor(cfg))
 
-    def _amax(self, x: Tensor) -> Tensor | None:
-        """The tensor-level amax that replaces x's own (None: x's own)."""
+    def _tensor_level(self, x: Tensor) -> dict[str, Tensor]:
+        """`fake_quantize`'s keyword for the tensor-level scale of `x`: {"amax": ...} replacing
+        x's own amax, {"scale": ...} a stored scale, {} x's own amax."""
         if self.global_scale == "token":
-            return x.detach().abs().amax(dim=self.config.block_axis, keepdim=True).to(torch.float32)
-        return self._fixed_amax()
+            return {"amax": x.detach().abs().amax(dim=self.config.block_axis, keepdim=True)
+                    .to(torch.float32)}
+        return self._fixed()
 
     def amax_for(self, x: Tensor) -> Tensor | None:
-        """The tensor-level amax this module quantizes `x` with (None: x's own): what a
-        checkpoint writer needs to store the same scales."""
-        return self._amax(x)
+        """The tensor-level amax this module quantizes `x` with (None: x's own or a stored
+        scale): what a checkpoint writer needs to store the same scales."""
+        return self._tensor_level(x).get("amax")
 
-    def _fixed_amax(self) -> Tensor | None:
-        """A static scale's or the scale group's amax (None for the other sources)."""
+    def _fixed(self) -> dict[str, Tensor]:
+        """A scale group's amax, a static scale's amax or stored scale (`_tensor_level`'s
+        keyword); {} for the other sources."""
         if self.global_scale == "group":
             assert self.group is not None
-            return self.group.amax(None if sharded(self) else self._check())
+            return {"amax": self.group.amax(None if sharded(self) else self._check())}
         if self.global_scale == "static":
-            assert self.static_scale is not None
-            if not self.static_scale.frozen:
+            static = self.static_scale
+            assert static is not None
+            if not static.frozen:
                 raise UserError(f"{self.label}: its static scale is not calibrated; pass "
                                 "calibration=batches to qtransform.transform (CLI: --calib FILE)")
-            return self.static_scale.amax
-        return None
+            return {"scale": static.scale} if static.stored else {"amax": static.amax}
+        return {}
 
     @staticmethod
     def _check() -> str:
@@ -168,21 +174,24 @@ class FakeQuantize(nn.Module):
         expert by expert where that differs from the whole tensor (each expert draws seed + e).
         `amax` replaces x's own amax for the tensor-level scale (`fake_quantize`'s `amax`): a
         0-dim tensor, or for per-expert weights one value per expert ([E]); by default the
-        module's own source (`global_scale`: per token, static, the scale group's)."""
+        module's own source (`global_scale`: per token, static (an amax, or a stored scale),
+        the scale group's)."""
         seed = None if self.stream is None else self.stream.seed_at(self.stream.next_index(self.training))
-        amax = self._amax(x) if amax is None else amax
+        level = self._tensor_level(x) if amax is None else {"amax": amax}
         if not self._expertwise():
-            return formats.fake_quantize(x, self.config, seed=seed, amax=amax)
-        amaxes = [amax] * x.shape[0] if amax is None or not amax.ndim else amax.reshape(-1).unbind()
+            return formats.fake_quantize(x, self.config, seed=seed, **level)
+        key, value = next(iter(level.items()), ("amax", None))
+        values = [value] * x.shape[0] if value is None or not value.ndim else value.reshape(-1).unbind()
         return torch.stack([
             formats.fake_quantize(x[e], self.config, seed=None if seed is None else expert_seed(seed, e),
-                                  amax=amaxes[e])
+                                  **{key: values[e]})
             for e in range(x.shape[0])])
 
     def _traced(self, x: Tensor) -> Tensor:
         """One `qtransform::fake_quant` op (one per expert where that differs); a tensor-level
         amax that is not x's own travels in its options (`ops.GLOBAL_KEYS`): per token, or the
-        fixed value of a static scale or scale group as it stands at export time."""
+        fixed value of a static scale (an amax or a stored scale) or scale group as it stands at
+        export time."""
         fmt = self.config.name
         if self.global_scale == "token":
             extra: list[dict] = [{"global_scale": "token"}]
@@ -192,7 +201,7 @@ class FakeQuantize(nn.Module):
             if self._pinned is None:
                 raise UserError(f"{self.label}: its {self.global_scale} global scale has no value "
                                 "in a trace; call pin_amax() on it first (export_onnx does)")
-            extra = [{"global_amax": v} for v in self._pinned]
+            extra = self._pinned
         if not self._expertwise():
             return torch.ops.qtransform.fake_quant(x, fmt, ops.op_options(self.config, extra[0]), self.label)
         per = extra if len(extra) == x.shape[0] else extra * x.shape[0]
@@ -201,11 +210,16 @@ class FakeQuantize(nn.Module):
                             for e in range(x.shape[0])])
 
     def pin_amax(self) -> None:
-        """Read now, eagerly, the fixed tensor-level amax (a static scale's, a scale group's)
-        that a trace carries as a constant: traced tensors have no values."""
+        """Read now, eagerly, the fixed tensor-level amax or stored scale (a static scale's, a
+        scale group's) that a trace carries as a constant: traced tensors have no values."""
         with torch.no_grad():
-            amax = self._fixed_amax()
-        self._pinned = None if amax is None else [float(v) for v in amax.reshape(-1).tolist()]
+            fixed = self._fixed()
+        if not fixed:
+            self._pinned = None
+            return
+        (kind, value), = fixed.items()
+        key = "tensor_scale" if kind == "scale" else "global_amax"
+        self._pinned = [{key: float(v)} for v in value.reshape(-1).tolist()]
 
     def clear_cache(self) -> None:
         """Drop the cached quantized weight (a sequential scan frees each layer after use)."""

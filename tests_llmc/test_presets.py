@@ -47,3 +47,37 @@ def test_preset_logits_equal_llm_compressor(arch, scheme, dtype, tmp_path):
         plain = model(ids).logits
     assert not torch.equal(expected, plain)  # the scheme changed something
     assert torch.equal(got, expected), f"max |diff| {(got - expected).abs().max().item():.3g}"
+
+
+# hidden 192: q/k/v/o and gate/up take 192 input features, no multiple of 128 (of 16 and 32, yes)
+REFUSALS = [
+    ("W4A16", "oneshot", ValueError, "weight column counts not divisible by group_size"),
+    ("FP8_BLOCK", "forward", RuntimeError,
+     r"unflatten: Provided sizes \[\d+, 128\] don't multiply up to the size of dim 2 \(192\)"),
+]
+
+
+@pytest.mark.parametrize(("scheme", "when", "error", "words"), REFUSALS)
+def test_a_preset_refuses_the_model_llm_compressor_refuses(scheme, when, error, words, tmp_path):
+    model = build_tiny("qwen2", hidden=192)
+    batches, ids = samples(model.config.vocab_size)
+    if when == "oneshot":
+        with pytest.raises(error, match=words):
+            llm_compressor_model(model, scheme, batches, tmp_path)
+    else:
+        theirs = llm_compressor_model(model, scheme, batches, tmp_path)
+        with pytest.raises(error, match=words), torch.no_grad():
+            theirs(ids)
+    with pytest.raises(qtransform.UserError, match="192 input features are not a multiple of the "
+                                                   "group size 128"):
+        qtransform.transform(model, {"preset": f"llm-compressor/{scheme}"}, calibration=batches)
+
+
+def test_groups_that_divide_are_accepted_by_both(tmp_path):
+    model = build_tiny("qwen2", hidden=192)
+    batches, ids = samples(model.config.vocab_size)
+    theirs = llm_compressor_model(model, "NVFP4", batches, tmp_path)
+    ours = qtransform.transform(copy.deepcopy(model), {"preset": "llm-compressor/NVFP4"},
+                                calibration=batches)
+    with torch.no_grad():
+        assert torch.equal(ours(ids).logits, theirs(ids).logits)

@@ -13,7 +13,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from qtransform.checkpoints.description import Checkpoint
-from qtransform.checkpoints.policy import describe, policy, static_amax
+from qtransform.checkpoints.policy import describe, policy
 from qtransform.checkpoints.reader import FORMATS, MARKERS, decompress, detect
 from qtransform.checkpoints.rotations import bind
 
@@ -26,4 +26,4 @@ def bind_rotations(checkpoint: Checkpoint, modules: Iterable[tuple[str, Any]]) -
 
 
 __all__ = ["ATTRIBUTE", "FORMATS", "MARKERS", "Checkpoint", "bind_rotations", "decompress", "describe", "detect",
-           "policy", "static_amax"]
+           "policy"]

@@ -31,7 +31,6 @@ import torch
 from torch import Tensor
 
 from qtransform.checkpoints.description import (
-    FP4_FP8_MAX,
     Checkpoint,
     Group,
     Reason,
@@ -382,11 +381,3 @@ CALIBRATION = {"attention": "eager"}  # llm-compressor calibrates static scales 
 def ignored_entries(ignore: list[str], names: list[str]) -> list[str]:
     """The checkpoint's ignore list as qtransform entries on a model with modules `names`."""
     return ct_ignored_entries(ignore, names)
-
-
-def static_amax(scale: Tensor, s: TensorScheme) -> Tensor:
-    """The activation amax a stored static input scale stands for: NVFP4's global scale
-    g = 2688/amax, FP8's and int8's scale = amax/qmax."""
-    if s.bits == 4:
-        return torch.full_like(scale, FP4_FP8_MAX) / scale  # true division (scalar / tensor is not)
-    return (scale * 448.0).to(torch.float32)

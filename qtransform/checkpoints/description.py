@@ -15,8 +15,6 @@ from torch import Tensor
 from qtransform.checkpoints.rotations import RotationGroup
 from qtransform.errors import UserError
 
-FP4_FP8_MAX = 6.0 * 448.0  # NVFP4's global scale numerator (E2M1 max * E4M3 max)
-
 
 @dataclass(frozen=True)
 class TensorScheme:

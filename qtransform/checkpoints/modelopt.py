@@ -26,7 +26,6 @@ import torch
 from torch import Tensor
 
 from qtransform.checkpoints.description import (
-    FP4_FP8_MAX,
     Checkpoint,
     Group,
     Reason,
@@ -186,9 +185,3 @@ CALIBRATION = None  # ModelOpt's max calibration runs the model as it is
 def ignored_entries(ignore: list[str], names: list[str]) -> list[str]:
     """`exclude_modules` as qtransform entries on a model with modules `names`."""
     return modelopt_ignored_entries(ignore, names)
-
-
-def static_amax(scale: Tensor, s: TensorScheme) -> Tensor:
-    """The activation amax a stored input_scale stands for: NVFP4's d = amax/2688, FP8's
-    amax/448."""
-    return scale * FP4_FP8_MAX if s.bits == 4 else (scale * 448.0).to(torch.float32)

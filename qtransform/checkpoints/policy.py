@@ -5,8 +5,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from torch import Tensor
-
 from qtransform.checkpoints.description import Checkpoint
 from qtransform.checkpoints.matching import ct_entry
 from qtransform.checkpoints.reader import FORMATS
@@ -20,7 +18,8 @@ def policy(checkpoint: Checkpoint, names: list[str], *, weights: bool = False) -
     activations only: re-quantizing the weights would stack a second rounding (NVFP4 recomputes
     its global scale from the smaller dequantized amax; compressed-tensors' integers reach
     -2^(bits-1), which moves amax/(qmax+0.5)). Each rule's name says what the weights are.
-    Static input scales come from the checkpoint (`static_amax`). `weights=True` adds each
+    Static input scales are the checkpoint's stored ones, used as stored (`input_scales`, in the
+    terms of each rule's format: NVFP4's g or d, FP8's scale). `weights=True` adds each
     group's weight rule first: the whole scheme, for the full-precision model the checkpoint was
     made from (the same numbers as the producer's preset).
 
@@ -52,15 +51,6 @@ def policy(checkpoint: Checkpoint, names: list[str], *, weights: bool = False) -
     if fmt.CALIBRATION and any(r.get("scale_source") == "static" for r in rules):
         out["calibration"] = dict(fmt.CALIBRATION)
     return out
-
-
-def static_amax(checkpoint: Checkpoint, module: str) -> Tensor | None:
-    """The activation amax a module's stored static input scale stands for, or None."""
-    scale = checkpoint.input_scales.get(module)
-    s = checkpoint.groups[checkpoint.modules[module]].inputs if scale is not None else None
-    if scale is None or s is None:
-        return None
-    return FORMATS[checkpoint.producer].static_amax(scale, s)
 
 
 def describe(checkpoint: Checkpoint) -> list[str]:

@@ -166,7 +166,10 @@ def _presets(args: argparse.Namespace) -> int:
 def _calibrated(folder: Path) -> str:
     """The calibrated static scales saved beside a policy (a `save_transformed` folder), one
     line each: what `qtransform transform --calib` froze."""
-    from qtransform.pipeline.saving import SCALES_FILE  # not at start-up: `policy` stays light
+    from qtransform.pipeline.saving import (  # not at start-up: `policy` stays light
+        SCALES_FILE,
+        STORED_SUFFIX,
+    )
 
     path = folder / SCALES_FILE
     if not path.is_file():
@@ -174,7 +177,9 @@ def _calibrated(folder: Path) -> str:
     from safetensors.torch import load_file
 
     scales = load_file(str(path))
-    lines = [f"\nCalibrated static scales ({len(scales)}, from {SCALES_FILE}; amax of each):"]
-    lines += [f"  {name.removesuffix('.static_scale')}: {value.item():.6g}"
+    lines = [f"\nCalibrated static scales ({len(scales)}, from {SCALES_FILE}; amax of each, or "
+             "a checkpoint's stored scale):"]
+    lines += [f"  {name.removesuffix(STORED_SUFFIX).removesuffix('.static_scale')}: {value.item():.6g}"
+              + (" (stored scale)" if name.endswith(STORED_SUFFIX) else "")
               for name, value in sorted(scales.items())]
     return "\n".join(lines) + "\n"

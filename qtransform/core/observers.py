@@ -17,9 +17,13 @@ pass), which gives the same amax bit for bit at a fraction of the cost.
 `StaticScale` holds one observer while the model is calibrated and the frozen amax afterwards, as
 a non-persistent buffer: it moves with `.to()`, is not a parameter (an optimizer never sees it,
 noise never writes it), and leaves `state_dict()` keys unchanged; `save_transformed` writes it
-beside the weights. While `collecting()` is on (`qtransform.calibration.calibrate`), every
-fake-quant passes its tensor through unquantized: both llm-compressor (its sequential pipeline
-runs under `DisableQuantization`) and ModelOpt calibrate on the full-precision activations.
+beside the weights. Opened from a quantized checkpoint, it holds the checkpoint's stored scale
+instead (`StoredScale`: NVFP4's global scale, an FP8 input scale), which the fake-quant uses as
+it is: an amax reconstructed from it would give the stored scale back only up to rounding
+(llm-compressor rounds a bf16 model's g = 2688/amax to bf16, and 2688/g gives that model another
+g). While `collecting()` is on (`qtransform.calibration.calibrate`), every fake-quant passes
+its tensor through unquantized: both llm-compressor (its sequential pipeline runs under
+`DisableQuantization`) and ModelOpt calibrate on the full-precision activations.
 
 Observers see real tokens only: llm-compressor calibrates on unpadded samples, so a padded
 batch must give the statistics of its sequences one by one. The calibration run puts each
@@ -35,6 +39,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
@@ -212,8 +217,18 @@ def make_observer(name: str, group: int, averaging_constant: float = 0.01) -> Ob
     return _CLASSES[name](group, averaging_constant)
 
 
+@dataclass(frozen=True)
+class StoredScale:
+    """A tensor-level scale as a checkpoint stores it, in the format's own terms (`fake_quantize`'s
+    scale=: NVFP4's global scale g for compressed-tensors, its decode scale d for ModelOpt, the
+    per-tensor scale of FP8 and integers), to be used as it is."""
+
+    value: Tensor
+
+
 class StaticScale(nn.Module):
-    """One calibrated, frozen tensor-level amax (NVFP4's global scale comes from it).
+    """One calibrated, frozen tensor-level amax (NVFP4's global scale comes from it), or a
+    checkpoint's stored tensor-level scale (`scale`, when `stored`).
 
     Before calibration `amax` is NaN and `frozen` False; `calibrate` resets the observer, feeds it
     every batch, then freezes. The value stays until the next calibration or `load`.
@@ -227,11 +242,18 @@ class StaticScale(nn.Module):
         self.group = group
         self.averaging_constant = averaging_constant
         self.register_buffer("amax", torch.tensor(float("nan")), persistent=False)
+        self.register_buffer("scale", torch.tensor(float("nan")), persistent=False)
         self.frozen = False
+        self.stored = False  # the value is `scale` (a checkpoint's), not `amax`
         self._observer: Observer | None = None
 
     def extra_repr(self) -> str:
-        value = f"amax={self.amax.item():.6g}" if self.frozen else "not calibrated"
+        if not self.frozen:
+            value = "not calibrated"
+        elif self.stored:
+            value = f"stored scale={self.scale.item():.6g}"
+        else:
+            value = f"amax={self.amax.item():.6g}"
         return f"{self.observer_name}, {value}"
 
     def start(self) -> None:
@@ -254,11 +276,15 @@ class StaticScale(nn.Module):
         self.load(self._observer.amax())
         self._observer = None
 
-    def load(self, amax: Tensor) -> None:
-        """Set the frozen amax (calibration's, or a saved one)."""
+    def load(self, value: Tensor | StoredScale) -> None:
+        """Set the frozen amax (calibration's, or a saved one), or a checkpoint's stored scale."""
+        stored = isinstance(value, StoredScale)
+        tensor = value.value if isinstance(value, StoredScale) else value
+        nan = torch.tensor(float("nan"), device=self.amax.device)
         with torch.no_grad():
-            self.amax = amax.detach().to(torch.float32, copy=True).reshape(()).to(self.amax.device)
-        self.frozen = True
+            tensor = tensor.detach().to(torch.float32, copy=True).reshape(()).to(self.amax.device)
+            self.amax, self.scale = (nan, tensor) if stored else (tensor, nan)
+        self.frozen, self.stored = True, stored
 
 
 def static_scales(model: nn.Module) -> dict[str, StaticScale]:

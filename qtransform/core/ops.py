@@ -22,8 +22,9 @@ from qtransform.formats import QuantConfig
 
 # besides the config, a fake-quant's options may name its tensor-level amax when it is not the
 # input's own: "global_amax" (a fixed value: a calibrated static scale, a scale group's) or
-# "global_scale": "token" (each row's own, NVFP4 activations)
-GLOBAL_KEYS = ("global_amax", "global_scale")
+# "global_scale": "token" (each row's own, NVFP4 activations); or "tensor_scale", the fixed
+# tensor-level scale itself as a checkpoint stores it (`fake_quantize`'s scale=)
+GLOBAL_KEYS = ("global_amax", "global_scale", "tensor_scale")
 
 
 def op_config(fmt: str, options: str) -> tuple[QuantConfig, dict[str, Any]]:
@@ -40,13 +41,17 @@ def op_options(config: QuantConfig, extra: dict[str, Any] | None = None) -> str:
     return json.dumps({**json.loads(config.to_json()), **extra}, sort_keys=True)
 
 
-def op_amax(x: Tensor, config: QuantConfig, extra: dict[str, Any]) -> Tensor | None:
-    """The tensor-level amax GLOBAL_KEYS give for `x` (None: x's own)."""
+def op_tensor_level(x: Tensor, config: QuantConfig, extra: dict[str, Any]) -> dict[str, Tensor]:
+    """`fake_quantize`'s tensor-level keyword GLOBAL_KEYS give for `x`: {"amax": ...} or
+    {"scale": ...}, or nothing for x's own amax."""
+    if "tensor_scale" in extra:
+        return {"scale": torch.tensor(float(extra["tensor_scale"]), dtype=torch.float32,
+                                      device=x.device)}
     if "global_amax" in extra:
-        return torch.tensor(float(extra["global_amax"]), dtype=torch.float32, device=x.device)
+        return {"amax": torch.tensor(float(extra["global_amax"]), dtype=torch.float32, device=x.device)}
     if extra.get("global_scale") == "token":
-        return x.detach().abs().amax(dim=config.block_axis, keepdim=True).to(torch.float32)
-    return None
+        return {"amax": x.detach().abs().amax(dim=config.block_axis, keepdim=True).to(torch.float32)}
+    return {}
 
 
 @torch.library.custom_op("qtransform::fake_quant", mutates_args=())
@@ -54,7 +59,7 @@ def fake_quant(x: Tensor, fmt: str, options: str, label: str) -> Tensor:
     """Quantize-dequantize `x` in format `fmt` with the options of `QuantConfig.to_json` (plus
     GLOBAL_KEYS); `label` names the site tensor in exported graphs."""
     cfg, extra = op_config(fmt, options)
-    return formats.fake_quantize(x.detach(), cfg, amax=op_amax(x, cfg, extra)).clone()
+    return formats.fake_quantize(x.detach(), cfg, **op_tensor_level(x, cfg, extra)).clone()
 
 
 @fake_quant.register_fake
@@ -65,7 +70,7 @@ def _(x: Tensor, fmt: str, options: str, label: str) -> Tensor:
 def _fq_setup(ctx, inputs, output) -> None:
     x, fmt, options, _label = inputs
     cfg, extra = op_config(fmt, options)
-    ctx.mask = (formats.saturated(x.detach(), cfg, amax=op_amax(x, cfg, extra))
+    ctx.mask = (formats.saturated(x.detach(), cfg, **op_tensor_level(x, cfg, extra))
                 if cfg.zero_saturated_grad else None)
 
 

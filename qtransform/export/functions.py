@@ -60,7 +60,8 @@ def attributes(cfg: QuantConfig) -> dict[str, Any]:
 
 
 def overload(cfg: QuantConfig, shape: Shape = None, extra: dict[str, Any] | None = None) -> str:
-    """A stable identifier of the attributes (a fixed global amax by its fp32 bits) and, for
+    """A stable identifier of the attributes (a fixed global amax or stored tensor scale by its
+    fp32 bits) and, for
     static bodies, the input shape (the function's IR 10 overload name)."""
     block = "x".join(map(str, cfg.tile)) if cfg.tile else str(cfg.block or cfg.granularity)
     parts = [f"b{block}", f"axis{cfg.block_axis}".replace("-", "m"), cfg.rounding]
@@ -71,6 +72,8 @@ def overload(cfg: QuantConfig, shape: Shape = None, extra: dict[str, Any] | None
     extra = extra or {}
     if "global_amax" in extra:
         parts.append("ga" + np.float32(extra["global_amax"]).view(np.uint32).tobytes().hex())
+    if "tensor_scale" in extra:
+        parts.append("ts" + np.float32(extra["tensor_scale"]).view(np.uint32).tobytes().hex())
     if extra.get("global_scale") == "token":
         parts.append("gtoken")
     return "_".join(parts)
@@ -93,7 +96,8 @@ class OnnxFamily:
     `qtransform.export.families`: the function body and the QDQ form.
 
     `blocks(b, xb, axes, cfg)` fake-quantizes blocked fp32 values (block maxima reduce over
-    `axes`). For QDQ, `weight_scale(label, grid, tensor_scale, cfg)` gives the initializers and
+    `axes`); a family with a tensor-level scale also takes `amax_t` (a given amax) or
+    `scale_t=` (a stored tensor scale, used as it is). For QDQ, `weight_scale(label, grid, tensor_scale, cfg)` gives the initializers and
     nodes that produce `<label>/scale` from the encoded weight's scales, and
     `activation_scale(b, amax, cfg)` the per-block scale computed in the graph from block
     maxima (+inf marks a NaN/Inf block), cast to `activation_scale_type` if set. A family
@@ -425,8 +429,9 @@ def dynamic_view(b: Body, x: str, cfg: QuantConfig) -> BlockView:
 
 
 # a fake-quant whose tensor-level amax is not its input's own (passes/fake_quant.py): a fixed
-# value (a calibrated static scale, a scale group's) or each row's (NVFP4 per-token)
-GLOBAL_ATTRS = ("global_amax", "global_scale")
+# value (a calibrated static scale, a scale group's) or each row's (NVFP4 per-token); or whose
+# tensor-level scale is a checkpoint's stored one ("tensor_scale", used as it is)
+GLOBAL_ATTRS = ("global_amax", "global_scale", "tensor_scale")
 
 
 def tensor_amax(b: Body, view: BlockView, extra: dict[str, Any]) -> str | None:
@@ -443,12 +448,17 @@ def tensor_amax(b: Body, view: BlockView, extra: dict[str, Any]) -> str | None:
 
 def fake_quant_body(cfg: QuantConfig, shape: Shape = None, extra: dict[str, Any] | None = None) -> Body:
     """Nodes computing Y = fake_quantize(X, cfg) in X's dtype (X: any float type, rank >= 1);
-    `extra` (GLOBAL_ATTRS) replaces X's own tensor-level amax."""
+    `extra` (GLOBAL_ATTRS) replaces X's own tensor-level amax, or gives the stored tensor
+    scale."""
     b = Body()
     family = onnx_family(cfg)
     view = block_view(b, b.op("Cast", "X", to=TensorProto.FLOAT), cfg, shape)
-    amax_t = tensor_amax(b, view, extra or {})
-    if amax_t is None:
+    extra = extra or {}
+    amax_t = tensor_amax(b, view, extra)
+    if "tensor_scale" in extra:
+        out = family.blocks(b, view.xb, view.axes, cfg, None,  # type: ignore[call-arg]
+                            scale_t=b.const(float(extra["tensor_scale"])))
+    elif amax_t is None:
         out = family.blocks(b, view.xb, view.axes, cfg)
     else:
         out = family.blocks(b, view.xb, view.axes, cfg, amax_t)  # type: ignore[call-arg]

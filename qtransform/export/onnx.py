@@ -61,6 +61,7 @@ _A = onnx.defs.OpSchema.AttrType
 _OP_ATTRS = {  # every attribute an opaque node may carry, by op
     "fake_quant": {"axis": _A.INT, "block_size": _A.INT, "block_shape": _A.INTS, "label": _A.STRING,
                    "granularity": _A.STRING, "global_amax": _A.FLOAT, "global_scale": _A.STRING,
+                   "tensor_scale": _A.FLOAT,
                    **dict.fromkeys(CHOICE_OPTIONS, _A.STRING)},
     "Tap": {"label": _A.STRING},
     "Noise": {"scale": _A.FLOAT, "kind": _A.STRING, "label": _A.STRING},

@@ -31,17 +31,26 @@ VARIANTS = ("default", "modelopt")
 
 
 def quantize_fp8(blocks: torch.Tensor, cfg: QuantConfig, u: torch.Tensor | None,
-                 amax_t: torch.Tensor | None) -> BlockQuant:
+                 amax_t: torch.Tensor | None, scale_t: torch.Tensor | None = None) -> BlockQuant:
     """`fp8_variant` "default": compressed-tensors' order (`scaled.quantize_scaled`);
     "modelopt": ModelOpt's eager FP8 (`tensor_quant._fp8_eager`): m = fl(1 / amax) * max (its
-    Python `448.0 / amax`), y = clamp(x * m), out = q * fl(1 / m); amax <= 2^-24 counts as 1."""
+    Python `448.0 / amax`), y = clamp(x * m), out = q * fl(1 / m); amax <= 2^-24 counts as 1.
+    A stored `scale_t` (a checkpoint's input_scale s) is used as the engines use it: the
+    default divides by s; "modelopt" multiplies by m = fl(1 / s) (the serving kernels'
+    inverted scale) and dequantizes by s."""
     top = cfg.spec.max_normal
     if cfg.fp8_variant == "default":
-        return quantize_scaled(blocks, cfg, u, amax_t, cfg.spec.element, top, -top, top)
-    amax = blocks.abs().amax(dim=1) if amax_t is None else amax_t.expand(blocks.shape[0])
-    bad = ~torch.isfinite(amax)
-    m = torch.reciprocal(torch.where(amax <= MODELOPT_TINY, 1.0, amax)) * top
-    inv = torch.where(bad, CANONICAL_NAN, torch.reciprocal(m))
+        return quantize_scaled(blocks, cfg, u, amax_t, cfg.spec.element, top, -top, top, scale_t)
+    if scale_t is not None:
+        s = scale_t.expand(blocks.shape[0])
+        bad = ~torch.isfinite(s)
+        m = torch.reciprocal(s)
+        inv = torch.where(bad, CANONICAL_NAN, s)
+    else:
+        amax = blocks.abs().amax(dim=1) if amax_t is None else amax_t.expand(blocks.shape[0])
+        bad = ~torch.isfinite(amax)
+        m = torch.reciprocal(torch.where(amax <= MODELOPT_TINY, 1.0, amax)) * top
+        inv = torch.where(bad, CANONICAL_NAN, torch.reciprocal(m))
     y = blocks * m[:, None]
     q = round_signed(torch.clamp(y, -top, top), cfg.spec.element, cfg.rounding, u)
     bad_b = bad[:, None]

@@ -32,17 +32,22 @@ INT_RANGES = ("restricted", "full", "modelopt")
 
 
 def quantize_int(blocks: torch.Tensor, cfg: QuantConfig, u: torch.Tensor | None,
-                 amax_t: torch.Tensor | None = None) -> BlockQuant:
+                 amax_t: torch.Tensor | None = None, scale_t: torch.Tensor | None = None) -> BlockQuant:
     """q = clamp(round(x / scale)) on the integer grid of `int_range`; a zero scale gives
-    signed zeros. A NaN or Inf in a group makes the whole group NaN, as for MX blocks."""
+    signed zeros. A NaN or Inf in a group makes the whole group NaN, as for MX blocks.
+    `scale_t`: a stored tensor scale, used as it is (not with int_range "modelopt", whose
+    checkpoints qtransform does not open)."""
     qmax = cfg.spec.element.qmax
     if cfg.int_range == "modelopt":
+        if scale_t is not None:
+            raise ValueError(f"{cfg.name}: a stored scale with int_range 'modelopt'; ModelOpt "
+                             "integer checkpoints are not read")
         return _modelopt(blocks, cfg, u, amax_t, float(qmax))
     if cfg.int_range == "full":
         return quantize_scaled(blocks, cfg, u, amax_t, cfg.spec.element, qmax + 0.5,
-                               -qmax - 1.0, float(qmax))
+                               -qmax - 1.0, float(qmax), scale_t)
     return quantize_scaled(blocks, cfg, u, amax_t, cfg.spec.element, float(qmax),
-                           -float(qmax), float(qmax))
+                           -float(qmax), float(qmax), scale_t)
 
 
 def _modelopt(blocks: torch.Tensor, cfg: QuantConfig, u: torch.Tensor | None,

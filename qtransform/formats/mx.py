@@ -99,7 +99,7 @@ def scale_values(scales: torch.Tensor, tensor_scale: torch.Tensor | None, cfg: Q
 
 MX = register_family(Family(
     "mx", {"scale_rule": SCALE_RULES, "rounding": ROUNDINGS},
-    quantize=lambda blocks, cfg, u, amax_t: quantize_mx(blocks, cfg, u),
+    quantize=lambda blocks, cfg, u, amax_t, scale_t=None: quantize_mx(blocks, cfg, u),
     scale_values=scale_values, exponents=exponents, kernel_id=0,
 ))
 for _name, _elem, _desc in [

@@ -64,21 +64,30 @@ def _default(
 
 
 def _compressed_tensors(
-    blocks: torch.Tensor, amax_t: torch.Tensor, cfg: QuantConfig, u: torch.Tensor | None
+    blocks: torch.Tensor, amax_t: torch.Tensor | None, cfg: QuantConfig, u: torch.Tensor | None,
+    scale_t: torch.Tensor | None = None,
 ) -> Parts:
     """compressed-tensors / llm-compressor order: scale = e4m3(g * amax_b / 6) / g, x / scale.
 
     With a bf16/fp16 `scale_dtype` (compressed-tensors on a model of that dtype) the two
     divisions `2688 / amax_t` and `amax_b / 6` are that dtype's divisions, as its observers
-    compute them on the model's own tensors; the rest stays fp32."""
+    compute them on the model's own tensors; the rest stays fp32. A stored `scale_t` is the
+    global scale g itself (a checkpoint's `input_global_scale`), used as compressed-tensors'
+    forward uses it: an fp32 factor, however it was rounded when it was made."""
     dtype = SCALE_TORCH_DTYPES[cfg.scale_dtype]
     amax_b = blocks.abs().amax(dim=1)
     if dtype == torch.float32:
-        g = amax_t.reciprocal() * GLOBAL_RANGE  # Python's `2688 / tensor` computes exactly this
         sixth = divide(amax_b, 6.0)
     else:  # the amaxes of a `dtype` tensor are `dtype` values: the casts in are exact
-        g = (GLOBAL_RANGE / amax_t.to(dtype)).to(torch.float32)
         sixth = (amax_b.to(dtype) / 6.0).to(torch.float32)
+    if scale_t is not None:
+        g = scale_t
+    elif dtype == torch.float32:
+        assert amax_t is not None
+        g = amax_t.reciprocal() * GLOBAL_RANGE  # Python's `2688 / tensor` computes exactly this
+    else:
+        assert amax_t is not None
+        g = (GLOBAL_RANGE / amax_t.to(dtype)).to(torch.float32)
     g = torch.where(torch.isfinite(g), g, 1.0)  # amax 0, NaN, or so tiny that g overflows
     s = e4m3_rne(g * sixth)  # clamped to 448 by e4m3_rne itself
     s = torch.where(s == 0, 0.125, s)
@@ -90,13 +99,15 @@ def _compressed_tensors(
 
 
 def _modelopt(
-    blocks: torch.Tensor, amax_t: torch.Tensor, cfg: QuantConfig, u: torch.Tensor | None
+    blocks: torch.Tensor, amax_t: torch.Tensor | None, cfg: QuantConfig, u: torch.Tensor | None,
+    scale_t: torch.Tensor | None = None,
 ) -> Parts:
     """ModelOpt's export (`NVFP4QTensor`, what its checkpoints hold): d = amax / 2688 (a true
     division: `weight_scale_2`), s = e4m3(clamp(amax_b / (6 d), 2^-9, 448)) with a zero block's
     s = 1, elements x / (s d); zeros come out +0 (its E2M1 table). A zero or infinite tensor
-    amax takes d = 1 (ModelOpt would divide by zero)."""
-    d = amax_t / GLOBAL_RANGE
+    amax takes d = 1 (ModelOpt would divide by zero). A stored `scale_t` is d itself (a
+    checkpoint's `input_scale`)."""
+    d = amax_t / GLOBAL_RANGE if scale_t is None else scale_t
     d = torch.where((d == 0) | torch.isinf(d), 1.0, d)
     s = blocks.abs().amax(dim=1) / (6.0 * d)
     s = e4m3_rne(torch.clamp(torch.where(s == 0, 1.0, s), MIN_BLOCK_SCALE, E4M3_MAX))
@@ -118,19 +129,27 @@ def _one_level(blocks: torch.Tensor, cfg: QuantConfig, u: torch.Tensor | None) -
 
 
 def quantize_nvfp4(
-    blocks: torch.Tensor, cfg: QuantConfig, u: torch.Tensor | None, amax_t: torch.Tensor | None
+    blocks: torch.Tensor, cfg: QuantConfig, u: torch.Tensor | None, amax_t: torch.Tensor | None,
+    scale_t: torch.Tensor | None = None,
 ) -> BlockQuant:
-    """Quantize NVFP4 blocks; `amax_t` is the amax of the whole (unpadded) tensor."""
+    """Quantize NVFP4 blocks; `amax_t` is the amax of the whole (unpadded) tensor, or `scale_t`
+    the stored tensor scale (what `BlockQuant.tensor_scale` holds for the variant: g for
+    compressed-tensors, d for ModelOpt), used as it is. NVIDIA's default order encodes with g
+    and decodes with d = 1/g, which a stored d does not give back exactly: it takes an amax."""
     if cfg.nvfp4_variant == "one_level":
         q, out, y, s, ts = _one_level(blocks, cfg, u)
-    elif amax_t is None:
+    elif scale_t is not None and cfg.nvfp4_variant == "default":
+        raise ValueError("nvfp4: a stored tensor scale takes nvfp4_variant 'compressed-tensors' "
+                         "(g) or 'modelopt' (d); the default order derives both from the amax")
+    elif amax_t is None and scale_t is None:
         raise ValueError("two-level NVFP4 needs the amax of the whole tensor")
     elif cfg.nvfp4_variant == "default":
+        assert amax_t is not None
         q, out, y, s, ts = _default(blocks, amax_t, cfg, u)
     elif cfg.nvfp4_variant == "modelopt":
-        q, out, y, s, ts = _modelopt(blocks, amax_t, cfg, u)
+        q, out, y, s, ts = _modelopt(blocks, amax_t, cfg, u, scale_t)
     else:
-        q, out, y, s, ts = _compressed_tensors(blocks, amax_t, cfg, u)
+        q, out, y, s, ts = _compressed_tensors(blocks, amax_t, cfg, u, scale_t)
     return BlockQuant(
         out=_canonical(out), q=_canonical(q), sat=y.abs() > 6.0, scales=_canonical(s),
         tensor_scale=None if ts is None else _canonical(ts),

@@ -27,7 +27,7 @@ OPTION_KEYS = (*FORMAT_KEYS, "zero_saturated_grad")  # every key of `options()`
 NEUTRAL = {"scale_rule": "floor", "rounding": "rne", "nvfp4_variant": "default",
            "int_range": "restricted", "scale_dtype": "float32", "fp8_variant": "default"}
 KEYWORDS = ("block_size", "axis", "block_shape", "granularity", "scale_rule", "rounding",
-            "generator", "seed", "amax")
+            "generator", "seed", "amax", "scale")
 WHOLE_ROW = ("channel", "token", "tensor")  # granularities whose kernel blocks are whole rows
 _PER = {"channel": "per channel", "token": "per token", "tensor": "per tensor"}
 

@@ -114,13 +114,15 @@ def stream_seed(
 def quantize_blocks(
     x: torch.Tensor, cfg: QuantConfig, seed: int | None = None, *,
     pos: torch.Tensor | None = None, amax_t: torch.Tensor | None = None,
+    scale_t: torch.Tensor | None = None,
 ) -> tuple[BlockQuant, BlockLayout]:
     """Reference path: quantize x (any float dtype, any device) block by block in fp32.
 
     Stochastic rounding draws u from the stream of `seed` at the elements' linear positions
     `pos` (default: x's own) and tensor-level scales come from `amax_t` (default: x's amax;
-    0-dim, or one value per row shaped like x with the blocked axis 1): a chunk of a larger
-    tensor passes both, so chunking changes no result.
+    0-dim, or one value per row shaped like x with the blocked axis 1), or are the stored
+    0-dim `scale_t` as it is: a chunk of a larger tensor passes them, so chunking changes no
+    result.
     """
     layout = layout_for(x, cfg)
     cfg = bind_dtype(cfg, x.dtype)
@@ -133,11 +135,13 @@ def quantize_blocks(
         if pos is None:
             pos = philox.positions(layout.shape, device=x.device)
         u = to_blocks(philox.uniform_at(seed, pos).reshape(layout.shape), layout)
-    if amax_t is None and cfg.family.per_tensor(cfg):
+    if scale_t is not None:
+        amax_t = None
+    elif amax_t is None and cfg.family.per_tensor(cfg):
         amax_t = tensor_amax(x32)
     elif amax_t is not None and amax_t.ndim:  # one amax per row: each block takes its row's
         amax_t = to_blocks(amax_t.expand(layout.shape), layout)[:, 0]
-    return cfg.family.quantize(blocks, cfg, u, amax_t), layout
+    return cfg.family.quantize(blocks, cfg, u, amax_t, scale_t), layout
 
 
 def _chunking(layout: BlockLayout) -> tuple[int, int]:
@@ -154,11 +158,11 @@ def _chunking(layout: BlockLayout) -> tuple[int, int]:
 
 def _reference(
     x: torch.Tensor, cfg: QuantConfig, seed: int | None, layout: BlockLayout, want_sat: bool,
-    want_exps: bool, amax: torch.Tensor | None = None,
+    want_exps: bool, amax: torch.Tensor | None = None, scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """The reference path over chunks of about CHUNK_ELEMENTS: results in x's dtype shaped
     `layout.shape` (its temporaries, about nine chunks of fp32, come on top). `amax` is a
-    checked override of the tensor amax (`check_amax`)."""
+    checked override of the tensor amax (`check_amax`), `scale` a stored tensor scale."""
     xs = x.detach().reshape(layout.shape)
     dim, unit = _chunking(layout)
     n = layout.shape[dim]
@@ -171,7 +175,7 @@ def _reference(
         rows = amax.expand(layout.shape)
     elif amax is not None:
         amax_t = amax
-    elif cfg.family.per_tensor(cfg):
+    elif cfg.family.per_tensor(cfg) and scale is None:
         parts = [tensor_amax(xs.narrow(dim, s, min(step, n - s)).to(torch.float32))
                  for s in range(0, n, step)]
         amax_t = torch.stack(parts).amax() if parts else None  # amax propagates NaN
@@ -184,7 +188,8 @@ def _reference(
         pos = (philox.positions(layout.shape, dim, s, k, x.device)
                if cfg.rounding == "stochastic" else None)
         part = amax_t if rows is None else rows.narrow(dim, s, k)
-        res, lay = quantize_blocks(xs.narrow(dim, s, k), cfg, seed, pos=pos, amax_t=part)
+        res, lay = quantize_blocks(xs.narrow(dim, s, k), cfg, seed, pos=pos, amax_t=part,
+                                   scale_t=scale)
         oc = out.narrow(dim, s, k)
         canonical_nan_(oc.copy_(from_blocks(res.out, lay)))
         if sat is not None:
@@ -197,19 +202,21 @@ def _reference(
 def _forward(
     x: torch.Tensor, cfg: QuantConfig, generator: torch.Generator | None, want_sat: bool,
     want_exps: bool = False, seed: int | None = None, amax: torch.Tensor | None = None,
+    scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Fake-quantized x in its own dtype, plus the saturation mask and the MX block exponents
-    when asked for, all from one quantization. `amax`: a checked tensor-amax override."""
+    when asked for, all from one quantization. `amax`: a checked tensor-amax override; `scale`:
+    a checked stored tensor scale (the reference path only: the kernels derive theirs)."""
     layout = layout_for(x, cfg)
     seed = stream_seed(cfg, generator, seed, x.device)
-    fast = _gpu_path(x, cfg, layout, want_sat, want_exps) if amax is None else None
-    if fast is None:
+    fast = _gpu_path(x, cfg, layout, want_sat, want_exps) if amax is None and scale is None else None
+    if fast is None and scale is None:
         fast = fastpath.quantize(x, cfg, layout, want_sat, exponents=want_exps, seed=seed, amax=amax)
     if fast is not None:
         out, sat, exps = fast
         assert out is not None
     else:
-        out, sat, exps = _reference(x, cfg, seed, layout, want_sat, want_exps, amax)
+        out, sat, exps = _reference(x, cfg, seed, layout, want_sat, want_exps, amax, scale)
     if out.shape != x.shape:
         out = out.reshape(x.shape)
     if out.dtype != x.dtype:
@@ -244,9 +251,9 @@ class _FakeQuant(torch.autograd.Function):
     """Straight-through estimator; optionally no gradient through saturated elements."""
 
     @staticmethod
-    def forward(ctx, x, cfg, generator, seed, amax):  # type: ignore[override]
+    def forward(ctx, x, cfg, generator, seed, amax, scale):  # type: ignore[override]
         out, sat, _ = _forward(x, cfg, generator, want_sat=cfg.zero_saturated_grad, seed=seed,
-                               amax=amax)
+                               amax=amax, scale=scale)
         if sat is not None:
             ctx.save_for_backward(sat)
         ctx.mask = sat is not None
@@ -257,7 +264,7 @@ class _FakeQuant(torch.autograd.Function):
         if ctx.mask:
             (sat,) = ctx.saved_tensors
             grad = grad.masked_fill(sat, 0.0)
-        return grad, None, None, None, None
+        return grad, None, None, None, None, None
 
 
 def fake_quantize(
@@ -273,6 +280,7 @@ def fake_quantize(
     seed: int | None = None,
     granularity: str | None = None,
     amax: torch.Tensor | None = None,
+    scale: torch.Tensor | None = None,
     **format_options: Any,
 ) -> torch.Tensor:
     """Quantize x to `fmt` and back (same dtype, shape and device); gradient straight through.
@@ -284,17 +292,21 @@ def fake_quantize(
     `generator`), and format options `nvfp4_variant`, `int_range`, `fp8_variant`, `scale_dtype` and
     `zero_saturated_grad`. `amax` replaces x's own amax for the tensor-level scale (NVFP4's
     global scale, the scale of granularity "tensor"): a 0-dim tensor, or for NVFP4 one value
-    per row (x's shape with the blocked axis 1). Invalid values raise ValueError listing what
-    is allowed. `fmt` may be a `QuantConfig` instead (then without options).
+    per row (x's shape with the blocked axis 1). `scale` instead gives the tensor-level scale
+    itself as a checkpoint stores it (0-dim: NVFP4's global scale g for compressed-tensors, its
+    decode scale d for the other variants; the scale of granularity "tensor"), used as it is.
+    Invalid values raise ValueError listing what is allowed. `fmt` may be a `QuantConfig`
+    instead (then without options).
     """
     cfg = resolve(fmt, block_size=block_size, axis=axis, block_shape=block_shape,
                   granularity=granularity, scale_rule=scale_rule, rounding=rounding,
                   **format_options)
     check_input(x, cfg)
     amax = check_amax(x, cfg, amax)
+    scale = check_scale(x, cfg, scale, amax)
     if torch.is_grad_enabled() and x.requires_grad:
-        return _FakeQuant.apply(x, cfg, generator, seed, amax)
-    return _forward(x, cfg, generator, want_sat=False, seed=seed, amax=amax)[0]
+        return _FakeQuant.apply(x, cfg, generator, seed, amax, scale)
+    return _forward(x, cfg, generator, want_sat=False, seed=seed, amax=amax, scale=scale)[0]
 
 
 def check_amax(x: torch.Tensor, cfg: QuantConfig, amax: object) -> torch.Tensor | None:
@@ -321,16 +333,36 @@ def check_amax(x: torch.Tensor, cfg: QuantConfig, amax: object) -> torch.Tensor 
     return amax.detach().to(device=x.device, dtype=torch.float32)
 
 
+def check_scale(x: torch.Tensor, cfg: QuantConfig, scale: Any,
+                amax: torch.Tensor | None) -> torch.Tensor | None:
+    """The `scale=` stored tensor scale as 0-dim fp32 on x's device, or a ValueError: the format
+    must have a tensor-level scale, and `amax=` must not be given too."""
+    if scale is None:
+        return None
+    if amax is not None:
+        raise ValueError(f"{cfg.name}: give amax= or scale=, not both")
+    if not cfg.family.per_tensor(cfg):
+        raise ValueError(
+            f"{cfg.name}: scale= is a stored tensor-level scale, which this config has none of; "
+            "it applies to two-level NVFP4 and to granularity 'tensor' (fp8_*, int4, int8)")
+    if not isinstance(scale, torch.Tensor) or not scale.is_floating_point() or scale.numel() != 1:
+        raise ValueError(f"{cfg.name}: scale must be a one-element floating-point tensor")
+    return scale.detach().to(device=x.device, dtype=torch.float32).reshape(())
+
+
 def saturated(x: torch.Tensor, fmt: str | FormatSpec | QuantConfig, **options: Any) -> torch.Tensor:
     """Bool mask of the elements clipped at the element max normal (same options as
     `fake_quantize`); NaN blocks count as not saturated. Feeds the saturation ratio metric."""
     options.pop("generator", None)
     options.pop("seed", None)
     amax = options.pop("amax", None)
+    scale = options.pop("scale", None)
     cfg = resolve(fmt, **options)
     check_input(x, cfg)
     amax = check_amax(x, cfg, amax)
-    sat = _forward(x, replace(cfg, rounding="rne"), None, want_sat=True, amax=amax)[1]  # rounding-free
+    scale = check_scale(x, cfg, scale, amax)
+    sat = _forward(x, replace(cfg, rounding="rne"), None, want_sat=True, amax=amax,
+                   scale=scale)[1]  # rounding-free
     assert sat is not None
     return sat
 

@@ -92,9 +92,10 @@ class Family:
     """One scaling scheme shared by several formats: everything that is not the element type.
 
     `options` maps each choice option the family takes to its allowed values, the first being
-    the default. `quantize(blocks, cfg, u, amax_t)` is the reference kernel on [n, block] fp32
-    blocks (`u`: the stochastic-rounding uniforms; `amax_t`: the tensor's amax when
-    `per_tensor(cfg)`, else None). `kernel_id` names the family in the compiled kernels
+    the default. `quantize(blocks, cfg, u, amax_t, scale_t)` is the reference kernel on [n, block]
+    fp32 blocks (`u`: the stochastic-rounding uniforms; `amax_t`: the tensor's amax when
+    `per_tensor(cfg)`, else None; `scale_t`: instead of `amax_t`, a stored tensor-level scale
+    used as it is, never recomputed from an amax). `kernel_id` names the family in the compiled kernels
     (`qfast.c`, `triton_kernels.py`); None leaves its formats on the reference path.
     `exponents` (power-of-two families) turns a block result into per-block shared exponents,
     and `scale_values(scales, tensor_scale, cfg)` decodes stored scales into fp32 multipliers.
@@ -109,7 +110,8 @@ class Family:
 
     name: str
     options: dict[str, tuple[str, ...]]
-    quantize: Callable[[torch.Tensor, QuantConfig, torch.Tensor | None, torch.Tensor | None], BlockQuant]
+    quantize: Callable[[torch.Tensor, QuantConfig, torch.Tensor | None, torch.Tensor | None,
+                        torch.Tensor | None], BlockQuant]
     scale_values: Callable[[torch.Tensor, torch.Tensor | None, QuantConfig], torch.Tensor]
     per_tensor: Callable[[QuantConfig], bool] = _never
     exponents: Callable[[BlockQuant], torch.Tensor] | None = None

@@ -43,17 +43,22 @@ def _round_to(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def quantize_scaled(
     blocks: torch.Tensor, cfg: QuantConfig, u: torch.Tensor | None, amax_t: torch.Tensor | None,
-    elem: ElementSpec, divisor: float, lo: float, hi: float,
+    elem: ElementSpec, divisor: float, lo: float, hi: float, scale_t: torch.Tensor | None = None,
 ) -> BlockQuant:
     """Quantize `[n, block]` fp32 blocks with scale = amax / divisor (amax: each block's, or
-    `amax_t` for every block: granularity "tensor" or a caller's override); elements x / scale
+    `amax_t` for every block: granularity "tensor" or a caller's override), or with a stored
+    `scale_t` for every block as it is (a checkpoint's static scale); elements x / scale
     clamped to [lo, hi] (lo = -hi, or -(qmax + 1) for integers over their full range) and
-    rounded on `elem`'s grid. A NaN or Inf amax makes the block NaN, as for MX blocks."""
+    rounded on `elem`'s grid. A NaN or Inf amax (scale) makes the block NaN, as for MX blocks."""
     dtype = _DTYPES[cfg.scale_dtype]
-    amax = blocks.abs().amax(dim=1) if amax_t is None else amax_t.expand(blocks.shape[0])
-    amax = _round_to(amax, dtype)
-    bad = ~torch.isfinite(amax)
-    scale = _round_to(amax / amax.new_tensor(divisor), dtype)  # a true division on every device
+    if scale_t is not None:  # compressed-tensors divides by the stored scale, held in `dtype`
+        scale = _round_to(scale_t.expand(blocks.shape[0]), dtype)
+        bad = ~torch.isfinite(scale)
+    else:
+        amax = blocks.abs().amax(dim=1) if amax_t is None else amax_t.expand(blocks.shape[0])
+        amax = _round_to(amax, dtype)
+        bad = ~torch.isfinite(amax)
+        scale = _round_to(amax / amax.new_tensor(divisor), dtype)  # a true division on every device
     scale = torch.where(scale == 0, torch.finfo(dtype).eps, scale)
     scale = torch.where(bad, CANONICAL_NAN, scale)
     sb = scale[:, None]

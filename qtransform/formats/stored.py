@@ -151,6 +151,14 @@ def scale_of(config: QuantConfig, amax: Tensor, dtype: torch.dtype) -> tuple[Ten
     return res.scales[0], res.tensor_scale
 
 
+def stored_input_scale(config: QuantConfig, scale: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor | None]:
+    """`scale_of` for a stored tensor-level scale (a checkpoint's, used as stored: NVFP4's g or
+    d, FP8's or int's s) instead of an amax, as the format uses it."""
+    zeros = torch.zeros(1, max(config.block, 1), dtype=dtype)
+    res, _ = quantize_blocks(zeros, config, scale_t=scale)
+    return res.scales[0], res.tensor_scale
+
+
 def stored_scale_dtype(config: QuantConfig, dtype: torch.dtype) -> torch.dtype:
     """The dtype a plain (FP8 / integer) scale is computed in, and so stored in, for a tensor of
     `dtype` (`scale_dtype` "input" is the tensor's own)."""

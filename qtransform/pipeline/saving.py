@@ -5,7 +5,8 @@ never written into the weights. So a saved transformed model is a normal `save_p
 folder (the original, full-precision weights, loadable by any transformers code) with the policy
 beside it; `load_transformed` rebuilds the transformed model from the two. Calibrated static
 scales are state the policy cannot rebuild: they go to their own file (`SCALES_FILE`, one fp32
-amax per static scale, by module path), never into the weights' state dict. The tokenizer of the
+amax per static scale, by module path; a quantized checkpoint's stored scale under its path plus
+`STORED_SUFFIX`), never into the weights' state dict. The tokenizer of the
 folder the model came from goes with it, so the saved folder is a model folder the scans (text
 calibration) and inference engines can use as they used the original.
 """
@@ -21,7 +22,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from qtransform.core import io as qio
-from qtransform.core.observers import static_scales
+from qtransform.core.observers import StoredScale, static_scales
 from qtransform.core.sites import ADAPTER_KEYS, hf_name
 from qtransform.errors import UserError
 from qtransform.models import load_model, source_tokenizer
@@ -33,6 +34,7 @@ if TYPE_CHECKING:
 
 POLICY_FILE = "qtransform_policy.json"
 SCALES_FILE = "qtransform_scales.safetensors"  # calibrated static scales (module path -> amax)
+STORED_SUFFIX = ":stored"  # a key of SCALES_FILE holding a checkpoint's stored scale, not an amax
 ADAPTER_DIR = "adapter"  # a PEFT model's adapter, beside the base weights
 
 
@@ -86,8 +88,9 @@ def write_transformed(model: nn.Module, policy: PolicyLike, folder: Path, *,
         if uncalibrated:
             raise UserError(f"{uncalibrated[0]}: a static scale is not calibrated; transform with "
                             "calibration= before saving")
-        save_file({name: scale.amax.detach().cpu().clone() for name, scale in scales.items()},
-                  str(folder / SCALES_FILE))
+        save_file({name + STORED_SUFFIX if scale.stored else name:
+                   (scale.scale if scale.stored else scale.amax).detach().cpu().clone()
+                   for name, scale in scales.items()}, str(folder / SCALES_FILE))
 
 
 def base_names(scales: dict[str, Any], model: nn.Module) -> dict[str, Any]:
@@ -115,7 +118,9 @@ def load_transformed(folder: str | os.PathLike) -> nn.Module:
         model = PeftModel.from_pretrained(model, path / ADAPTER_DIR, is_trainable=True)
     if not (path / SCALES_FILE).exists():
         return transform(model, path / POLICY_FILE, inplace=True)
-    saved = load_file(str(path / SCALES_FILE))
+    saved: dict[str, Any] = {
+        name.removesuffix(STORED_SUFFIX): StoredScale(value) if name.endswith(STORED_SUFFIX) else value
+        for name, value in load_file(str(path / SCALES_FILE)).items()}
     if is_peft(model):
         saved = {f"base_model.model.{name}": value for name, value in saved.items()}
     return transform_program(model, path / POLICY_FILE, inplace=True, scales=saved).module()

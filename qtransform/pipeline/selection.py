@@ -16,6 +16,7 @@ from qtransform.core.scales import fused_groups
 from qtransform.core.sites import LINEAR_KINDS, ROUTER_ROLE, Site, closest_names
 from qtransform.errors import UserError
 from qtransform.pipeline.base import Action
+from qtransform.pipeline.constraints import check_constraints
 from qtransform.schemas import QuantRule
 from qtransform.schemas.base import Selected
 from qtransform.schemas.presets import own_entries
@@ -113,6 +114,7 @@ def resolve_quantize(program: Program, rules: Sequence[QuantRule]) -> list[Actio
                 del program.skipped_routers[name]
     for (name, tensor), (i, rule) in chosen.items():
         check_axis(rule.axis, program.sites[name], tensor, f"quantize[{i}]")
+        check_constraints(program.sites[name], tensor, rule, f"quantize[{i}]")
     order = {name: k for k, name in enumerate(program.sites)}
     points = {"weight": 0, "input": 1, "output": 2}
     return [

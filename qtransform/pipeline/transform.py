@@ -7,11 +7,10 @@ from collections.abc import Iterable, Mapping
 
 from torch import Tensor, nn
 
-from qtransform import checkpoints
 from qtransform.calibration import CalibrationBatches, calibrate
 from qtransform.core.capture import ExampleInputs, capture
 from qtransform.core.lora import watch_lora
-from qtransform.core.observers import StaticScale, static_scales
+from qtransform.core.observers import StaticScale, StoredScale, static_scales
 from qtransform.core.phase import mark_rollout_generate
 from qtransform.core.plan import Plan, PlanRow
 from qtransform.core.program import Program, insertion_log
@@ -22,6 +21,8 @@ from qtransform.models import loaded_checkpoint
 from qtransform.pipeline.base import Pass, registered_passes
 from qtransform.pipeline.manager import PassManager
 from qtransform.schemas import Policy, PolicyLike, load_policy
+
+ScaleValue = Tensor | StoredScale  # a static scale's value: an amax, or a checkpoint's stored scale
 
 
 def transform(
@@ -69,12 +70,12 @@ def transform_program(
     mode: str = "module",
     passes: Iterable[Pass] | None = None,
     calibration: CalibrationBatches | None = None,
-    scales: Mapping[str, Tensor] | None = None,
+    scales: Mapping[str, ScaleValue] | None = None,
 ) -> Program:
     """`transform`, returning the `Program` (site table, graphs, insertion log, plan rows);
     `.module()` of it is what `transform` returns. Arguments as for `transform`; `scales`
-    (static scale path -> amax, as `save_transformed` writes them) sets the static scales
-    instead of calibrating them."""
+    (static scale path -> amax or `StoredScale`, as `save_transformed` writes them) sets the
+    static scales instead of calibrating them."""
     check_unwrapped(model)
     policy = load_policy(policy)
     static = static_rules(policy)
@@ -137,17 +138,18 @@ def check_stored_rotations(model: nn.Module, transformed: nn.Module) -> None:
                         "'stored'), or give no policy")
 
 
-def checkpoint_scales(model: nn.Module) -> dict[str, Tensor] | None:
-    """The static input scales stored in the quantized checkpoint `model` was opened from, as
-    amax by module name (`by_path` places them on the policy's static scales), or None."""
+def checkpoint_scales(model: nn.Module) -> dict[str, StoredScale] | None:
+    """The static input scales stored in the quantized checkpoint `model` was opened from, by
+    module name (`by_path` places them on the policy's static scales), or None. They stay the
+    stored numbers (NVFP4's global scale, FP8's input scale): the fake-quants use them as the
+    checkpoint's library does, never through an amax reconstructed from them."""
     checkpoint = loaded_checkpoint(model)
     if checkpoint is None or not checkpoint.input_scales:
         return None
-    return {name: amax for name in checkpoint.input_scales
-            if (amax := checkpoints.static_amax(checkpoint, name)) is not None}
+    return {name: StoredScale(scale) for name, scale in checkpoint.input_scales.items()}
 
 
-def by_path(model: nn.Module, scales: Mapping[str, Tensor]) -> Mapping[str, Tensor]:
+def by_path(model: nn.Module, scales: Mapping[str, ScaleValue]) -> Mapping[str, ScaleValue]:
     """Scales keyed by static-scale path as they are, or keyed by the module that owns each
     static scale (a checkpoint's input scales) moved onto that scale's path."""
     own = static_scales(model)
@@ -167,7 +169,7 @@ def static_rules(policy: Policy) -> list[str]:
             if r.scale_source == "static"]
 
 
-def load_scales(model: nn.Module, scales: Mapping[str, Tensor]) -> None:
+def load_scales(model: nn.Module, scales: Mapping[str, ScaleValue]) -> None:
     """Set every static scale from saved values; one missing or extra is an error naming it."""
     own = static_scales(model)
     missing = sorted(set(own) - set(scales))

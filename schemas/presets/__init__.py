@@ -17,6 +17,11 @@ A preset may take options (`Preset.options`), a stack's own switches such as Tra
 against the preset's list (name, type, allowed values), and the preset's content is built from
 them (`Preset.build`) before the user's fields are merged over it.
 
+A preset may also declare its stack's constraints (`Preset.constraints`): shapes the stack refuses,
+as data (a named check, the preset rule it applies to, the stack's own words). Transform and plan
+check them on the sites each rule selects (`qtransform.pipeline.constraints`), so a preset never
+simulates a model its stack would not quantize or serve.
+
 Expansion is idempotent: a policy written back (`Policy.to_json`, which keeps ``preset`` and the
 expanded content) loads to an equal policy, because every preset rule has a name.
 
@@ -52,6 +57,22 @@ class PresetOption:
     choices: tuple[int | str | None, ...] | None = None  # None = a boolean switch
 
 
+# the constraint checks a preset may declare (`qtransform.pipeline.constraints` implements them):
+# "groups_divide": the rule's 1D groups divide the input features of every Linear it selects,
+# as compressed-tensors requires
+CHECKS = ("groups_divide",)
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """A shape the preset's stack refuses: `check` (one of CHECKS) must hold on every site the
+    preset rule named `rule` selects; `stack_says` is what the stack says when it refuses."""
+
+    rule: str
+    check: str
+    stack_says: str
+
+
 @dataclass(frozen=True)
 class Preset:
     """One named recipe: the policy content it expands into and what it reproduces.
@@ -65,6 +86,7 @@ class Preset:
     content: Mapping[str, Any]  # policy sections as JSON data (no "version", no "preset")
     options: tuple[PresetOption, ...] = ()
     build: Callable[[Mapping[str, Any]], Mapping[str, Any]] | None = None
+    constraints: tuple[Constraint, ...] = ()  # what its stack refuses (see Constraint)
 
     def defaults(self) -> dict[str, Any]:
         return {o.name: o.default for o in self.options}
@@ -107,6 +129,11 @@ def register_preset(preset: Preset) -> Preset:
         if isinstance(value, list) and not all(isinstance(v, Mapping) and v.get("name") for v in value):
             raise ValueError(f"preset {preset.name!r}: every item of {key!r} needs a name, so that a "
                              "user's rule of that name can change it")
+    rules = {r.get("name") for r in preset.content.get("quantize") or ()}
+    for c in preset.constraints:
+        if c.rule not in rules or c.check not in CHECKS:
+            raise ValueError(f"preset {preset.name!r}: constraint {c.check!r} on {c.rule!r} names "
+                             f"no quantize rule of the preset or no check ({', '.join(CHECKS)})")
     PRESETS[preset.name] = preset
     return preset
 
@@ -134,6 +161,16 @@ def own_entries(rule_name: str | None) -> frozenset[str]:
     return frozenset(entry for rules in preset.content.values() if isinstance(rules, list)
                      for rule in rules if isinstance(rule, Mapping) and rule.get("name") == rule_name
                      for key in ("targets", "ignore") for entry in rule.get(key) or ())
+
+
+def constraints_of(rule_name: str | None) -> tuple[Constraint, ...]:
+    """The constraints a preset declares on its rule of that name ("<preset> <part>")."""
+    if not rule_name:
+        return ()
+    preset = find_preset(rule_name.split(" ", 1)[0])  # preset names hold no space
+    if preset is None:
+        return ()
+    return tuple(c for c in preset.constraints if c.rule == rule_name)
 
 
 def suggestion(name: str) -> str:

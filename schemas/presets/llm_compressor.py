@@ -9,6 +9,10 @@ llm-compressor itself; docs/recipes.md lists what each rule must match and why):
   compressed-tensors' order of operations with q/k/v and gate/up sharing a global scale;
 - static activation scales (FP8, NVFP4's global scale) from `static_minmax` over the calibration
   batches, run on the full-precision model with eager attention, as llm-compressor calibrates.
+
+Every rule with 1D groups declares compressed-tensors' constraint that they divide the input
+features (`GROUPS`): llm-compressor refuses a Linear whose input features its groups do not divide,
+and so does transform with this preset (`qtransform.pipeline.constraints`).
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from typing import Any
 
 from qtransform.checkpoints.matching import ct_entry
 
-from . import Preset, register_preset
+from . import Constraint, Preset, register_preset
 
 STACK = "llm-compressor"
 VERSION = "llmcompressor 0.14.0.1 with compressed-tensors 0.19"
@@ -29,6 +33,13 @@ NVFP4 = {"format": "nvfp4", "nvfp4_variant": "compressed-tensors", "scale_dtype"
 MXFP4 = {"format": "mxfp4", "scale_rule": "even"}
 FP8 = {"format": "fp8_e4m3", "scale_dtype": "input"}
 STATIC = {"scale_source": "static", "observer": "static_minmax"}
+# the stack's words when a group does not divide a Linear's input features: llm-compressor checks
+# weight groups before it quantizes; activation groups fail in compressed-tensors' forward
+GROUPS = {"weight": "llm-compressor refuses it: group and tensor-group quantization require "
+                    "columns % group_size == 0; compressed-tensors will error when saving or "
+                    "running forward",
+          "input": "compressed-tensors' forward fails on it: its dynamic activation groups "
+                   "cannot split the input features (unflatten ... don't multiply up)"}
 
 
 def rule(scheme: str, tensor: str, **fields: Any) -> dict[str, Any]:
@@ -44,11 +55,14 @@ def scheme_preset(scheme: str, what: str, rules: list[dict[str, Any]], calibrate
     content: dict[str, Any] = {"quantize": rules}
     if calibrated:
         content["calibration"] = dict(CALIBRATION)
+    grouped = [r for r in rules if "granularity" not in r]  # 1D groups (2D blocks it pads)
     return register_preset(Preset(
         name=f"{STACK}/{scheme}",
         reproduces=f"llm-compressor's {scheme} scheme ({what}) on every Linear but lm_head",
         checked_against=VERSION,
         content=content,
+        constraints=tuple(Constraint(r["name"], "groups_divide", GROUPS[r["tensors"][0]])
+                          for r in grouped),
     ))
 
 

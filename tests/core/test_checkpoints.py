@@ -182,10 +182,11 @@ def test_modelopt_nvfp4_and_fp8_equal_our_encoding(tmp_path):
     [rule] = checkpoint_policy(opened)["quantize"]
     assert (rule["format"], rule["nvfp4_variant"], rule["scale_source"]) == ("nvfp4", "modelopt", "static")
     assert rule["ignore"] == ["re:(?:(?s:lm_head)\\Z)"]  # the entry naming no module is left out
-    # the stored input scale d = amax/2688 becomes the static scale: amax 0.5
+    # the stored input scale d = amax/2688 is the static scale as stored (no amax made of it)
     t = qtransform.transform(opened, checkpoint_policy(opened))
-    amaxes = [m.amax.item() for m in t.modules() if type(m).__name__ == "StaticScale"]
-    assert len(amaxes) == 14 and set(amaxes) == {float(torch.tensor(0.5 / 2688) * 2688)}
+    scales = [m for m in t.modules() if type(m).__name__ == "StaticScale"]
+    assert len(scales) == 14 and all(m.stored and m.amax.isnan() for m in scales)
+    assert {m.scale.item() for m in scales} == {torch.tensor(0.5 / 2688).item()}
 
     def fp8(module, w):
         enc = encode(w, "fp8_e4m3", granularity="tensor", fp8_variant="modelopt")
@@ -303,8 +304,8 @@ def test_cli_transform_and_scan_a_checkpoint_without_a_policy(tmp_path, tiny_bf1
                          capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     saved = qtransform.load_transformed(tmp_path / "t")
-    scales = {m.amax.item() for m in saved.modules() if type(m).__name__ == "StaticScale"}
-    assert scales == {6.0}  # g = 2688 / amax = 448
+    scales = [m for m in saved.modules() if type(m).__name__ == "StaticScale"]
+    assert {(m.stored, m.scale.item()) for m in scales} == {(True, 448.0)}  # g, saved as stored
     out = subprocess.run([*cli, "scan", str(folder), "--format", "mxfp4", "--out", str(tmp_path / "s"),
                           "--no-progress"], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr

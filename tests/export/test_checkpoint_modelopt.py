@@ -92,7 +92,7 @@ def test_refusals(tmp_path):
     model = qtransform.transform(build_tiny("qwen2"), {"preset": "llm-compressor/NVFP4A16"})
     with pytest.raises(qtransform.UserError, match="nvfp4_variant 'compressed-tensors'.*ModelOpt"):
         qtransform.export_checkpoint(model, tmp_path / "out", format="modelopt")
-    model = qtransform.transform(build_tiny("qwen2"), {"preset": "llm-compressor/W4A16"})
+    model = qtransform.transform(build_tiny("qwen2", hidden=128), {"preset": "llm-compressor/W4A16"})
     with pytest.raises(qtransform.UserError, match="format int4 has no ModelOpt form"):
         qtransform.export_checkpoint(model, tmp_path / "out", format="modelopt")
     assert not (tmp_path / "out").exists()

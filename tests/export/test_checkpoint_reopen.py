@@ -49,3 +49,26 @@ def test_an_export_opens_as_the_model_it_was(base, fmt, preset, tmp_path):
     with torch.no_grad():
         again = qtransform.transform(base, recipe, calibration=batches)(ids).logits
     assert torch.equal(again, expected), f"max |diff| {(again - expected).abs().max().item():.3g}"
+
+
+def test_a_reexport_keeps_the_stored_input_scales(base, tmp_path):
+    """The opened checkpoint's input scales are stored numbers, written again as they are: a g of
+    2144 (bf16 of 2688 / 1.2578125, as llm-compressor stores a bf16 model's) stays 2144, where an
+    amax made of it (2688 / 2144) would give this bf16 model g = 2160."""
+    from safetensors.torch import load_file, save_file
+
+    g = torch.Generator().manual_seed(1)
+    batches = [torch.randint(0, base.config.vocab_size, (1, 16), generator=g) for _ in range(2)]
+    transformed = qtransform.transform(base, {"preset": "llm-compressor/NVFP4"}, calibration=batches)
+    folder = qtransform.export_checkpoint(transformed, tmp_path / "a")
+    [file] = folder.glob("*.safetensors")
+    tensors = load_file(file)
+    key = "model.layers.0.self_attn.q_proj.input_global_scale"
+    tensors[key] = torch.tensor([2144.0])
+    save_file(tensors, file, metadata={"format": "pt"})
+    opened = load_model(folder)
+    again = qtransform.transform(opened, checkpoint_policy(opened, weights=True))
+    out = qtransform.export_checkpoint(again, tmp_path / "b")
+    written = {k: v for f in out.glob("*.safetensors") for k, v in load_file(f).items()}
+    assert written[key].item() == 2144.0
+    assert all(torch.equal(written[k], v) for k, v in tensors.items() if k.endswith("input_global_scale"))

@@ -1,6 +1,7 @@
 """ONNX forms of tensor-level amaxes that are not the tensor's own: per token (NVFP4 activations),
-a fixed value (a calibrated static scale, a scale group's); bit for bit against `fake_quantize(...,
-amax=)` in onnxruntime, and through a whole exported model."""
+a fixed value (a calibrated static scale, a scale group's), or a checkpoint's stored tensor scale;
+bit for bit against `fake_quantize(..., amax=)` / `(scale=)` in onnxruntime, and through a whole
+exported model."""
 
 from __future__ import annotations
 
@@ -26,6 +27,12 @@ CASES = [
     ("nvfp4", {"nvfp4_variant": "modelopt"}, {"global_amax": 0.0}),
     ("fp8_e4m3", {"granularity": "tensor"}, {"global_amax": 17.25}),
     ("int8", {"granularity": "tensor", "int_range": "full"}, {"global_amax": 2.5}),
+    # a checkpoint's stored tensor scale, used as it is (`fake_quantize`'s scale=)
+    ("nvfp4", {"nvfp4_variant": "compressed-tensors"}, {"tensor_scale": 2144.0}),
+    ("nvfp4", {"nvfp4_variant": "modelopt"}, {"tensor_scale": 0.0012318840296939015}),
+    ("fp8_e4m3", {"granularity": "tensor"}, {"tensor_scale": 0.0390625}),
+    ("fp8_e4m3", {"granularity": "tensor", "fp8_variant": "modelopt"}, {"tensor_scale": 0.0390625}),
+    ("int8", {"granularity": "tensor", "int_range": "full"}, {"tensor_scale": 0.02}),
 ]
 
 
@@ -48,6 +55,8 @@ def model_for(cases, shape, static):
 
 def want(x, fmt, opts, extra):
     cfg = QuantConfig.from_options(fmt, opts).bind(-1)
+    if "tensor_scale" in extra:
+        return fake_quantize(x, cfg, scale=torch.tensor(extra["tensor_scale"], dtype=torch.float32))
     if "global_amax" in extra:
         amax = torch.tensor(extra["global_amax"], dtype=torch.float32)
     else:
@@ -68,8 +77,8 @@ def test_global_amax_bodies_are_bit_exact(static):
 def test_overloads_tell_fixed_amaxes_apart():
     cfg = QuantConfig.from_options("nvfp4").bind(-1)
     names = {overload(cfg, None, e) for e in ({}, {"global_scale": "token"}, {"global_amax": 1.0},
-                                             {"global_amax": 2.0})}
-    assert len(names) == 4
+                                             {"global_amax": 2.0}, {"tensor_scale": 1.0})}
+    assert len(names) == 5
 
 
 @pytest.mark.parametrize("policy", [

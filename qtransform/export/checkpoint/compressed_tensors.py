@@ -23,10 +23,10 @@ from qtransform.checkpoints.description import Reason
 from qtransform.checkpoints.packing import e2m1_codes, pack_int32, pack_nibbles
 from qtransform.core.observers import StaticScale
 from qtransform.export.checkpoint.collect import Collected, LinearExport, fused_sets
-from qtransform.export.checkpoint.source import source_weight
+from qtransform.export.checkpoint.source import source_input_scale, source_weight
 from qtransform.export.checkpoint.writer import Entry, Spec
 from qtransform.formats import QuantConfig
-from qtransform.formats.stored import Chunk, fp4_stored, scale_of, weight_chunks
+from qtransform.formats.stored import Chunk, fp4_stored, weight_chunks
 
 NAME = ct.NAME
 ROTATIONS = True  # transform_config carries online rotations
@@ -157,7 +157,7 @@ def _tensors(entry: LinearExport, scheme: Scheme, specs: list[Spec]) -> dict[str
         out["weight_shape"] = torch.tensor(list(weight.shape), dtype=torch.int64)
     fq_in = entry.input
     if fq_in is not None and fq_in.static_scale is not None:
-        scale, tensor_scale = scale_of(fq_in.config, fq_in.static_scale.amax, entry.module.weight.dtype)
+        scale, tensor_scale = source_input_scale(entry)
         if "input_global_scale" in out:
             assert tensor_scale is not None
             out["input_global_scale"][0] = tensor_scale

@@ -17,9 +17,9 @@ from qtransform.checkpoints.description import Reason
 from qtransform.checkpoints.packing import e2m1_codes, pack_nibbles
 from qtransform.core.observers import StaticScale
 from qtransform.export.checkpoint.collect import Collected, LinearExport, fused_sets
-from qtransform.export.checkpoint.source import source_weight
+from qtransform.export.checkpoint.source import source_input_scale, source_weight
 from qtransform.export.checkpoint.writer import Entry, Spec
-from qtransform.formats.stored import fp4_stored, scale_of, weight_chunks
+from qtransform.formats.stored import fp4_stored, weight_chunks
 
 NAME = mo.NAME
 ROTATIONS = False  # hf_quant_config.json has no field for an online rotation
@@ -146,6 +146,6 @@ def _tensors(entry: LinearExport, scheme: Scheme, specs: list[Spec]) -> dict[str
             out["weight_scale"].fill_(chunk.scales.reshape(-1)[0])
     fq_in = entry.input
     if fq_in is not None and fq_in.static_scale is not None:
-        scale, tensor_scale = scale_of(fq_in.config, fq_in.static_scale.amax, entry.module.weight.dtype)
+        scale, tensor_scale = source_input_scale(entry)
         out["input_scale"].fill_(tensor_scale if fp4 else scale)
     return {entry.name + "." + suffix: t for suffix, t in out.items()}

@@ -3,7 +3,9 @@ rotate pass rotates it (W·R, what the fake quantizer sees), with a PEFT LoRA ad
 (as PEFT's `merge_and_unload` adds it, rotated with W unless the adapters see the rotated input:
 `core.lora.dense_weight`'s order), computed when the writer reaches it and never written into
 the model. A weight stored rotated (rotate rule weight "stored", an opened rotated checkpoint)
-holds W·R already and is taken as it is, so a re-export writes the same bytes."""
+holds W·R already and is taken as it is, so a re-export writes the same bytes. Likewise a
+static input scale: computed from its calibrated amax, or an opened checkpoint's stored scale
+written back as it is."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from torch import Tensor
 from qtransform.core.lora import apply_chain, delta_rotations, deltas, merge
 from qtransform.core.scales import quantizer_weight
 from qtransform.export.checkpoint.collect import LinearExport
+from qtransform.formats.stored import scale_of, stored_input_scale
 
 
 def source_weight(entry: LinearExport) -> Tensor:
@@ -26,3 +29,13 @@ def source_weight(entry: LinearExport) -> Tensor:
             return weight
         rotations = delta_rotations(entry.module)
         return merge(weight, [apply_chain(rotations, d) for d in deltas(entry.lora)])
+
+
+def source_input_scale(entry: LinearExport) -> tuple[Tensor, Tensor | None]:
+    """(scale, NVFP4 tensor scale) of `entry`'s static input scale, as the format stores it."""
+    fq = entry.input
+    assert fq is not None and fq.static_scale is not None
+    static, dtype = fq.static_scale, entry.module.weight.dtype
+    if static.stored:
+        return stored_input_scale(fq.config, static.scale, dtype)
+    return scale_of(fq.config, static.amax, dtype)

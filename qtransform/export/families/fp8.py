@@ -17,19 +17,25 @@ from qtransform.formats.options import QuantConfig
 from qtransform.formats.scaled import MODELOPT_TINY
 
 
-def fp8_blocks(b: Body, x: str, axes: str, cfg: QuantConfig, amax_t: str | None = None) -> str:
+def fp8_blocks(b: Body, x: str, axes: str, cfg: QuantConfig, amax_t: str | None = None,
+               scale_t: str | None = None) -> str:
     """quantize_fp8: quantize_scaled with divisor and clamp at the element's max normal, or
-    ModelOpt's reciprocal multiplier."""
+    ModelOpt's reciprocal multiplier; a stored `scale_t` s as quantize_fp8 uses it."""
     top = cfg.spec.max_normal
     if cfg.fp8_variant == "default":
-        return scaled_blocks(b, x, axes, cfg, cfg.spec.element, top, -top, top, amax_t)
+        return scaled_blocks(b, x, axes, cfg, cfg.spec.element, top, -top, top, amax_t, scale_t)
     if cfg.scale_dtype != "float32":
         raise UnsupportedExport(f"{cfg.name}: scale_dtype {cfg.scale_dtype!r} has no ONNX body; "
                                 "export with scale_dtype 'float32'")
-    amax = block_amax(b, x, axes, cfg, amax_t)
-    safe = b.op("Where", b.op("LessOrEqual", amax, b.const(MODELOPT_TINY)), b.const(1.0), amax)
-    m = b.op("Mul", b.op("Reciprocal", safe), b.const(top))
-    inv = b.op("Reciprocal", m)
+    if scale_t is not None:  # the serving kernels' inverted scale fl(1 / s), dequantized by s
+        amax = b.op("Where", b.op("Or", b.op("IsNaN", scale_t), b.op("IsInf", scale_t)),
+                    b.const(np.inf), b.const(0.0))  # +inf marks a NaN / Inf scale, as amax does
+        m, inv = b.op("Reciprocal", scale_t), scale_t
+    else:
+        amax = block_amax(b, x, axes, cfg, amax_t)
+        safe = b.op("Where", b.op("LessOrEqual", amax, b.const(MODELOPT_TINY)), b.const(1.0), amax)
+        m = b.op("Mul", b.op("Reciprocal", safe), b.const(top))
+        inv = b.op("Reciprocal", m)
     y = b.op("Max", b.op("Min", b.op("Mul", x, m), b.const(top)), b.const(-top))
     out = b.op("Mul", round_signed(b, y, cfg.spec.element, cfg.rounding), inv)
     return b.op("Where", b.op("IsInf", amax), b.const(np.nan), out)

@@ -20,14 +20,19 @@ from qtransform.formats.options import QuantConfig
 from qtransform.formats.scaled import MODELOPT_TINY
 
 
-def int_blocks(b: Body, x: str, axes: str, cfg: QuantConfig, amax_t: str | None = None) -> str:
-    """quantize_int: symmetric integers, scale amax / qmax or (int_range full) amax / (qmax + 0.5)."""
+def int_blocks(b: Body, x: str, axes: str, cfg: QuantConfig, amax_t: str | None = None,
+               scale_t: str | None = None) -> str:
+    """quantize_int: symmetric integers, scale amax / qmax or (int_range full) amax / (qmax + 0.5),
+    or a stored `scale_t`."""
     qmax = float(cfg.spec.element.qmax)
     if cfg.int_range == "modelopt":
+        if scale_t is not None:
+            raise UnsupportedExport(f"{cfg.name}: a stored scale with int_range 'modelopt'")
         return _modelopt(b, x, axes, cfg, qmax)
     if cfg.int_range == "full":
-        return scaled_blocks(b, x, axes, cfg, cfg.spec.element, qmax + 0.5, -qmax - 1.0, qmax, amax_t)
-    return scaled_blocks(b, x, axes, cfg, cfg.spec.element, qmax, -qmax, qmax, amax_t)
+        return scaled_blocks(b, x, axes, cfg, cfg.spec.element, qmax + 0.5, -qmax - 1.0, qmax,
+                             amax_t, scale_t)
+    return scaled_blocks(b, x, axes, cfg, cfg.spec.element, qmax, -qmax, qmax, amax_t, scale_t)
 
 
 def _modelopt(b: Body, x: str, axes: str, cfg: QuantConfig, qmax: float) -> str:

