@@ -108,7 +108,7 @@ def test_parity_report_on_vllm(llm, model, tmp_path):
     push_weights(llm, tiny_qwen2().state_dict().items())  # the engine given the clean weights
     gap = qtransform.rl.parity(model, engine, PROMPTS, max_new_tokens=N, phase="rollout")
     assert gap.max_abs_delta > 1e-3 and gap.mean_k3 > 0
-    paths = gap.write(tmp_path)
+    paths = gap.save(tmp_path)
     assert "max abs Δ log-prob" in paths["markdown"].read_text()
 
 
