@@ -141,6 +141,8 @@ def quantize_blocks(
         amax_t = tensor_amax(x32)
     elif amax_t is not None and amax_t.ndim:  # one amax per row: each block takes its row's
         amax_t = to_blocks(amax_t.expand(layout.shape), layout)[:, 0]
+    if scale_t is None:  # a family's kernel takes a stored scale only if it has one (optional)
+        return cfg.family.quantize(blocks, cfg, u, amax_t), layout
     return cfg.family.quantize(blocks, cfg, u, amax_t, scale_t), layout
 
 

@@ -94,8 +94,9 @@ class Family:
     `options` maps each choice option the family takes to its allowed values, the first being
     the default. `quantize(blocks, cfg, u, amax_t, scale_t)` is the reference kernel on [n, block]
     fp32 blocks (`u`: the stochastic-rounding uniforms; `amax_t`: the tensor's amax when
-    `per_tensor(cfg)`, else None; `scale_t`: instead of `amax_t`, a stored tensor-level scale
-    used as it is, never recomputed from an amax). `kernel_id` names the family in the compiled kernels
+    `per_tensor(cfg)`, else None; `scale_t`, an optional fifth argument passed only when given:
+    instead of `amax_t`, a stored tensor-level scale used as it is, never recomputed from an
+    amax; a family without it takes no stored scale). `kernel_id` names the family in the compiled kernels
     (`qfast.c`, `triton_kernels.py`); None leaves its formats on the reference path.
     `exponents` (power-of-two families) turns a block result into per-block shared exponents,
     and `scale_values(scales, tensor_scale, cfg)` decodes stored scales into fp32 multipliers.
