@@ -34,6 +34,7 @@ from qtransform.checkpoints.description import (
     Checkpoint,
     Group,
     Reason,
+    Specs,
     TensorScheme,
     blockwise,
     need,
@@ -52,9 +53,6 @@ LAYOUT_VERSION = "0.19.0"  # the compressed-tensors release whose layout this re
 WEIGHT_OBSERVER = "memoryless_minmax"  # what llm-compressor records for every weight
 STRATEGIES = ("tensor", "channel", "group", "tensor_group", "block", "token")
 _GRANULARITY = {"block": "group", "channel": "channel", "token": "channel", "tensor": "tensor"}
-
-Specs = list[tuple[str, torch.dtype, tuple[int, ...]]]  # (tensor suffix, dtype, shape)
-
 
 @dataclass(frozen=True)
 class Layout:

@@ -15,6 +15,8 @@ from torch import Tensor
 from qtransform.checkpoints.rotations import RotationGroup
 from qtransform.errors import UserError
 
+Specs = list[tuple[str, torch.dtype, tuple[int, ...]]]  # a layout's stored tensors: (suffix, dtype, shape)
+
 
 @dataclass(frozen=True)
 class TensorScheme:

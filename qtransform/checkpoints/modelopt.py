@@ -29,6 +29,7 @@ from qtransform.checkpoints.description import (
     Checkpoint,
     Group,
     Reason,
+    Specs,
     TensorScheme,
     blockwise,
     need,
@@ -45,9 +46,6 @@ PRODUCER = {"name": "modelopt", "version": "0.47.0"}  # the ModelOpt release who
 SCALES = {"weight_scale": False, "weight_scale_2": True, "input_scale": True}  # True: above zero
 INPUT_SCALES = ("input_scale",)
 SUFFIXES = tuple(SCALES)
-
-Specs = list[tuple[str, torch.dtype, tuple[int, ...]]]  # (tensor suffix, dtype, shape)
-
 
 @dataclass(frozen=True)
 class Layout:
