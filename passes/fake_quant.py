@@ -27,7 +27,7 @@ from qtransform.core.phase import in_rollout
 from qtransform.core.program import Program
 from qtransform.core.scales import ScaleGroup
 from qtransform.core.sharding import sharded
-from qtransform.core.sites import Site
+from qtransform.core.sites import ATTENTION_KIND, Site
 from qtransform.core.streams import DrawStream
 from qtransform.core.versions import Watch, recheck
 from qtransform.errors import UserError
@@ -91,13 +91,18 @@ class FakeQuantize(nn.Module):
 
     def __init__(self, config: QuantConfig, label: str, *, cache: bool = False,
                  per_expert: bool = False, lora: str = "beside", global_scale: str | None = None,
-                 static_scale: StaticScale | None = None, group: ScaleGroup | None = None):
+                 static_scale: StaticScale | None = None, group: ScaleGroup | None = None,
+                 fixed_scale: float | None = None, heads_first: bool = False):
         super().__init__()
         # where the tensor-level amax comes from: None = the tensor's own, "token" = per row,
-        # "static" = `static_scale` (calibrated), "group" = `group` (a shared weight scale)
+        # "static" = `static_scale` (calibrated), "group" = `group` (a shared weight scale),
+        # "fixed" = `fixed_scale` (a scale an engine is given, used as it is)
         self.global_scale = "static" if static_scale is not None else (
-            "group" if group is not None else (global_scale if global_scale == "token" else None))
+            "group" if group is not None else "fixed" if fixed_scale is not None else (
+                global_scale if global_scale == "token" else None))
         self.static_scale = static_scale
+        self.fixed_scale = fixed_scale
+        self.heads_first = heads_first  # an attention tensor [batch, heads, tokens, head_dim]
         self.group = group
         self._group_version = -1
         self._pinned: list[dict] | None = None  # `pin_amax`: the fixed value(s) a trace carries
@@ -163,6 +168,9 @@ class FakeQuantize(nn.Module):
                 raise UserError(f"{self.label}: its static scale is not calibrated; pass "
                                 "calibration=batches to qtransform.transform (CLI: --calib FILE)")
             return {"scale": static.scale} if static.stored else {"amax": static.amax}
+        if self.global_scale == "fixed":
+            assert self.fixed_scale is not None
+            return {"scale": torch.tensor(self.fixed_scale, dtype=torch.float32)}
         return {}
 
     @staticmethod
@@ -243,8 +251,8 @@ class FakeQuantize(nn.Module):
             return self._traced(x)
         if collecting():  # a calibration run: the full-precision model, observed
             if self.static_scale is not None:
-                try:
-                    self.static_scale.observe(x)
+                try:  # observed by token rows: an attention tensor's tokens are its third axis
+                    self.static_scale.observe(x.transpose(1, 2) if self.heads_first else x)
                 except UserError as exc:  # a tensor without token positions: name the site
                     raise UserError(f"{self.label}: {exc}") from None
             return x
@@ -291,9 +299,30 @@ class FakeQuantize(nn.Module):
         return self._cached
 
 
+class HeadwiseQuantize(nn.Module):
+    """One scale per head of an attention tensor ([batch, heads, tokens, head_dim]): the
+    `FakeQuantize` of each head (`heads[h]`, labelled `<label>.head<h>`) on its slice, as
+    compressed-tensors' `attn_head` strategy scales a KV cache."""
+
+    def __init__(self, heads: list[FakeQuantize], label: str):
+        super().__init__()
+        self.heads = nn.ModuleList(heads)
+        self.label = label
+
+    def forward(self, x: Tensor) -> Tensor:
+        if x.shape[1] != len(self.heads):
+            raise UserError(f"{self.label}: {x.shape[1]} heads reached a quantizer built for "
+                            f"{len(self.heads)} (one scale per head); the model's config and its "
+                            "attention disagree")
+        return torch.cat([quant(x[:, h:h + 1]) for h, quant in enumerate(self.heads)], dim=1)
+
+
 def _tensor_shape(site: Site, point: str) -> tuple[int, ...] | None:
     """The shape (as far as the blocks see it) of a site's weight, or the feature dim of its
-    input/output, from the weight's shape; None where the site has no weight."""
+    input/output, from the weight's shape (an attention tensor's: its head_dim); None where the
+    site has neither."""
+    if site.kind == ATTENTION_KIND:
+        return (site.heads[2],) if site.heads and point != "probs" else None
     shape = site.weight_shape
     if shape is None or point == "weight" or len(shape) == 1:
         return shape
@@ -378,6 +407,8 @@ class FakeQuantPass(Pass[list[QuantRule], QuantRule]):
 
     def build(self, program: Program, action: Action[QuantRule]) -> nn.Module:
         site, rule = action.site, action.payload
+        if site.kind == ATTENTION_KIND:
+            return self._attention(site, action.point, rule)
         weight = action.point == "weight"
         config = rule.config().bind(site.reduction_axis if weight else -1)
         label = self.label(site.name, action.point)
@@ -393,6 +424,32 @@ class FakeQuantPass(Pass[list[QuantRule], QuantRule]):
                             per_expert=site.kind == "experts" and weight, lora=rule.lora,
                             global_scale=None if weight else activation_global_scale(rule),
                             static_scale=static, group=group)
+
+    def _attention(self, site: Site, point: str, rule: QuantRule) -> nn.Module:
+        """The quantizer of an attention tensor: blocks along head_dim, one scale per token and
+        head, per head (`HeadwiseQuantize`) or per tensor; static, dynamic or fixed."""
+        config = rule.config().bind(-1)
+        label = self.label(site.name, point)
+        source = activation_global_scale(rule)
+
+        def one(name: str) -> FakeQuantize:
+            static = None
+            if source == "static":
+                observer = observer_name(rule)
+                assert observer is not None
+                kwargs = rule.observer_kwargs
+                static = StaticScale(observer, config.block, kwargs.averaging_constant if kwargs else 0.01)
+            return FakeQuantize(config, name, global_scale=source, static_scale=static,
+                                fixed_scale=rule.fixed_scale if source == "fixed" else None,
+                                heads_first=True)
+
+        if rule.granularity != "head":
+            return one(label)
+        if site.heads is None:
+            raise UserError(f"{site.name}: its config does not give its number of heads, which "
+                            'granularity "head" needs; use "tensor" or "token"')
+        count = site.heads[0] if point == "query" else site.heads[1]
+        return HeadwiseQuantize([one(f"{label}.head{h}") for h in range(count)], label)
 
     def _group(self, program: Program, site: Site) -> ScaleGroup | None:
         members = self._groups.get(site.name)

@@ -23,6 +23,9 @@ Fraction = Annotated[float, Strict(), AllowInfNan(False), Field(ge=0, le=1)]
 Entries = list[StrictStr]
 
 Tensor = Literal["weight", "input", "output"]
+AttentionTensor = Literal["query", "key", "value", "probs"]  # an attention site's points
+QuantTensor = Literal["weight", "input", "output", "query", "key", "value", "probs"]
+ATTENTION_TENSORS: tuple[str, ...] = AttentionTensor.__args__  # type: ignore[attr-defined]
 Phase = Literal["train", "eval", "both", "rollout"]
 TENSORS: tuple[str, ...] = Tensor.__args__  # type: ignore[attr-defined]
 

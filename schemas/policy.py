@@ -29,9 +29,10 @@ class PolicyRoot(StrictModel):
     """What every policy has besides its sections."""
 
     version: Literal[1] = Field(1, description="the policy file format; 1")
-    preset: StrictStr | None = Field(
+    preset: StrictStr | list[StrictStr] | None = Field(
         None, description="a stack's recipe this policy expands from, e.g. 'llm-compressor/NVFP4' "
-        "(`qtransform policy presets` lists them); the policy's own fields are merged over it")
+        "(`qtransform policy presets` lists them), or a list of them merged in order (a weight "
+        "preset and a KV-cache one: later entries win); the policy's own fields are merged over it")
     preset_options: dict[str, StrictBool | StrictInt | StrictStr | None] | None = Field(
         None, description="switches of the preset, e.g. {\"disable_rht\": true} for "
         "'transformer-engine/NVFP4BlockScaling' (`qtransform policy presets` lists each preset's)")
@@ -48,14 +49,21 @@ class PolicyRoot(StrictModel):
                 raise problems_error([Issue(("preset_options",), "only used with a preset",
                                             data["preset_options"], hint=' (add "preset": "<stack>/<scheme>")')])
             return data
-        name = data["preset"]
-        if not isinstance(name, str):
-            raise problems_error([Issue(("preset",), f"expected {presets.NAME_HELP}", name)])
-        preset = presets.find_preset(name)
-        if preset is None:
-            raise problems_error([Issue(("preset",), "unknown preset", name, presets.preset_names(),
-                                        presets.suggestion(name))])
-        return presets.expand(data, preset)
+        names = data["preset"]
+        if isinstance(names, str):
+            names = [names]
+        if not isinstance(names, list) or not names or not all(isinstance(n, str) for n in names):
+            raise problems_error([Issue(("preset",), f"expected {presets.NAME_HELP}, or a list of them",
+                                        data["preset"])])
+        chosen = []
+        for i, name in enumerate(names):
+            preset = presets.find_preset(name)
+            if preset is None:
+                where = ("preset",) if isinstance(data["preset"], str) else ("preset", i)
+                raise problems_error([Issue(where, "unknown preset", name, presets.preset_names(),
+                                            presets.suggestion(name))])
+            chosen.append(preset)
+        return presets.expand(data, chosen)
 
     @field_validator("version", mode="before")
     @classmethod

@@ -16,7 +16,9 @@ An entry is one of:
   ``Conv1D`` (kind ``conv1d``) and fused expert parameters (kind ``experts``:
   ``model.layers.0.mlp.experts.gate_up_proj``, one matrix per expert): all are matrix
   multiplications by a weight. The experts class name (``MixtralExperts``) selects the expert
-  sites of that class.
+  sites of that class. ``Attention`` matches every attention module (``Qwen2Attention``,
+  ``GPT2Attention``, ...: the sites whose query, key, value and probabilities a quantize rule
+  reaches); its own class name selects that class.
 - **Mixture-of-experts routers** (role ``router``: the modules whose output picks or weighs
   experts, `qtransform.core.sites.router_names`) are reached only by an entry that names them:
   ``Router`` (every router, whatever its class), the router's own class (``MixtralTopKRouter``;
@@ -65,6 +67,7 @@ MAX_LAYERS_SPEC = 10_000
 MAX_REGEX = 1_000
 MAX_REPEATS = 4  # sequential .* multiply backtracking: 4 stay under a millisecond per site name
 ROUTER_ENTRY = "Router"  # the class selector of every MoE router, whatever its class
+ATTENTION_ENTRY = "Attention"  # the class selector of every attention module, whatever its class
 
 
 class SiteRef(Protocol):
@@ -210,6 +213,7 @@ class Entry:
                 site.cls_name == self.text
                 or (self.text.endswith("Norm") and site.cls_name.endswith(self.text))
                 or (self.text == "Linear" and site.kind in LINEAR_KINDS)
+                or (self.text == ATTENTION_ENTRY and getattr(site, "kind", None) == "attention")
             )
         if self.kind == "regex":
             assert self.regex is not None
@@ -332,16 +336,17 @@ def _compile(
 
 
 def resolve_quant_rules(
-    rules: Sequence[Any], sites: Iterable[SiteRef]
+    rules: Sequence[Any], sites: Iterable[SiteRef], indices: Sequence[int] | None = None
 ) -> dict[tuple[str, str], tuple[int, Any]]:
     """(site name, tensor) -> (rule index, QuantRule) of the rule that applies.
 
     Rules are applied in order and a later matching rule overrides an earlier one for the same
-    (site, tensor); a rule's other tensors keep what earlier rules chose.
+    (site, tensor); a rule's other tensors keep what earlier rules chose. `indices`: each rule's
+    index in its section, when `rules` is a part of it.
     """
     sites = list(sites)
     chosen: dict[tuple[str, str], tuple[int, Any]] = {}
-    for index, rule in enumerate(rules):
+    for index, rule in zip(indices if indices is not None else range(len(rules)), rules, strict=True):
         selector = Selector.from_section(rule)
         for site in sites:
             if selector.matches(site):

@@ -9,10 +9,10 @@ import torch
 
 
 def llm_compressor_model(model: torch.nn.Module, scheme: str, batches: list[torch.Tensor],
-                         tmp_path) -> torch.nn.Module:
+                         tmp_path, kv_cache_scheme: dict | None = None) -> torch.nn.Module:
     """A copy of `model` quantized by llm-compressor's `oneshot` with its preset `scheme` and the
-    examples' ignore list, calibrated on `batches` (input_ids of shape [1, n]): the fake-quantized
-    model it leaves in memory."""
+    examples' ignore list (and `kv_cache_scheme`, when given), calibrated on `batches` (input_ids
+    of shape [1, n]): the fake-quantized model it leaves in memory."""
     llmcompressor = pytest.importorskip("llmcompressor")
     from llmcompressor.modifiers.quantization import QuantizationModifier
     from loguru import logger
@@ -29,6 +29,7 @@ def llm_compressor_model(model: torch.nn.Module, scheme: str, batches: list[torc
     processor = PreTrainedTokenizerFast(
         tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="<unk>")))
     loader = DataLoader([{"input_ids": b[0]} for b in batches], batch_size=1)
-    recipe = QuantizationModifier(targets="Linear", scheme=scheme, ignore=["lm_head"])
+    recipe = QuantizationModifier(targets="Linear", scheme=scheme, ignore=["lm_head"],
+                                  kv_cache_scheme=kv_cache_scheme)
     llmcompressor.oneshot(model=model, dataset=loader, processor=processor, recipe=recipe)
     return model

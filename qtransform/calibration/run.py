@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from qtransform.core import attention as attention_impl
 from qtransform.core.capture import forward_params, normalize_inputs
 from qtransform.core.noise import noise_modules
 from qtransform.core.observers import collect, real_tokens, static_scales
@@ -56,7 +57,7 @@ def calibrate(model: nn.Module, batches: CalibrationBatches, *, attention: str =
     attn = getattr(config, "_attn_implementation", None)
     try:
         if attention == "eager" and config is not None:
-            config._attn_implementation = "eager"
+            config._attn_implementation = attention_impl.running(attn, "eager")
         model.eval()
         for m, _ in noise:
             m.enabled = False

@@ -24,6 +24,7 @@ from typing import Literal, Protocol
 import torch
 from torch import fx, nn
 
+from qtransform.core import attention
 from qtransform.core.experts import COUNTS, POINT_META
 from qtransform.core.sites import DENSE_KINDS, Site
 
@@ -36,8 +37,9 @@ class GraphHost(Protocol):
     def recompile(self) -> object: ...
 
 
-Point = Literal["weight", "input", "output"]
+Point = Literal["weight", "input", "output", "query", "key", "value", "probs"]
 POINTS: tuple[Point, ...] = ("weight", "input", "output")
+ATTENTION_POINTS: tuple[Point, ...] = ("query", "key", "value", "output")  # probs: on demand
 
 
 @dataclass(frozen=True)
@@ -79,7 +81,7 @@ class GraphSite:
         self.log = log  # insertions into this graph, kept with the transformed model
         self.op_node = op_node  # whole-graph mode: the site's op node
         self.raw: dict[str, fx.Node] = {}
-        for point in POINTS:
+        for point in ATTENTION_POINTS if site.kind == "attention" else POINTS:
             try:
                 self.raw[point] = self._locate(point)
             except ValueError:
@@ -97,6 +99,8 @@ class GraphSite:
     def value(self, point: str) -> fx.Node:
         """The newest node carrying `point` (`raw:<point>` for the value before any pass)."""
         table, key = (self.raw, point[4:]) if point.startswith("raw:") else (self.heads, point)
+        if key == attention.PROBS and self.site.kind == "attention" and key not in table:
+            self.raw[key] = self.heads[key] = attention.probs_node(self.graph)
         if key not in table:
             raise ValueError(
                 f"{self.site.name}: point {key!r} is not available on a {self.site.kind} site "
@@ -110,6 +114,8 @@ class GraphSite:
             return self._whole_graph_value(point)
         if self.site.param:
             return self._expert_value(point)
+        if self.site.kind == "attention":
+            return self._attention_value(point)
         if point == "weight":
             for node in graph.nodes:
                 if node.op == "get_attr" and node.target == "weight":
@@ -124,6 +130,15 @@ class GraphSite:
         if not isinstance(value, fx.Node):
             raise ValueError(f"{self.site.name}: output is not a single tensor")
         return value
+
+    def _attention_value(self, point: str) -> fx.Node:
+        """An attention graph's query/key/value (its placeholders) or output (`core/attention.py`)."""
+        if point == "output":
+            return next(n for n in self.graph.nodes if n.op == "output").args[0][0]
+        node = next((n for n in self.graph.nodes if n.op == "placeholder" and n.target == point), None)
+        if node is None:
+            raise ValueError(f"{self.site.name}: an attention site has no {point}")
+        return node
 
     def _tagged(self, point: str) -> fx.Node | None:
         """The node of the experts graph tagged (this site's parameter or any, for counts, point)."""

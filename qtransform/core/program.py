@@ -86,6 +86,9 @@ class Program:
         if name in self._graphs:
             return self._graphs[name]
         site = self.site(name)
+        if self.mode == "graph" and site.kind == "attention":
+            raise UserError(f"{name}: attention sites are transformed in module mode (the "
+                            "default); drop mode='graph'")
         if self.mode == "graph" or site.kind == "matmul":
             if self.whole is None:
                 raise UserError(

@@ -4,7 +4,8 @@ A site is a Linear (or GPT-2's Conv1D, whose weight is stored [in, out]; or a mi
 router, a module holding a 2-D `weight` applied with `F.linear`: see `router_names`), a fused expert parameter (one
 3-D `gate_up_proj` / `up_proj` / `down_proj` of a transformers 5 experts module: E matrices, one per
 expert, each multiplied like a Linear weight), a norm (any RMSNorm or LayerNorm class, whatever
-library defines it), or, in the whole-model graph, an attention matmul.
+library defines it), an attention module (its query, key, value and probabilities: see
+`core/attention.py`), or, in the whole-model graph, an attention matmul.
 Selection, plans, reports and ONNX node names all refer to sites by their fully-qualified module
 name, so this module is the one place that decides names, layer indices and roles.
 """
@@ -19,9 +20,12 @@ from typing import Literal
 
 from torch import nn
 
+from qtransform.core.attention import attention_heads, is_attention
+
 REGEX_PREFIX = "re:"  # a selector that is a regular expression, not a glob
 
-SiteKind = Literal["linear", "conv1d", "experts", "norm", "matmul"]
+SiteKind = Literal["linear", "conv1d", "experts", "norm", "attention", "matmul"]
+ATTENTION_KIND = "attention"  # an attention module: its query, key, value and probabilities
 DENSE_KINDS: tuple[str, ...] = ("linear", "conv1d")  # one 2-D weight, one linear op in a graph
 LINEAR_KINDS: tuple[str, ...] = (*DENSE_KINDS, "experts")  # `Linear` means these, routers excepted
 EXPERT_PARAMS = {"gate_up_proj": "experts.gate_up", "up_proj": "experts.up", "down_proj": "experts.down"}
@@ -66,8 +70,8 @@ def layer_index(name: str) -> int | None:
 
 def role_of(name: str, kind: SiteKind) -> str:
     """The conventional role of a site (q/k/v/o, gate/up/down, lm_head, norm...) from its path."""
-    if kind == "norm":
-        return "norm"
+    if kind in ("norm", "attention"):
+        return kind
     if kind == "matmul":
         return "matmul"
     parts = name.split(".")
@@ -164,6 +168,7 @@ class Site:
     adapter: bool = False  # a PEFT adapter (lora_A, lora_B, ...): only selected when named
     feeds: list[str] = field(default_factory=list)  # norms: the linears their output reaches
     param: str | None = None  # experts: the 3-D parameter of module `module_name` this site is
+    heads: tuple[int, int, int] | None = None  # attention: query heads, key/value heads, head_dim
 
     @property
     def module_name(self) -> str:
@@ -193,6 +198,7 @@ class Site:
             "role": self.role, "weight_shape": list(self.weight_shape) if self.weight_shape else None,
             "weight_transposed": self.weight_transposed, "feeds": list(self.feeds),
             "adapter": self.adapter, "param": self.param, "num_experts": self.num_experts,
+            "heads": list(self.heads) if self.heads else None,
         }
 
 
@@ -207,12 +213,15 @@ def classify(module: nn.Module) -> SiteKind | None:
         return "norm"
     if is_router(module):
         return "linear"
+    if is_attention(module):
+        return "attention"
     return None
 
 
 def discover_sites(model: nn.Module) -> dict[str, Site]:
     """The site table of a model in module order: every Linear, Conv1D, router (role `router`,
-    see `router_names`), fused expert parameter and norm. Plans, transforms and every scan read this one table."""
+    see `router_names`), fused expert parameter, norm and attention module. Plans, transforms and
+    every scan read this one table."""
     sites: dict[str, Site] = {}
     routers = router_names(model)
     for name, module in model.named_modules():
@@ -222,7 +231,7 @@ def discover_sites(model: nn.Module) -> dict[str, Site]:
         kind = classify(module)
         if kind is None or not name:
             continue
-        weight = module.weight
+        weight = getattr(module, "weight", None) if kind != "attention" else None
         alias, adapter = peft_view(name)
         sites[name] = Site(
             name=name,
@@ -232,9 +241,10 @@ def discover_sites(model: nn.Module) -> dict[str, Site]:
             role=ROUTER_ROLE if name in routers else role_of(alias, kind),
             alias=alias if alias != name else None,
             adapter=adapter,
-            weight_shape=tuple(weight.shape),
+            weight_shape=tuple(weight.shape) if weight is not None else None,
             weight_transposed=kind == "conv1d",
             index=len(sites),
+            heads=attention_heads(module) if kind == "attention" else None,
         )
     return sites
 

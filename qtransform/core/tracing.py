@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from torch import fx, nn
 
+from qtransform.core import attention
 from qtransform.core.experts import decomposable, experts_graph
 from qtransform.core.graph import Insertion
 from qtransform.core.sites import expert_params
@@ -71,6 +72,7 @@ class ModuleGraph:
     module: nn.Module
     graph: fx.Graph
     insertions: list[Insertion] = field(default_factory=list)
+    attention: bool = False  # an attention site: the graph is what its attention call runs
 
     def add_submodule(self, name: str, module: nn.Module) -> None:
         self.module.add_module(name, module)
@@ -88,8 +90,12 @@ class ModuleGraph:
     def recompile(self) -> None:
         """Make the site module run the graph as it is now. Under an accelerate hook (offloaded
         or dispatched modules), the hook's wrapper stays the forward and calls the graph, after
-        it has put the weights in place."""
-        if ACCELERATE_HOOK in self.module.__dict__:
+        it has put the weights in place. An attention site's graph is not its forward: the
+        module's attention call runs it (`core/attention.py`)."""
+        if self.attention:
+            self.module.__dict__[attention.GRAPH_ATTR] = GraphForward(self)
+            attention.switch(self.module)
+        elif ACCELERATE_HOOK in self.module.__dict__:
             self.module._old_forward = GraphForward(self)
         else:
             self.module.forward = GraphForward(self)
@@ -127,6 +133,8 @@ def detach(module: nn.Module, inserted: list[str]) -> None:
         module._modules.pop(name, None)
     for attr in (STATE_ATTR, SELF_ATTR):
         module.__dict__.pop(attr, None)
+    if module.__dict__.pop(attention.GRAPH_ATTR, None) is not None:
+        attention.restore(module)
     if isinstance(module.__dict__.get("forward"), GraphForward):
         del module.__dict__["forward"]
     if isinstance(module.__dict__.get("_old_forward"), GraphForward):  # under an accelerate hook
@@ -150,12 +158,14 @@ class SiteTracer:
         graph.owning_module = module  # lint checks get_attr / call_module targets on it
         if any(n.op == "get_attr" and n.target == SELF_ATTR for n in graph.nodes):
             module.__dict__[SELF_ATTR] = module
-        state = ModuleGraph(module, graph)
+        state = ModuleGraph(module, graph, attention=attention.is_attention(module))
         module.__dict__[STATE_ATTR] = state
         state.recompile()
         return state
 
     def _graph(self, module: nn.Module) -> fx.Graph:
+        if attention.is_attention(module):
+            return attention.attention_graph()
         if type(module) is nn.Linear:
             return self._linear(module)
         if expert_params(module):

@@ -13,12 +13,12 @@ from collections.abc import Sequence
 
 from qtransform.core.program import Program
 from qtransform.core.scales import fused_groups
-from qtransform.core.sites import LINEAR_KINDS, ROUTER_ROLE, Site, closest_names
+from qtransform.core.sites import ATTENTION_KIND, LINEAR_KINDS, ROUTER_ROLE, Site, closest_names
 from qtransform.errors import UserError
 from qtransform.pipeline.base import Action
 from qtransform.pipeline.constraints import check_constraints
 from qtransform.schemas import QuantRule
-from qtransform.schemas.base import Selected
+from qtransform.schemas.base import ATTENTION_TENSORS, Selected
 from qtransform.schemas.presets import own_entries
 from qtransform.schemas.selectors import (
     ROUTER_ENTRY,
@@ -101,11 +101,18 @@ def rule_label(section: str, index: int, name: str | None) -> str:
 
 
 def resolve_quantize(program: Program, rules: Sequence[QuantRule]) -> list[Action[QuantRule]]:
-    """One action per (site, tensor); a later rule overrides an earlier one for the same pair."""
-    for i, rule in enumerate(rules):
-        select_sites(program, rule, f"quantize[{i}]", kinds=LINEAR_KINDS)  # errors for dead entries
-    quantizable = [s for s in program.sites.values() if s.kind in LINEAR_KINDS]
-    chosen = resolve_quant_rules(rules, quantizable)
+    """One action per (site, tensor); a later rule overrides an earlier one for the same pair.
+    A rule on a Linear's tensors selects Linear sites, one on an attention's tensors attention
+    sites."""
+    for i, rule in enumerate(rules):  # errors for dead entries
+        select_sites(program, rule, f"quantize[{i}]",
+                     kinds=(ATTENTION_KIND,) if rule.attention else LINEAR_KINDS)
+    chosen: dict[tuple[str, str], tuple[int, QuantRule]] = {}
+    for kinds, attention in ((LINEAR_KINDS, False), ((ATTENTION_KIND,), True)):
+        sites = [s for s in program.sites.values() if s.kind in kinds]
+        own = [rule if rule.attention == attention else None for rule in rules]
+        chosen |= resolve_quant_rules([r for r in own if r is not None], sites, indices=[
+            i for i, r in enumerate(own) if r is not None])
     for name, _ in chosen:  # a later rule that names a router overrides the class rule passing it by
         if name in program.skipped_routers:
             program.skipped_routers[name] = [w for w in program.skipped_routers[name]
@@ -116,7 +123,7 @@ def resolve_quantize(program: Program, rules: Sequence[QuantRule]) -> list[Actio
         check_axis(rule.axis, program.sites[name], tensor, f"quantize[{i}]")
         check_constraints(program.sites[name], tensor, rule, f"quantize[{i}]")
     order = {name: k for k, name in enumerate(program.sites)}
-    points = {"weight": 0, "input": 1, "output": 2}
+    points = {p: k for k, p in enumerate(("weight", "input", "output", *ATTENTION_TENSORS))}
     return [
         Action(program.sites[name], tensor, rule_label("quantize", i, rule.name), rule)
         for (name, tensor), (i, rule) in sorted(

@@ -37,7 +37,7 @@ import difflib
 import importlib
 import json
 import pkgutil
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -205,11 +205,28 @@ def check_options(preset: Preset, options: Any) -> dict[str, Any]:
     return dict(options)
 
 
-def expand(data: Mapping[str, Any], preset: Preset) -> dict[str, Any]:
-    """`data` (a policy's JSON data naming `preset`) with the preset's content, built with its
-    `preset_options`, merged under it."""
-    options = check_options(preset, data.get("preset_options"))
-    out: dict[str, Any] = copy.deepcopy(dict(preset.content_for(options)))
+def expand(data: Mapping[str, Any], chosen: Sequence[Preset]) -> dict[str, Any]:
+    """`data` (a policy's JSON data naming the presets `chosen`) with the presets' contents, built
+    with its `preset_options`, merged under it: each preset over the one before (a later preset's
+    rule wins where it selects the same site and tensor), the policy's own fields over them all.
+    An option goes to every preset that has it, and must be one of some preset's."""
+    options = data.get("preset_options")
+    if options is not None and len(chosen) > 1 and isinstance(options, Mapping):
+        known = {o.name for p in chosen for o in p.options}
+        unknown = [name for name in options if name not in known]
+        if unknown:
+            raise problems_error([Issue(("preset_options", unknown[0]), "not an option of presets "
+                                        + ", ".join(p.name for p in chosen), unknown[0],
+                                        sorted(known) or None)])
+    out: dict[str, Any] = {}
+    used: dict[str, Any] = {}
+    for preset in chosen:
+        own = options if len(chosen) == 1 or not isinstance(options, Mapping) else {
+            k: v for k, v in options.items() if k in {o.name for o in preset.options}} or None
+        checked = check_options(preset, own)
+        used |= checked
+        for key, value in preset.content_for(checked).items():
+            out[key] = merge(out[key], value) if key in out else copy.deepcopy(value)
     for key, value in data.items():
         if key in ("preset", "preset_options"):
             continue
@@ -217,9 +234,9 @@ def expand(data: Mapping[str, Any], preset: Preset) -> dict[str, Any]:
             del out[key]
         else:
             out[key] = merge(out[key], value) if key in out else copy.deepcopy(value)
-    out["preset"] = preset.name
-    if options:
-        out["preset_options"] = options
+    out["preset"] = chosen[0].name if len(chosen) == 1 else [p.name for p in chosen]
+    if used:
+        out["preset_options"] = used
     return out
 
 
@@ -248,13 +265,18 @@ def _named(items: list[Any]) -> bool:
     return all(isinstance(i, Mapping) and isinstance(i.get("name"), str) for i in items)
 
 
-def describe(name: str, options: Mapping[str, Any] | None = None) -> str:
-    """The paragraph `policy explain` starts with for a policy expanded from a preset."""
-    preset = PRESETS[name]
-    checked = f" Checked against {preset.checked_against}." if preset.checked_against else ""
+def describe(names: str | Sequence[str], options: Mapping[str, Any] | None = None) -> str:
+    """The paragraph `policy explain` starts with for a policy expanded from presets."""
+    chosen = [PRESETS[n] for n in ([names] if isinstance(names, str) else names)]
+    parts = []
+    for preset in chosen:
+        checked = f" Checked against {preset.checked_against}." if preset.checked_against else ""
+        parts.append(f"Preset {preset.name}: {preset.reproduces}.{checked}")
     given = ", ".join(f"{k}={json.dumps(v)}" for k, v in (options or {}).items())
     switches = f" Options: {given}." if given else ""
-    return (f"Preset {preset.name}: {preset.reproduces}.{checked}{switches} It expands into the rules and "
+    order = (" Each preset is merged over the one before it (its rules win where they select the "
+             "same module and tensor).") if len(chosen) > 1 else ""
+    return (" ".join(parts) + f"{switches}{order} It expands into the rules and "
             "sections below; the policy's own fields are merged over it (a quantize rule named "
             "like a preset rule changes that rule, other rules come after the preset's and win "
             "where they select the same module and tensor, null removes a section).")

@@ -101,3 +101,25 @@ scheme_preset("W8A8", "int8 weights per output channel, dynamic per-token int8 a
     rule("W8A8", "weight", format="int8", granularity="channel", int_range="full", scale_dtype="input"),
     rule("W8A8", "input", format="int8", granularity="token", int_range="full", scale_dtype="input"),
 ])
+
+
+def kv_preset(name: str, strategy: str, granularity: str) -> Preset:
+    """A `kv_cache_scheme` alone (FP8 E4M3, symmetric, static): to be listed after a weight
+    preset (`"preset": ["llm-compressor/FP8_DYNAMIC", "llm-compressor/KV_FP8"]`). K and V after
+    RoPE, every token as the cache holds it; the query and the probabilities stay unquantized.
+    Scales from llm-compressor's default observer for K/V (the moving average `minmax`, measured:
+    not the `static_minmax` of Linear inputs), computed in the model's dtype."""
+    return register_preset(Preset(
+        name=f"{STACK}/{name}",
+        reproduces=f"llm-compressor's kv_cache_scheme FP8 with strategy {strategy!r} (keys and "
+                   "values after RoPE, static scales, queries unquantized) on every attention",
+        checked_against=VERSION,
+        content={"quantize": [{"name": f"{STACK}/{name} key/value", "targets": ["Attention"],
+                               "tensors": ["key", "value"], **FP8, "granularity": granularity,
+                               "scale_source": "static", "observer": "minmax"}],
+                 "calibration": dict(CALIBRATION)},
+    ))
+
+
+kv_preset("KV_FP8", "tensor", "tensor")
+kv_preset("KV_FP8_ATTN_HEAD", "attn_head", "head")

@@ -17,7 +17,17 @@ from qtransform.formats.options import CHOICE_OPTIONS, QuantConfig
 from qtransform.formats.registry import GRANULARITIES
 
 from ..backward_roles import BackwardRoles, RoleQuant, WgradHadamard, hadamard_spec
-from ..base import Fraction, Int, PosInt, Selected, StrictModel, Tensor, unique
+from ..base import (
+    ATTENTION_TENSORS,
+    Fraction,
+    Int,
+    PosFloat,
+    PosInt,
+    QuantTensor,
+    Selected,
+    StrictModel,
+    unique,
+)
 from ..errors import Issue, problems_error
 from ..format_fields import OPTION_DEFAULTS, all_option_values, known_format, lowered
 from ..selectors import compile_entry
@@ -47,17 +57,20 @@ class QuantRule(Selected):
         None, description="the rule's name in plans, logs and reports (unique)")
     format: StrictStr = Field(json_schema_extra={"enum": list(registry.names())},
                               description="a registered format, e.g. mxfp4, nvfp4, int4")
-    tensors: list[Tensor] = Field(
+    tensors: list[QuantTensor] = Field(
         default_factory=lambda: ["weight"],
         min_length=1,
-        description='["weight"] = W4A16-style, ["input"] = W16A4-style, both = W4A4-style',
+        description='a Linear\'s: ["weight"] = W4A16-style, ["input"] = W16A4-style, both = '
+        'W4A4-style; or an attention\'s (targets default to ["Attention"]): "key" and "value" '
+        '(a KV cache), "query", "probs" (docs/attention.md)',
     )
-    granularity: Literal[GRANULARITIES] | None = Field(  # type: ignore[valid-type]
+    granularity: Literal[(*GRANULARITIES, "head")] | None = Field(  # type: ignore[valid-type]
         None, description=(
             "what one scale covers: block (block_size elements along the axis), channel (one "
-            "scale per output row of a weight), token (one per row of an activation), tensor "
-            "(one for the whole tensor), tile (2D, block_shape); null = block of the format's "
-            "default size, or tile when block_shape is given"))
+            "scale per output row of a weight), token (one per row of an activation; for "
+            "attention tensors one per token and head), head (attention tensors: one per head), "
+            "tensor (one for the whole tensor), tile (2D, block_shape); null = block of the "
+            "format's default size, or tile when block_shape is given"))
     block_size: PosInt | None = Field(None, description="elements per block; null = format default")
     block_shape: tuple[PosInt, PosInt] | None = Field(None, description="2D weight tiles")
     scale_rule: StrictStr = Field(
@@ -93,9 +106,14 @@ class QuantRule(Selected):
     axis: Int | None = Field(None, description="blocking axis; null = the reduction axis")
     seed: Int | None = Field(None, description="seed of stochastic rounding")
     lora: Literal["beside", "merged"] = Field("beside", description=LORA_HELP)
-    scale_source: Literal["dynamic", "static"] = Field(
-        "dynamic", description="inputs/outputs: dynamic = the tensor-level scale (NVFP4's global "
-        "scale) from each call; static = calibrated once (calibration=, --calib), then frozen")
+    scale_source: Literal["dynamic", "static", "fixed"] = Field(
+        "dynamic", description="activations: dynamic = the tensor-level scale (NVFP4's global "
+        "scale) from each call; static = calibrated once (calibration=, --calib), then frozen; "
+        "fixed = fixed_scale, as an engine uses a scale it was given (vLLM's 1.0 for a KV cache "
+        "whose checkpoint has none)")
+    fixed_scale: PosFloat | None = Field(
+        None, description='scale_source "fixed": the scale itself (x is divided by it: for FP8, '
+        "1.0 casts x as it is)")
     observer: Literal[OBSERVERS] | None = Field(  # type: ignore[valid-type]
         None, description="static scales: how calibration batches become the scale; "
         "static_minmax (default) = min/max over the whole set, minmax = llm-compressor's moving "
@@ -131,10 +149,24 @@ class QuantRule(Selected):
     def _tensors_unique(cls, values: list[str]) -> list[str]:
         return unique(values)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _attention_targets(cls, data: Any) -> Any:
+        """A rule on attention tensors targets every attention module unless it says otherwise."""
+        if (isinstance(data, dict) and "targets" not in data and isinstance(data.get("tensors"), list)
+                and any(t in ATTENTION_TENSORS for t in data["tensors"])):
+            return {**data, "targets": ["Attention"]}
+        return data
+
+    @property
+    def attention(self) -> bool:
+        """Whether the rule quantizes an attention's tensors (else a Linear's)."""
+        return any(t in ATTENTION_TENSORS for t in self.tensors)
+
     @model_validator(mode="after")
     def _options_fit_format(self) -> QuantRule:
         spec = registry.get(self.format)
-        issues = _option_issues(self, spec) + _block_issues(self, spec)
+        issues = _option_issues(self, spec) + _block_issues(self, spec) + _attention_issues(self)
         if self.lora != "beside" and "weight" not in self.tensors:
             issues.append(Issue(("lora",), "only used when the rule quantizes weights "
                                 '(tensors must include "weight")', self.lora))
@@ -153,7 +185,7 @@ class QuantRule(Selected):
         (scale_rule outside MX, nvfp4_variant outside NVFP4) are left to the format's default."""
         spec = registry.get(self.format)
         opts: dict[str, Any] = {
-            "granularity": self.granularity,
+            "granularity": "tensor" if self.granularity == "head" else self.granularity,
             "block_size": self.block_size, "block_shape": self.block_shape, "axis": self.axis,
             "zero_saturated_grad": self.zero_saturated_grad, "seed": self.seed,
         }
@@ -181,6 +213,32 @@ class QuantRule(Selected):
         return BackwardSpec("quantized", roles.grad and roles.grad.config(), weight,
                             roles.input and roles.input.config(), hadamard_spec(self.wgrad_hadamard),
                             grad_wgrad, requantize, hadamard_spec(self.dgrad_hadamard))
+
+
+def _attention_issues(rule: QuantRule) -> list[Issue]:
+    """A rule quantizes a Linear's tensors or an attention's, not both; "head" granularity is
+    for attention tensors; a fixed scale has its value, and a value has scale_source "fixed"."""
+    issues = []
+    kinds = {t in ATTENTION_TENSORS for t in rule.tensors}
+    if len(kinds) > 1:
+        issues.append(Issue(("tensors",), "mixes a Linear's tensors (weight, input, output) with "
+                            "an attention's (query, key, value, probs); write one rule for each",
+                            list(rule.tensors)))
+    if rule.granularity == "head" and not rule.attention:
+        issues.append(Issue(("granularity",), "one scale per head is for attention tensors "
+                            '(query, key, value); use "channel" or "token" on a Linear', "head"))
+    if rule.granularity == "head" and "probs" in rule.tensors:
+        issues.append(Issue(("granularity",), 'the probabilities take "tensor", "token" or '
+                            "blocks, not one scale per head", "head"))
+    if rule.scale_source == "fixed" and rule.fixed_scale is None:
+        issues.append(Issue(("fixed_scale",), 'scale_source "fixed" needs the scale: add '
+                            '"fixed_scale": 1.0 (or the value the engine uses)'))
+    if rule.fixed_scale is not None and rule.scale_source != "fixed":
+        issues.append(Issue(("fixed_scale",), 'only used with scale_source "fixed"', rule.fixed_scale))
+    if rule.backward != "dequantized" and rule.attention:
+        issues.append(Issue(("backward",), "changes a Linear's GEMMs; attention tensors take the "
+                            'default "dequantized"', rule.backward))
+    return issues
 
 
 def _backward_issues(rule: QuantRule) -> list[Issue]:
@@ -232,8 +290,8 @@ def activation_global_scale(rule: QuantRule) -> str | None:
     is the whole call's (that is what the granularity asks for)."""
     if not _tensor_scaled(rule):
         return None
-    if rule.scale_source == "static":
-        return "static"
+    if rule.scale_source in ("static", "fixed"):
+        return rule.scale_source
     if not _two_level(rule):
         return "tensor"
     return rule.global_scale or "token"
@@ -256,21 +314,22 @@ def _scale_issues(rule: QuantRule, spec: registry.FormatSpec) -> list[Issue]:
     issues = []
     acts = [t for t in rule.tensors if t != "weight"]
     two_level, scaled = _two_level(rule), _tensor_scaled(rule)
-    if rule.scale_source == "static":
+    if rule.scale_source in ("static", "fixed"):
+        kind = rule.scale_source
         if not acts:
-            issues.append(Issue(("scale_source",), "static scales are calibrated on activations: "
-                                'tensors must include "input" or "output" (a weight is its own scale)'))
+            issues.append(Issue(("scale_source",), f"{kind} scales are for activations: tensors "
+                                'must include "input" or "output" (a weight is its own scale), or '
+                                "an attention's tensors"))
         if not scaled:
             issues.append(Issue(("scale_source",), f"{spec.name} has no tensor-level scale to "
-                                "calibrate here (its block scales are computed per call); static "
-                                'scales apply to nvfp4 (the global scale) and granularity "tensor"',
-                                "static"))
+                                f"{'calibrate' if kind == 'static' else 'fix'} here (its block "
+                                "scales are computed per call); such scales apply to nvfp4 (the "
+                                'global scale) and granularity "tensor" (or "head")', kind))
         if rule.global_scale is not None:
-            issues.append(Issue(("global_scale",), "a static scale is one calibrated global "
-                                "scale; remove global_scale", rule.global_scale))
-    else:
-        if rule.observer is not None:
-            issues.append(Issue(("observer",), 'only used with scale_source "static"', rule.observer))
+            issues.append(Issue(("global_scale",), f"a {kind} scale is one global scale; remove "
+                                "global_scale", rule.global_scale))
+    if rule.observer is not None and rule.scale_source != "static":
+        issues.append(Issue(("observer",), 'only used with scale_source "static"', rule.observer))
     if rule.observer_kwargs is not None and observer_name(rule) != "minmax":
         issues.append(Issue(("observer_kwargs",), 'only used with observer "minmax" (the moving '
                             "average)", rule.observer_kwargs.model_dump()))
@@ -338,6 +397,8 @@ def _granularity_issues(rule: QuantRule, spec: registry.FormatSpec) -> list[Issu
     if g is None:
         return []
     allowed = spec.family.granularities
+    if g == "head" and "tensor" in allowed:  # one tensor scale per head
+        g = "tensor"
     if g not in allowed:
         return [Issue(("granularity",), f"not available for {spec.name} (its scales are "
                       f"{spec.scale})", g, list(allowed))]

@@ -398,7 +398,9 @@ def test_plan_with_example_inputs_lists_the_attention_matmul_sites_first_in_exec
     policy = _policy(clamp={"limit": 2.0, "targets": ["*.k_proj"], "layers": "0"})
     plain = qtransform.plan(llama3, policy)
     whole = qtransform.plan(llama3, policy, {"input_ids": ids()})
-    assert len(plain.sites) == 29 and len(whole.sites) == 32
+    assert len(plain.sites) == 32 and len(whole.sites) == 35  # 3 attention sites, 3 sdpa matmuls
+    assert [s.name for s in plain.sites if s.kind == "attention"] == [
+        f"model.layers.{i}.self_attn" for i in range(3)]
     assert [s.name for s in whole.sites if s.kind == "matmul"] == [
         f"model.layers.{i}.self_attn.sdpa_0" for i in range(3)]
     assert [s.name for s in plain.sites if s.kind == "matmul"] == []
