@@ -33,6 +33,7 @@ from torch import Tensor
 from qtransform.checkpoints.description import (
     Checkpoint,
     Group,
+    KVScheme,
     Reason,
     Specs,
     TensorScheme,
@@ -43,6 +44,7 @@ from qtransform.checkpoints.description import (
 from qtransform.checkpoints.matching import ct_ignored_entries
 from qtransform.checkpoints.packing import e8m0_values, unpack_fp4, unpack_int32
 from qtransform.checkpoints.rotations import parse as parse_rotations
+from qtransform.core.observers import StoredScale
 from qtransform.errors import UserError
 from qtransform.formats import QuantConfig
 from qtransform.formats.stored import stored_scale_dtype
@@ -166,8 +168,7 @@ def parse(file: Path, q: dict) -> Checkpoint:
         raise UserError(f"{where}: a sparsity_config, which qtransform does not decompress; "
                         "give a dense quantized checkpoint")
     rotations = parse_rotations(f"{where} transform_config", q.get("transform_config"))
-    if q.get("kv_cache_scheme"):
-        raise UserError(f"{where}: a kv_cache_scheme, which qtransform does not describe yet")
+    kv = _kv_scheme(q.get("kv_cache_scheme"), f"{where} kv_cache_scheme")
     groups = []
     config_groups = q.get("config_groups") or {}
     if not isinstance(config_groups, dict):
@@ -194,7 +195,70 @@ def parse(file: Path, q: dict) -> Checkpoint:
     if not groups:
         raise UserError(f"{where}: no config_groups; not a quantized checkpoint")
     ignore = q.get("ignore") or []
-    return Checkpoint(NAME, groups, [str(i) for i in ignore], rotations=rotations)
+    return Checkpoint(NAME, groups, [str(i) for i in ignore], rotations=rotations, kv=kv)
+
+
+# a kv_cache_scheme's scales, by the key or value they scale (`self_attn.k_scale`: one per tensor
+# [1], or per head [heads, 1, 1] for strategy attn_head, in the model's dtype)
+KV_SCALES = {"k_scale": "key", "v_scale": "value"}
+KV_STRATEGIES = {"tensor": "tensor", "attn_head": "head"}  # kv_cache_scheme strategy -> granularity
+KV_OBSERVER = "minmax"  # llm-compressor's K/V observer when the scheme names none (measured)
+
+
+def kv_owner(module: str) -> str:
+    """The attention module whose key/value a `<module>.k_scale` scales: the module itself."""
+    return module
+
+
+def kv_value(fields: dict[str, Any], scale: Tensor) -> StoredScale:
+    """A stored key/value scale as the KV rule's static scale: used as stored (x / scale)."""
+    del fields
+    return StoredScale(scale)
+
+
+def _kv_scheme(a: object, where: str) -> KVScheme | None:
+    """A kv_cache_scheme as the KV rule's fields, or a refusal naming the field."""
+    if not a:
+        return None
+    if not isinstance(a, dict):
+        raise UserError(f"{where}: not an object of QuantizationArgs")
+    strategy = a.get("strategy")
+    if (a.get("type"), a.get("num_bits")) != ("float", 8):
+        raise UserError(f"{where}: {a.get('num_bits')}-bit {a.get('type')} keys and values; "
+                        "qtransform reads FP8 (E4M3) KV caches")
+    if strategy not in KV_STRATEGIES:
+        raise UserError(f"{where}: strategy {strategy!r}; qtransform reads "
+                        f"{' and '.join(KV_STRATEGIES)}")
+    if a.get("dynamic") or not a.get("symmetric", True):
+        raise UserError(f"{where}: dynamic or asymmetric keys and values; qtransform reads static, "
+                        "symmetric KV scales")
+    observer = a.get("observer") or KV_OBSERVER
+    return KVScheme({"format": "fp8_e4m3", "scale_dtype": "input",
+                     "granularity": KV_STRATEGIES[strategy], "scale_source": "static",
+                     "observer": observer}, f"FP8 E4M3 per {KV_STRATEGIES[strategy]}")
+
+
+def kv_args(cfg: QuantConfig, dtype: torch.dtype, per_head: bool, observer: str | None,
+            where: str) -> str | Reason:
+    """The kv_cache_scheme of keys and values quantized with `cfg` (one static scale per tensor,
+    or per head) in a model of `dtype`, or why engines would compute other numbers."""
+    if cfg.name != "fp8_e4m3" or cfg.granularity != "tensor":
+        return Reason(f"{where}: compressed-tensors' kv_cache_scheme here is FP8 E4M3 with one "
+                      'scale per tensor or per head (granularity "tensor" or "head")')
+    if cfg.fp8_variant != "default" or cfg.rounding != "rne":
+        return Reason(f"{where}: compressed-tensors quantizes keys and values as x / scale rounded "
+                      "to nearest even; use fp8_variant 'default' and rounding 'rne'")
+    if stored_scale_dtype(cfg, dtype) != dtype:
+        return Reason(f"{where}: compressed-tensors computes KV scales in the model's dtype; use "
+                      "scale_dtype 'input'")
+    return args_json(num_bits=8, type="float", strategy="attn_head" if per_head else "tensor",
+                     observer=None if observer in (None, KV_OBSERVER) else observer)
+
+
+def kv_scale_spec(point: str, dtype: torch.dtype, heads: int | None) -> tuple[str, torch.dtype, tuple[int, ...]]:
+    """The stored scale of keys or values: [1], or [heads, 1, 1] per head, in the model's dtype."""
+    suffix = next(k for k, v in KV_SCALES.items() if v == point)
+    return suffix, dtype, (1,) if heads is None else (heads, 1, 1)
 
 
 def _scheme(a: object, where: str) -> TensorScheme | None:

@@ -8,6 +8,7 @@ silently wrong model.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -53,6 +54,15 @@ class Group:
     format: str
 
 
+@dataclass(frozen=True)
+class KVScheme:
+    """A checkpoint's KV cache: the quantize-rule fields of its keys and values (the scales are
+    the stored ones) and a short label."""
+
+    fields: dict[str, Any]
+    label: str
+
+
 @dataclass
 class Checkpoint:
     """What a quantized folder holds: producer (the format's name), groups, ignored modules,
@@ -66,6 +76,9 @@ class Checkpoint:
     input_scales: dict[str, Tensor] = field(default_factory=dict)  # module -> stored input scale
     rotations: list[RotationGroup] = field(default_factory=list)
     rotated: dict[str, list[str]] = field(default_factory=dict)  # rotation group -> its modules
+    kv: KVScheme | None = None  # the KV cache's scheme (keys and values of every attention)
+    # (attention module, "key" or "value") -> its stored scales, one per head or one ([1])
+    kv_scales: dict[tuple[str, str], Tensor] = field(default_factory=dict)
 
     def scheme(self) -> str:
         """A short name: W<weights>A<inputs> in the words of `TensorScheme.label`."""
@@ -74,6 +87,8 @@ class Checkpoint:
             w = g.weights.label() if g.weights else "16-bit"
             a = g.inputs.label() if g.inputs else "16-bit"
             parts.append(f"weights {w}, activations {a}")
+        if self.kv is not None:
+            parts.append(f"KV cache {self.kv.label}")
         return "; ".join(parts)
 
 

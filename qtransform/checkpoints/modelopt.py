@@ -28,6 +28,7 @@ from torch import Tensor
 from qtransform.checkpoints.description import (
     Checkpoint,
     Group,
+    KVScheme,
     Reason,
     Specs,
     TensorScheme,
@@ -37,6 +38,7 @@ from qtransform.checkpoints.description import (
 )
 from qtransform.checkpoints.matching import modelopt_ignored_entries
 from qtransform.checkpoints.packing import unpack_fp4
+from qtransform.core.observers import StoredScale
 from qtransform.errors import UserError
 from qtransform.formats import QuantConfig
 
@@ -98,14 +100,60 @@ def parse(file: Path, data: dict) -> Checkpoint:
     if algo not in LAYOUTS:
         raise UserError(f"{file}: ModelOpt quant_algo {algo!r}, which qtransform does not open "
                         f"(it reads {', '.join(LAYOUTS)})")
-    if q.get("kv_cache_quant_algo"):
-        raise UserError(f"{file}: kv_cache_quant_algo {q['kv_cache_quant_algo']!r}, which "
-                        "qtransform does not describe yet")
+    kv_algo = q.get("kv_cache_quant_algo")
+    if kv_algo and kv_algo not in KV_FIELDS:
+        raise UserError(f"{file}: kv_cache_quant_algo {kv_algo!r}, which qtransform does not "
+                        f"read (it reads {', '.join(KV_FIELDS)})")
     if algo == "NVFP4" and q.get("group_size", 16) != 16:
         raise UserError(f"{file}: NVFP4 with group_size {q.get('group_size')}; only 16 is read")
     row = LAYOUTS[algo]
     group = Group(("Linear",), row.weights, row.inputs, row.format)
-    return Checkpoint(NAME, [group], [str(m) for m in q.get("exclude_modules") or []])
+    kv = KVScheme(dict(KV_FIELDS[kv_algo]), f"{kv_algo} per tensor") if kv_algo else None
+    return Checkpoint(NAME, [group], [str(m) for m in q.get("exclude_modules") or []], kv=kv)
+
+
+# the KV cache: `self_attn.k_proj.k_scale` / `v_proj.v_scale` = amax / 448 in fp32, 0-dim, for
+# FP8 and NVFP4 caches alike (modelopt/torch/export/quant_utils.py); the quantizers run on the
+# keys and values after RoPE, max-calibrated, FP8 as x * (448 / amax)
+KV_SCALES = {"k_scale": "key", "v_scale": "value"}
+KV_FIELDS: dict[str, dict[str, Any]] = {
+    "FP8": {"format": "fp8_e4m3", "fp8_variant": NAME, "granularity": "tensor",
+            "scale_source": "static", "observer": "static_minmax"},
+    "NVFP4": {"format": "nvfp4", "nvfp4_variant": NAME, "scale_source": "static",
+              "observer": "static_minmax"},
+}
+KV_AMAX = 448.0  # the stored KV scale is the keys' (values') amax over this, for both algos
+
+
+def kv_owner(module: str) -> str:
+    """The attention module whose key/value a `<module>.k_scale` scales: k_proj's parent."""
+    return module.rpartition(".")[0]
+
+
+def kv_value(fields: dict[str, Any], scale: Tensor) -> Tensor | StoredScale:
+    """A stored key/value scale as the KV rule's static scale: FP8's is used as stored (x times
+    fl(1 / scale), as engines use it); NVFP4's gives back the calibrated amax (scale * 448),
+    from which the NVFP4 quantizer computes its own global scale."""
+    return StoredScale(scale) if fields["format"] == "fp8_e4m3" else scale * KV_AMAX
+
+
+def kv_algo(cfg: QuantConfig, per_head: bool, where: str) -> str | Reason:
+    """The kv_cache_quant_algo of keys and values quantized with `cfg`, or why ModelOpt has none."""
+    if per_head:
+        return Reason(f"{where}: ModelOpt's KV caches have one scale per tensor; use granularity "
+                      '"tensor"')
+    for algo, fields in KV_FIELDS.items():
+        if cfg.name == fields["format"] and (cfg.granularity == "tensor") == (algo == "FP8") and \
+                cfg.options().get(f"{cfg.family.name}_variant", NAME) == NAME and cfg.rounding == "rne":
+            return algo
+    return Reason(f"{where}: ModelOpt's KV caches are FP8 per tensor or NVFP4 (its variant: "
+                  "fp8_variant / nvfp4_variant 'modelopt', rounding 'rne')")
+
+
+def kv_scale_name(attention: str, point: str) -> str:
+    """Where ModelOpt stores the scale of an attention's keys or values."""
+    suffix = next(k for k, v in KV_SCALES.items() if v == point)
+    return f"{attention}.{'k_proj' if point == 'key' else 'v_proj'}.{suffix}"
 
 
 def rule_fields(s: TensorScheme, tensor: str) -> dict[str, Any]:
@@ -158,10 +206,11 @@ def input_reason(cfg: QuantConfig, algo: str, static: bool, calibrated: bool, wh
     return None
 
 
-def quant_config(algo: str, inputs: bool, excluded: list[str]) -> tuple[dict[str, Any], dict[str, Any]]:
+def quant_config(algo: str, inputs: bool, excluded: list[str],
+                 kv: str | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
     """(hf_quant_config.json, config.json's quantization_config) of a checkpoint of one
-    quant_algo, as ModelOpt's export writes them."""
-    quantization: dict[str, Any] = {"quant_algo": algo, "kv_cache_quant_algo": None}
+    quant_algo (and `kv`, a kv_cache_quant_algo), as ModelOpt's export writes them."""
+    quantization: dict[str, Any] = {"quant_algo": algo, "kv_cache_quant_algo": kv}
     if algo == "NVFP4":
         quantization["group_size"] = 16
     quantization["exclude_modules"] = excluded
@@ -172,6 +221,8 @@ def quant_config(algo: str, inputs: bool, excluded: list[str]) -> tuple[dict[str
              "targets": ["Linear"]}
     config = {"config_groups": {"group_0": group}, "ignore": excluded, "quant_algo": algo,
               "producer": dict(PRODUCER), "quant_method": NAME}
+    if kv is not None:  # convert_hf_config.py: FP8 as QuantizationArgs, other algos by name
+        config["kv_cache_scheme"] = {"dynamic": False, "num_bits": 8, "type": "float"} if kv == "FP8" else kv
     return {"producer": dict(PRODUCER), "quantization": quantization}, config
 
 

@@ -19,7 +19,8 @@ def policy(checkpoint: Checkpoint, names: list[str], *, weights: bool = False) -
     its global scale from the smaller dequantized amax; compressed-tensors' integers reach
     -2^(bits-1), which moves amax/(qmax+0.5)). Each rule's name says what the weights are.
     Static input scales are the checkpoint's stored ones, used as stored (`input_scales`, in the
-    terms of each rule's format: NVFP4's g or d, FP8's scale). `weights=True` adds each
+    terms of each rule's format: NVFP4's g or d, FP8's scale); so are the KV cache's
+    (`kv_scales`: one rule on the keys and values of every attention). `weights=True` adds each
     group's weight rule first: the whole scheme, for the full-precision model the checkpoint was
     made from (the same numbers as the producer's preset).
 
@@ -42,6 +43,9 @@ def policy(checkpoint: Checkpoint, names: list[str], *, weights: bool = False) -
                               "checkpoint)",
                       "targets": [ct_entry(t) for t in g.targets], "ignore": list(ignore),
                       "tensors": ["input"], **fmt.rule_fields(g.inputs, "input")})
+    if checkpoint.kv is not None:
+        rules.append({"name": f"{checkpoint.producer} KV cache ({checkpoint.kv.label})",
+                      "targets": ["Attention"], "tensors": ["key", "value"], **checkpoint.kv.fields})
     out: dict[str, Any] = {"version": 1, "quantize": rules}
     if checkpoint.rotations:
         out["rotate"] = [{"name": g.name, "targets": [ct_entry(n) for n in checkpoint.rotated[g.name]],
@@ -60,6 +64,10 @@ def describe(checkpoint: Checkpoint) -> list[str]:
              + (f"; kept in high precision: {', '.join(checkpoint.ignore)}" if checkpoint.ignore else "")]
     if checkpoint.input_scales:
         lines.append(f"  static input scales of {len(checkpoint.input_scales)} modules (from the checkpoint)")
+    if checkpoint.kv is not None:
+        modules = len({module for module, _ in checkpoint.kv_scales})
+        lines.append(f"  KV cache {checkpoint.kv.label}: key and value scales of {modules} attention "
+                     "modules (from the checkpoint)")
     for g in checkpoint.rotations:
         count = len(checkpoint.rotated.get(g.name, ()))
         width = f"{g.block}-wide" if g.block else "whole-axis"

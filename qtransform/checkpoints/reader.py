@@ -74,7 +74,9 @@ def decompress(checkpoint: Checkpoint, files: TensorFiles, dtype: torch.dtype) -
         if leaf == "weight" and (group := matrices.get(module.rpartition(".")[2])) is not None:
             check_matrix(group, name, t)  # the online transform's matrix: no model tensor
             continue
-        if leaf in suffixes:
+        if leaf in fmt.KV_SCALES:
+            _kv_scale(checkpoint, fmt, module, leaf, t, f"{file}: {name}")
+        elif leaf in suffixes:
             parts.setdefault(module, {})[leaf] = t
         else:
             plain[name] = t
@@ -105,6 +107,15 @@ def decompress(checkpoint: Checkpoint, files: TensorFiles, dtype: torch.dtype) -
         if scale is not None:
             checkpoint.input_scales[module] = scale.detach().to(torch.float32).reshape(())
     return out
+
+
+def _kv_scale(checkpoint: Checkpoint, fmt: ModuleType, module: str, leaf: str, t: Tensor, where: str) -> None:
+    """A stored key or value scale, kept (one value per head, or one) for the KV rule."""
+    if checkpoint.kv is None:
+        raise UserError(f"{where}: a KV-cache scale, but the checkpoint's config declares no KV "
+                        "cache scheme; the folder is inconsistent: re-export it")
+    check_scale(t, leaf, where, positive=True)
+    checkpoint.kv_scales[(fmt.kv_owner(module), fmt.KV_SCALES[leaf])] = t.detach().to(torch.float32).reshape(-1)
 
 
 def _check_scales(module: str, p: dict[str, Tensor], scales: dict[str, bool], where: str) -> None:

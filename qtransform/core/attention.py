@@ -134,16 +134,15 @@ def restore(module: nn.Module) -> None:
         config._attn_implementation_internal = name.removeprefix(PREFIX)
 
 
-def attention_graph() -> fx.Graph:
+def attention_graph(self_attr: str) -> fx.Graph:
     """The graph an attention site runs: its points as values around one call of the original
-    implementation. `forward(self, query, key, value, attention_mask, implementation, options)`."""
-    from qtransform.core.tracing import SELF_ATTR
-
+    implementation. `forward(self, query, key, value, attention_mask, implementation, options)`;
+    `self_attr` is the attribute through which the graph reads its own module."""
     graph = fx.Graph()
     query, key, value, mask, implementation, options = (
         graph.placeholder(name) for name in ("query", "key", "value", "attention_mask",
                                              "implementation", "options"))
-    result = graph.call_function(attend, (graph.get_attr(SELF_ATTR), query, key, value, mask,
+    result = graph.call_function(attend, (graph.get_attr(self_attr), query, key, value, mask,
                                           implementation, options))
     output = graph.call_function(operator.getitem, (result, 0))
     weights = graph.call_function(operator.getitem, (result, 1))

@@ -165,7 +165,7 @@ class SiteTracer:
 
     def _graph(self, module: nn.Module) -> fx.Graph:
         if attention.is_attention(module):
-            return attention.attention_graph()
+            return attention.attention_graph(SELF_ATTR)
         if type(module) is nn.Linear:
             return self._linear(module)
         if expert_params(module):

@@ -8,6 +8,7 @@ from collections.abc import Iterable, Mapping
 from torch import Tensor, nn
 
 from qtransform.calibration import CalibrationBatches, calibrate
+from qtransform.checkpoints.reader import FORMATS
 from qtransform.core.capture import ExampleInputs, capture
 from qtransform.core.lora import watch_lora
 from qtransform.core.observers import StaticScale, StoredScale, static_scales
@@ -82,8 +83,10 @@ def transform_program(
     if static and mode == "graph":
         raise UserError(f"the policy's {', '.join(static)} calibrate static scales, which need "
                         'mode="module" (the model keeps its class and runs the calibration)')
+    kv = None
     if static and calibration is None and scales is None:
-        scales = checkpoint_scales(model)
+        scales, kv = checkpoint_scales(model), checkpoint_kv_scales(model)
+        scales = {} if scales is None and kv is not None else scales
     if static and calibration is None and scales is None:
         raise UserError(f"the policy's {', '.join(static)} calibrate static scales (scale_source "
                         '"static"): pass calibration=batches to qtransform.transform (CLI: '
@@ -95,7 +98,7 @@ def transform_program(
         manager.run(program, policy)
         check_stored_rotations(model, program.module())
         if scales is not None:
-            load_scales(work, by_path(work, scales))
+            load_scales(work, {**by_path(work, scales), **kv_paths(program, kv or {})})
         elif calibration is not None:
             calibrate(work, calibration, attention=policy.calibration.attention
                       if policy.calibration is not None else "model")
@@ -147,6 +150,34 @@ def checkpoint_scales(model: nn.Module) -> dict[str, StoredScale] | None:
     if checkpoint is None or not checkpoint.input_scales:
         return None
     return {name: StoredScale(scale) for name, scale in checkpoint.input_scales.items()}
+
+
+def checkpoint_kv_scales(model: nn.Module) -> dict[tuple[str, str], list[ScaleValue]] | None:
+    """The KV-cache scales stored in the quantized checkpoint `model` was opened from: by
+    (attention module, "key" or "value"), one value per head (or one), as the KV rule's static
+    scales take them (the format's `kv_value`); None without."""
+    checkpoint = loaded_checkpoint(model)
+    if checkpoint is None or checkpoint.kv is None:
+        return None
+    fmt = FORMATS[checkpoint.producer]
+    return {key: [fmt.kv_value(checkpoint.kv.fields, v.reshape(())) for v in values]
+            for key, values in checkpoint.kv_scales.items()}
+
+
+def kv_paths(program: Program, kv: Mapping[tuple[str, str], list[ScaleValue]]) -> dict[str, ScaleValue]:
+    """KV scales keyed by the static-scale paths of the quantizers the transform inserted on
+    each attention's key and value (one per head, in order)."""
+    own = list(static_scales(program.module()))
+    out: dict[str, ScaleValue] = {}
+    for (site, point), values in kv.items():
+        inserted = next((i.module_path for i in program.log if i.site == site and i.point == point), None)
+        paths = [] if inserted is None else [p for p in own if p.startswith(inserted + ".")]
+        if len(paths) != len(values):
+            raise UserError(f"{site} ({point}): the checkpoint stores {len(values)} KV scale(s), the "
+                            f"policy's quantizer there has {len(paths)}; open it with its own "
+                            "policy (checkpoint_policy)")
+        out.update(zip(paths, values, strict=True))
+    return out
 
 
 def by_path(model: nn.Module, scales: Mapping[str, ScaleValue]) -> Mapping[str, ScaleValue]:

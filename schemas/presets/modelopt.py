@@ -84,3 +84,23 @@ INT4_BLOCKWISE_WEIGHT_ONLY_CFG = config_preset(
     "16-bit activations", [
         rule("INT4_BLOCKWISE_WEIGHT_ONLY_CFG", "weights", format="int4", int_range="modelopt", tensors=["weight"]),
     ])
+
+
+def kv_config(config: str, what: str, fields: dict[str, Any]) -> Preset:
+    """A KV-cache config alone (to be listed after a weight config): ModelOpt's `k_bmm` / `v_bmm`
+    quantizers on the keys and values after RoPE, every cached token, max-calibrated (the amax
+    over all batches); the query and softmax quantizers stay off."""
+    return register_preset(Preset(
+        name=f"{STACK}/{config}",
+        reproduces=f"ModelOpt's {config} ({what}) on every attention",
+        checked_against=VERSION + " (from source)",
+        content={"quantize": [{"name": f"{STACK}/{config} key/value", "targets": ["Attention"],
+                               "tensors": ["key", "value"], **fields,
+                               "scale_source": "static", "observer": "static_minmax"}]},
+    ))
+
+
+kv_config("FP8_KV_CFG", "FP8 E4M3 keys and values, one static scale each",
+          {"format": "fp8_e4m3", "fp8_variant": "modelopt", "granularity": "tensor"})
+kv_config("NVFP4_KV_CFG", "NVFP4 keys and values: 16-element blocks along head_dim, a static "
+          "global scale", {"format": "nvfp4", "nvfp4_variant": "modelopt"})

@@ -1,5 +1,6 @@
 """What a transformed model asks a checkpoint to hold: its Linears with their weight and input
-fake-quants, its LoRA layers, and what cannot go into any quantized checkpoint.
+fake-quants, its LoRA layers, its attention modules' key/value (and query, probs) quantizers,
+and what cannot go into any quantized checkpoint.
 
 The checkpoint is the model as deployed: noise (AQN, hardware error, activation noise) is left
 out, as `qtransform.evaluation` switches it off; taps only observe. Everything else that changes
@@ -13,6 +14,7 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
+from qtransform.core.attention import is_attention
 from qtransform.core.lora import is_lora_layer, lora_mode
 from qtransform.core.noise import NoiseModule
 from qtransform.core.scales import FUSED_NAMES
@@ -20,6 +22,7 @@ from qtransform.core.sites import ADAPTER_KEYS, hf_name
 from qtransform.core.tracing import module_graph
 from qtransform.errors import UserError
 from qtransform.passes import FakeQuantize, RotatePass
+from qtransform.passes.fake_quant import HeadwiseQuantize
 from qtransform.passes.instrument import InstrumentPass
 
 
@@ -41,11 +44,23 @@ class LinearExport:
 
 
 @dataclass
+class AttentionExport:
+    """One attention module under its Hugging Face name, with the quantizer of each of its
+    points ("key", "value", "query", "probs"): a `FakeQuantize`, or a `HeadwiseQuantize` (one
+    scale per head)."""
+
+    name: str
+    module: nn.Module
+    points: dict[str, nn.Module] = field(default_factory=dict)
+
+
+@dataclass
 class Collected:
-    """The model's Linears (every one, by HF name, in module order), what was left out, and
-    the refusals common to every format."""
+    """The model's Linears (every one, by HF name, in module order), its attention modules,
+    what was left out, and the refusals common to every format."""
 
     linears: dict[str, LinearExport] = field(default_factory=dict)
+    attention: dict[str, AttentionExport] = field(default_factory=dict)
     embeddings: list[str] = field(default_factory=list)  # nn.Embedding modules, kept as they are
     left_out: list[str] = field(default_factory=list)
     refusals: list[str] = field(default_factory=list)
@@ -84,6 +99,8 @@ def collect(model: nn.Module, *, requantize_lora: bool = False) -> Collected:
             out.embeddings.append(key)
         if isinstance(module, nn.Linear):
             out.linears.setdefault(key, LinearExport(key, module)).module = module
+        if is_attention(module):
+            out.attention[key] = AttentionExport(key, module)
         _insertions(out, key, module)
     for entry in out.linears.values():
         _check_lora(out, entry, requantize_lora)
@@ -104,6 +121,8 @@ def _insertions(out: Collected, key: str, module: nn.Module) -> None:
             continue  # a tap observes, it changes nothing
         elif ins.pass_name == RotatePass.name:
             _rotation(out, key, module, child, ins.point, where)
+        elif key in out.attention and isinstance(child, (FakeQuantize, HeadwiseQuantize)):
+            _attention_quantizer(out, key, child, ins.point, where)
         elif isinstance(child, FakeQuantize):
             if not child.enabled:
                 out.left_out.append(f"switched-off fake-quant at {where}")
@@ -122,6 +141,18 @@ def _insertions(out: Collected, key: str, module: nn.Module) -> None:
         else:
             out.refusals.append(f"{where}: the {ins.pass_name!r} pass changes the values and no "
                                 "checkpoint field holds it; transform without it")
+
+
+def _attention_quantizer(out: Collected, key: str, child: nn.Module, point: str, where: str) -> None:
+    """A quantizer on an attention point: the formats' KV-cache schemes decide what they hold."""
+    quantizers = list(child.heads) if isinstance(child, HeadwiseQuantize) else [child]
+    if not all(q.enabled for q in quantizers):
+        out.left_out.append(f"switched-off fake-quant at {where}")
+    elif any(q.config.stochastic for q in quantizers):
+        out.refusals.append(f"{where}: stochastic rounding draws new values every forward, a "
+                            "checkpoint holds one rounding; use rounding 'rne'")
+    else:
+        out.attention[key].points[point] = child
 
 
 def _rotation(out: Collected, key: str, module: nn.Module, child: nn.Module, point: str, where: str) -> None:

@@ -23,6 +23,7 @@ from qtransform.checkpoints.description import Reason
 from qtransform.checkpoints.packing import e2m1_codes, pack_int32, pack_nibbles
 from qtransform.core.observers import StaticScale
 from qtransform.export.checkpoint.collect import Collected, LinearExport, fused_sets
+from qtransform.export.checkpoint.kv import POINTS, KVCache, kv_scales, model_dtype
 from qtransform.export.checkpoint.source import source_input_scale, source_weight
 from qtransform.export.checkpoint.writer import Entry, Spec
 from qtransform.formats import QuantConfig
@@ -94,7 +95,31 @@ def _nvfp4_fusion(collected: Collected, found: dict[str, Scheme]) -> list[str]:
     return refusals
 
 
-def quantization_config(collected: Collected, found: dict[str, Scheme],
+def kv_cache(kv: KVCache) -> tuple[str | None, list[str]]:
+    """The kv_cache_scheme (QuantizationArgs as sorted JSON) of the model's keys and values."""
+    args = ct.kv_args(kv.config, model_dtype(kv.modules[0].module), kv.per_head, kv.observer,
+                      "keys and values")
+    return (None, [args.text]) if isinstance(args, Reason) else (args, [])
+
+
+def kv_entries(kv: KVCache, scheme: str) -> list[Entry]:
+    """Each attention's `k_scale` and `v_scale`: [1], or [heads, 1, 1] per head, in the model's
+    dtype, as compressed-tensors computes them from the calibrated amax."""
+    del scheme
+    entries = []
+    for attention in kv.modules:
+        dtype = model_dtype(attention.module)
+        for point in POINTS:
+            child = attention.points[point]
+            heads = len(child.heads) if kv.per_head else None
+            suffix, sdt, shape = ct.kv_scale_spec(point, dtype, heads)
+            name = f"{attention.name}.{suffix}"
+            entries.append(Entry((Spec(name, sdt, shape),), lambda child=child, name=name, sdt=sdt, shape=shape, dtype=dtype: {
+                name: kv_scales(child, dtype).to(sdt).reshape(shape)}))
+    return entries
+
+
+def quantization_config(collected: Collected, found: dict[str, Scheme], kv: str | None,
                         transform_config: dict[str, Any] | None) -> dict[str, Any]:
     """config.json's `quantization_config`, as compressed-tensors' `update_config` writes it."""
     groups: dict[Scheme, list[str]] = {}
@@ -109,7 +134,7 @@ def quantization_config(collected: Collected, found: dict[str, Scheme],
         "format": formats.pop() if len(formats) == 1 else "mixed-precision",
         "global_compression_ratio": None,
         "ignore": [name for name, e in collected.linears.items() if name not in found],
-        "kv_cache_scheme": None,
+        "kv_cache_scheme": None if kv is None else json.loads(kv),
         "quant_method": NAME,
         "quantization_status": "compressed",
         "sparsity_config": {},
@@ -118,9 +143,9 @@ def quantization_config(collected: Collected, found: dict[str, Scheme],
     }
 
 
-def write_extra(folder: Path, collected: Collected, found: dict[str, Scheme]) -> None:
+def write_extra(folder: Path, collected: Collected, found: dict[str, Scheme], kv: str | None) -> None:
     """compressed-tensors keeps everything in config.json: nothing more to write."""
-    del folder, collected, found
+    del folder, collected, found, kv
 
 
 def linear_entry(entry: LinearExport, scheme: Scheme) -> Entry:

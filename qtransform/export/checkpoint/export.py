@@ -24,6 +24,7 @@ from qtransform.core.sites import ADAPTER_KEYS, hf_name
 from qtransform.errors import UserError
 from qtransform.export.checkpoint.collect import Collected, collect, raise_refusals
 from qtransform.export.checkpoint.formats import WRITERS, FormatWriter
+from qtransform.export.checkpoint.kv import kv_cache
 from qtransform.export.checkpoint.rotations import rotation_config, transform_tensors
 from qtransform.export.checkpoint.source import source_weight
 from qtransform.export.checkpoint.writer import DEFAULT_SHARD, Entry, Spec, shard_size, write_shards
@@ -94,17 +95,21 @@ def export_checkpoint(
         collected = collect(model, requantize_lora=requantize_lora)
         writer = WRITERS[format]
         found, refusals = writer.schemes(collected)
-        raise_refusals(collected.refusals + refusals, format)
+        kv, kv_refusals = kv_cache(collected)
+        kv_scheme, scheme_refusals = writer.kv_cache(kv) if kv is not None else (None, [])
+        raise_refusals(collected.refusals + refusals + kv_refusals + scheme_refusals, format)
         if not found:
             raise UserError("no Linear of the model is quantized: nothing to export in a "
                             f"{format} checkpoint")
         transform_config = rotation_config(collected, policy, program) if writer.ROTATIONS else None
         entries = tensor_entries(model, collected, found, writer)
+        entries += writer.kv_entries(kv, kv_scheme) if kv is not None else []
         entries += [_dense(name, t, lambda t=t: t) for name, t in transform_tensors(transform_config).items()]
         tokenizer = source_tokenizer(model) if tokenizer is None else tokenizer
         with qio.output_folder(folder, COMMAND, force=force) as staging:
-            _write_config(model, staging, writer.quantization_config(collected, found, transform_config))
-            writer.write_extra(staging, collected, found)
+            _write_config(model, staging, writer.quantization_config(collected, found, kv_scheme,
+                                                                     transform_config))
+            writer.write_extra(staging, collected, found, kv_scheme)
             _write_generation_config(model, staging)
             if tokenizer is not None:
                 tokenizer.save_pretrained(staging)

@@ -10,13 +10,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from qtransform.checkpoints import modelopt as mo
 from qtransform.checkpoints.description import Reason
 from qtransform.checkpoints.packing import e2m1_codes, pack_nibbles
 from qtransform.core.observers import StaticScale
 from qtransform.export.checkpoint.collect import Collected, LinearExport, fused_sets
+from qtransform.export.checkpoint.kv import POINTS, KVCache, amaxes
 from qtransform.export.checkpoint.source import source_input_scale, source_weight
 from qtransform.export.checkpoint.writer import Entry, Spec
 from qtransform.formats.stored import fp4_stored, weight_chunks
@@ -85,26 +86,54 @@ def excluded(collected: Collected, found: dict[str, Scheme]) -> list[str]:
     return sorted({*names, *collected.embeddings})
 
 
-def _configs(collected: Collected, found: dict[str, Scheme]) -> tuple[dict[str, Any], dict[str, Any]]:
+def _configs(collected: Collected, found: dict[str, Scheme],
+             kv: str | None) -> tuple[dict[str, Any], dict[str, Any]]:
     scheme = next(iter(found.values()))
-    return mo.quant_config(scheme.algo, scheme.inputs, excluded(collected, found))
+    return mo.quant_config(scheme.algo, scheme.inputs, excluded(collected, found), kv)
 
 
-def hf_quant_config(collected: Collected, found: dict[str, Scheme]) -> dict[str, Any]:
+def hf_quant_config(collected: Collected, found: dict[str, Scheme], kv: str | None) -> dict[str, Any]:
     """hf_quant_config.json, as ModelOpt's export writes it."""
-    return _configs(collected, found)[0]
+    return _configs(collected, found, kv)[0]
 
 
-def quantization_config(collected: Collected, found: dict[str, Scheme],
+def quantization_config(collected: Collected, found: dict[str, Scheme], kv: str | None,
                         transform_config: dict[str, Any] | None) -> dict[str, Any]:
     """config.json's `quantization_config`: ModelOpt's own conversion of hf_quant_config."""
     if transform_config:
         raise AssertionError("ModelOpt checkpoints carry no transform_config")
-    return _configs(collected, found)[1]
+    return _configs(collected, found, kv)[1]
 
 
-def write_extra(folder: Path, collected: Collected, found: dict[str, Scheme]) -> None:
-    (folder / mo.FILE).write_text(json.dumps(hf_quant_config(collected, found), indent=4))
+def write_extra(folder: Path, collected: Collected, found: dict[str, Scheme], kv: str | None) -> None:
+    (folder / mo.FILE).write_text(json.dumps(hf_quant_config(collected, found, kv), indent=4))
+
+
+def kv_cache(kv: KVCache) -> tuple[str | None, list[str]]:
+    """The kv_cache_quant_algo of the model's keys and values."""
+    algo = mo.kv_algo(kv.config, kv.per_head, "keys and values")
+    return (None, [algo.text]) if isinstance(algo, Reason) else (algo, [])
+
+
+def kv_entries(kv: KVCache, algo: str) -> list[Entry]:
+    """Each attention's `k_proj.k_scale` and `v_proj.v_scale`: amax / 448 in fp32, 0-dim
+    (ModelOpt's export, for FP8 and NVFP4 caches alike)."""
+    del algo
+    entries = []
+    for attention in kv.modules:
+        for point in POINTS:
+            name = mo.kv_scale_name(attention.name, point)
+            entries.append(Entry((Spec(name, torch.float32, ()),),
+                                 lambda child=attention.points[point], name=name: {name: _kv_scale(child)}))
+    return entries
+
+
+def _kv_scale(child: nn.Module) -> Tensor:
+    static = child.static_scale
+    assert static is not None and static.frozen
+    if static.stored:  # an opened FP8 checkpoint's k_scale, used as stored
+        return static.scale.to(torch.float32).reshape(())
+    return (amaxes(child)[0] / mo.KV_AMAX).reshape(())
 
 
 def linear_entry(entry: LinearExport, scheme: Scheme) -> Entry:

@@ -1,0 +1,121 @@
+"""KV caches in checkpoints: compressed-tensors' kv_cache_scheme with self_attn.k_scale/v_scale,
+ModelOpt's kv_cache_quant_algo with k_proj.k_scale/v_proj.v_scale; written from the calibrated
+amax, opened back as the same model, and refused where no KV-cache scheme holds the model."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import qtransform
+from qtransform.errors import UserError
+from qtransform.models import build_tiny, load_model
+from qtransform.passes import FakeQuantize
+
+
+def batches(vocab: int = 256) -> tuple[list[torch.Tensor], torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return ([torch.randint(0, vocab, (1, 16), generator=g) for _ in range(3)],
+            torch.randint(0, vocab, (2, 10), generator=g))
+
+
+def amaxes(model, point: str) -> dict[str, torch.Tensor]:
+    """Each attention's calibrated amax of `point`, one per head (or one), by attention name."""
+    out: dict[str, list[torch.Tensor]] = {}
+    for name, module in model.named_modules():
+        if isinstance(module, FakeQuantize) and f"/{point}_fake_quant" in module.label:
+            out.setdefault(module.label.split("/")[0], []).append(module.static_scale.amax)
+    return {k: torch.stack(v) for k, v in out.items()}
+
+
+@pytest.mark.parametrize(("preset", "strategy"), [("llm-compressor/KV_FP8", "tensor"),
+                                                  ("llm-compressor/KV_FP8_ATTN_HEAD", "attn_head")])
+def test_compressed_tensors_kv_scales_are_amax_over_448_and_open_back(preset, strategy, tmp_path):
+    model = build_tiny("qwen2", hidden=128)
+    calib, x = batches()
+    ours = qtransform.transform(model, {"preset": ["llm-compressor/FP8_DYNAMIC", preset]}, calibration=calib)
+    folder = qtransform.export_checkpoint(ours, tmp_path / "ckpt")
+    config = json.loads((folder / "config.json").read_text())["quantization_config"]
+    assert config["kv_cache_scheme"]["strategy"] == strategy
+    assert config["kv_cache_scheme"]["observer"] is None  # llm-compressor's default K/V observer
+    tensors = load_file(folder / "model.safetensors")
+    for point, suffix in (("key", "k_scale"), ("value", "v_scale")):
+        for attention, amax in amaxes(ours, point).items():
+            stored = tensors[f"{attention}.{suffix}"]
+            assert stored.shape == ((1,) if strategy == "tensor" else (amax.numel(), 1, 1))
+            assert torch.equal(stored.reshape(-1), amax / 448)
+    opened = load_model(folder)
+    policy = qtransform.checkpoint_policy(opened)
+    assert policy["quantize"][-1]["tensors"] == ["key", "value"]
+    again = qtransform.transform(opened, policy)
+    with torch.no_grad():
+        assert torch.equal(again(x).logits, ours(x).logits)
+
+
+@pytest.mark.parametrize(("weights", "kv", "algo"), [("modelopt/FP8_DEFAULT_CFG", "modelopt/FP8_KV_CFG", "FP8"),
+                                                     ("modelopt/NVFP4_DEFAULT_CFG", "modelopt/NVFP4_KV_CFG", "NVFP4")])
+def test_modelopt_kv_scales_and_algo_open_back(weights, kv, algo, tmp_path):
+    model = build_tiny("llama", hidden=128)
+    calib, x = batches()
+    ours = qtransform.transform(model, {"preset": [weights, kv]}, calibration=calib)
+    folder = qtransform.export_checkpoint(ours, tmp_path / "ckpt", format="modelopt")
+    hf = json.loads((folder / "hf_quant_config.json").read_text())
+    assert hf["quantization"]["kv_cache_quant_algo"] == algo
+    tensors = load_file(folder / "model.safetensors")
+    for attention, amax in amaxes(ours, "key").items():
+        assert tensors[f"{attention}.k_proj.k_scale"].shape == ()
+        assert torch.equal(tensors[f"{attention}.k_proj.k_scale"], (amax / 448).reshape(()))
+    again = qtransform.transform(opened := load_model(folder), qtransform.checkpoint_policy(opened))
+    with torch.no_grad():
+        assert torch.equal(again(x).logits, ours(x).logits)
+
+
+@pytest.mark.parametrize(("policy", "fmt", "words"), [
+    ({"quantize": [{"format": "fp8_e4m3", "tensors": ["key", "value", "query"], "granularity": "tensor",
+                    "scale_source": "static"}]}, "compressed-tensors", "query is quantized"),
+    ({"quantize": [{"format": "fp8_e4m3", "tensors": ["key", "value"], "granularity": "tensor",
+                    "scale_source": "static", "layers": "0"}]}, "compressed-tensors", "quantize all or none"),
+    ({"quantize": [{"format": "fp8_e4m3", "tensors": ["key", "value"], "granularity": "token"}]},
+     "compressed-tensors", "stores static scales"),
+    ({"quantize": [{"format": "fp8_e4m3", "tensors": ["key", "value"], "granularity": "tensor",
+                    "scale_source": "fixed", "fixed_scale": 1.0}]}, "compressed-tensors", "fixed scale"),
+    ({"quantize": [{"format": "fp8_e4m3", "tensors": ["key", "value"], "granularity": "head",
+                    "scale_source": "static", "fp8_variant": "modelopt"}]}, "modelopt", "one scale per tensor"),
+    ({"quantize": [{"format": "fp8_e4m3", "tensors": ["key"], "granularity": "tensor", "scale_source": "static"},
+                   {"format": "fp8_e5m2", "tensors": ["value"], "granularity": "tensor", "scale_source": "static"}]},
+     "compressed-tensors", "more than one way"),
+])
+def test_what_no_kv_cache_scheme_holds_is_refused_before_writing(policy, fmt, words, tmp_path):
+    model = build_tiny("qwen2", hidden=128)
+    calib, _ = batches()
+    weights = {"preset": "llm-compressor/FP8_DYNAMIC" if fmt == "compressed-tensors" else "modelopt/FP8_DEFAULT_CFG"}
+    combined = qtransform.load_policy(weights).model_dump()
+    combined["quantize"] += policy["quantize"]
+    del combined["preset"]
+    ours = qtransform.transform(model, combined, calibration=calib)
+    with pytest.raises(UserError, match=words):
+        qtransform.export_checkpoint(ours, tmp_path / "ckpt", format=fmt)
+    assert not (tmp_path / "ckpt").exists()
+
+
+def test_a_kv_scale_without_a_kv_scheme_is_refused_on_open(tmp_path):
+    model = build_tiny("qwen2", hidden=128)
+    calib, _ = batches()
+    ours = qtransform.transform(model, {"preset": ["llm-compressor/FP8_DYNAMIC", "llm-compressor/KV_FP8"]},
+                                calibration=calib)
+    folder = qtransform.export_checkpoint(ours, tmp_path / "ckpt")
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"]["kv_cache_scheme"] = None
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UserError, match="declares no KV cache scheme"):
+        load_model(folder)
+    config["quantization_config"]["kv_cache_scheme"] = {"type": "float", "num_bits": 8, "strategy": "tensor"}
+    (folder / "config.json").write_text(json.dumps(config))
+    tensors = load_file(folder / "model.safetensors")
+    tensors["model.layers.0.self_attn.k_scale"] = torch.tensor([float("nan")])
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(UserError, match="k_scale"):
+        load_model(folder)
