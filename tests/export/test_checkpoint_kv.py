@@ -25,7 +25,7 @@ def batches(vocab: int = 256) -> tuple[list[torch.Tensor], torch.Tensor]:
 def amaxes(model, point: str) -> dict[str, torch.Tensor]:
     """Each attention's calibrated amax of `point`, one per head (or one), by attention name."""
     out: dict[str, list[torch.Tensor]] = {}
-    for name, module in model.named_modules():
+    for module in model.modules():
         if isinstance(module, FakeQuantize) and f"/{point}_fake_quant" in module.label:
             out.setdefault(module.label.split("/")[0], []).append(module.static_scale.amax)
     return {k: torch.stack(v) for k, v in out.items()}
