@@ -9,7 +9,9 @@ from qtransform.passes.fake_quant import FakeQuantize, FakeQuantPass
 from qtransform.passes.hw_error import HWError, HWErrorPass
 from qtransform.passes.activation_noise import ActivationNoise, ActivationNoisePass
 from qtransform.passes.clamp import Clamp, ClampPass
+from qtransform.passes.engine import EngineAttention, EnginePass
 from qtransform.passes.instrument import InstrumentPass, Tap
 
-__all__ = ["AQNNoise", "AQNNoisePass", "ActivationNoise", "ActivationNoisePass", "Clamp", "ClampPass", "FakeQuantPass", "FakeQuantize", "HWError", "HWErrorPass",
+__all__ = ["AQNNoise", "AQNNoisePass", "ActivationNoise", "ActivationNoisePass", "Clamp", "ClampPass", "EngineAttention", "EnginePass",
+           "FakeQuantPass", "FakeQuantize", "HWError", "HWErrorPass",
            "InstrumentPass", "Rotate", "RotatePass", "Tap"]

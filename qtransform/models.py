@@ -19,6 +19,7 @@ from torch import nn
 
 from qtransform import checkpoints
 from qtransform.checkpoints.shards import TensorFiles, check_safetensors
+from qtransform.core import engines
 from qtransform.core import io as qio
 from qtransform.errors import UserError, missing_source
 
@@ -240,18 +241,31 @@ def loaded_checkpoint(model: nn.Module) -> checkpoints.Checkpoint | None:
     return getattr(base, checkpoints.ATTRIBUTE, None)
 
 
-def checkpoint_policy(model: nn.Module, *, weights: bool = False) -> dict | None:
+def checkpoint_policy(model: nn.Module, *, weights: bool = False, engine: str | None = None,
+                      backend: str = "auto") -> dict | None:
     """The qtransform policy (a JSON dict) describing the quantization of the checkpoint `model`
     was loaded from (load_model of a compressed-tensors or ModelOpt folder); None for a plain
     model. Transforming the model with it reproduces the checkpoint's quantized model: its
     weights already hold the quantized values, so the policy quantizes the activations only.
     `weights=True` describes the weights too: the scheme to apply to the full-precision model
-    the checkpoint was made from (a released checkpoint's recipe, reused)."""
+    the checkpoint was made from (a released checkpoint's recipe, reused).
+
+    `engine="vllm"`: what that engine computes from the folder where qtransform simulates it
+    (its KV cache: the cache writer's conversion with the stored scales and the attention
+    kernel of `backend`: "auto" = the model's device, "cpu", "flash-attn-3", "triton");
+    default None, what the producer's fake quantization computes (docs/attention.md)."""
     checkpoint = loaded_checkpoint(model)
     if checkpoint is None:
         return None
+    if engine not in (None, *engines.ENGINES):
+        raise UserError(f"engine {engine!r}: choose one of {', '.join(engines.ENGINES)}, or None")
+    if backend not in engines.BACKENDS:
+        raise UserError(f"backend {backend!r}: choose one of {', '.join(engines.BACKENDS)}")
+    if backend == "auto":
+        backend = engines.device_backend(next((p.device for p in model.parameters()), torch.device("cpu")))
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return checkpoints.policy(checkpoint, [name for name, _ in base.named_modules()], weights=weights)
+    return checkpoints.policy(checkpoint, [name for name, _ in base.named_modules()], weights=weights,
+                              engine=engine, backend=backend)
 
 
 def _first_line(exc: BaseException) -> str:

@@ -20,9 +20,12 @@ _SCALES = {
 _ROUNDING = {
     "rne": "round-half-even",
     "rna": "round-half-away",
+    "rtz": "round-toward-zero",
     "stochastic": "stochastic rounding",
 }
-TENSOR_WORDS = {"weight": "weights", "input": "input activations", "output": "outputs"}
+TENSOR_WORDS = {"weight": "weights", "input": "input activations", "output": "outputs",
+                "query": "queries", "key": "keys", "value": "values",
+                "probs": "attention probabilities"}
 PHASES = {"train": "during training", "eval": "during evaluation", "both": "in training and eval",
           "rollout": "only in rollouts (generate(), qtransform.rollout() and rollout weights; never in the training loss or log-probs)"}
 SHOWN = 4  # stage sigmas listed before eliding
@@ -76,6 +79,8 @@ def describe_format(rule: QuantRule) -> str:
     parts = [f"{spec.element.name.upper().removesuffix('_MX')} elements"]
     if cfg.tile:
         parts.append(f"{cfg.tile[0]}x{cfg.tile[1]} weight tiles")
+    elif rule.granularity == "head":
+        parts.append("one scale per head")
     elif cfg.granularity in _WHOLE:
         parts.append(_WHOLE[cfg.granularity])
     else:

@@ -8,9 +8,12 @@ from typing import Any
 from qtransform.checkpoints.description import Checkpoint
 from qtransform.checkpoints.matching import ct_entry
 from qtransform.checkpoints.reader import FORMATS
+from qtransform.core import engines
+from qtransform.errors import UserError
 
 
-def policy(checkpoint: Checkpoint, names: list[str], *, weights: bool = False) -> dict[str, Any]:
+def policy(checkpoint: Checkpoint, names: list[str], *, weights: bool = False,
+           engine: str | None = None, backend: str = "cpu") -> dict[str, Any]:
     """The qtransform policy (a plain dict) that turns the opened checkpoint into the model its
     library deploys, on a model whose module names are `names`.
 
@@ -26,7 +29,11 @@ def policy(checkpoint: Checkpoint, names: list[str], *, weights: bool = False) -
 
     Online rotations become `rotate` rules on their modules by name: `weight: "stored"` (the
     stored weights hold W·R, only the inputs are rotated), or with `weights=True` ordinary
-    rules (the full-precision model's weights get W·R, as the producer fused it)."""
+    rules (the full-precision model's weights get W·R, as the producer fused it).
+
+    `engine` ("vllm"): the KV cache as that engine runs it on `backend` (`core/engines.py`:
+    its cache writer's conversion with the stored scales, its attention kernel); the Linears
+    stay what the producer's fake quantization computes."""
     fmt = FORMATS[checkpoint.producer]
     ignore = fmt.ignored_entries(checkpoint.ignore, names)
     rules: list[dict[str, Any]] = []
@@ -43,10 +50,14 @@ def policy(checkpoint: Checkpoint, names: list[str], *, weights: bool = False) -
                               "checkpoint)",
                       "targets": [ct_entry(t) for t in g.targets], "ignore": list(ignore),
                       "tensors": ["input"], **fmt.rule_fields(g.inputs, "input")})
-    if checkpoint.kv is not None:
-        rules.append({"name": f"{checkpoint.producer} KV cache ({checkpoint.kv.label})",
-                      "targets": ["Attention"], "tensors": ["key", "value"], **checkpoint.kv.fields})
     out: dict[str, Any] = {"version": 1, "quantize": rules}
+    if checkpoint.kv is not None:
+        name = f"{checkpoint.producer} KV cache ({checkpoint.kv.label})"
+        fields = dict(checkpoint.kv.fields) if engine is None else _engine_kv(checkpoint.kv.fields, backend)
+        rules.append({"name": name, "targets": ["Attention"], "tensors": ["key", "value"], **fields})
+        if engine is not None:
+            rules += engines.query_rule(name, backend)
+            out["engine"] = engines.engine_section(backend)
     if checkpoint.rotations:
         out["rotate"] = [{"name": g.name, "targets": [ct_entry(n) for n in checkpoint.rotated[g.name]],
                           "kind": "hadamard", "block_size": g.block,
@@ -55,6 +66,18 @@ def policy(checkpoint: Checkpoint, names: list[str], *, weights: bool = False) -
     if fmt.CALIBRATION and any(r.get("scale_source") == "static" for r in rules):
         out["calibration"] = dict(fmt.CALIBRATION)
     return out
+
+
+def _engine_kv(fields: dict[str, Any], backend: str) -> dict[str, Any]:
+    """A checkpoint's KV rule as vLLM runs it on `backend`: its FP8 cache (E4M3, whatever
+    the producer's rounding) with the stored scales, in the backend's conversion."""
+    if fields["format"] != "fp8_e4m3":
+        raise UserError("vLLM's NVFP4 KV cache is not simulated yet; open the checkpoint without "
+                        "engine= (the producer's fake quantization)")
+    if fields.get("granularity") == "head":
+        raise UserError("vLLM's per-head KV scales are not simulated yet; open the checkpoint "
+                        "without engine= (the producer's fake quantization)")
+    return {**engines.kv_fields("e4m3", backend), "scale_source": "static", "observer": "static_minmax"}
 
 
 def describe(checkpoint: Checkpoint) -> list[str]:

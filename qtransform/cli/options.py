@@ -21,7 +21,7 @@ def add_common(p: argparse.ArgumentParser) -> None:
                    "token, tensor (int and fp8 formats)")
     p.add_argument("--scale-rule", help="MX scale rule: floor (default), rceil, ceil, even, "
                    "compressed-tensors")
-    p.add_argument("--rounding", help="rne (default), rna or stochastic")
+    p.add_argument("--rounding", help="rne (default), rna, rtz (toward zero) or stochastic")
     p.add_argument("--nvfp4-variant", help="NVFP4: default, compressed-tensors, one_level, modelopt")
     p.add_argument("--int-range", help="int4/int8: restricted (default, amax/qmax) or full "
                    "(compressed-tensors' amax/(qmax+0.5))")

@@ -150,13 +150,35 @@ def attention_graph(self_attr: str) -> fx.Graph:
     return graph
 
 
+def _attend_node(graph: fx.Graph, what: str) -> fx.Node:
+    call = next((n for n in graph.nodes if n.op == "call_function" and n.target is attend), None)
+    if call is None:
+        raise UserError(f"{what}: the attention already runs an engine's kernel or computes its "
+                        "probabilities eagerly; an engine kernel and the probs point exclude each "
+                        "other (the kernel rounds its probabilities itself)")
+    return call
+
+
+def replace_kernel(graph: fx.Graph, attr: str) -> fx.Node:
+    """Run the child module `attr` instead of the original implementation, called as
+    `attr(module, query, key, value, attention_mask, options)` with the graph's current values
+    (`module`: the attention module itself)."""
+    call = _attend_node(graph, "kernel")
+    module, query, key, value, mask, _, options = call.args
+    with graph.inserting_before(call):
+        new = graph.call_module(attr, (module, query, key, value, mask, options))
+    call.replace_all_uses_with(new)
+    graph.erase_node(call)
+    return new
+
+
 def probs_node(graph: fx.Graph) -> fx.Node:
     """The graph's probabilities, splitting the one `attend` call into the eager computation
     (`attention_probs`, then `attention_values`) the first time they are asked for."""
     for node in graph.nodes:
         if node.op == "call_function" and node.target is attention_probs:
             return node
-    call = next(n for n in graph.nodes if n.op == "call_function" and n.target is attend)
+    call = _attend_node(graph, "probs")
     module, query, key, value, mask, _, options = call.args
     with graph.inserting_before(call):
         probs = graph.call_function(attention_probs, (module, query, key, mask, options))

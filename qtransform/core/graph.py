@@ -37,7 +37,7 @@ class GraphHost(Protocol):
     def recompile(self) -> object: ...
 
 
-Point = Literal["weight", "input", "output", "query", "key", "value", "probs"]
+Point = Literal["weight", "input", "output", "query", "key", "value", "probs", "kernel"]
 POINTS: tuple[Point, ...] = ("weight", "input", "output")
 ATTENTION_POINTS: tuple[Point, ...] = ("query", "key", "value", "output")  # probs: on demand
 
@@ -194,7 +194,11 @@ class GraphSite:
         self, point: Point, module: nn.Module, *, pass_name: str, tag: str, extra: tuple[str, ...] = ()
     ) -> Insertion:
         """Route the site's `point` through `module`, called as `module(head, *extra_values)`;
-        `extra` names other values (`"input"`, `"raw:weight"`, ...) the module also needs."""
+        `extra` names other values (`"input"`, `"raw:weight"`, ...) the module also needs. An
+        attention site's "kernel" is its attention call itself, which `module` replaces
+        (`attention.replace_kernel`)."""
+        if point == "kernel":
+            return self._replace_kernel(module, pass_name, tag)
         head = self.value(point)
         extras = tuple(self.value(e) for e in extra)
         base = (f"{_safe(self.site.name)}__" if self.op_node is not None
@@ -218,6 +222,18 @@ class GraphSite:
             self.raw[point] = new  # measure against is the rotated full-precision value
         path = f"{self.prefix}.{attr}" if self.prefix else attr
         insertion = Insertion(self.site.name, point, pass_name, tag, new.name, path)
+        self.log.append(insertion)
+        return insertion
+
+    def _replace_kernel(self, module: nn.Module, pass_name: str, tag: str) -> Insertion:
+        if self.site.kind != "attention" or self.op_node is not None:
+            raise ValueError(f"{self.site.name}: only an attention site in module mode has a kernel")
+        attr = self._free_attr(f"kernel_{tag}")
+        self.owner.add_module(attr, module)
+        new = attention.replace_kernel(self.graph, attr)
+        new.meta["qtransform"] = {"site": self.site.name, "point": "kernel", "pass": pass_name, "tag": tag}
+        path = f"{self.prefix}.{attr}" if self.prefix else attr
+        insertion = Insertion(self.site.name, "kernel", pass_name, tag, new.name, path)
         self.log.append(insertion)
         return insertion
 

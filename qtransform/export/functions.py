@@ -215,11 +215,14 @@ def ceil_log2(b: Body, a: str) -> str:
 
 # -- element rounding ------------------------------------------------------------------------
 def round_to_integer(b: Body, t: str, rounding: str) -> str:
-    """Round non-negative t: half-to-even (ONNX Round) or half away (floor(t + 0.5))."""
+    """Round non-negative t: half-to-even (ONNX Round), half away (floor(t + 0.5)) or toward
+    zero (Floor)."""
     if rounding == "rne":
         return b.op("Round", t)
     if rounding == "rna":
         return b.op("Floor", b.op("Add", t, b.const(0.5)))
+    if rounding == "rtz":
+        return b.op("Floor", t)
     raise UnsupportedExport(f"rounding {rounding!r} has no ONNX body (stochastic draws cannot be reproduced)")
 
 

@@ -46,11 +46,14 @@ def divide(a: torch.Tensor, b: float) -> torch.Tensor:
 
 
 def round_to_integer(t: torch.Tensor, rounding: str, u: torch.Tensor | None) -> torch.Tensor:
-    """Round non-negative t to an integer: half-to-even, half-away, or floor(t + u)."""
+    """Round non-negative t to an integer: half-to-even, half-away, toward zero (truncation, as
+    vLLM's CPU KV-cache writer converts to FP8), or floor(t + u)."""
     if rounding == "rne":
         return torch.round(t)
     if rounding == "rna":
         return torch.floor(t + 0.5)
+    if rounding == "rtz":
+        return torch.floor(t)
     assert u is not None, "stochastic rounding needs uniform draws"
     return torch.floor(t + u)
 

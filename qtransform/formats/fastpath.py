@@ -310,6 +310,7 @@ def quantize(
         or (cfg.int_range, cfg.scale_dtype, cfg.fp8_variant) != ("restricted", "float32", "default")
         or cfg.nvfp4_variant == "modelopt"  # the reference path only
         or (seed is None and cfg.rounding == "stochastic")
+        or cfg.rounding not in _ROUNDING  # truncation: the reference path only
         or x.numel() == 0
         or not enabled()
         or library() is None

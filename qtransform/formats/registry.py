@@ -75,7 +75,7 @@ INT8 = ElementSpec("int8", "int", 0, 0, emax=0, emin=0, max_normal=127.0, qmax=1
 SCALE_DTYPES = ("float32", "bfloat16", "float16", "input")  # fp32-scaled families' scale dtype
 SCALE_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
-ROUNDINGS = ("rne", "rna", "stochastic")  # every family's element rounding
+ROUNDINGS = ("rne", "rna", "rtz", "stochastic")  # every family's element rounding
 # what one scale covers: a 1D block along an axis, a whole row of a weight (one scale per output
 # channel) or of an activation (per token), the whole tensor, or a 2D tile of the last two dims
 GRANULARITIES = ("block", "channel", "token", "tensor", "tile")

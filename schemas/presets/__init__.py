@@ -205,11 +205,12 @@ def check_options(preset: Preset, options: Any) -> dict[str, Any]:
     return dict(options)
 
 
-def expand(data: Mapping[str, Any], chosen: Sequence[Preset]) -> dict[str, Any]:
+def expand(data: Mapping[str, Any], chosen: Preset | Sequence[Preset]) -> dict[str, Any]:
     """`data` (a policy's JSON data naming the presets `chosen`) with the presets' contents, built
     with its `preset_options`, merged under it: each preset over the one before (a later preset's
     rule wins where it selects the same site and tensor), the policy's own fields over them all.
     An option goes to every preset that has it, and must be one of some preset's."""
+    chosen = [chosen] if isinstance(chosen, Preset) else list(chosen)
     options = data.get("preset_options")
     if options is not None and len(chosen) > 1 and isinstance(options, Mapping):
         known = {o.name for p in chosen for o in p.options}

@@ -79,7 +79,8 @@ class QuantRule(Selected):
     )
     rounding: StrictStr = Field(
         OPTION_DEFAULTS["rounding"], json_schema_extra={"enum": all_option_values("rounding")},
-        description="rne: half to even; rna: half away from zero; stochastic (see seed)",
+        description="rne: half to even; rna: half away from zero; rtz: toward zero (truncation); "
+        "stochastic (see seed)",
     )
     nvfp4_variant: StrictStr | None = Field(
         None, json_schema_extra={"enum": [*all_option_values("nvfp4_variant"), None]},
@@ -508,6 +509,9 @@ def _scale_words(rule: QuantRule) -> str:
                      + (f" (averaging constant {rule.observer_kwargs.averaging_constant})"
                         if rule.observer_kwargs else "")
                      + ", then frozen (training and noise leave them unchanged).")
+    elif source == "fixed":
+        words.append(f"The scale is fixed at {rule.fixed_scale:g} (x divided by it), as an engine "
+                     "uses a scale it was given.")
     elif source == "token":
         words.append("Activation global scales are per token (each row its own): a sequence's "
                      "outputs do not depend on its batch.")

@@ -33,7 +33,7 @@ def test_exports():
     (lambda x: fake_quantize(x, "nvfp4", scale_rule="rceil"), "MX formats only"),
     (lambda x: fake_quantize(x, "int8", scale_rule="even"), "MX formats only"),
     (lambda x: fake_quantize(x, "mxfp4", scale_rule="ceiling"), "allowed: floor, rceil, ceil"),
-    (lambda x: fake_quantize(x, "mxfp4", rounding="nearest"), "allowed: rne, rna, stochastic"),
+    (lambda x: fake_quantize(x, "mxfp4", rounding="nearest"), "allowed: rne, rna, rtz, stochastic"),
     (lambda x: fake_quantize(x, "mxfp4", rounding="rnee"), "did you mean 'rne'"),
     (lambda x: fake_quantize(x, "nvfp4", nvfp4_variant="torchao"), "default, compressed-tensors"),
     (lambda x: fake_quantize(x, "nvfp4", nvfp4_varient="default"), "did you mean 'nvfp4_variant'"),

@@ -233,7 +233,7 @@ def test_choice_suggestion_comes_from_the_given_value() -> None:
 def test_choice_without_a_close_value_has_no_hint() -> None:
     with pytest.raises(
         ValueError,
-        match=exactly("int4: rounding='zzz' is not allowed; allowed: rne, rna, stochastic"),
+        match=exactly("int4: rounding='zzz' is not allowed; allowed: rne, rna, rtz, stochastic"),
     ):
         resolve("int4", rounding="zzz")
 

@@ -99,7 +99,7 @@ def test_unknown_format_and_misspelt_key_suggest():
         ({"block_shape": [32, 32], "block_size": 32}, "quantize[0].block_shape: give block_size or block_shape, not both"),
         ({"format": "nvfp4", "scale_rule": "rceil"}, "quantize[0].scale_rule: not supported by nvfp4; got 'rceil'; allowed: floor"),
         ({"scale_rule": "flor"}, "quantize[0].scale_rule: unknown value; got 'flor'; allowed: floor, rceil, ceil, even, compressed-tensors (did you mean 'floor'?)"),
-        ({"rounding": "nearest"}, "quantize[0].rounding: unknown value; got 'nearest'; allowed: rne, rna, stochastic"),
+        ({"rounding": "nearest"}, "quantize[0].rounding: unknown value; got 'nearest'; allowed: rne, rna, rtz, stochastic"),
         ({"nvfp4_variant": "default"}, "quantize[0].nvfp4_variant: mxfp4 takes no nvfp4_variant; remove it"),
         ({"seed": 1}, "quantize[0].seed: only used with rounding 'stochastic'; got 1"),
         ({"tensors": ["weight", "weight"]}, "quantize[0].tensors[1]: duplicate item; got 'weight'"),

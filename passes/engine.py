@@ -1,0 +1,63 @@
+"""Engine pass: the selected attention modules run an inference engine's attention kernel.
+
+The kernel (`core/attention_kernels.py`: vLLM's CPU attention, FlashAttention-3's or vLLM
+Triton's FP8 forward) replaces the model's attention implementation inside each attention
+site's graph (its "kernel" point), after the quantize rules' query, key and value quantizers, so
+it reads what the engine's cache would hold. With the engine section absent nothing changes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from qtransform.core.attention_kernels import KERNELS
+from qtransform.core.engines import device_backend
+from qtransform.core.program import Program
+from qtransform.core.sites import ATTENTION_KIND
+from qtransform.pipeline.base import Action, Pass, register_pass
+from qtransform.pipeline.selection import select_sites
+from qtransform.schemas.sections.engine import EngineSpec
+
+
+class EngineAttention(nn.Module):
+    """One attention module's engine kernel (`backend` of `engine`)."""
+
+    def __init__(self, engine: str, backend: str):
+        super().__init__()
+        self.engine, self.backend = engine, backend
+        self.kernel = KERNELS[backend]
+
+    def extra_repr(self) -> str:
+        return f"{self.engine} {self.backend}"
+
+    def forward(self, module: nn.Module, query: Tensor, key: Tensor, value: Tensor,
+                attention_mask: Tensor | None, options: dict[str, Any]) -> tuple[Tensor, None]:
+        return self.kernel(module, query, key, value, attention_mask, options)
+
+
+@register_pass
+class EnginePass(Pass[EngineSpec, EngineSpec]):
+    """Puts `EngineAttention` at the kernel point of every selected attention site."""
+
+    name = tag = section = "engine"
+    provides = (name,)
+
+    def select(self, program: Program, spec: EngineSpec) -> list[Action[EngineSpec]]:
+        return [Action(site, "kernel", "engine", spec)
+                for site in select_sites(program, spec, "engine", kinds=(ATTENTION_KIND,))]
+
+    def build(self, program: Program, action: Action[EngineSpec]) -> nn.Module:
+        return EngineAttention(action.payload.name, resolved(program.model, action.payload.backend))
+
+    def describe(self, action: Action[EngineSpec]) -> str:
+        return f"{action.payload.name} {action.payload.backend} attention kernel"
+
+
+def resolved(model: nn.Module, backend: str) -> str:
+    """`backend`, with "auto" resolved from the model's device (`core.engines.device_backend`)."""
+    if backend != "auto":
+        return backend
+    return device_backend(next((p.device for p in model.parameters()), torch.device("cpu")))

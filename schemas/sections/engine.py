@@ -1,0 +1,57 @@
+"""The `engine` section: which inference engine and backend the model's attention simulates.
+
+An engine's attention kernel computes its own numbers from the query, keys and values it reads:
+vLLM's CPU backend runs everything in fp32; FlashAttention-3 and vLLM's Triton backend round the
+probabilities to FP8 inside the kernel when the cache is FP8. This section puts that kernel in
+place of the model's attention implementation on the selected attention modules; what the
+cache stores (the keys' and values' format and scales) stays the quantize rules' (the `vllm/`
+presets write both). docs/attention.md says what each backend computes and how it was checked.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from qtransform.core.engines import BACKENDS, ENGINES
+
+from ..base import Entries, Selected
+from ..words import describe_selector
+from . import Section, register_section
+
+BACKEND_WORDS = {
+    "auto": "the engine's backend on the model's device (cpu on CPU, flash-attn-3 on Hopper GPUs, "
+            "triton on others)",
+    "cpu": "vLLM's CPU attention (fp32 products and softmax, the output cast to the model's dtype)",
+    "flash-attn-3": "FlashAttention-3's FP8 forward (probabilities rounded to E4M3 per key tile, "
+                    "the row sum from the unrounded ones)",
+    "triton": "vLLM's Triton unified attention with an FP8 cache (P·256 rounded to E4M3)",
+}
+
+
+class EngineSpec(Selected):
+    """The engine and backend whose attention kernel the selected attention modules run."""
+
+    targets: Entries = Field(default_factory=lambda: ["Attention"], min_length=1,
+                             description="the attention modules (class names, globs or 're:')")
+    name: Literal[ENGINES] = Field("vllm", description="the inference engine")  # type: ignore[valid-type]
+    backend: Literal[BACKENDS] = Field(  # type: ignore[valid-type]
+        "auto", description="its attention backend: auto (the model's device: cpu on CPU, "
+        "flash-attn-3 on Hopper GPUs, triton on others), cpu (vLLM's CPU kernels), flash-attn-3, "
+        "triton (vLLM's Triton attention)")
+
+
+def describe(spec: EngineSpec) -> list[str]:
+    return [f"Engine: the attention of {describe_selector(spec).rstrip(',')} computes as "
+            f"{BACKEND_WORDS[spec.backend]}."]
+
+
+def summary(spec: EngineSpec) -> str:
+    return f"engine ({spec.name} {spec.backend})"
+
+
+register_section(Section("engine", EngineSpec | None, None, describe, summary, order=5,
+                         description="the inference engine and backend whose attention kernel "
+                                     "the model simulates",
+                         example={"backend": "cpu"}))
