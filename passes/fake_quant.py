@@ -449,7 +449,7 @@ class FakeQuantPass(Pass[list[QuantRule], QuantRule]):
             raise UserError(f"{site.name}: its config does not give its number of heads, which "
                             'granularity "head" needs; use "tensor" or "token"')
         count = site.heads[0] if point == "query" else site.heads[1]
-        return HeadwiseQuantize([one(f"{label}.head{h}") for h in range(count)], label)
+        return HeadwiseQuantize([one(f"{label}{ops.HEAD_SUFFIX}{h}") for h in range(count)], label)
 
     def _group(self, program: Program, site: Site) -> ScaleGroup | None:
         members = self._groups.get(site.name)

@@ -139,6 +139,7 @@ def is_tracing(x: object) -> bool:
 
 
 EXPERT_SUFFIX = ".expert"  # fused experts quantized expert by expert: `<label>.expert<e>` nodes
+HEAD_SUFFIX = ".head"  # attention tensors with one scale per head: `<label>.head<h>` nodes
 
 
 def expert_label(label: str, expert: int) -> str:
@@ -147,9 +148,13 @@ def expert_label(label: str, expert: int) -> str:
 
 
 def split_expert_label(label: str) -> tuple[str, int | None]:
-    """(the insertion's label, the expert index) of a node label; None for a whole-tensor node."""
-    base, sep, index = label.rpartition(EXPERT_SUFFIX)
-    return (base, int(index)) if sep and index.isdigit() else (label, None)
+    """(the insertion's label, the part's index) of a node label: one expert's
+    (`<label>.expert<e>`) or one head's (`<label>.head<h>`); None for a whole-tensor node."""
+    for suffix in (EXPERT_SUFFIX, HEAD_SUFFIX):
+        base, sep, index = label.rpartition(suffix)
+        if sep and index.isdigit():
+            return base, int(index)
+    return label, None
 
 
 @torch.library.custom_op("qtransform::rotate", mutates_args=())

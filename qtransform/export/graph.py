@@ -218,7 +218,8 @@ def finish_fake_quant(model: ModelProto, opset: int) -> list[str]:
 
 def audit(labels: list[str], log: list[dict]) -> None:
     """Every quantized site tensor of the log appears as exactly one fake-quant node (a fused
-    experts weight quantized expert by expert: one node per expert, `<label>.expert<e>`)."""
+    experts weight quantized expert by expert: one node per expert, `<label>.expert<e>`; an
+    attention tensor with one scale per head: one node per head, `<label>.head<h>`)."""
     expected = Counter(FakeQuantPass.label(e["site"], e["point"]) for e in log if e["pass_name"] == FakeQuantPass.name)
     found: Counter[str] = Counter()
     experts: dict[str, set[int]] = {}
