@@ -12,8 +12,8 @@ import torch
 import qtransform
 from qtransform.export.graph import fake_quant_nodes
 from qtransform.models import build_tiny
-from tests.export.test_onnx_presets import _relative_error
 from tests.export.test_onnx_export import LOGIT_RTOL
+from tests.export.test_onnx_presets import _relative_error
 
 POLICIES = {
     "llm-compressor kv": {"preset": ["llm-compressor/FP8_DYNAMIC", "llm-compressor/KV_FP8"]},
