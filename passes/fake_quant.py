@@ -33,6 +33,7 @@ from qtransform.core.versions import Watch, recheck
 from qtransform.errors import UserError
 from qtransform.formats import QuantConfig
 from qtransform.formats.quantize import check_fits
+from qtransform.formats.stored import scale_of, stored_input_scale
 from qtransform.pipeline.base import Action, Pass, register_pass
 from qtransform.pipeline.selection import resolve_quantize, share_groups
 from qtransform.schemas import QuantRule
@@ -229,6 +230,18 @@ class FakeQuantize(nn.Module):
         key = "tensor_scale" if kind == "scale" else "global_amax"
         self._pinned = [{key: float(v)} for v in value.reshape(-1).tolist()]
 
+    def stored_scale(self, dtype: torch.dtype) -> Tensor:
+        """The tensor-level scale of a calibrated or stored static scale as a checkpoint stores
+        it (and an engine receives it) for a tensor of `dtype`: FP8's amax / max in the
+        format's scale dtype, as 0-dim; what `export_checkpoint` writes as k_scale / v_scale."""
+        static = self.static_scale
+        if static is None or not static.frozen:
+            raise UserError(f"{self.label}: no calibrated static scale; pass calibration=batches "
+                            "(CLI: --calib FILE)")
+        scale = (stored_input_scale(self.config, static.scale, dtype) if static.stored
+                 else scale_of(self.config, static.amax, dtype))[0]
+        return scale.reshape(-1)[0]
+
     def clear_cache(self) -> None:
         """Drop the cached quantized weight (a sequential scan frees each layer after use)."""
         self._watch.forget()
@@ -308,6 +321,13 @@ class HeadwiseQuantize(nn.Module):
         super().__init__()
         self.heads = nn.ModuleList(heads)
         self.label = label
+
+    def quantizers(self) -> list[FakeQuantize]:
+        return list(self.heads)  # type: ignore[arg-type]
+
+    def stored_scale(self, dtype: torch.dtype) -> Tensor:
+        """Each head's stored scale (`FakeQuantize.stored_scale`), 1-D."""
+        return torch.stack([quant.stored_scale(dtype) for quant in self.quantizers()])
 
     def forward(self, x: Tensor) -> Tensor:
         if x.shape[1] != len(self.heads):
@@ -418,7 +438,7 @@ class FakeQuantPass(Pass[list[QuantRule], QuantRule]):
             assert name is not None
             kwargs = rule.observer_kwargs
             static = StaticScale(name, config.block, kwargs.averaging_constant if kwargs else 0.01,
-                                 routed=site.kind == "experts")
+                                 routed=site.kind == "experts", tensor=action.point)
         group = self._group(program, site) if weight else None
         return FakeQuantize(config, label, cache=weight,
                             per_expert=site.kind == "experts" and weight, lora=rule.lora,
@@ -438,7 +458,8 @@ class FakeQuantPass(Pass[list[QuantRule], QuantRule]):
                 observer = observer_name(rule)
                 assert observer is not None
                 kwargs = rule.observer_kwargs
-                static = StaticScale(observer, config.block, kwargs.averaging_constant if kwargs else 0.01)
+                static = StaticScale(observer, config.block, kwargs.averaging_constant if kwargs else 0.01,
+                                     tensor=point)
             return FakeQuantize(config, name, global_scale=source, static_scale=static,
                                 fixed_scale=rule.fixed_scale if source == "fixed" else None,
                                 heads_first=True)

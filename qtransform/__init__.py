@@ -16,6 +16,7 @@ registers the passes of `qtransform.passes` with the pipeline.
 """
 
 from qtransform import formats, passes
+from qtransform.calibration import calibrate
 from qtransform.core.capture import CaptureError, capture
 from qtransform.core.program import Program, insertion_log
 from qtransform.core.sites import Site
@@ -58,6 +59,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CaptureError",
+    "calibrate",
     "NoiseController",
     "Pass",
     "PassManager",

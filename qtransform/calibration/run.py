@@ -11,7 +11,7 @@ without a mask run as they are.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -34,9 +34,13 @@ def run_model(model: nn.Module, batch: Tensor) -> Any:
     return model(*args, **kwargs)
 
 
-def calibrate(model: nn.Module, batches: CalibrationBatches, *, attention: str = "model") -> int:
+def calibrate(model: nn.Module, batches: CalibrationBatches, *, attention: str = "model",
+              tensors: Sequence[str] | None = None) -> int:
     """Calibrate every static scale of a transformed model on `batches` (model-input dicts, or
-    input_ids / input tensors), then freeze them; returns the number of batches.
+    input_ids / input tensors), then freeze them; returns the number of batches. `tensors`
+    recalibrates only the scales of those tensors (["key", "value"]: the KV-cache scales, which
+    follow the weights after each update in an RL loop, as NeMo RL recomputes them), leaving
+    the others as they are.
 
     The model runs as it would deployed before quantization, as llm-compressor's and ModelOpt's
     calibration do: eval mode, no gradient, every fake-quant and noise module passing its tensor
@@ -45,8 +49,11 @@ def calibrate(model: nn.Module, batches: CalibrationBatches, *, attention: str =
     and the attention are put back afterwards. Observers see the real tokens of each batch only
     (its `attention_mask`: see the module docstring). A static scale that no batch reached is an
     error naming it."""
-    scales = static_scales(model)
+    scales = {name: s for name, s in static_scales(model).items() if tensors is None or s.tensor in tensors}
     if not scales:
+        if tensors is not None:
+            raise UserError(f"calibration: the model has no static scale of {', '.join(tensors)}; "
+                            "its quantize rules calibrate none (scale_source 'static')")
         return 0
     for scale in scales.values():
         scale.start()

@@ -235,9 +235,10 @@ class StaticScale(nn.Module):
     """
 
     def __init__(self, observer: str, group: int, averaging_constant: float = 0.01, *,
-                 routed: bool = False):
+                 routed: bool = False, tensor: str = "input"):
         super().__init__()
         self.routed = routed  # observes an experts module's grouped rows (`real_rows`)
+        self.tensor = tensor  # the site tensor it scales ("input", "key", "value", ...)
         self.observer_name = observer
         self.group = group
         self.averaging_constant = averaging_constant

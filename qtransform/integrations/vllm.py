@@ -14,6 +14,7 @@ be matched. A generator is passed as is when the engine runs in this process
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -35,7 +36,12 @@ def _load_weights(worker: Any, pairs: Iterable[tuple[str, Tensor]]) -> int:
 
 def push_weights(llm: LLM, pairs: Iterable[tuple[str, Tensor]], *, via: str = "reload_weights") -> None:
     """Load `pairs` (e.g. `qtransform.rollout_weights(model)`) into the engine `llm` (a
-    `vllm.LLM`), then drop the prefix cache so no stale KV blocks are reused."""
+    `vllm.LLM`), then drop the prefix cache so no stale KV blocks are reused. An engine with an
+    FP8 KV cache keeps the k_scale / v_scale it started with unless the push carries new ones:
+    a push without them is reported (`KVScaleWarning`), since a cache left at its old scales
+    (1.0 when its checkpoint had none) after the weights moved is a silent rollout mismatch."""
+    seen = _ScaleNames(pairs)  # a list (across processes) is read here, a generator as it streams
+    pairs = pairs if isinstance(pairs, (list, tuple)) else seen
     if via == "load_weights":
         llm.collective_rpc(_load_weights, args=(pairs,))
     elif via == "reload_weights":
@@ -43,6 +49,40 @@ def push_weights(llm: LLM, pairs: Iterable[tuple[str, Tensor]], *, via: str = "r
     else:
         raise ValueError(f"via must be 'load_weights' or 'reload_weights', got {via!r}")
     llm.reset_prefix_cache()
+    cache = _kv_cache_dtype(llm)
+    if cache.startswith("fp8") and "per_token_head" not in cache and not seen.scales:
+        warnings.warn(f"the engine runs a {cache} KV cache and this push carries no k_scale / "
+                      "v_scale: it keeps the scales it started with (1.0 unless its checkpoint "
+                      "had them), whatever the pushed weights now produce; give the transformed "
+                      "model static KV scales (a KV preset, calibrated) so that rollout_weights "
+                      "sends them, and recalibrate them after updates (qtransform.calibrate(model, "
+                      'batches, tensors=["key", "value"]))', KVScaleWarning, stacklevel=2)
+
+
+class KVScaleWarning(UserWarning):
+    """A weight push left an FP8 KV cache's scales as they were."""
+
+
+class _ScaleNames:
+    """The pairs of a push, passed through, noting whether any is a KV-cache scale."""
+
+    def __init__(self, pairs: Iterable[tuple[str, Tensor]]):
+        self.pairs = pairs
+        self.scales = isinstance(pairs, (list, tuple)) and any(_is_scale(n) for n, _ in pairs)
+
+    def __iter__(self):
+        for name, tensor in self.pairs:
+            self.scales = self.scales or _is_scale(name)
+            yield name, tensor
+
+
+def _is_scale(name: str) -> bool:
+    return name.endswith((".k_scale", ".v_scale", ".kv_scale"))
+
+
+def _kv_cache_dtype(llm: LLM) -> str:
+    config = getattr(getattr(getattr(llm, "llm_engine", None), "vllm_config", None), "cache_config", None)
+    return str(getattr(config, "cache_dtype", "auto"))
 
 
 class VLLMEngine:

@@ -11,7 +11,11 @@ gathers exactly as it does today and qtransform never gathers on its own.
 
 One tensor at a time: the extra memory is the tensor being transformed. Only weight-side
 transforms travel: fake quantization of inputs or outputs (W4A4) and hardware error act on
-activations, which an engine computes itself.
+activations, which an engine computes itself. The one exception is a KV cache with static
+scales: the engine quantizes keys and values itself but takes their scales from what it loads,
+so each attention's `k_scale` / `v_scale` follow the stream (in compressed-tensors' names and
+layout), and a recalibration (`qtransform.calibrate(model, batches, tensors=["key", "value"])`)
+reaches the engine with the next push instead of leaving it at the scales it started with.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from qtransform.core.sites import ADAPTER_KEYS, hf_name
 from qtransform.core.tracing import module_graph
 from qtransform.errors import UserError
 from qtransform.passes import AQNNoisePass, FakeQuantize, FakeQuantPass, RotatePass
+from qtransform.passes.fake_quant import HeadwiseQuantize
 
 # what changes a weight (a rotated site sends W·R: the engine rotates its input, docs/rotations.md)
 _WEIGHT_PASSES = (RotatePass.name, FakeQuantPass.name, AQNNoisePass.name)
@@ -121,6 +126,31 @@ def rollout_filter(model: nn.Module, pairs: Iterable[tuple[str, Tensor]], *,
                 tensor = base
             chain = chains.get(key)
             yield key, (_apply(chain, tensor) if chain else tensor)
+        yield from kv_scale_pairs(model)
+
+
+KV_NAMES = {"key": "k_scale", "value": "v_scale"}  # compressed-tensors' names, which vLLM loads
+
+
+def kv_scale_pairs(model: nn.Module) -> Iterator[tuple[str, Tensor]]:
+    """Each attention's static KV scales as an engine loads them: `<attention>.k_scale` /
+    `v_scale`, [1] or [heads, 1, 1], in the model's dtype (what `export_checkpoint` stores).
+    Fixed and dynamic scales do not travel (the engine has its own)."""
+    for name, module in _unwrapped(model).named_modules():
+        state = module_graph(module)
+        if state is None or not state.attention:
+            continue
+        dtype = next((p.dtype for p in module.parameters() if p.is_floating_point()), torch.float32)
+        for ins in state.insertions:
+            child = module._modules.get(ins.module_path.rsplit(".", 1)[-1])
+            if ins.point not in KV_NAMES or ins.pass_name != FakeQuantPass.name or child is None:
+                continue
+            first = child.quantizers()[0] if isinstance(child, HeadwiseQuantize) else child
+            if first.global_scale != "static":
+                continue
+            scale = child.stored_scale(dtype)
+            shape = (1,) if isinstance(child, FakeQuantize) else (scale.numel(), 1, 1)
+            yield f"{hf_name(name)}.{KV_NAMES[ins.point]}", scale.reshape(shape)
 
 
 def _own_tensors(model: nn.Module) -> Iterator[tuple[str, Tensor]]:

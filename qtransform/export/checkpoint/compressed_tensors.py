@@ -31,6 +31,7 @@ from qtransform.formats.stored import Chunk, fp4_stored, weight_chunks
 
 NAME = ct.NAME
 ROTATIONS = True  # transform_config carries online rotations
+KV_ONLY = True  # a kv_cache_scheme with no config group (format "dense")
 
 
 @dataclass(frozen=True)
@@ -131,7 +132,7 @@ def quantization_config(collected: Collected, found: dict[str, Scheme], kv: str 
     formats = {s.layout.format for s in groups}
     return {
         "config_groups": config_groups,
-        "format": formats.pop() if len(formats) == 1 else "mixed-precision",
+        "format": formats.pop() if len(formats) == 1 else "mixed-precision" if formats else "dense",
         "global_compression_ratio": None,
         "ignore": [name for name, e in collected.linears.items() if name not in found],
         "kv_cache_scheme": None if kv is None else json.loads(kv),

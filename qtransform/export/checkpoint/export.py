@@ -98,9 +98,9 @@ def export_checkpoint(
         kv, kv_refusals = kv_cache(collected)
         kv_scheme, scheme_refusals = writer.kv_cache(kv) if kv is not None else (None, [])
         raise_refusals(collected.refusals + refusals + kv_refusals + scheme_refusals, format)
-        if not found:
+        if not found and (kv is None or not writer.KV_ONLY):
             raise UserError("no Linear of the model is quantized: nothing to export in a "
-                            f"{format} checkpoint")
+                            f"{format} checkpoint" + (" (a KV cache alone has no form in it)" if kv else ""))
         transform_config = rotation_config(collected, policy, program) if writer.ROTATIONS else None
         entries = tensor_entries(model, collected, found, writer)
         entries += writer.kv_entries(kv, kv_scheme) if kv is not None else []

@@ -19,6 +19,7 @@ class FormatWriter(Protocol):
 
     NAME: str  # the format's name, as `export_checkpoint(format=...)` takes it
     ROTATIONS: bool  # whether the format stores online rotations (compressed-tensors' transform_config)
+    KV_ONLY: bool  # whether a checkpoint may quantize its KV cache alone (no quantized Linear)
 
     def schemes(self, collected: Collected) -> tuple[dict[str, Any], list[str]]:
         """Each quantized Linear's scheme, and one reason per thing the format cannot express."""

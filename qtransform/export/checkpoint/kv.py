@@ -18,7 +18,6 @@ from torch import Tensor, nn
 
 from qtransform.export.checkpoint.collect import AttentionExport, Collected
 from qtransform.formats import QuantConfig
-from qtransform.formats.stored import scale_of, stored_input_scale
 from qtransform.passes import FakeQuantize
 from qtransform.passes.fake_quant import HeadwiseQuantize
 
@@ -101,14 +100,7 @@ def _scale_reason(child: nn.Module, first: FakeQuantize) -> str | None:
 def kv_scales(child: nn.Module, dtype: torch.dtype) -> Tensor:
     """The stored scale of each head (one value per tensor without heads) of an attention
     point's quantizer, as the format computes it for a model of `dtype`: 1-D."""
-    out = []
-    for quant in _quantizers(child):
-        static = quant.static_scale
-        assert static is not None and static.frozen
-        scale = (stored_input_scale(quant.config, static.scale, dtype) if static.stored
-                 else scale_of(quant.config, static.amax, dtype))[0]
-        out.append(scale.reshape(-1)[0])
-    return torch.stack(out)
+    return child.stored_scale(dtype).reshape(-1)
 
 
 def amaxes(child: nn.Module) -> Tensor:

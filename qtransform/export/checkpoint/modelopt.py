@@ -24,6 +24,7 @@ from qtransform.formats.stored import fp4_stored, weight_chunks
 
 NAME = mo.NAME
 ROTATIONS = False  # hf_quant_config.json has no field for an online rotation
+KV_ONLY = False  # hf_quant_config.json here always names a quant_algo
 
 
 @dataclass(frozen=True)
