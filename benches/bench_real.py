@@ -33,6 +33,9 @@ median times. Cases (the speed goal in brackets):
   export of the original model alone [<= 1 s]
 - sensitivity: exact per-site sensitivity (MXFP4) on 2 x 32 tokens against sites x one
   forward of the original over the same tokens (one run) [<= 1.2x]
+- kv: a prefill forward and a 24-token `generate()` with vLLM's FP8 KV cache simulated
+  (`vllm/kv_fp8_e4m3`, CPU backend: every key and value through the cache's conversion at every
+  step, the backend's fp32 attention) [<= 1.15x each]
 - sites: where the prefill's extra time goes (not in the default run): the W4A16 NVFP4 model
   with every site's forward swapped for a bare `F.linear` (on the cached quantized weight, or on
   its own weight), with fake quantization switched off, and as transformed, against the original
@@ -71,8 +74,12 @@ POLICIES = {
     "w4a16_nvfp4_aqn": {"quantize": [{**LINEAR, "format": "nvfp4"}], "noise": AQN},
     "hw_error": {"hw_error": {"targets": ["Linear"], "error_type": "relative_gaussian",
                               "error_scale": 0.05, "injection_point": "output", "seed": 0}},
+    # vLLM's FP8 KV cache on its CPU backend: keys and values through the cache's conversion,
+    # the backend's fp32 attention kernel (docs/attention.md)
+    "kv_fp8": {"preset": "vllm/kv_fp8_e4m3", "preset_options": {"backend": "cpu"}},
 }
-CASES = ("generate", "prefill", "w4a4", "aqn", "hw_error", "lora", "onnx", "sensitivity", "sites")
+CASES = ("generate", "prefill", "w4a4", "aqn", "hw_error", "lora", "onnx", "sensitivity", "sites",
+         "kv")
 
 
 def smollm2(dtype: torch.dtype) -> tuple[nn.Module, torch.Tensor]:
@@ -287,6 +294,13 @@ def run_case(case: str, model: nn.Module, ids: torch.Tensor, args: argparse.Name
                       args.rounds))
         if case == "hw_error":
             draws_alone(q, ids, threads)
+        del q
+    elif case == "kv":
+        q = transformed(model, "kv_fp8")
+        report(f"kv prefill forward ({ids.shape[1]} tokens), kv_fp8", 1.15,
+               rounds(forward(model, ids), forward(q, ids), threads, args.rounds))
+        report("kv generate 24 tokens, kv_fp8", 1.15,
+               rounds(generate(model, ids), generate(q, ids), threads, args.rounds))
         del q
     elif case == "lora":
         base = lora_step(copy.deepcopy(model), vocab)

@@ -58,6 +58,10 @@ def round_to_integer(t: torch.Tensor, rounding: str, u: torch.Tensor | None) -> 
     return torch.floor(t + u)
 
 
+# torch's own float8 dtypes: rounding to nearest even onto them is one saturated cast
+FLOAT8_DTYPES = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+
+
 def round_magnitude(
     a: torch.Tensor, elem: ElementSpec, rounding: str = "rne", u: torch.Tensor | None = None
 ) -> torch.Tensor:
@@ -66,8 +70,20 @@ def round_magnitude(
     Float elements: step = 2^(max(floor_log2 a, emin) - mbits), so a / step is exact and only the
     integer rounding decides; int elements have a fixed step. The exponent field of a is exact
     wherever it matters (fp32 subnormals lie far below every element's emin, so they take emin),
-    and both powers of two are normal numbers built from bits.
+    and both powers of two are normal numbers built from bits. FP8 elements round to nearest
+    even by torch's cast to its float8 dtype (the same IEEE rounding, saturated first), and
+    toward zero by clearing the mantissa bits they do not keep (their subnormals: a multiple of
+    the subnormal step): fewer operations for the same bits (tests/formats/test_elements.py).
     """
+    dtype = FLOAT8_DTYPES.get(elem.name) if elem.kind == "float" else None
+    if dtype is not None and rounding == "rne":
+        return torch.clamp_max(a, elem.max_normal).to(dtype).to(torch.float32)
+    if dtype is not None and rounding == "rtz":
+        kept = (a.view(torch.int32) & -(1 << (23 - elem.mbits))).view(torch.float32)
+        sub = 2.0 ** (elem.emin - elem.mbits)
+        low = torch.floor(a * (1.0 / sub)) * sub
+        out = torch.clamp_max(torch.where(a < 2.0**elem.emin, low, kept), elem.max_normal)
+        return torch.where(torch.isnan(a), a, out)  # a NaN's low mantissa bits are not cleared
     if elem.kind == "float":
         e = ((a.view(torch.int32) >> 23) - 127).clamp_min(elem.emin) - elem.mbits
         t = a * ((127 - e) << 23).view(torch.float32)

@@ -214,6 +214,8 @@ def _forward(
     fast = _gpu_path(x, cfg, layout, want_sat, want_exps) if amax is None and scale is None else None
     if fast is None and scale is None:
         fast = fastpath.quantize(x, cfg, layout, want_sat, exponents=want_exps, seed=seed, amax=amax)
+    if fast is None and _one_scale(x, cfg, want_exps):
+        fast = _whole_tensor(x, cfg, want_sat, amax, scale)
     if fast is not None:
         out, sat, exps = fast
         assert out is not None
@@ -226,6 +228,32 @@ def _forward(
     if exps is not None and not x.ndim:
         exps = exps.reshape(())
     return out, None if sat is None else sat.reshape(x.shape), exps
+
+
+def _one_scale(x: torch.Tensor, cfg: QuantConfig, want_exps: bool) -> bool:
+    """Whether x is quantized with one scale for all its elements, small enough for one pass
+    (the KV cache at every attention call, a per-tensor activation): `_whole_tensor` then."""
+    limit = CHUNK_ELEMENTS if x.device.type == "cpu" else GPU_CHUNK_ELEMENTS
+    return (cfg.granularity == "tensor" and not cfg.tile and cfg.rounding != "stochastic"
+            and not want_exps and 0 < x.numel() <= limit)
+
+
+def _whole_tensor(
+    x: torch.Tensor, cfg: QuantConfig, want_sat: bool, amax: torch.Tensor | None,
+    scale: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor | None, None]:
+    """The reference path's numbers for a tensor with one scale, as one block of all its
+    elements: the family's kernel is elementwise given the scale, so the blocks' layout (and
+    the padding of its rows) changes no value, and a small tensor skips it (a decode step
+    quantizes each attention's whole cache at a few microseconds of per-call cost)."""
+    bound = bind_dtype(cfg, x.dtype)
+    blocks = x.detach().to(torch.float32).reshape(1, -1)
+    if scale is not None:
+        res = bound.family.quantize(blocks, bound, None, None, scale)
+    else:
+        res = bound.family.quantize(blocks, bound, None, tensor_amax(blocks) if amax is None else amax)
+    out = canonical_nan_(res.out.reshape(x.shape).to(x.dtype))
+    return out, res.sat.reshape(x.shape) if want_sat else None, None
 
 
 def _gpu_path(
