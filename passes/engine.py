@@ -44,6 +44,7 @@ class EnginePass(Pass[EngineSpec, EngineSpec]):
 
     name = tag = section = "engine"
     provides = (name,)
+    modes = ("module",)  # it replaces an attention call inside its attention site's graph
 
     def select(self, program: Program, spec: EngineSpec) -> list[Action[EngineSpec]]:
         return [Action(site, "kernel", "engine", spec)

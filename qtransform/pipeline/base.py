@@ -60,6 +60,7 @@ class Pass(ABC, Generic[SpecT, PayloadT]):
     section: ClassVar[str]  # the policy section this pass reads ("quantize", "noise", ...)
     requires: ClassVar[tuple[str, ...]] = ()
     provides: ClassVar[tuple[str, ...]] = ()
+    modes: ClassVar[tuple[str, ...]] = ("module", "graph")  # the capture modes it works in
     payload_type: ClassVar[type | None] = None  # PayloadT, set by register_pass
 
     @abstractmethod

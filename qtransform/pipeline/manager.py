@@ -78,6 +78,11 @@ class PassManager:
     def run(self, program: Program, policy: Policy) -> Program:
         """Select every pass's actions first (selection changes nothing, and it is where policy
         mistakes surface), then insert; so a bad policy fails before the first change."""
+        for p in self.order:
+            if program.mode not in p.modes and policy.section(p.section):
+                raise UserError(f"the policy's {p.section!r} section works in "
+                                f"{' or '.join(repr(m) for m in p.modes)} mode only; drop "
+                                f"mode={program.mode!r} (module mode is the default)")
         selected = {p.name: self._actions(p, program, policy) for p in self.order}
         for p in self.order:
             program.plan_notes += p.notes(selected[p.name])

@@ -22,6 +22,7 @@ import torch
 import qtransform
 from qtransform.core.noise import noise_modules
 from qtransform.core.program import insertion_log
+from qtransform.errors import UserError
 from qtransform.models import build_tiny
 from qtransform.pipeline import registered_passes
 from qtransform.schemas.sections import SECTIONS
@@ -81,6 +82,10 @@ def test_every_pass_conforms(name, mode, base, tmp_path):
     original, x, want = base
     pol = policy_for(name)
     example = {"input_ids": x} if mode == "graph" else None
+    if mode not in next(p for p in registered_passes() if p.name == name).modes:
+        with pytest.raises(UserError, match=f"works in .* mode only; drop mode='{mode}'"):
+            qtransform.transform_program(original, pol, example, mode=mode)
+        return
     program = qtransform.transform_program(original, pol, example, mode=mode)
     transformed = at_noisy_step(program.module())
 

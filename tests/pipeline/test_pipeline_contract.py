@@ -30,7 +30,8 @@ from qtransform.pipeline.selection import check_axis, rule_label, select_sites
 from qtransform.schemas import QuantRule, load_policy
 from tests.conftest import ids
 
-STANDARD = ["rotate", "aqn_noise", "fake_quant", "hw_error", "activation_noise", "clamp", "instrument"]  # import order of passes/
+STANDARD = ["rotate", "aqn_noise", "fake_quant", "hw_error", "activation_noise", "clamp", "engine",
+            "instrument"]  # import order of passes/
 HINT_TAIL = "use -1 (the last axis, the default for activations) or -2, or drop axis (the reduction axis)"
 MXFP4_DETAIL = "mxfp4 block=32, scale_rule=floor, rounding=rne"
 
@@ -153,7 +154,8 @@ def test_registered_passes_are_the_standard_pipeline_in_import_order():
     got = registered_passes()
     assert [p.name for p in got] == STANDARD
     assert [type(p).__name__ for p in got] == ["RotatePass", "AQNNoisePass", "FakeQuantPass", "HWErrorPass",
-                                               "ActivationNoisePass", "ClampPass", "InstrumentPass"]
+                                               "ActivationNoisePass", "ClampPass", "EnginePass",
+                                               "InstrumentPass"]
 
 
 def test_register_pass_adds_a_new_pass_last_and_accepts_the_same_class_twice(registry):
