@@ -329,6 +329,25 @@ class HeadwiseQuantize(nn.Module):
         """Each head's stored scale (`FakeQuantize.stored_scale`), 1-D."""
         return torch.stack([quant.stored_scale(dtype) for quant in self.quantizers()])
 
+    @property
+    def enabled(self) -> bool:
+        """Eager only: the heads are switched together (per-site sensitivity, parity)."""
+        return any(quant.enabled for quant in self.heads)
+
+    @enabled.setter
+    def enabled(self, on: bool) -> None:
+        for quant in self.heads:
+            quant.enabled = on
+
+    @property
+    def config(self) -> QuantConfig:
+        """The format every head quantizes in (one rule builds them all)."""
+        return self.heads[0].config
+
+    def quantized_copy(self, x: Tensor) -> Tensor:
+        """The quantized copy of `x`, head by head, without gradient, enabled or not."""
+        return torch.cat([quant.quantized_copy(x[:, h:h + 1]) for h, quant in enumerate(self.heads)], dim=1)
+
     def forward(self, x: Tensor) -> Tensor:
         if x.shape[1] != len(self.heads):
             raise UserError(f"{self.label}: {x.shape[1]} heads reached a quantizer built for "

@@ -17,6 +17,13 @@ site had before any pass (see `GraphSite`):
   same input (`F.linear(raw input, raw weight, bias)`; `addmm` with the [in, out] weight for
   GPT-2's Conv1D). Sites no other pass touched are exact and skip the shadow product.
 
+An attention site's taps sit on its query, key, value and probs ([batch, heads, tokens, head_dim]),
+after their quantizers: the quantized tensor against the raw one, and the same per head
+(`Tap.heads`: one scale per head or not, heads differ in range, and a KV format that suits most
+heads can ruin one). Without attention points in the section, an attention site gets taps on
+its query, key and value (never probs unless named: a probs tap makes the site compute its
+attention eagerly).
+
 A fused experts site's taps also get the tokens each expert received (its activations are grouped
 by expert, `core/experts.py`): they keep each expert's token count and metrics beside the
 site's (`Tap.experts`), so a report can say which expert loses what, and that an expert which
@@ -36,6 +43,7 @@ from torch import Tensor, nn
 
 from qtransform import formats
 from qtransform.core import ops
+from qtransform.core.attention import PROBS
 from qtransform.core.experts import COUNTS, grouped_linear
 from qtransform.core.graph import POINTS
 from qtransform.core.metrics import BlockExponentHistogram, ErrorStats
@@ -43,13 +51,14 @@ from qtransform.core.observers import collecting
 from qtransform.core.phase import in_rollout
 from qtransform.core.program import Program
 from qtransform.core.sharding import sharded
-from qtransform.core.sites import LINEAR_KINDS
+from qtransform.core.sites import ATTENTION_KIND, LINEAR_KINDS
 from qtransform.core.versions import Watch
 from qtransform.formats import QuantConfig
 from qtransform.passes.fake_quant import FakeQuantPass
 from qtransform.pipeline.base import Action, Pass, register_pass
 from qtransform.pipeline.selection import select_sites
 from qtransform.schemas import InstrumentSpec
+from qtransform.schemas.base import ATTENTION_TENSORS
 
 
 def sample_rows(t: Tensor, offset: int, stride: int) -> Tensor:
@@ -89,6 +98,7 @@ class Tap(nn.Module):
         self.saturation = saturation and quantizer is not None
         self.block_exponents = (block_exponents and point == "weight" and quantizer is not None
                                 and quantizer.family.exponents is not None)
+        self.per_head = site_kind == ATTENTION_KIND  # [batch, heads, tokens, head_dim]: per head too
         self.enabled = True
         self.stride = 1
         self.reset()
@@ -107,6 +117,7 @@ class Tap(nn.Module):
         self._weight_watch = Watch()
         self.expert_stats: list[ErrorStats] | None = None  # experts sites: one per expert
         self.expert_tokens: list[int] | None = None
+        self.head_stats: list[ErrorStats] | None = None  # attention sites: one per head
 
     def train(self, mode: bool = True) -> Tap:
         self._weight_watch.recheck()  # a change of mode is a point where every byte is checked
@@ -126,6 +137,8 @@ class Tap(nn.Module):
                 self._observe_experts(head, operands, counts)
             else:
                 self._observe(head, *extras)
+                if self.per_head:
+                    self._observe_heads(head, extras[0])
         self.calls += 1
         return head
 
@@ -186,6 +199,15 @@ class Tap(nn.Module):
                 self.expert_stats[e].update(want[start:start + k], head[start:start + k])
             start += k
 
+    def _observe_heads(self, head: Tensor, raw: Tensor) -> None:
+        """Each head's error, on every row (heads are few and their slices small)."""
+        if head is raw:
+            return
+        if self.head_stats is None:
+            self.head_stats = [ErrorStats() for _ in range(head.shape[1])]
+        for h, stats in enumerate(self.head_stats):
+            stats.update(raw[:, h], head[:, h])
+
     def reference(self, x: Tensor, weight: Tensor, bias: Tensor | None = None, *,
                   counts: Tensor | None = None) -> Tensor:
         """The site's full-precision output on `x`, computed as the original module does
@@ -213,7 +235,16 @@ class Tap(nn.Module):
             out["block_exponents"] = self.exponents.result()
         if self.expert_stats is not None:
             out["experts"] = self.experts()
+        if self.head_stats is not None:
+            out["heads"] = self.heads()
         return out
+
+    def heads(self) -> list[dict[str, Any]] | None:
+        """Attention sites: per head, its metrics and raw sums (None before any measurement)."""
+        if self.head_stats is None:
+            return None
+        return [{"head": h, "metrics": s.result() if s.n else None, "state": s.state() if s.n else None}
+                for h, s in enumerate(self.head_stats)]
 
     def experts(self) -> list[dict[str, Any]] | None:
         """Experts sites: per expert, its calibration tokens (activations), metrics and raw sums
@@ -275,7 +306,11 @@ class InstrumentPass(Pass[InstrumentSpec, InstrumentSpec]):
     def select(self, program: Program, spec: InstrumentSpec) -> list[Action[InstrumentSpec]]:
         actions = []
         points = [p for p in POINTS if p in spec.points]
-        for site in select_sites(program, spec, "instrument", kinds=LINEAR_KINDS):
+        for site in select_sites(program, spec, "instrument", kinds=(*LINEAR_KINDS, ATTENTION_KIND)):
+            if site.kind == ATTENTION_KIND:
+                actions += [Action(site, point, "instrument", spec, extra=(f"raw:{point}",))
+                            for point in attention_points(spec)]
+                continue
             experts = site.kind == "experts"  # biases are added inside; tokens per expert needed
             has_bias = not experts and getattr(program.model.get_submodule(site.name), "bias", None) is not None
             for point in points:
@@ -303,6 +338,13 @@ class InstrumentPass(Pass[InstrumentSpec, InstrumentSpec]):
 
     def describe(self, action: Action[InstrumentSpec]) -> str:
         return "tap + shadow" if action.point == "output" and "raw:weight" in action.extra else "tap"
+
+
+def attention_points(spec: InstrumentSpec) -> list[str]:
+    """The points tapped on an attention site: the section's attention points, else query, key
+    and value."""
+    named = [p for p in ATTENTION_TENSORS if p in spec.points]
+    return named or [p for p in ATTENTION_TENSORS if p != PROBS]
 
 
 def quantizer(program: Program, site: str, point: str) -> QuantConfig | None:

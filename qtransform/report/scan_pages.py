@@ -103,9 +103,15 @@ def _site_table(report: ScanReport) -> tuple[list[dict[str, Any]], list[bool]]:
             "rel_rmse %": 100 * m["rel_rmse"], "cosine": m["cosine"],
             "deadzone %": 100 * m["deadzone"], "saturation %": 100 * m["saturation"],
             "block exp": "" if exps.get("min") is None else f"{exps['min']}..{exps['max']}",
+            "SQNR dB per head": _heads_text(r),
             "problems": "; ".join(why)})
         flagged.append(bool(why))
     return rows, flagged
+
+
+def _heads_text(row: SiteRow) -> str:
+    """An attention row's SQNR head by head ("" for other rows)."""
+    return ", ".join(f"{(h.get('metrics') or {}).get('sqnr_db', math.nan):.2f}" for h in row.heads or ())
 
 
 def _detail_figure(row: SiteRow, hists: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -272,7 +278,8 @@ def sensitivity_page(report: SensitivityReport, *, top: int = 10, command: str |
                 for r in best])
     page.section("All sites")
     page.table([{"rank": r.rank, "site": r.site, "layer": layer_label(r.layer), "role": r.role,
-                 "params": r.params, "format": r.format, "exact": r.exact, "estimate": r.estimate,
+                 "params": r.params, "format": r.format, "points": "+".join(r.points),
+                 "exact": r.exact, "estimate": r.estimate,
                  "estimate rank": r.estimate_rank} for r in ranked], id="sites")
     link_section(page, links)
     return page

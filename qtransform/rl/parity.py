@@ -42,6 +42,7 @@ from qtransform.core.program import insertion_log
 from qtransform.errors import UserError
 from qtransform.models import source_tokenizer
 from qtransform.passes import FakeQuantize
+from qtransform.passes.fake_quant import HeadwiseQuantize
 from qtransform.rl.mismatch import mismatch_metrics
 from qtransform.rl.parity_report import ATTRIBUTION_KEY, ParityReport
 from qtransform.rl.sampling import Sampling
@@ -144,15 +145,28 @@ def trainer_logprobs(model: nn.Module, prompt: list[int], completion: list[int],
 
 
 # -- the sites' switches (floor, attribution) -----------------------------------------------------
+SWITCHED = (FakeQuantize, HeadwiseQuantize, NoiseModule)  # inserted modules parity switches
+
+
 def site_switches(model: nn.Module) -> dict[str, list[nn.Module]]:
     """Per site, the inserted modules that change values and can be switched off: fake quantization
-    and noise (a clamp has no switch and stays)."""
+    (an attention site's query/key/value/probs quantizers too, per head ones switched together)
+    and noise (a clamp and an engine's attention kernel have no switch and stay)."""
     found: dict[str, list[nn.Module]] = {}
     for ins in insertion_log(model):
         module = model.get_submodule(ins.module_path)
-        if isinstance(module, (FakeQuantize, NoiseModule)):
+        if isinstance(module, SWITCHED):
             found.setdefault(ins.site, []).append(module)
     return found
+
+
+def site_points(model: nn.Module) -> dict[str, list[str]]:
+    """Per site, the points (weight, input, key, value, ...) its switched modules act on."""
+    found: dict[str, set[str]] = {}
+    for ins in insertion_log(model):
+        if isinstance(model.get_submodule(ins.module_path), SWITCHED):
+            found.setdefault(ins.site, set()).add(ins.point)
+    return {site: sorted(points) for site, points in found.items()}
 
 
 @contextmanager
@@ -237,7 +251,7 @@ def parity(model: nn.Module, engine: Engine | LogProbs, prompts: Sequence[list[i
         with only_sites(switches, set()):
             floor_metrics = compare(scored(), engine_lps)[0]
         if attribute:
-            ranked = _attribution(switches, scored, engine_lps, floor_metrics)
+            ranked = _attribution(switches, site_points(model), scored, engine_lps, floor_metrics)
     agreement, divergence = _greedy_agreement(model, engine, ids, max_new_tokens)
     meta = _meta(model, engine, sampling, phase, seed, max_new_tokens, metadata)
     return ParityReport.build(
@@ -277,14 +291,17 @@ def _rollouts(model: nn.Module, engine: Engine | LogProbs, ids: list[list[int]],
     return completions, scored
 
 
-def _attribution(switches: dict[str, list[nn.Module]], scored: Callable[[], list[list[float]]],
-                 engine_lps: list[list[float]], floor: dict[str, float]) -> list[dict[str, Any]]:
-    """One site on at a time: its metrics and what it adds to the floor, largest first."""
+def _attribution(switches: dict[str, list[nn.Module]], points: dict[str, list[str]],
+                 scored: Callable[[], list[list[float]]], engine_lps: list[list[float]],
+                 floor: dict[str, float]) -> list[dict[str, Any]]:
+    """One site on at a time (an attention site: its query/key/value/probs quantizers): its
+    metrics and what it adds to the floor, largest first."""
     rows = []
     for site, modules in switches.items():
         with only_sites(switches, {site}):
             m = compare(scored(), engine_lps)[0]
         rows.append({"site": site, "modules": sorted({type(x).__name__ for x in modules}),
+                     "points": points.get(site, []),
                      **{k: m[k] for k in ("kl", "k3_kl", "chi2_token", "log_ppl_abs_diff")},
                      "added": m[ATTRIBUTION_KEY] - floor[ATTRIBUTION_KEY]})
     rows.sort(key=lambda r: -r["added"])

@@ -159,9 +159,10 @@ class ParityReport:
             lines += ["## Attribution: one site on at a time", "",
                       f"Each site alone transformed (every other site off), scored against the same "
                       f"engine; `added` is its {ATTRIBUTION_KEY} minus the floor's.", "",
-                      "| rank | site | modules | added k3_kl | kl | chi2_token | log_ppl_abs_diff |",
-                      "|---|---|---|---|---|---|---|"]
-            lines += [f"| {r['rank']} | {r['site']} | {', '.join(r['modules'])} | {r['added']:+.3e} | "
+                      "| rank | site | modules | points | added k3_kl | kl | chi2_token | log_ppl_abs_diff |",
+                      "|---|---|---|---|---|---|---|---|"]
+            lines += [f"| {r['rank']} | {r['site']} | {', '.join(r['modules'])} | "
+                      f"{', '.join(r.get('points', []))} | {r['added']:+.3e} | "
                       f"{r['kl']:.3e} | {r['chi2_token']:.3e} | {r['log_ppl_abs_diff']:.3e} |"
                       for r in self.attribution]
             lines.append("")

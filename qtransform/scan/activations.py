@@ -4,6 +4,8 @@ The quantized model (with taps, `passes/instrument.py`) and the full-precision m
 same batches. Per instrumented site the report holds
 
 - rows `weight` / `input`: the quantization error of the quantized tensor itself;
+- rows `query` / `key` / `value` / `probs` of attention sites: the same for those tensors, with
+  each head's metrics in the row's `heads` (GQA: key/value heads for key and value);
 - row `output`: the site's *local* error (shadow taps: its output against the full-precision
   product of the same site on the same input), which ranks sites by the error they add;
 - `meta["accumulated"]`: the site's output in the quantized model against the same site's output
@@ -92,7 +94,7 @@ def activation_report(setup: ScanSetup, found: list[Tap], pairs: SitePairs, end:
             elif tap.stats.n:
                 exps = tap.exponents.result() if tap.exponents is not None else None
                 rows.append(site_row(site, point, tap.stats, tap.quantizer, block_exponents=exps,
-                                     experts=tap.experts()))
+                                     experts=tap.experts(), heads=tap.heads()))
     return build_report(
         "activation_scan", program, setup.policy, rows, end_to_end=end.result(),
         accumulated=pairs_table(program, pairs.stats),

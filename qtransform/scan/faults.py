@@ -18,6 +18,7 @@ from torch import Tensor, nn
 from qtransform.calibration import Calibration, run_model
 from qtransform.core.metrics import ErrorStats
 from qtransform.core.progress import Progress
+from qtransform.core.sites import ATTENTION_KIND
 from qtransform.core.streams import DrawStream
 from qtransform.errors import UserError
 from qtransform.passes.instrument import tapping
@@ -147,13 +148,15 @@ def gain_scan(model: nn.Module, policy_or_format: PolicyLike, calib: Calibration
     """Per-site gain_fp, gain_q and gain_ratio (see `GainProbe`); the row's error metrics compare
     the quantized site's response to the perturbation with the full-precision response."""
     setup = prepare_scan(model, policy_or_format, CalibrationSpec.of(calib, tokenizer, batch_size, max_length))
-    program, quant, at = setup.program, setup.quant, setup.site_modules()
+    program, quant = setup.program, setup.quant
+    # an attention module is called with keyword arguments only: no input to perturb here
+    at = {s: m for s, m in setup.site_modules().items() if program.sites[s].kind != ATTENTION_KIND}
     with eval_mode(model), GainProbe(model, quant, list(dict.fromkeys(at.values())), eps, seed) as probe, \
             tapping(quant, False), torch.no_grad():
         for batch in Progress(setup.batches, desc="gain scan", unit="batch", enabled=progress):
             run_model(model, batch)
     rows = [site_row(program.sites[s], "output", probe.stats[at[s]], site_quantizer(program, s),
-                     extra=probe.gains(at[s])) for s in setup.sites]
+                     extra=probe.gains(at[s])) for s in at]
     return build_report("gain_scan", program, setup.policy, rows, eps=eps, seed=seed)
 
 

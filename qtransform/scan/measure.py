@@ -161,8 +161,11 @@ class EndToEnd:
 
 
 # -- reports -------------------------------------------------------------------------------------
-def _features(site: Site, point: str) -> int:
-    """Elements per token of a site's input or output (from its weight shape)."""
+def _features(site: Site, point: str) -> int | None:
+    """Elements per token of a site's input or output (from its weight shape), of an attention
+    site's query/key/value (head_dim: rows are (batch, head, token)); None where unknown."""
+    if site.weight_shape is None:
+        return site.heads[2] if site.heads and point in ("query", "key", "value") else None
     matrix = site.weight_shape[-2:]  # an experts weight: each expert's matrix
     out_dim, in_dim = matrix[::-1] if site.weight_transposed else matrix
     return in_dim if point == "input" else out_dim
@@ -170,8 +173,10 @@ def _features(site: Site, point: str) -> int:
 
 def site_row(site: Site, point: str, stats: ErrorStats, quantizer: QuantConfig | None, *,
          extra: dict[str, Any] | None = None, block_exponents: dict | None = None,
-         experts: list[dict[str, Any]] | None = None) -> SiteRow:
-    """A report row; activation rows have shape [tokens, features]."""
+         experts: list[dict[str, Any]] | None = None,
+         heads: list[dict[str, Any]] | None = None) -> SiteRow:
+    """A report row; activation rows have shape [tokens, features] (an attention site's
+    query/key/value: [batch·heads·tokens, head_dim], probs and outputs: [elements])."""
     options = {}
     if quantizer is not None:
         options = {k: v for k, v in quantizer.options().items() if k != "zero_saturated_grad"}
@@ -179,13 +184,14 @@ def site_row(site: Site, point: str, stats: ErrorStats, quantizer: QuantConfig |
         shape = list(site.weight_shape or ())
     else:
         features = _features(site, point)
-        shape = [stats.n // features, features]
+        shape = [stats.n] if features is None else [stats.n // features, features]
     row = SiteRow.from_stats(site.name, point, stats, layer=site.layer, role=site.role,
                              kind=site.kind, shape=shape, fmt=quantizer.name if quantizer else "none",
                              options=options,
                              block_exponents=block_exponents)
     row.metrics.update(extra or {})
     row.experts = experts
+    row.heads = heads
     return row
 
 

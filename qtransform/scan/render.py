@@ -146,10 +146,35 @@ def to_markdown(report: ScanReport) -> str:
           "; ".join(report.row_problems(r))] for r in report.rows],
     )
     lines += experts_markdown(report)
+    lines += heads_markdown(report)
     lines += remedy_markdown(report)
     lines += ["", "*mean relative error is dominated by small values that quantize to zero; "
               "it is reported for comparison with older SRDD scans only (docs/metrics.md)."]
     return "\n".join(lines) + "\n"
+
+def heads_markdown(report: ScanReport) -> list[str]:
+    """The attention heads section: each attention row's SQNR head by head (the worst head
+    first named), so one head a KV format ruins shows beside the site's pooled figure. [] without
+    attention rows."""
+    rows = [r for r in report.rows if r.heads]
+    if not rows:
+        return []
+
+    def sqnr(entry: dict) -> float:
+        return (entry.get("metrics") or {}).get("sqnr_db", math.nan)
+
+    table = []
+    for r in rows:
+        values = [sqnr(h) for h in r.heads or ()]
+        worst = min(range(len(values)), key=lambda h: math.inf if math.isnan(values[h]) else values[h])
+        table.append([r.site, r.point, len(values), format_metric("sqnr_db", r.metrics["sqnr_db"]),
+                      f"{worst} ({format_metric('sqnr_db', values[worst])})",
+                      ", ".join(format_metric("sqnr_db", v) for v in values)])
+    return ["", "## Attention heads", "",
+            "Per attention site and point, the SQNR (dB) of each head (key/value: the key/value "
+            "heads) beside the site's.", "",
+            *_md_table(["site", "point", "heads", "SQNR dB", "worst head", "SQNR dB per head"], table)]
+
 
 def remedy_markdown(report: ScanReport) -> list[str]:
     """The rotation a weight scan measured (scan/remedy.py), beside each site's error: its SQNR

@@ -94,7 +94,7 @@ class SiteRow:
     """One measured (site, point): identity, numerics, metrics and the raw accumulator."""
 
     site: str
-    point: str  # weight | input | output
+    point: str  # weight | input | output; attention sites: query | key | value | probs
     layer: int | None
     role: str
     kind: str
@@ -112,6 +112,8 @@ class SiteRow:
     # weight scans given a rotation to try (scan/remedy.py): label -> {"metrics", "state"} of
     # the format's error on the rotated weight W·R (the same SQNR and MSE as on W)
     remedies: dict[str, dict[str, Any]] | None = None
+    # attention sites: one entry per head, {"head", "metrics", "state"}
+    heads: list[dict[str, Any]] | None = None
 
     @classmethod
     def from_stats(
@@ -134,6 +136,7 @@ class SiteRow:
             "kind": self.kind, "shape": self.shape, "format": self.format, "options": self.options,
             "metrics": self.metrics, "state": self.state, "block_exponents": self.block_exponents,
             **({"experts": self.experts} if self.experts is not None else {}),
+            **({"heads": self.heads} if self.heads is not None else {}),
             "diagnostics": self.diagnostics,
             **({"remedies": self.remedies} if self.remedies is not None else {}),
         }
@@ -150,6 +153,9 @@ class SiteRow:
             _decode_numbers(d["diagnostics"]) if d.get("diagnostics") else None,
             {label: {"metrics": _decode_numbers(r["metrics"]), "state": _decode_numbers(r["state"])}
              for label, r in d["remedies"].items()} if d.get("remedies") else None,
+            [{**h, "metrics": _decode_numbers(h["metrics"]) if h.get("metrics") else None,
+              "state": _decode_numbers(h["state"]) if h.get("state") else None}
+             for h in d["heads"]] if d.get("heads") is not None else None,
         )
 
 

@@ -14,7 +14,8 @@ and, site by site, only that site's quantizers are switched on (`exact`):
   token cosine.
 
 The `estimate` costs one forward and `draws` backward passes per batch for all sites together:
-second order in the quantization change Δ of each site (weight, and input for W4A4), with the
+second order in the quantization change Δ of each site (weight, input for W4A4, an attention
+site's query/key/value/probs: a site's quantizers are one unit), with the
 first-order change of a random projection of the output (docs/metrics.md):
 
 - causal LMs: labels y sampled from the full-precision model's own next-token distribution make
@@ -186,15 +187,17 @@ def _estimate(q: _Quantized, batches: list[Tensor], ref: _Reference, draws: int,
             w = getattr(modules[site.module_name], site.param or "weight")
             weights[name] = (w, (by_point["weight"].quantized_copy(w) - w.detach()))
     gen: torch.Generator | None = None  # on the outputs' device (the model's): one stream
-    captured: dict[str, tuple[Tensor, Tensor]] = {}
+    captured: dict[tuple[str, str], tuple[Tensor, Tensor]] = {}
 
-    def grab(site: str):
+    def grab(site: str, point: str):
         def hook(module: nn.Module, args: tuple, out: Tensor) -> None:
-            captured[site] = (out, module.quantized_copy(out) - out.detach())
+            captured[site, point] = (out, module.quantized_copy(out) - out.detach())
         return hook
 
-    handles = [by_point["input"].register_forward_hook(grab(name))
-               for name, by_point in q.quantizers.items() if "input" in by_point]
+    # every activation a site quantizes: a Linear's input, an attention's query/key/value/probs
+    handles = [module.register_forward_hook(grab(name, point))
+               for name, by_point in q.quantizers.items()
+               for point, module in by_point.items() if point != "weight"]
     q.enable(set())
     try:
         for p in params:
@@ -214,15 +217,12 @@ def _estimate(q: _Quantized, batches: list[Tensor], ref: _Reference, draws: int,
                 else:
                     z = torch.randn(out.shape, generator=gen, dtype=out.dtype, device=out.device)
                     objective = (out * z).sum()
-                names = list(weights) + list(captured)
-                tensors = [weights[n][0] for n in weights] + [captured[n][0] for n in captured]
-                grads = torch.autograd.grad(objective, tensors, retain_graph=d < draws - 1,
-                                            allow_unused=True)
-                dots = dict.fromkeys(q.quantizers, 0.0)
-                for n, g, kind in zip(names, grads, ["w"] * len(weights) + ["x"] * len(captured),
-                                      strict=True):
+                pairs = [(n, *weights[n]) for n in weights] + [(n, *captured[n, p]) for n, p in captured]
+                grads = torch.autograd.grad(objective, [t for _, t, _ in pairs],
+                                            retain_graph=d < draws - 1, allow_unused=True)
+                dots = dict.fromkeys(q.quantizers, 0.0)  # a site's points add to first order
+                for (n, _, delta), g in zip(pairs, grads, strict=True):
                     if g is not None:
-                        delta = weights[n][1] if kind == "w" else captured[n][1]
                         dots[n] += float((g.double() * delta.double()).sum())
                 for n, v in dots.items():
                     sums[n] += v * v / draws
@@ -301,9 +301,9 @@ def site_sensitivity(model: nn.Module, policy_or_format: PolicyLike, calib: Cali
         sites = q.program.sites
         rows = []
         for name, by_point in q.quantizers.items():
-            fq = next(iter(by_point.values()))
-            shape = sites[name].weight_shape or ()
-            rows.append(SensitivityRow(name, sites[name].layer, sites[name].role, math.prod(shape),
+            fq = next(iter(by_point.values()))  # an attention site's: its KV quantizers, one unit
+            shape = sites[name].weight_shape
+            rows.append(SensitivityRow(name, sites[name].layer, sites[name].role, math.prod(shape) if shape else 0,
                                        fq.config.name, fq.config.options(), sorted(by_point)))
         meta: dict[str, Any] = {}
         if method in ("exact", "both"):

@@ -32,6 +32,7 @@ from qtransform.passes import FakeQuantPass, InstrumentPass
 from qtransform.pipeline import plan, transform_program
 from qtransform.pipeline.transform import static_rules
 from qtransform.schemas import InstrumentSpec, Policy, PolicyLike, dump_policy, load_policy
+from qtransform.schemas.base import ATTENTION_TENSORS
 
 MEASURED_TOKENS = 1024  # the automatic stride keeps at least this many tokens when it can
 MAX_AUTO_STRIDE = 16  # taps within ~1.5x of the forward (docs/benchmarks.md)
@@ -61,7 +62,7 @@ def scan_policy(model: nn.Module, fmt: str | None = None, policy: PolicyLike | N
     Without `policy`, `fmt` means `format_policy` (W4A16 on every linear site but the LM head);
     with one, its quantize rules select the sites and `fmt` (when given) replaces their format.
     `options` (block_size, scale_rule, ...) go on every rule; `activations=True` quantizes each
-    selected site's input as well as its weight (W4A4).
+    selected Linear site's input as well as its weight (W4A4; attention rules stay as given).
     """
     if policy is not None and fmt is None and not options and not activations:
         return load_policy(policy)
@@ -73,9 +74,10 @@ def scan_policy(model: nn.Module, fmt: str | None = None, policy: PolicyLike | N
         data = dump_policy(load_policy(policy))
         for rule in data["quantize"]:
             rule.update({"format": fmt} if fmt else {}, **(options or {}))
-    if activations:
+    if activations:  # a Linear rule's weight and input; an attention rule's tensors stay
         for rule in data["quantize"]:
-            rule["tensors"] = list(W4A4_TENSORS)
+            if not set(rule.get("tensors") or ()) & set(ATTENTION_TENSORS):
+                rule["tensors"] = list(W4A4_TENSORS)
     return load_policy(data)
 
 
@@ -92,12 +94,15 @@ def resolve_policy(model: nn.Module, policy_or_format: PolicyLike) -> Policy:
     policy = as_policy(model, policy_or_format)
     if policy.instrument is not None:
         return policy
-    quantized = list(dict.fromkeys(r.site for r in plan(model, policy).rows if r.pass_name == FakeQuantPass.name))
+    rows = [r for r in plan(model, policy).rows if r.pass_name == FakeQuantPass.name]
+    quantized = list(dict.fromkeys(r.site for r in rows))
     if not quantized:
         raise UserError("the policy quantizes nothing and has no instrument section: "
                         "nothing to scan")
     exact = [f"re:{re.escape(name)}" for name in quantized]
-    return policy.model_copy(update={"instrument": InstrumentSpec(targets=exact)})
+    attention = [p for p in ATTENTION_TENSORS if any(r.point == p for r in rows)]  # quantized ones
+    spec = InstrumentSpec(targets=exact, points=[*InstrumentSpec().points, *attention])
+    return policy.model_copy(update={"instrument": spec})
 
 
 # -- models --------------------------------------------------------------------------------------

@@ -11,9 +11,9 @@ from ..base import (
     Float,
     Fraction,
     NonNegFloat,
+    QuantTensor,
     Selected,
     StrictModel,
-    Tensor,
     unique,
 )
 from ..errors import Issue, problems_error
@@ -33,8 +33,11 @@ class Thresholds(StrictModel):
 class InstrumentSpec(Selected):
     """Measure quantization error (SRDD scans) at the selected sites."""
 
-    points: list[Tensor] = Field(default_factory=lambda: list(TENSORS), min_length=1,
-                                 description="the points tapped: weight, input and/or output")
+    points: list[QuantTensor] = Field(
+        default_factory=lambda: list(TENSORS), min_length=1,
+        description="the points tapped: weight, input and/or output of Linear sites; query, key, "
+                    "value and/or probs of attention sites (without any, an attention site is "
+                    "tapped where it is quantized)")
     shadow: StrictBool = Field(True, description="measure on a shadow copy; outputs stay unchanged")
     saturation: StrictBool = Field(
         True, description="compute the format's clipped-at-max mask (the saturation metric)")

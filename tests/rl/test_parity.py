@@ -335,3 +335,42 @@ def test_parity_cli_refuses_bad_sampler_and_prompts(tmp_path, capsys):
     assert main([*base, "--prompts", str(texts), "--out", str(tmp_path / "c")]) == 2
     assert "text prompts need a tokenizer" in capsys.readouterr().err
     assert not any((tmp_path / d).exists() for d in "abc")
+
+
+# -- attention sites ------------------------------------------------------------------------------
+VLLM_KV = {"preset": ["llm-compressor/FP8_DYNAMIC", "vllm/kv_fp8_e5m2"], "preset_options": {"backend": "cpu"}}
+HEAD_KV = {"format": "fp8_e5m2", "targets": ["Attention"], "tensors": ["key", "value"], "granularity": "head"}
+ENGINE = {"name": "vllm", "backend": "cpu"}
+
+
+@pytest.mark.parametrize(("policy", "kv", "engine", "module"), [
+    (VLLM_KV, {"format": "fp8_e5m2", "targets": ["Attention"], "tensors": ["key", "value"],
+               "granularity": "tensor", "rounding": "rtz", "fp8_variant": "vllm-cpu", "scale_source": "fixed",
+               "fixed_scale": 1.0},
+     ENGINE, "FakeQuantize"),
+    ({"quantize": [{"targets": ["Linear"], "ignore": ["lm_head"], "format": "mxfp8_e4m3"}, HEAD_KV]},
+     HEAD_KV, None, "HeadwiseQuantize"),
+], ids=["vllm-kv-fp8-e5m2", "per-head"])
+def test_attribution_measures_each_attention_site_alone(policy, kv, engine, module):
+    model = qtransform.transform(tiny_qwen2(), policy)
+    hf = HFEngine(tiny_qwen2())
+    report = parity(model, hf, PROMPTS, max_new_tokens=10, attribute=True, temperature=0.7)
+    rows = {r["site"]: r for r in report.attribution}
+    completions = [s["completion"] for s in report.samples]
+
+    def k3(policy: dict) -> float:
+        """The k3_kl of a model transformed with `policy` alone (no switch touched)."""
+        direct = qtransform.transform(tiny_qwen2(), policy) if policy else tiny_qwen2()
+        return parity(direct, hf, PROMPTS, completions, temperature=0.7, floor=False).metrics["k3_kl"]
+
+    floor = k3({"engine": engine} if engine else {})  # an engine kernel has no switch: it stays
+    assert report.floor["k3_kl"] == pytest.approx(floor, rel=1e-12, abs=1e-15)
+    for layer in (0, 1):
+        row = rows[f"model.layers.{layer}.self_attn"]
+        assert row["modules"] == [module] and row["points"] == ["key", "value"]
+        alone = {"quantize": [{**kv, "layers": str(layer)}], **({"engine": engine} if engine else {})}
+        assert row["added"] == pytest.approx(k3(alone) - floor, rel=1e-9, abs=1e-15)
+        assert row["added"] > 1e-6  # FP8 E5M2 keys and values move the log-probs
+    assert "weight" in rows["model.layers.0.mlp.up_proj"]["points"]
+    assert "| model.layers.0.self_attn | " + module + " | key, value |" in report.markdown().replace(
+        f"| {rows['model.layers.0.self_attn']['rank']} | ", "| ", 1)

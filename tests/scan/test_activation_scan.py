@@ -283,3 +283,77 @@ def test_activation_plot_separates_points_and_titles_differ(tiny, tmp_path):
     assert "weight scan" in weights.axes[0].get_title("left")
     assert weights.axes[0].get_title("left") != top.get_title("left")
     assert render.plot_png(report, tmp_path / "a.png").read_bytes()[:4] == b"\x89PNG"
+
+
+KV_HEAD = {"version": 1, "quantize": [{"targets": ["Attention"], "format": "fp8_e5m2",
+                                       "tensors": ["key", "value"], "granularity": "head"}]}
+
+
+def _per_head(x: torch.Tensor) -> torch.Tensor:
+    """FP8 E5M2 with one scale per head of [batch, heads, tokens, head_dim]."""
+    return torch.cat([fake_quantize(x[:, h:h + 1], "fp8_e5m2", granularity="tensor")
+                      for h in range(x.shape[1])], dim=1)
+
+
+def _attention_tensors(model: nn.Module, batches: list[torch.Tensor]) -> dict[tuple[int, str], torch.Tensor]:
+    """Every layer's key and value at its attention call ([batch, kv heads, tokens, head_dim]),
+    the batches concatenated on the batch axis, read by an attention function registered here
+    that then attends with them quantized (`_per_head`), as the KV policy's model does."""
+    import copy
+
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+    seen: dict[tuple[int, str], list[torch.Tensor]] = {}
+
+    def attention(module, query, key, value, attention_mask, **kwargs):
+        seen.setdefault((module.layer_idx, "key"), []).append(key)
+        seen.setdefault((module.layer_idx, "value"), []).append(value)
+        return sdpa_attention_forward(module, query, _per_head(key), _per_head(value), attention_mask, **kwargs)
+
+    AttentionInterface.register("scan-kv-reader", attention)
+    ALL_MASK_ATTENTION_FUNCTIONS.register("scan-kv-reader", ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
+    reader = copy.deepcopy(model)
+    reader.config._attn_implementation_internal = "scan-kv-reader"
+    with torch.no_grad():
+        for batch in batches:
+            reader(batch)
+    return {k: torch.cat(v) for k, v in seen.items()}
+
+
+def test_attention_rows_per_point_and_head_equal_direct_float64(tiny, tmp_path):
+    """A KV policy (FP8 E5M2, one scale per head): one row per attention site and point with the
+    SQNR, deadzone and saturation of the keys/values the attention call received, and each head's
+    SQNR, all equal to float64 sums over `fake_quantize` of each head's slice; shown in the
+    Markdown and kept by the JSON."""
+    model = tiny("qwen2")
+    batches = [ids(batch=4, seed=1)]
+    report = scan_activations(model, KV_HEAD, batches[0], batch_size=4, token_stride=1)
+    rows = {(r.site, r.point): r for r in report.rows if r.kind == "attention"}
+    layers = model.config.num_hidden_layers
+    assert sorted(rows) == [(f"model.layers.{i}.self_attn", p) for i in range(layers) for p in ("key", "value")]
+    direct = _attention_tensors(model, batches)
+    kv, dim = model.config.num_key_value_heads, model.config.hidden_size // model.config.num_attention_heads
+    for (site, point), row in rows.items():
+        x = direct[int(site.split(".")[2]), point]
+        q = _per_head(x)
+        x64, e64 = x.double(), (x.double() - q.double())
+        want = 10 * math.log10(float((x64**2).sum() / (e64**2).sum()))
+        assert row.metrics["sqnr_db"] == pytest.approx(want, rel=1e-9)
+        assert row.metrics["deadzone"] == pytest.approx(float(((q == 0) & (x != 0)).double().mean()), abs=1e-12)
+        assert row.format == "fp8_e5m2" and row.shape == [x.numel() // dim, dim]
+        per_head = [10 * math.log10(float((x64[:, h]**2).sum() / (e64[:, h]**2).sum())) for h in range(kv)]
+        assert [h["metrics"]["sqnr_db"] for h in row.heads] == pytest.approx(per_head, rel=1e-9)
+        assert 0.0 <= row.metrics["saturation"] < 0.01
+    text = report.markdown()
+    assert "## Attention heads" in text
+    first = rows["model.layers.0.self_attn", "key"]
+    assert (f"| model.layers.0.self_attn | key | {kv} |" in text
+            and ", ".join(f"{h['metrics']['sqnr_db']:.2f}" for h in first.heads) in text)
+    report.save(tmp_path)
+    loaded = type(report).load(tmp_path)
+    def sqnrs(rows) -> list[list[float]]:
+        return [[h["metrics"]["sqnr_db"] for h in r.heads] for r in rows if r.kind == "attention"]
+
+    assert sqnrs(loaded.rows) == sqnrs(report.rows)

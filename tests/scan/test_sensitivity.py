@@ -383,3 +383,61 @@ def test_the_compiled_kl_terms_equal_torchs_float64_forms(seed, rows, vocab, spr
     assert torch.allclose(got[0], lse, rtol=1e-14, atol=1e-14 * abs(shift))
     if not masked:
         assert torch.allclose(got[1], dot, rtol=1e-12, atol=1e-12 * (abs(shift) + spread))
+
+
+KV_TOKEN = {"targets": ["Attention"], "format": "fp8_e5m2", "tensors": ["key", "value"], "granularity": "token"}
+
+
+def kv_reference_kl(model: torch.nn.Module, layer: int, ids: torch.Tensor) -> float:
+    """Mean next-token KL with only layer `layer`'s keys and values in FP8 E5M2 (one scale per
+    token and head), through an attention function registered with transformers (sdpa on the
+    fake-quantized tensors), float64 KL."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+    from qtransform import formats
+
+    def attention(module, query, key, value, attention_mask, **kwargs):
+        if module.layer_idx == layer:
+            key, value = (formats.fake_quantize(t, fmt="fp8_e5m2", granularity="token") for t in (key, value))
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+    name = f"sens-kv-{layer}"
+    AttentionInterface.register(name, attention)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(name, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
+    quant = copy.deepcopy(model)
+    quant.config._attn_implementation_internal = name
+    with torch.no_grad():
+        p = torch.log_softmax(model(ids).logits.double(), -1)
+        q = torch.log_softmax(quant(ids).logits.double(), -1)
+    return float((p.exp() * (p - q)).sum() / (p.numel() // p.shape[-1]))
+
+
+def test_sensitivity_ranks_attention_sites_with_the_linears(tmp_path):
+    """A policy with a KV rule: each attention site (its key and value quantizers as one unit) is
+    a row, its exact KL that of a model with only that layer's keys and values quantized, its
+    estimate measured too (the quantizers' outputs' first-order change); `--activations` leaves
+    the KV rule as it is."""
+    model = build_tiny("qwen2")
+    ids = calib()
+    policy = {"version": 1, "quantize": [{**W4A16["quantize"][0]}, KV_TOKEN]}
+    report = site_sensitivity(model, policy, ids, method="both", draws=2)
+    attention = {r.site: r for r in report.rows if r.role == "attention"}
+    layers = model.config.num_hidden_layers
+    assert sorted(attention) == [f"model.layers.{i}.self_attn" for i in range(layers)]
+    assert len(report.rows) == layers * 8  # 7 linears and one attention site per layer
+    for i in range(layers):
+        row = attention[f"model.layers.{i}.self_attn"]
+        assert row.points == ["key", "value"] and row.format == "fp8_e5m2" and row.params == 0
+        assert row.exact == pytest.approx(kv_reference_kl(model, i, ids), rel=1e-6, abs=1e-12)
+        assert math.isfinite(row.estimate) and row.estimate > 0
+        assert row.rank is not None and row.estimate_rank is not None
+    assert sorted(r.rank for r in report.rows) == list(range(1, len(report.rows) + 1))
+    assert report.meta["points"] == ["key", "value", "weight"]
+    w4a4 = site_sensitivity(model, policy, ids, activations=True)
+    assert {r.site: r.exact for r in w4a4.rows if r.role == "attention"} == {
+        s: r.exact for s, r in attention.items()}
+    assert {tuple(r.points) for r in w4a4.rows if r.role != "attention"} == {("input", "weight")}
+    text = report.markdown()
+    assert "| model.layers.0.self_attn |" in text
