@@ -1,4 +1,4 @@
-"""Rotate pass: an orthogonal change of basis of a Linear's reduction axis, before quantization.
+"""Rotate pass: an orthogonal change of basis of a product's reduction axis, before quantization.
 
 Driven by the policy's `rotate` rules. At a selected site the input becomes x·R and the weight
 W·R, R applied per block of b consecutive input features (block-diagonal), so the site computes
@@ -8,6 +8,11 @@ fake quantization the `quantize` rules insert later at the same points sees the 
 weight already holds W·R, compressed-tensors' fused `weight_input` transform) rotates the input
 only: the weight point gets nothing. The pass registers before the fake-quant pass, and
 an insertion stacks on what came before it (`core/graph.py`), so that order is the contract.
+
+At an attention site (point `query_key`, SpinQuant's R3) the query and the key after RoPE become
+q·R and k·R along head_dim, the key as the attention call gets it (every cached token), so
+q·kᵀ is unchanged while a key quantizer (a KV cache) sees k·R. Both are rotated every forward;
+nothing is cached.
 
 R is `formats.hadamard`'s H_b/sqrt(b) (kind hadamard), diag(signs)·H_b (random_hadamard, signs
 from the Philox stream of the rule's seed) or an orthogonal matrix read from a file (matrix).
@@ -30,13 +35,13 @@ from qtransform.core.phase import in_rollout
 from qtransform.core.program import Program
 from qtransform.core.rotation import apply_rotation, rotation_operand
 from qtransform.core.sharding import sharded
-from qtransform.core.sites import LINEAR_KINDS, Site
+from qtransform.core.sites import ATTENTION_KIND, LINEAR_KINDS, Site
 from qtransform.core.versions import Watch
 from qtransform.errors import UserError
 from qtransform.formats import hadamard
 from qtransform.pipeline.base import Action, Pass, register_pass
 from qtransform.pipeline.selection import select_sites
-from qtransform.schemas.sections.rotate import RotateRule, rule_label
+from qtransform.schemas.sections.rotate import ATTENTION_POINT, RotateRule, rule_label
 
 ORTHOGONAL_TOL = 1e-4  # largest |R·Rᵀ − I| accepted from a matrix file (float64 check)
 
@@ -157,9 +162,20 @@ def in_features(site: Site) -> int:
     return site.weight_shape[site.reduction_axis]
 
 
+def rotated_axis(site: Site) -> tuple[int, str]:
+    """The length of the axis a rotation of `site` acts on and its name in messages: a
+    Linear's input features, an attention's head_dim."""
+    if site.kind != ATTENTION_KIND:
+        return in_features(site), "input features"
+    if site.heads is None:
+        raise UserError(f"{site.name}: its config does not give head_dim, which a query_key "
+                        "rotation acts on; leave this attention out of the rule (ignore)")
+    return site.heads[2], "head_dim"
+
+
 def block_for(rule: RotateRule, where: str, site: Site, matrix: Tensor | None) -> int:
     """The rule's block size at `site`, or a UserError naming the rule's field and the fix."""
-    n = in_features(site)
+    n, axis = rotated_axis(site)
     powers = [1 << k for k in range(1, n.bit_length()) if n % (1 << k) == 0]
     fits = f"block sizes that fit: {', '.join(map(str, powers))}" if powers else "no power of two above 1 divides it"
     if rule.kind == "matrix":
@@ -170,15 +186,15 @@ def block_for(rule: RotateRule, where: str, site: Site, matrix: Tensor | None) -
                             f"matrix in {rule.matrix!r}; leave it null or set {size}")
         if n % size:
             raise UserError(f"{where} at {site.name}: the {size}×{size} matrix does not divide its "
-                            f"{n} input features")
+                            f"{n} {axis}")
         return size
     if rule.block_size is None:
         if not hadamard.is_power_of_two(n):
-            raise UserError(f"{where}.block_size: null means the whole axis, but {site.name} has {n} input "
-                            f"features, not a power of two; set block_size ({fits})")
+            raise UserError(f"{where}.block_size: null means the whole axis, but {site.name} has {n} "
+                            f"{axis}, not a power of two; set block_size ({fits})")
         return n
     if n % rule.block_size:
-        raise UserError(f"{where}.block_size: {rule.block_size} does not divide the {n} input features "
+        raise UserError(f"{where}.block_size: {rule.block_size} does not divide the {n} {axis} "
                         f"of {site.name}; {fits}")
     return rule.block_size
 
@@ -196,6 +212,8 @@ def resolve_rotations(rules: list[RotateRule], sites: list[Site]) -> dict[str, R
     already and is measured as it is."""
     chosen: dict[str, Rotation] = {}
     for i, rule in enumerate(rules):
+        if rule.point == ATTENTION_POINT:
+            continue  # no weight
         where = rule_label(i, rule)
         selector = rule.selector()
         matched = [s for s in sites if s.kind in LINEAR_KINDS and s.weight_shape is not None and selector.matches(s)]
@@ -207,8 +225,9 @@ def resolve_rotations(rules: list[RotateRule], sites: list[Site]) -> dict[str, R
 
 @register_pass
 class RotatePass(Pass[list[RotateRule], Rotation]):
-    """Inserts `Rotate` on the input and the weight of every site the `rotate` rules select (the
-    input only where the rule's weight is "stored")."""
+    """Inserts `Rotate` on the input and the weight of every Linear site the `rotate` rules
+    select (the input only where the rule's weight is "stored"), and on the query and the key of
+    every attention site a query_key rule selects."""
 
     name = "rotate"
     tag = "rotate"
@@ -216,14 +235,16 @@ class RotatePass(Pass[list[RotateRule], Rotation]):
     provides = (name,)
 
     def select(self, program: Program, spec: list[RotateRule]) -> list[Action[Rotation]]:
-        """One (weight, input) pair of actions per selected site, the last rule naming a site
-        winning; every block size and matrix file is checked before anything is built."""
+        """One (weight, input) or (query, key) pair of actions per selected site, the last rule
+        naming a site winning; every block size and matrix file is checked before anything is
+        built."""
         chosen: dict[str, tuple[Site, Rotation]] = {}
         for i, rule in enumerate(spec):
             where = rule_label(i, rule)
             matrix = load_matrix(rule.matrix, where) if rule.kind == "matrix" else None
-            for site in select_sites(program, rule, where, kinds=LINEAR_KINDS):
-                if site.weight_shape is None:
+            attention = rule.point == ATTENTION_POINT
+            for site in select_sites(program, rule, where, kinds=(ATTENTION_KIND,) if attention else LINEAR_KINDS):
+                if site.weight_shape is None and not attention:
                     continue
                 if program.mode == "graph" and site.kind == "experts":
                     raise UserError(f"{where}: {site.name} is a fused experts parameter, whose input the "
@@ -232,6 +253,9 @@ class RotatePass(Pass[list[RotateRule], Rotation]):
                 chosen[site.name] = (site, site_rotation(rule, where, site, matrix))
         actions = []
         for site, rotation in chosen.values():
+            if site.kind == ATTENTION_KIND:
+                actions += [Action(site, point, rotation.where, rotation) for point in ("query", "key")]
+                continue
             if rotation.rule.weight == "rotate":
                 actions.append(Action(site, "weight", rotation.where, rotation))
             actions.append(Action(site, "input", rotation.where, rotation))
@@ -250,4 +274,5 @@ class RotatePass(Pass[list[RotateRule], Rotation]):
                  else f", matrix={rule.matrix}" if rule.kind == "matrix" else "")
         adapters = ", LoRA sees it" if rule.lora == "rotated" and action.point == "input" else ""
         stored = ", weight stored rotated" if rule.weight == "stored" else ""
-        return f"{rule.kind} block={action.payload.block}{extra}{adapters}{stored}"
+        axis = " along head_dim" if rule.point == ATTENTION_POINT else ""
+        return f"{rule.kind} block={action.payload.block}{axis}{extra}{adapters}{stored}"

@@ -192,7 +192,7 @@ def parse(file: Path, q: dict) -> Checkpoint:
             raise UserError(f"{where}: config group {name!r} quantizes no weights; qtransform "
                             "opens weight-quantized checkpoints only")
         groups.append(Group(tuple(targets), weights, inputs, fmt))
-    if not groups and kv is None:
+    if not groups and kv is None and not rotations:
         raise UserError(f"{where}: no config_groups; not a quantized checkpoint")
     ignore = q.get("ignore") or []
     return Checkpoint(NAME, groups, [str(i) for i in ignore], rotations=rotations, kv=kv)

@@ -89,7 +89,7 @@ class Checkpoint:
             parts.append(f"weights {w}, activations {a}")
         if self.kv is not None:
             parts.append(f"KV cache {self.kv.label}")
-        return "; ".join(parts)
+        return "; ".join(parts) or "16-bit weights and activations, online rotations only"
 
 
 @dataclass(frozen=True)

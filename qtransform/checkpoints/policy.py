@@ -29,7 +29,8 @@ def policy(checkpoint: Checkpoint, names: list[str], *, weights: bool = False,
 
     Online rotations become `rotate` rules on their modules by name: `weight: "stored"` (the
     stored weights hold W·R, only the inputs are rotated), or with `weights=True` ordinary
-    rules (the full-precision model's weights get W·R, as the producer fused it).
+    rules (the full-precision model's weights get W·R, as the producer fused it); rotations of
+    an attention's query and key (q_attn, k_cache) rules with point `query_key`.
 
     `engine` ("vllm"): the KV cache as that engine runs it on `backend` (`core/engines.py`:
     its cache writer's conversion with the stored scales, its attention kernel); the Linears
@@ -61,7 +62,8 @@ def policy(checkpoint: Checkpoint, names: list[str], *, weights: bool = False,
     if checkpoint.rotations:
         out["rotate"] = [{"name": g.name, "targets": [ct_entry(n) for n in checkpoint.rotated[g.name]],
                           "kind": "hadamard", "block_size": g.block,
-                          "weight": "rotate" if weights else "stored"}
+                          **({"point": "query_key"} if g.point == "query_key"
+                             else {"weight": "rotate" if weights else "stored"})}
                          for g in checkpoint.rotations]
     if fmt.CALIBRATION and any(r.get("scale_source") == "static" for r in rules):
         out["calibration"] = dict(fmt.CALIBRATION)
@@ -94,6 +96,10 @@ def describe(checkpoint: Checkpoint) -> list[str]:
     for g in checkpoint.rotations:
         count = len(checkpoint.rotated.get(g.name, ()))
         width = f"{g.block}-wide" if g.block else "whole-axis"
-        lines.append(f"  online {width} Hadamard rotations ({g.name!r}) of the inputs of {count} "
-                     "modules, whose stored weights hold W·R")
+        if g.point == "query_key":
+            lines.append(f"  online {width} Hadamard rotations ({g.name!r}) of the queries and keys "
+                         f"of {count} attention modules, after RoPE")
+        else:
+            lines.append(f"  online {width} Hadamard rotations ({g.name!r}) of the inputs of {count} "
+                         "modules, whose stored weights hold W·R")
     return lines

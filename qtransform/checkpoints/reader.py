@@ -67,7 +67,7 @@ def decompress(checkpoint: Checkpoint, files: TensorFiles, dtype: torch.dtype) -
     parts: dict[str, dict[str, Tensor]] = {}
     plain: dict[str, Tensor] = {}
     where_of: dict[str, Path] = {}
-    matrices = {f"{g.name}_input": g for g in checkpoint.rotations}
+    matrices = {f"{g.name}_{location}": g for g in checkpoint.rotations for location in g.locations()}
     for name, t, file in files.items():
         module, _, leaf = name.rpartition(".")
         where_of[name] = file

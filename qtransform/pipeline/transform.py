@@ -127,6 +127,8 @@ def check_stored_rotations(model: nn.Module, transformed: nn.Module) -> None:
             have[ins.site] = (child.kind, child.block, child.stored_weight)
     wrong = []
     for g in checkpoint.rotations:
+        if g.point != "input":  # a query and key rotation has no stored weight
+            continue
         for name in checkpoint.rotated[g.name]:
             block = g.block or transformed.get_submodule(name).in_features
             if have.get(name) != ("hadamard", block, True):
@@ -166,12 +168,12 @@ def checkpoint_kv_scales(model: nn.Module) -> dict[tuple[str, str], list[ScaleVa
 
 def kv_paths(program: Program, kv: Mapping[tuple[str, str], list[ScaleValue]]) -> dict[str, ScaleValue]:
     """KV scales keyed by the static-scale paths of the quantizers the transform inserted on
-    each attention's key and value (one per head, in order)."""
+    each attention's key and value (one per head, in order; a rotation before them has none)."""
     own = list(static_scales(program.module()))
     out: dict[str, ScaleValue] = {}
     for (site, point), values in kv.items():
-        inserted = next((i.module_path for i in program.log if i.site == site and i.point == point), None)
-        paths = [] if inserted is None else [p for p in own if p.startswith(inserted + ".")]
+        inserted = [i.module_path for i in program.log if i.site == site and i.point == point]
+        paths = [p for path in inserted for p in own if p.startswith(path + ".")]
         if len(paths) != len(values):
             raise UserError(f"{site} ({point}): the checkpoint stores {len(values)} KV scale(s), the "
                             f"policy's quantizer there has {len(paths)}; open it with its own "

@@ -52,6 +52,7 @@ class AttentionExport:
     name: str
     module: nn.Module
     points: dict[str, nn.Module] = field(default_factory=dict)
+    rotations: dict[str, nn.Module] = field(default_factory=dict)  # "query"/"key" -> its Rotate
 
 
 @dataclass
@@ -157,10 +158,13 @@ def _attention_quantizer(out: Collected, key: str, child: nn.Module, point: str,
 
 def _rotation(out: Collected, key: str, module: nn.Module, child: nn.Module, point: str, where: str) -> None:
     """A rotate insertion: the weight's rotation is stored fused (W·R), the input's is the online
-    transform an engine runs; both only on an nn.Linear (the formats' transforms know no other).
+    transform an engine runs; both only on an nn.Linear; an attention's query and key rotations
+    are online transforms of the attention module (compressed-tensors' q_attn, k_cache).
     An input rotation whose weight is stored rotated stands for both (its weight is W·R as is)."""
     if not getattr(child, "enabled", True):
         out.left_out.append(f"switched-off rotation at {where}")
+    elif key in out.attention and point in ("query", "key"):
+        out.attention[key].rotations[point] = child
     elif not isinstance(module, nn.Linear):
         out.refusals.append(f"{key} is rotated but is not an nn.Linear ({type(module).__name__}); "
                             "checkpoint transforms apply to nn.Linear inputs only: leave it out of the "
