@@ -230,6 +230,10 @@ class FakeQuantize(nn.Module):
         key = "tensor_scale" if kind == "scale" else "global_amax"
         self._pinned = [{key: float(v)} for v in value.reshape(-1).tolist()]
 
+    def quantizers(self) -> list[FakeQuantize]:
+        """The quantizers this module is made of (itself; a `HeadwiseQuantize` has one per head)."""
+        return [self]
+
     def stored_scale(self, dtype: torch.dtype) -> Tensor:
         """The tensor-level scale of a calibrated or stored static scale as a checkpoint stores
         it (and an engine receives it) for a tensor of `dtype`: FP8's amax / max in the

@@ -103,3 +103,34 @@ def test_saved_checkpoint_opens_to_the_deployed_model(scheme, smollm2, tmp_path)
     assert torch.equal(reference, in_memory)
     assert torch.equal(got, reference), f"max |diff| {(got - reference).abs().max().item():.3g}"
     assert torch.equal(ours, in_memory), f"max |diff| {(ours - in_memory).abs().max().item():.3g}"
+
+
+@pytest.mark.parametrize("strategy", ["tensor", "attn_head"])
+def test_kv_cache_scheme_on_real_weights(strategy, smollm2, tmp_path):
+    """SmolLM2 in bf16 with FP8_DYNAMIC and a static FP8 kv_cache_scheme: the preset list gives
+    llm-compressor's logits, and its saved folder opens to the model transformers deploys."""
+    from transformers import AutoModelForCausalLM
+    from transformers.utils.quantization_config import CompressedTensorsConfig
+
+    plain, batches, ids = smollm2
+    model = AutoModelForCausalLM.from_pretrained(plain, dtype=torch.bfloat16).eval()
+    kv = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False, "strategy": strategy}
+    quantized = llm_compressor_model(model, "FP8_DYNAMIC", batches, tmp_path / "work", kv_cache_scheme=kv)
+    with torch.no_grad():
+        in_memory = quantized(ids).logits
+    quantized.save_pretrained(tmp_path / "compressed", save_compressed=True)
+    del quantized
+    theirs = AutoModelForCausalLM.from_pretrained(
+        tmp_path / "compressed", dtype=torch.bfloat16,
+        quantization_config=CompressedTensorsConfig(run_compressed=False)).eval()
+    presets = ["llm-compressor/FP8_DYNAMIC",
+               "llm-compressor/KV_FP8" if strategy == "tensor" else "llm-compressor/KV_FP8_ATTN_HEAD"]
+    opened = load_model(tmp_path / "compressed")
+    with torch.no_grad():
+        reference = theirs(ids).logits
+        ours = qtransform.transform(copy.deepcopy(model), {"preset": presets}, calibration=batches)(ids).logits
+        got = qtransform.transform(opened, checkpoint_policy(opened))(ids).logits
+        weights_only = qtransform.transform(model, {"preset": presets[0]})(ids).logits
+    assert not torch.equal(in_memory, weights_only)  # the KV cache changed something
+    assert torch.equal(ours, in_memory), f"max |diff| {(ours - in_memory).abs().max().item():.3g}"
+    assert torch.equal(got, reference), f"max |diff| {(got - reference).abs().max().item():.3g}"

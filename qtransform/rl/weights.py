@@ -32,7 +32,6 @@ from qtransform.core.sites import ADAPTER_KEYS, hf_name
 from qtransform.core.tracing import module_graph
 from qtransform.errors import UserError
 from qtransform.passes import AQNNoisePass, FakeQuantize, FakeQuantPass, RotatePass
-from qtransform.passes.fake_quant import HeadwiseQuantize
 
 # what changes a weight (a rotated site sends W·R: the engine rotates its input, docs/rotations.md)
 _WEIGHT_PASSES = (RotatePass.name, FakeQuantPass.name, AQNNoisePass.name)
@@ -145,8 +144,7 @@ def kv_scale_pairs(model: nn.Module) -> Iterator[tuple[str, Tensor]]:
             child = module._modules.get(ins.module_path.rsplit(".", 1)[-1])
             if ins.point not in KV_NAMES or ins.pass_name != FakeQuantPass.name or child is None:
                 continue
-            first = child.quantizers()[0] if isinstance(child, HeadwiseQuantize) else child
-            if first.global_scale != "static":
+            if child.quantizers()[0].global_scale != "static":
                 continue
             scale = child.stored_scale(dtype)
             shape = (1,) if isinstance(child, FakeQuantize) else (scale.numel(), 1, 1)

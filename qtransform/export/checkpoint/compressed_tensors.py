@@ -23,7 +23,7 @@ from qtransform.checkpoints.description import Reason
 from qtransform.checkpoints.packing import e2m1_codes, pack_int32, pack_nibbles
 from qtransform.core.observers import StaticScale
 from qtransform.export.checkpoint.collect import Collected, LinearExport, fused_sets
-from qtransform.export.checkpoint.kv import POINTS, KVCache, kv_scales, model_dtype
+from qtransform.export.checkpoint.kv import POINTS, KVCache, model_dtype
 from qtransform.export.checkpoint.source import source_input_scale, source_weight
 from qtransform.export.checkpoint.writer import Entry, Spec
 from qtransform.formats import QuantConfig
@@ -116,7 +116,7 @@ def kv_entries(kv: KVCache, scheme: str) -> list[Entry]:
             suffix, sdt, shape = ct.kv_scale_spec(point, dtype, heads)
             name = f"{attention.name}.{suffix}"
             entries.append(Entry((Spec(name, sdt, shape),), lambda child=child, name=name, sdt=sdt, shape=shape, dtype=dtype: {
-                name: kv_scales(child, dtype).to(sdt).reshape(shape)}))
+                name: child.stored_scale(dtype).to(sdt).reshape(shape)}))
     return entries
 
 

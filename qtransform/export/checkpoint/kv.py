@@ -14,12 +14,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torch import Tensor, nn
+from torch import nn
 
 from qtransform.export.checkpoint.collect import AttentionExport, Collected
 from qtransform.formats import QuantConfig
 from qtransform.passes import FakeQuantize
-from qtransform.passes.fake_quant import HeadwiseQuantize
 
 POINTS = ("key", "value")
 
@@ -33,10 +32,6 @@ class KVCache:
     per_head: bool
     observer: str | None
     modules: tuple[AttentionExport, ...]
-
-
-def _quantizers(child: nn.Module) -> list[FakeQuantize]:
-    return list(child.heads) if isinstance(child, HeadwiseQuantize) else [child]  # type: ignore[list-item]
 
 
 def kv_cache(collected: Collected) -> tuple[KVCache | None, list[str]]:
@@ -68,9 +63,9 @@ def kv_cache(collected: Collected) -> tuple[KVCache | None, list[str]]:
             child = a.points.get(point)
             if child is None:
                 continue
-            first = _quantizers(child)[0]
+            first = child.quantizers()[0]
             static = first.static_scale
-            kinds.add((first.config, isinstance(child, HeadwiseQuantize),
+            kinds.add((first.config, not isinstance(child, FakeQuantize),  # one scale per head
                        None if static is None or static.stored else static.observer_name))
             reason = _scale_reason(child, first)
             if reason:
@@ -92,25 +87,9 @@ def _scale_reason(child: nn.Module, first: FakeQuantize) -> str | None:
     if first.global_scale != "static" or first.static_scale is None:
         return ("a KV-cache scheme stores static scales (engines quantize each key as they write "
                 "the cache); set scale_source 'static' and calibrate")
-    if not all(q.static_scale is not None and q.static_scale.frozen for q in _quantizers(child)):
+    if not all(q.static_scale is not None and q.static_scale.frozen for q in child.quantizers()):
         return "its static scale is not calibrated; pass calibration=batches (CLI: --calib FILE)"
     return None
-
-
-def kv_scales(child: nn.Module, dtype: torch.dtype) -> Tensor:
-    """The stored scale of each head (one value per tensor without heads) of an attention
-    point's quantizer, as the format computes it for a model of `dtype`: 1-D."""
-    return child.stored_scale(dtype).reshape(-1)
-
-
-def amaxes(child: nn.Module) -> Tensor:
-    """The calibrated amax of each head (one value per tensor without heads): 1-D fp32."""
-    values = []
-    for quant in _quantizers(child):
-        static = quant.static_scale
-        assert static is not None and static.frozen and not static.stored
-        values.append(static.amax.reshape(()))
-    return torch.stack(values).to(torch.float32)
 
 
 def model_dtype(module: nn.Module) -> torch.dtype:

@@ -17,7 +17,7 @@ from qtransform.checkpoints.description import Reason
 from qtransform.checkpoints.packing import e2m1_codes, pack_nibbles
 from qtransform.core.observers import StaticScale
 from qtransform.export.checkpoint.collect import Collected, LinearExport, fused_sets
-from qtransform.export.checkpoint.kv import POINTS, KVCache, amaxes
+from qtransform.export.checkpoint.kv import POINTS, KVCache
 from qtransform.export.checkpoint.source import source_input_scale, source_weight
 from qtransform.export.checkpoint.writer import Entry, Spec
 from qtransform.formats.stored import fp4_stored, weight_chunks
@@ -130,11 +130,12 @@ def kv_entries(kv: KVCache, algo: str) -> list[Entry]:
 
 
 def _kv_scale(child: nn.Module) -> Tensor:
+    """amax / 448 in fp32 (an opened FP8 checkpoint's k_scale as stored)."""
     static = child.static_scale
     assert static is not None and static.frozen
-    if static.stored:  # an opened FP8 checkpoint's k_scale, used as stored
+    if static.stored:
         return static.scale.to(torch.float32).reshape(())
-    return (amaxes(child)[0] / mo.KV_AMAX).reshape(())
+    return (static.amax.to(torch.float32) / mo.KV_AMAX).reshape(())
 
 
 def linear_entry(entry: LinearExport, scheme: Scheme) -> Entry:
