@@ -119,3 +119,28 @@ def test_a_kv_scale_without_a_kv_scheme_is_refused_on_open(tmp_path):
     save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(UserError, match="k_scale"):
         load_model(folder)
+
+
+def test_recalibrating_the_kv_scales_leaves_the_other_static_scales(tmp_path):
+    from qtransform.core.observers import static_scales
+
+    model = build_tiny("qwen2", hidden=128)
+    calib, _ = batches()
+    ours = qtransform.transform(model, {"preset": ["llm-compressor/FP8", "llm-compressor/KV_FP8"]},
+                                calibration=calib)
+    before = {name: s.amax.clone() for name, s in static_scales(ours).items()}
+    with torch.no_grad():
+        for layer in ours.model.layers:
+            layer.self_attn.k_proj.weight.mul_(2.0)  # an update: the keys double
+            layer.self_attn.k_proj.bias.mul_(2.0)
+    assert qtransform.calibrate(ours, calib, tensors=["key", "value"]) == len(calib)
+    after = {name: s.amax for name, s in static_scales(ours).items()}
+    kv = [n for n, s in static_scales(ours).items() if s.tensor in ("key", "value")]
+    assert kv and all(torch.equal(after[n], before[n]) for n in before if n not in kv)
+    keys = [n for n in kv if static_scales(ours)[n].tensor == "key"]
+    assert torch.equal(after[keys[0]], 2 * before[keys[0]])  # layer 0: the amax of 2·k, exactly
+    pairs = dict(qtransform.rollout_weights(ours))
+    assert torch.equal(pairs["model.layers.0.self_attn.k_scale"],
+                       (after[keys[0]] / 448).reshape(1))  # what the engine receives
+    with pytest.raises(UserError, match="no static scale of query"):
+        qtransform.calibrate(ours, calib, tensors=["query"])
