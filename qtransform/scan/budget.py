@@ -23,6 +23,7 @@ from qtransform.scan.report import ScanReport
 from qtransform.scan.sensitivity import measure_policy, site_sensitivity
 from qtransform.scan.sensitivity_report import SensitivityReport
 from qtransform.scan.setup import CalibrationSpec
+from qtransform.schemas.base import ATTENTION_TENSORS
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -87,7 +88,8 @@ def budget_policy(report: SensitivityReport, *, bits: float | None = None, keep:
     eff = sum(params[s] * (HIGH_PRECISION_BITS if s in kept else qbits[s]) for s in params) / total
     predicted = sum(v for s, v in score.items() if s not in set(kept))
     rules = [dict(r) for r in report.meta["quantize"]]
-    policy = validated({"version": 1, "quantize": ignoring(rules, kept)})
+    attention = {r.site for r in report.rows if set(r.points) & set(ATTENTION_TENSORS)}
+    policy = validated({"version": 1, "quantize": ignoring(rules, kept, attention)})
     return Budgeted(policy, kept, method, given, eff, predicted)
 
 

@@ -17,7 +17,7 @@ Every recommendation carries a policy dict that does it, validated by `qtransfor
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -27,6 +27,7 @@ from qtransform.formats.expected import effective_bits
 from qtransform.formats.options import FORMAT_KEYS
 from qtransform.scan.remedy import Rotation, healed_sites
 from qtransform.schemas import load_policy
+from qtransform.schemas.base import ATTENTION_TENSORS
 from qtransform.schemas.selectors import format_layers
 
 if TYPE_CHECKING:
@@ -103,10 +104,22 @@ def _rules(report: ScanReport) -> list[dict[str, Any]]:
     return [{"name": "weights", "targets": ["Linear"], "format": fmt, "tensors": ["weight"]}]
 
 
-def ignoring(rules: list[dict[str, Any]], sites: Sequence[str]) -> list[dict[str, Any]]:
+def ignoring(rules: list[dict[str, Any]], sites: Sequence[str],
+             attention: Collection[str] = ()) -> list[dict[str, Any]]:
+    """The rules with `sites` kept out of quantization: each rule ignores the kept sites of its
+    own kind (an attention rule the `attention` sites among them, a Linear rule the others), as
+    an ignore entry that matches no site of its rule's kind is an error."""
     for rule in rules:
-        rule["ignore"] = list(dict.fromkeys([*rule.get("ignore", []), *sites]))
+        own = any(t in ATTENTION_TENSORS for t in rule.get("tensors", ["weight"]))
+        mine = [s for s in sites if (s in attention) == own]
+        if mine:
+            rule["ignore"] = list(dict.fromkeys([*rule.get("ignore", []), *mine]))
     return rules
+
+
+def attention_sites(report: ScanReport) -> set[str]:
+    """The report's attention sites (their keys, values, queries and probabilities)."""
+    return {row.site for row in report.rows if row.kind == "attention"}
 
 
 def validated(policy: dict[str, Any]) -> dict[str, Any]:
@@ -189,7 +202,7 @@ def _by_weight_error(report: ScanReport, tiers: Sequence[float], *, keep_fractio
             f"{100 * share:.0f} % {'of layers are' if layers else 'of sites are'} problematic: keep "
             f"{what} in high precision ({len(kept)} sites) and quantize the rest"
             + (f" ({fmt} has no finer format to move to)." if share > CHANGE_ABOVE else "."))
-        policy = {"version": 1, "quantize": ignoring(rules, kept)}
+        policy = {"version": 1, "quantize": ignoring(rules, kept, attention_sites(report))}
         return Recommendation("keep_high_precision", share, bad_layers, bad_layers, kept, text, validated(policy))
 
     budget = max(1, math.floor(keep_fraction * len(layers)))
@@ -200,7 +213,7 @@ def _by_weight_error(report: ScanReport, tiers: Sequence[float], *, keep_fractio
     text = (f"{len(bad_layers)} of {len(layers)} layers ({100 * share:.0f} %) are problematic: keep the "
             f"worst by SQNR ({_layer_text(kept_layers)}) in high precision and train the others with "
             f"SRDD-guided AQN (sigma x{'/'.join(f'{t:g}' for t in tiers)} by SQNR tier, worst first).")
-    policy = {"version": 1, "quantize": ignoring(rules, kept), "noise": noise}
+    policy = {"version": 1, "quantize": ignoring(rules, kept, attention_sites(report)), "noise": noise}
     return Recommendation("high_precision_and_aqn", share, bad_layers, kept_layers, kept, text, validated(policy))
 
 
@@ -251,7 +264,9 @@ def follow_sensitivity(report: ScanReport, rec: Recommendation, sensitivity: Sen
                               f"of {total}: the site to keep if one must be.", rec.policy, method, [])
     kept_layers = sorted({report_layer for report_layer in (
         next(r.layer for r in report.rows if r.site == s) for s in kept) if report_layer is not None})
-    policy: dict[str, Any] = {"version": 1, "quantize": ignoring(_rules(report), kept)}
+    attention = attention_sites(report) | {r.site for r in sensitivity.rows
+                                           if set(r.points) & set(ATTENTION_TENSORS)}
+    policy: dict[str, Any] = {"version": 1, "quantize": ignoring(_rules(report), kept, attention)}
     if "noise" in rec.policy:
         sqnr = report.layer_sqnr()
         rest = [k for k in report.layers() if k not in kept_layers]
@@ -306,7 +321,7 @@ def guide(
         raise UserError("the report has no decoder layers to put AQN on: guide it without AQN")
     policy = {
         "version": 1,
-        "quantize": ignoring(_rules(report), rec.kept_sites),
+        "quantize": ignoring(_rules(report), rec.kept_sites, attention_sites(report)),
         "noise": aqn_section({k: sqnr[k] for k in rest}, tiers, total_steps=total_steps, layers=rest),
         **({"rotate": rec.policy["rotate"]} if "rotate" in rec.policy else {}),
     }
