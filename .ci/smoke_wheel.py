@@ -39,7 +39,7 @@ def main() -> None:
         cli = Path(sys.executable).with_name("qtransform")
         plan = subprocess.run([cli, "plan", "builtin:qwen2", policy], check=True, text=True,
                               capture_output=True).stdout
-        assert "14 of 20 sites selected" in plan, plan
+        assert "14 of 22 sites selected" in plan, plan
         out = Path(tmp) / "qwen2-w4a16"
         subprocess.run([cli, "transform", "builtin:qwen2", policy, "--out", out], check=True)
         model = qtransform.load_transformed(out)
