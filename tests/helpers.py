@@ -159,3 +159,23 @@ def tiny_bpe_tokenizer():
                                                                 special_tokens=["<|endoftext|>"]))
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>",
                                    pad_token="<|endoftext|>")
+
+
+def register_attention(name: str, function, mask: str = "sdpa") -> str:
+    """`function` registered with transformers' attention interface as `name` (with the mask
+    function of `mask`): a reference attention a test writes itself."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+    AttentionInterface.register(name, function)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(name, ALL_MASK_ATTENTION_FUNCTIONS[mask])
+    return name
+
+
+def with_implementation(model: torch.nn.Module, name: str) -> torch.nn.Module:
+    """A copy of `model` whose attention runs the implementation registered as `name`."""
+    import copy
+
+    out = copy.deepcopy(model)
+    out.config._attn_implementation_internal = name
+    return out

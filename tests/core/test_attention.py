@@ -4,13 +4,10 @@ interface, checked against an attention function written here from transformers'
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 import qtransform
@@ -18,6 +15,7 @@ from qtransform import formats
 from qtransform.errors import UserError
 from qtransform.models import build_tiny
 from qtransform.schemas.errors import PolicyError
+from tests.helpers import register_attention, with_implementation
 
 ARCHS = ["qwen2", "llama", "mistral", "gpt2", "mixtral", "qwen3_moe"]
 
@@ -41,16 +39,8 @@ def reference(name: str, quantize: dict[str, dict]):
         return sdpa_attention_forward(module, tensors["query"], tensors["key"], tensors["value"],
                                       attention_mask, **kwargs)
 
-    AttentionInterface.register(name, attention)
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
-    ALL_MASK_ATTENTION_FUNCTIONS.register(name, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
-    return name
+    return register_attention(name, attention)
 
-
-def with_implementation(model, name: str):
-    out = copy.deepcopy(model)
-    out.config._attn_implementation_internal = name
-    return out
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -141,10 +131,7 @@ def test_query_and_one_scale_per_head_equal_the_reference():
         query = formats.fake_quantize(query, "fp8_e4m3", granularity="tensor")
         return sdpa_attention_forward(module, query, per_head(key), value, attention_mask, **kwargs)
 
-    AttentionInterface.register("ref-head", attention)
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
-    ALL_MASK_ATTENTION_FUNCTIONS.register("ref-head", ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
-    ref = with_implementation(model, "ref-head")
+    ref = with_implementation(model, register_attention("ref-head", attention))
     transformed = qtransform.transform(model, {"quantize": [
         {"format": "fp8_e4m3", "tensors": ["key"], "granularity": "head"},
         {"format": "fp8_e4m3", "tensors": ["query"], "granularity": "tensor"}]})
@@ -179,10 +166,7 @@ def test_probs_are_quantized_before_their_product_with_v():
         probs = formats.fake_quantize(probs, "fp8_e4m3", granularity="token")
         return torch.matmul(probs, value).transpose(1, 2).contiguous(), probs
 
-    AttentionInterface.register("ref-probs", attention)
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
-    ALL_MASK_ATTENTION_FUNCTIONS.register("ref-probs", ALL_MASK_ATTENTION_FUNCTIONS["eager"])
-    ref = with_implementation(model, "ref-probs")
+    ref = with_implementation(model, register_attention("ref-probs", attention, mask="eager"))
     transformed = qtransform.transform(model, {"quantize": [
         {"format": "fp8_e4m3", "tensors": ["probs"], "granularity": "token"}]})
     x = ids()

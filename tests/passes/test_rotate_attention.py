@@ -11,15 +11,11 @@ rule it must equal the reference bit for bit.
 
 from __future__ import annotations
 
-import copy
-
 import numpy as np
 import pytest
 import scipy.linalg
 import torch
-from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
 import qtransform
 from qtransform import formats
@@ -29,6 +25,7 @@ from qtransform.models import build_tiny, tiny_config
 from qtransform.passes import Rotate
 from qtransform.schemas.errors import PolicyError
 from qtransform.schemas.explain import explain
+from tests.helpers import register_attention, with_implementation
 
 
 def model_of(arch: str, head_dim: int = 16):
@@ -88,15 +85,8 @@ def reference(name: str, block: int, quantize: dict[str, dict], seen: dict | Non
         return sdpa_attention_forward(module, tensors["query"], tensors["key"], tensors["value"],
                                       attention_mask, **kwargs)
 
-    AttentionInterface.register(name, attention)
-    ALL_MASK_ATTENTION_FUNCTIONS.register(name, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
-    return name
+    return register_attention(name, attention)
 
-
-def with_implementation(model, name: str):
-    out = copy.deepcopy(model)
-    out.config._attn_implementation_internal = name
-    return out
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "llama"])
