@@ -103,6 +103,8 @@ class FakeQuantize(nn.Module):
                 global_scale if global_scale == "token" else None))
         self.static_scale = static_scale
         self.fixed_scale = fixed_scale
+        # the fixed scale as the tensor `fake_quantize` takes, made once (not at every call)
+        self._fixed_scale = None if fixed_scale is None else torch.tensor(fixed_scale, dtype=torch.float32)
         self.heads_first = heads_first  # an attention tensor [batch, heads, tokens, head_dim]
         self.group = group
         self._group_version = -1
@@ -171,7 +173,7 @@ class FakeQuantize(nn.Module):
             return {"scale": static.scale} if static.stored else {"amax": static.amax}
         if self.global_scale == "fixed":
             assert self.fixed_scale is not None
-            return {"scale": torch.tensor(self.fixed_scale, dtype=torch.float32)}
+            return {"scale": self._fixed_scale}
         return {}
 
     @staticmethod

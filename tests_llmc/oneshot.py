@@ -8,13 +8,10 @@ import pytest
 import torch
 
 
-def llm_compressor_model(model: torch.nn.Module, scheme: str, batches: list[torch.Tensor],
-                         tmp_path, kv_cache_scheme: dict | None = None) -> torch.nn.Module:
-    """A copy of `model` quantized by llm-compressor's `oneshot` with its preset `scheme` and the
-    examples' ignore list (and `kv_cache_scheme`, when given), calibrated on `batches` (input_ids
-    of shape [1, n]): the fake-quantized model it leaves in memory."""
+def run_oneshot(model: torch.nn.Module, recipe: list, batches: list[torch.Tensor], tmp_path) -> torch.nn.Module:
+    """A copy of `model` after llm-compressor's `oneshot` with `recipe`, calibrated on `batches`
+    (input_ids of shape [1, n]): the model it leaves in memory."""
     llmcompressor = pytest.importorskip("llmcompressor")
-    from llmcompressor.modifiers.quantization import QuantizationModifier
     from loguru import logger
     from tokenizers import Tokenizer, models
     from torch.utils.data import DataLoader
@@ -29,7 +26,18 @@ def llm_compressor_model(model: torch.nn.Module, scheme: str, batches: list[torc
     processor = PreTrainedTokenizerFast(
         tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="<unk>")))
     loader = DataLoader([{"input_ids": b[0]} for b in batches], batch_size=1)
-    recipe = QuantizationModifier(targets="Linear", scheme=scheme, ignore=["lm_head"],
-                                  kv_cache_scheme=kv_cache_scheme)
     llmcompressor.oneshot(model=model, dataset=loader, processor=processor, recipe=recipe)
     return model
+
+
+def llm_compressor_model(model: torch.nn.Module, scheme: str, batches: list[torch.Tensor],
+                         tmp_path, kv_cache_scheme: dict | None = None) -> torch.nn.Module:
+    """A copy of `model` quantized by llm-compressor's `oneshot` with its preset `scheme` and the
+    examples' ignore list (and `kv_cache_scheme`, when given), calibrated on `batches` (input_ids
+    of shape [1, n]): the fake-quantized model it leaves in memory."""
+    pytest.importorskip("llmcompressor")
+    from llmcompressor.modifiers.quantization import QuantizationModifier
+
+    recipe = QuantizationModifier(targets="Linear", scheme=scheme, ignore=["lm_head"],
+                                  kv_cache_scheme=kv_cache_scheme)
+    return run_oneshot(model, recipe, batches, tmp_path)

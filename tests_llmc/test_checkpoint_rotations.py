@@ -16,6 +16,7 @@ import torch
 
 import qtransform
 from qtransform.models import build_tiny
+from tests_llmc.oneshot import run_oneshot
 from tests_llmc.test_presets import HIDDEN, samples
 
 ct = pytest.importorskip("compressed_tensors.transform")
@@ -53,26 +54,14 @@ def test_a_rotated_export_loads_into_the_fake_quant_logits(scheme, block, tmp_pa
 
 def quip_model(model, scheme: str, block: int, batches, tmp_path):
     """llm-compressor's QuIP modifier (input rotations "v", kind hadamard) then its preset."""
-    llmcompressor = pytest.importorskip("llmcompressor")
+    pytest.importorskip("llmcompressor")
     from llmcompressor.modifiers.quantization import QuantizationModifier
     from llmcompressor.modifiers.transform import QuIPModifier
-    from loguru import logger
-    from tokenizers import Tokenizer, models
-    from torch.utils.data import DataLoader
-    from transformers import PreTrainedTokenizerFast
 
-    logger.remove()
-    model = copy.deepcopy(model)
-    model.config.save_pretrained(tmp_path)
-    model.config._name_or_path = str(tmp_path)
-    processor = PreTrainedTokenizerFast(
-        tokenizer_object=Tokenizer(models.WordLevel({"<unk>": 0}, unk_token="<unk>")))
-    loader = DataLoader([{"input_ids": b[0]} for b in batches], batch_size=1)
     recipe = [QuIPModifier(rotations=["v"], transform_type="hadamard", transform_block_size=block,
                            ignore=["lm_head"]),
               QuantizationModifier(targets="Linear", scheme=scheme, ignore=["lm_head"])]
-    llmcompressor.oneshot(model=model, dataset=loader, processor=processor, recipe=recipe)
-    return model
+    return run_oneshot(model, recipe, batches, tmp_path)
 
 
 @pytest.mark.parametrize("scheme", ["NVFP4A16", "MXFP4A16", "W4A16", "FP8_DYNAMIC"])

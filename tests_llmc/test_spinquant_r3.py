@@ -22,6 +22,7 @@ import torch
 
 import qtransform
 from qtransform.models import build_tiny
+from tests_llmc.oneshot import run_oneshot
 from tests_llmc.test_presets import HIDDEN, samples
 
 ct = pytest.importorskip("compressed_tensors.transform")
@@ -32,23 +33,11 @@ ATOL = 2e-5  # fp32 rounding of the rotation (theirs float64), through two layer
 
 def spinquant(model, batches, tmp_path):
     """llm-compressor's SpinQuant modifier with R3 only: the model it leaves in memory."""
-    llmcompressor = pytest.importorskip("llmcompressor")
+    pytest.importorskip("llmcompressor")
     from llmcompressor.modifiers.transform import SpinQuantModifier
-    from loguru import logger
-    from tokenizers import Tokenizer, models
-    from torch.utils.data import DataLoader
-    from transformers import PreTrainedTokenizerFast
 
-    logger.remove()
-    model = copy.deepcopy(model)
-    model.config.save_pretrained(tmp_path)
-    model.config._name_or_path = str(tmp_path)
-    processor = PreTrainedTokenizerFast(
-        tokenizer_object=Tokenizer(models.WordLevel({"<unk>": 0}, unk_token="<unk>")))
-    loader = DataLoader([{"input_ids": b[0]} for b in batches], batch_size=1)
-    recipe = [SpinQuantModifier(rotations=["R3"], transform_type="hadamard")]
-    llmcompressor.oneshot(model=model, dataset=loader, processor=processor, recipe=recipe)
-    return model
+    return run_oneshot(model, [SpinQuantModifier(rotations=["R3"], transform_type="hadamard")],
+                       batches, tmp_path)
 
 
 def left_by(theirs, model):

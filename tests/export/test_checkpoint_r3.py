@@ -16,7 +16,8 @@ from safetensors.torch import load_file
 import qtransform
 from qtransform.errors import UserError
 from qtransform.export.rotation_config import transform_config
-from qtransform.models import build_tiny, checkpoint_policy, load_model
+from qtransform.models import build_tiny
+from tests.export.test_checkpoint_rotation_reopen import _edit, checkpoint_policy, load_model
 
 R3 = {"name": "R3", "point": "query_key", "block_size": 8}
 POLICY = {"preset": ["llm-compressor/FP8_DYNAMIC", "llm-compressor/KV_FP8"], "rotate": [R3]}
@@ -103,15 +104,6 @@ def test_a_query_rotated_without_its_key_is_not_exported(tmp_path):
         qtransform.export_checkpoint(ours, tmp_path / "ckpt")
 
 
-def _edit(folder, tmp_path, change):
-    copy = tmp_path / "edited"
-    copy.mkdir()
-    for f in folder.iterdir():
-        (copy / f.name).write_bytes(f.read_bytes())
-    config = json.loads((copy / "config.json").read_text())
-    change(config["quantization_config"]["transform_config"]["config_groups"]["rotate_query_key_8"])
-    (copy / "config.json").write_text(json.dumps(config))
-    return copy
 
 
 @pytest.mark.parametrize(("change", "message"), [
@@ -125,5 +117,5 @@ def _edit(folder, tmp_path, change):
 ])
 def test_query_key_rotations_qtransform_cannot_reproduce_are_refused(exported, tmp_path, change, message):
     with pytest.raises(UserError, match=message) as info:
-        load_model(_edit(exported[2], tmp_path, change))
+        load_model(_edit(exported[2], tmp_path, change, "rotate_query_key_8"))
     assert "\n" not in str(info.value)

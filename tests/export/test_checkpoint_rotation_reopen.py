@@ -110,14 +110,14 @@ def test_plan_names_the_rotations(nvfp4a16):
     assert "online 32-wide Hadamard rotations ('rotate_32') of the inputs of 14 modules, whose stored weights hold W·R" in out.stdout
 
 
-def _edit(folder, tmp_path, change):
-    """A copy of the export with its transform_config group changed."""
+def _edit(folder, tmp_path, change, group: str = "rotate_32"):
+    """A copy of the export with its transform_config group `group` changed."""
     copy = tmp_path / "edited"
     copy.mkdir()
     for f in folder.iterdir():
         (copy / f.name).write_bytes(f.read_bytes())
     config = json.loads((copy / "config.json").read_text())
-    change(config["quantization_config"]["transform_config"]["config_groups"]["rotate_32"])
+    change(config["quantization_config"]["transform_config"]["config_groups"][group])
     (copy / "config.json").write_text(json.dumps(config))
     return copy
 
