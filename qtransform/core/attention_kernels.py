@@ -12,9 +12,12 @@ cache decodes to), the model's mask and options, and returns what `core/attentio
   source, not run here): key tiles of `kBlockN` from the last to the first, a running row max,
   P = exp2(S·log2e - (m·log2e - 8)) in [0, 256] rounded to FP8 E4M3 before P·V while the row
   sum takes the unrounded P, the output divided by the row sum at the end;
-- `triton`: vLLM's Triton unified attention with an FP8 cache (written from source): tiles of
-  32 keys in order, natural exp, P·256 rounded to E4M3 and the product divided by 256, the
-  accumulator divided by the row sum at the end.
+- `triton`: vLLM's Triton unified attention (written from source): tiles of 32 keys in order,
+  natural exp, the accumulator divided by the row sum at the end; with an FP8 cache P·256
+  rounded to E4M3 and the product divided by 256, with other caches (the per-token-head ones)
+  P in the query's dtype.
+
+`fp8` says whether the cache is FP8 with one scale per tensor (the kernels' FP8 forward).
 
 docs/attention.md lists the sources and which rows were checked against the engine.
 """
@@ -74,8 +77,10 @@ def _refuse_extras(module: nn.Module, options: dict[str, Any]) -> None:
 
 
 def vllm_cpu(module: nn.Module, query: Tensor, key: Tensor, value: Tensor,
-             attention_mask: Tensor | None, options: dict[str, Any]) -> tuple[Tensor, None]:
-    """vLLM's CPU attention: fp32 throughout, cast to the model's dtype at the end."""
+             attention_mask: Tensor | None, options: dict[str, Any], fp8: bool = True) -> tuple[Tensor, None]:
+    """vLLM's CPU attention: fp32 throughout, cast to the model's dtype at the end (whatever
+    the cache holds)."""
+    del fp8
     _refuse_extras(module, options)
     q, k, v, scale = _fp32_inputs(module, query, key, value, options)
     scores = torch.matmul(q, k.transpose(2, 3)) * scale
@@ -96,9 +101,10 @@ def fa3_block_n(head_dim: int, q_len: int) -> int:
 
 
 def flash_attn_3(module: nn.Module, query: Tensor, key: Tensor, value: Tensor,
-                 attention_mask: Tensor | None, options: dict[str, Any]) -> tuple[Tensor, None]:
+                 attention_mask: Tensor | None, options: dict[str, Any], fp8: bool = True) -> tuple[Tensor, None]:
     """FlashAttention-3's FP8 forward: probabilities rounded to E4M3 per key tile (see the
-    module docstring)."""
+    module docstring); its 16-bit forward is not simulated (`core.engines.check_cache`)."""
+    assert fp8, "flash-attn-3 is simulated with an FP8 cache only"
     _refuse_extras(module, options)
     q, k, v, scale = _fp32_inputs(module, query, key, value, options)
     q_len, k_len = q.shape[2], k.shape[2]
@@ -130,8 +136,8 @@ TRITON_TILE = 32
 
 
 def triton(module: nn.Module, query: Tensor, key: Tensor, value: Tensor,
-           attention_mask: Tensor | None, options: dict[str, Any]) -> tuple[Tensor, None]:
-    """vLLM's Triton unified attention with an FP8 cache (see the module docstring)."""
+           attention_mask: Tensor | None, options: dict[str, Any], fp8: bool = True) -> tuple[Tensor, None]:
+    """vLLM's Triton unified attention (see the module docstring)."""
     _refuse_extras(module, options)
     q, k, v, scale = _fp32_inputs(module, query, key, value, options)
     q_len, k_len = q.shape[2], k.shape[2]
@@ -150,7 +156,11 @@ def triton(module: nn.Module, query: Tensor, key: Tensor, value: Tensor,
         p = torch.exp(s - m_j[..., None])
         alpha = torch.exp(m - m_j)
         rowsum = rowsum * alpha + p.sum(dim=-1)
-        acc = acc * alpha[..., None] + torch.matmul(_rounded_e4m3(p * 256.0), v[:, :, tile]) / 256.0
+        if fp8:
+            pv = torch.matmul(_rounded_e4m3(p * 256.0), v[:, :, tile]) / 256.0
+        else:
+            pv = torch.matmul(p.to(query.dtype).to(torch.float32), v[:, :, tile])
+        acc = acc * alpha[..., None] + pv
         m = m_j
     return (acc / rowsum[..., None]).transpose(1, 2).contiguous().to(query.dtype), None
 

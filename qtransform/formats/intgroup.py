@@ -26,9 +26,9 @@ from qtransform.formats.registry import (
     register,
     register_family,
 )
-from qtransform.formats.scaled import MODELOPT_TINY, quantize_scaled
+from qtransform.formats.scaled import MODELOPT_TINY, quantize_scaled, reciprocal_floor
 
-INT_RANGES = ("restricted", "full", "modelopt")
+INT_RANGES = ("restricted", "full", "modelopt", "vllm-per-token-head")
 
 
 def quantize_int(blocks: torch.Tensor, cfg: QuantConfig, u: torch.Tensor | None,
@@ -43,6 +43,8 @@ def quantize_int(blocks: torch.Tensor, cfg: QuantConfig, u: torch.Tensor | None,
             raise ValueError(f"{cfg.name}: a stored scale with int_range 'modelopt'; ModelOpt "
                              "integer checkpoints are not read")
         return _modelopt(blocks, cfg, u, amax_t, float(qmax))
+    if cfg.int_range == "vllm-per-token-head":
+        return reciprocal_floor(blocks, cfg, u, amax_t, scale_t, -qmax - 1.0, float(qmax))
     if cfg.int_range == "full":
         return quantize_scaled(blocks, cfg, u, amax_t, cfg.spec.element, qmax + 0.5,
                                -qmax - 1.0, float(qmax), scale_t)

@@ -24,6 +24,8 @@ _DTYPES = SCALE_TORCH_DTYPES
 # ModelOpt's smallest amax it scales by: at or below it, its FP8 scales by 1 and its integers
 # quantize the block to zeros (`fp8.py`, `intgroup.py`)
 MODELOPT_TINY = 2.0**-24
+# vLLM's per-token-head cache writers floor every scale at this value (`_reshape_cache_per_token_head`)
+PER_TOKEN_HEAD_MIN_SCALE = 1e-6
 _NAMES = {v: k for k, v in _DTYPES.items()}
 
 
@@ -72,3 +74,29 @@ def quantize_scaled(
     q = torch.where(bad_b, CANONICAL_NAN, q)
     out = torch.where(bad_b, CANONICAL_NAN, q * sb)
     return BlockQuant(out=out, q=q, sat=((y > hi) | (y < lo)) & ~bad_b, scales=scale)
+
+
+def reciprocal_floor(blocks: torch.Tensor, cfg: QuantConfig, u: torch.Tensor | None,
+                     amax_t: torch.Tensor | None, scale_t: torch.Tensor | None,
+                     lo: float, hi: float) -> BlockQuant:
+    """vLLM's per-token-head cache writer (FP8 and INT8 alike, per token and KV head): s =
+    max(fl(amax / max), 1e-6) in fp32 (a stored `scale_t` as it is), y = x * fl(1 / s),
+    clamped to [lo, hi] and rounded (the config's rounding: the engine's int8 adds +-0.5 and
+    truncates, "rna"; its fp8 store rounds to nearest even), out = q * s."""
+    elem = cfg.spec.element
+    if scale_t is not None:
+        s = scale_t.expand(blocks.shape[0])
+    else:
+        amax = blocks.abs().amax(dim=1) if amax_t is None else amax_t.expand(blocks.shape[0])
+        s = torch.clamp_min(amax / amax.new_tensor(elem.max_normal), PER_TOKEN_HEAD_MIN_SCALE)
+    bad = ~torch.isfinite(s)
+    raw = blocks * torch.reciprocal(s)[:, None]
+    y = torch.clamp(raw, lo, hi)
+    if elem.kind == "int":
+        q = torch.copysign(round_to_integer(y.abs(), cfg.rounding, u), y)
+    else:
+        q = round_signed(y, elem, cfg.rounding, u)
+    bad_b = bad[:, None]
+    q = torch.where(bad_b, CANONICAL_NAN, q)
+    scales = torch.where(bad, CANONICAL_NAN, s)
+    return BlockQuant(out=q * scales[:, None], q=q, sat=((raw > hi) | (raw < lo)) & ~bad_b, scales=scales)

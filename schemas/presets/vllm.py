@@ -15,6 +15,11 @@ the backend of this machine's device, and the expanded policy names it):
 - `triton` (vLLM's Triton attention, from source): as flash-attn-3 for the tensors, the
   probabilities P·256 rounded to E4M3.
 
+The per-token-head caches (`vllm/kv_int8_per_token_head`, `vllm/kv_fp8_per_token_head`; vLLM's
+Triton attention only, from source) scale each token's head by its own amax when it is
+written: s = max(amax / QMAX, 1e-6), x · fl(1 / s), int8 rounded half away from zero, fp8 to
+nearest even; the query is not quantized and no checkpoint scale is read.
+
 docs/attention.md has the sources and figures.
 """
 
@@ -49,7 +54,7 @@ def kv_cache(name: str, element: str) -> Preset:
         rule = {"name": f"{STACK}/{name} key/value", "targets": ["Attention"], "tensors": ["key", "value"],
                 **engines.kv_fields(element, backend), **_scale(o["scales"])}
         return {"quantize": [rule, *engines.query_rule(f"{STACK}/{name}", backend)],
-                "engine": engines.engine_section(backend)}
+                "engine": engines.engine_section(backend, name.removeprefix("kv_"))}
 
     options = (BACKEND, SCALES)
     return register_preset(Preset(
@@ -66,3 +71,30 @@ def kv_cache(name: str, element: str) -> Preset:
 kv_cache("kv_fp8", "e4m3")  # "fp8" is E4M3 on every backend
 kv_cache("kv_fp8_e4m3", "e4m3")
 kv_cache("kv_fp8_e5m2", "e5m2")  # not on flash-attn-3 (E4M3 only)
+
+
+def per_token_head(name: str) -> Preset:
+    dtype = name.removeprefix("kv_")
+    options = (PresetOption("backend", "auto", "the attention backend: vLLM runs per-token-head "
+                            "caches on its Triton attention only (auto means triton)",
+                            choices=("auto", "triton")),)
+
+    def build(o: Mapping[str, Any]) -> dict[str, Any]:
+        del o
+        rule = {"name": f"{STACK}/{name} key/value", "targets": ["Attention"], "tensors": ["key", "value"],
+                **engines.per_token_head_fields(dtype, "triton")}
+        return {"quantize": [rule], "engine": engines.engine_section("triton", dtype)}
+
+    return register_preset(Preset(
+        name=f"{STACK}/{name}",
+        reproduces=f"vLLM's kv_cache_dtype={dtype!r} (keys and values scaled per token and KV head "
+                   "as they are written, the query unquantized, vLLM's Triton attention)",
+        checked_against="vLLM 0.32.0 source (Triton per-token-head writer and reader); not run here",
+        content=build({o.name: o.default for o in options}),
+        options=options,
+        build=build,
+    ))
+
+
+per_token_head("kv_int8_per_token_head")
+per_token_head("kv_fp8_per_token_head")

@@ -12,11 +12,13 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
-from qtransform.core.engines import BACKENDS, ENGINES
+from qtransform.core.engines import BACKENDS, ENGINES, KV_CACHE_DTYPES, check_cache
+from qtransform.errors import UserError
 
 from ..base import Entries, Selected
+from ..errors import Issue, problems_error
 from ..words import describe_selector
 from . import Section, register_section
 
@@ -26,7 +28,8 @@ BACKEND_WORDS = {
     "cpu": "vLLM's CPU attention (fp32 products and softmax, the output cast to the model's dtype)",
     "flash-attn-3": "FlashAttention-3's FP8 forward (probabilities rounded to E4M3 per key tile, "
                     "the row sum from the unrounded ones)",
-    "triton": "vLLM's Triton unified attention with an FP8 cache (P·256 rounded to E4M3)",
+    "triton": "vLLM's Triton unified attention (with an FP8 cache P·256 rounded to E4M3, with "
+              "others P in the model's dtype)",
 }
 
 
@@ -40,15 +43,28 @@ class EngineSpec(Selected):
         "auto", description="its attention backend: auto (the model's device: cpu on CPU, "
         "flash-attn-3 on Hopper GPUs, triton on others), cpu (vLLM's CPU kernels), flash-attn-3, "
         "triton (vLLM's Triton attention)")
+    kv_cache_dtype: Literal[KV_CACHE_DTYPES] = Field(  # type: ignore[valid-type]
+        "fp8", description="vLLM's kv_cache_dtype, which decides the kernel's own rounding: fp8, "
+        "fp8_e4m3, fp8_e5m2 (the FP8 forward on GPU backends: probabilities rounded to E4M3), "
+        "int8_per_token_head, fp8_per_token_head (Triton only; 16-bit probabilities), auto (a "
+        "16-bit cache); what the cache stores is the quantize rules'")
+
+    @model_validator(mode="after")
+    def _backend_runs_the_cache(self) -> EngineSpec:
+        try:
+            check_cache(self.kv_cache_dtype, self.backend)
+        except UserError as exc:
+            raise problems_error([Issue(("kv_cache_dtype",), str(exc), self.kv_cache_dtype)]) from None
+        return self
 
 
 def describe(spec: EngineSpec) -> list[str]:
     return [f"Engine: the attention of {describe_selector(spec).rstrip(',')} computes as "
-            f"{BACKEND_WORDS[spec.backend]}."]
+            f"{BACKEND_WORDS[spec.backend]}, kv_cache_dtype {spec.kv_cache_dtype}."]
 
 
 def summary(spec: EngineSpec) -> str:
-    return f"engine ({spec.name} {spec.backend})"
+    return f"engine ({spec.name} {spec.backend}, kv_cache_dtype {spec.kv_cache_dtype})"
 
 
 register_section(Section("engine", EngineSpec | None, None, describe, summary, order=5,

@@ -119,14 +119,16 @@ def granularity_configs() -> list[tuple[str, dict]]:
     """The plain-scale families at every granularity and integer convention."""
     out = []
     for fmt in ("fp8_e4m3", "fp8_e5m2", "int4", "int8"):
-        ranges = ("restricted", "full", "modelopt") if fmt.startswith("int") else (None,)
+        ranges = (("restricted", "full", "modelopt", "vllm-per-token-head") if fmt.startswith("int")
+                  else (None,))
         for g, r, rounding in itertools.product(("channel", "token", "tensor", "block"), ranges, ("rne", "rna")):
             opts = {"granularity": g, "rounding": rounding} if g != "block" else {"block_size": 24, "rounding": rounding}
             out.append((fmt, opts | ({"int_range": r} if r else {})))
         out.append((fmt, {"block_shape": (16, 40)}))
         out.append((fmt, {"granularity": "channel", "axis": 0}))
         if fmt.startswith("fp8"):
-            out += [(fmt, {"granularity": g, "fp8_variant": "modelopt"}) for g in ("tensor", "channel")]
+            out += [(fmt, {"granularity": g, "fp8_variant": v}) for g in ("tensor", "channel", "token")
+                    for v in ("modelopt", "vllm-per-token-head")]
     return out
 
 

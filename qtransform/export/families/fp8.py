@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from qtransform.export.families.scaled import block_amax, scaled_blocks
+from qtransform.export.families.scaled import block_amax, reciprocal_floor_blocks, scaled_blocks
 from qtransform.export.functions import (
     Body,
     OnnxFamily,
@@ -30,6 +30,8 @@ def fp8_blocks(b: Body, x: str, axes: str, cfg: QuantConfig, amax_t: str | None 
                                 "export with scale_dtype 'float32'")
     if cfg.fp8_variant == "vllm-cpu":
         return _vllm_cpu(b, x, axes, cfg, amax_t, scale_t)
+    if cfg.fp8_variant == "vllm-per-token-head":
+        return reciprocal_floor_blocks(b, x, axes, cfg, -top, top, amax_t, scale_t)
     if scale_t is not None:  # the serving kernels' inverted scale fl(1 / s), dequantized by s
         amax = b.op("Where", b.op("Or", b.op("IsNaN", scale_t), b.op("IsInf", scale_t)),
                     b.const(np.inf), b.const(0.0))  # +inf marks a NaN / Inf scale, as amax does

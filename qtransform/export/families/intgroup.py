@@ -6,7 +6,7 @@ import numpy as np
 import torch
 from onnx import NodeProto, TensorProto
 
-from qtransform.export.families.scaled import block_amax, scaled_blocks
+from qtransform.export.families.scaled import block_amax, reciprocal_floor_blocks, scaled_blocks
 from qtransform.export.functions import (
     Body,
     OnnxFamily,
@@ -29,6 +29,8 @@ def int_blocks(b: Body, x: str, axes: str, cfg: QuantConfig, amax_t: str | None 
         if scale_t is not None:
             raise UnsupportedExport(f"{cfg.name}: a stored scale with int_range 'modelopt'")
         return _modelopt(b, x, axes, cfg, qmax)
+    if cfg.int_range == "vllm-per-token-head":
+        return reciprocal_floor_blocks(b, x, axes, cfg, -qmax - 1.0, qmax, amax_t, scale_t)
     if cfg.int_range == "full":
         return scaled_blocks(b, x, axes, cfg, cfg.spec.element, qmax + 0.5, -qmax - 1.0, qmax,
                              amax_t, scale_t)

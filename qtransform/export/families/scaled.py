@@ -14,6 +14,7 @@ from qtransform.export.functions import (
 )
 from qtransform.formats.options import QuantConfig
 from qtransform.formats.registry import ElementSpec
+from qtransform.formats.scaled import PER_TOKEN_HEAD_MIN_SCALE
 
 
 def block_amax(b: Body, x: str, axes: str, cfg: QuantConfig, amax_t: str | None = None) -> str:
@@ -55,3 +56,23 @@ def scaled_blocks(b: Body, x: str, axes: str, cfg: QuantConfig, elem: ElementSpe
     else:
         q = round_signed(b, c, elem, cfg.rounding)
     return b.op("Mul", q, scale)  # NaN scale: NaN out
+
+
+def reciprocal_floor_blocks(b: Body, x: str, axes: str, cfg: QuantConfig, lo: float, hi: float,
+                            amax_t: str | None = None, scale_t: str | None = None) -> str:
+    """`qtransform.formats.scaled.reciprocal_floor`: s = max(amax / max, 1e-6) or a stored
+    `scale_t`, q = round(clamp(x * fl(1 / s), lo, hi)), out = q * s; a NaN/Inf block is NaN."""
+    elem = cfg.spec.element
+    if scale_t is not None:
+        s = scale_t
+    else:
+        amax = block_amax(b, x, axes, cfg, amax_t)
+        s = b.op("Max", b.op("Div", amax, b.const(elem.max_normal)), b.const(PER_TOKEN_HEAD_MIN_SCALE))
+    bad = b.op("Or", b.op("IsNaN", s), b.op("IsInf", s))
+    c = b.op("Max", b.op("Min", b.op("Mul", x, b.op("Reciprocal", s)), b.const(hi)), b.const(lo))
+    if elem.kind == "int":
+        sign = sign_of(b, c)
+        q = b.op("Mul", round_to_integer(b, b.op("Mul", c, sign), cfg.rounding), sign)
+    else:
+        q = round_signed(b, c, elem, cfg.rounding)
+    return b.op("Where", bad, b.const(np.nan), b.op("Mul", q, s))
