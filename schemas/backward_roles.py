@@ -16,7 +16,15 @@ from qtransform.formats.registry import GRANULARITIES
 
 from .base import Int, PosInt, StrictModel
 from .errors import Issue, problems_error
-from .format_fields import OPTION_DEFAULTS, all_option_values, known_format, lowered
+from .format_fields import (
+    FOUR_OVER_SIX_HELP,
+    GLOBAL_BOUND_HELP,
+    GLOBAL_BOUNDS,
+    OPTION_DEFAULTS,
+    all_option_values,
+    known_format,
+    lowered,
+)
 
 ROLE_ROUNDING = {"nearest": "rne", "stochastic": "stochastic"}  # a role's rounding -> the format's
 
@@ -39,6 +47,11 @@ class RoleQuant(StrictModel):
     scale_dtype: StrictStr = Field(
         OPTION_DEFAULTS["scale_dtype"], json_schema_extra={"enum": all_option_values("scale_dtype")},
         description="the float scales are computed in (formats that take it)")
+    four_over_six: StrictStr | None = Field(
+        None, json_schema_extra={"enum": [*all_option_values("four_over_six"), None]},
+        description=FOUR_OVER_SIX_HELP)
+    global_bound: Literal[GLOBAL_BOUNDS] | None = Field(  # type: ignore[valid-type]
+        None, description=GLOBAL_BOUND_HELP)
     rounding: Literal["nearest", "stochastic"] = Field(
         "nearest", description="nearest = half to even; stochastic = the Philox stream of seed "
         "(unbiased), new draws for every backward call")
@@ -55,9 +68,13 @@ class RoleQuant(StrictModel):
     def _options_fit_format(self) -> RoleQuant:
         spec = registry.get(self.format)
         issues = []
-        for option in ("scale_rule", "scale_dtype"):
+        for option in ("scale_rule", "scale_dtype", "four_over_six", "global_bound"):
             value = getattr(self, option)
-            allowed = spec.options.get(option) or (OPTION_DEFAULTS[option],)
+            if value is None:
+                continue
+            value = str(value)  # global_bound: an int in policies
+            allowed = spec.options.get(option) or OPTION_DEFAULTS.get(option, ())
+            allowed = (allowed,) if isinstance(allowed, str) else allowed
             if value not in allowed:
                 issues.append(Issue((option,), f"not supported by {spec.name}", value, allowed,
                                     registry.suggest(value, allowed)))
@@ -82,7 +99,8 @@ class RoleQuant(StrictModel):
                                 "block_shape": self.block_shape, "axis": None,
                                 "rounding": ROLE_ROUNDING[self.rounding],
                                 "seed": (self.seed or 0) if self.rounding == "stochastic" else None}
-        opts |= {o: getattr(self, o) for o in ("scale_rule", "scale_dtype") if o in spec.options}
+        opts |= {o: getattr(self, o) for o in ("scale_rule", "scale_dtype", "four_over_six",
+                                               "global_bound") if o in spec.options}
         return QuantConfig.from_options(spec, opts)
 
 

@@ -12,6 +12,12 @@ from .errors import Issue, problems_error
 # Option defaults used for formats that do not list the option in FormatSpec.options.
 OPTION_DEFAULTS = {"scale_rule": "floor", "rounding": "rne", "int_range": "restricted",
                    "scale_dtype": "float32"}
+GLOBAL_BOUNDS = (448, 256)  # NVFP4 `global_bound`, as policies write it (the format's are strings)
+FOUR_OVER_SIX_HELP = ("NVFP4 (default order, 1D blocks): mse or mae = quantize each block with "
+                      "the scale mapping its amax to 6 and to 4, keep the one with the smaller "
+                      "squared / absolute error (a tie keeps 6); null = max/6 only")
+GLOBAL_BOUND_HELP = ("NVFP4 (default order): the E4M3 value the tensor amax maps to; 448 "
+                     "(null) or 256 (Transformer Engine's four-over-six, room for the max/4 scale)")
 
 
 def all_option_values(option: str) -> list[str]:

@@ -95,6 +95,10 @@ def describe_format(rule: QuantRule) -> str:
         elif option == "scale_dtype" and spec.family.name == "nvfp4":  # only its two divisions
             where = "the input's dtype" if value == "input" else value
             parts.append(f"2688/amax and amax/6 divided in {where}")
+        elif option == "four_over_six":
+            parts.append(f"four over six by {value.upper()} (max/6 or max/4 per block)")
+        elif option == "global_bound":
+            parts.append(f"tensor amax mapped to {value}")
         elif option == "scale_dtype":
             parts.append("scales in the input's dtype" if value == "input" else f"{value} scales")
         else:

@@ -28,6 +28,10 @@ def add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--scale-dtype", help="int and fp8: float32 (default), bfloat16, float16, "
                    "input (the tensor's dtype)")
     p.add_argument("--fp8-variant", help="fp8: default (x / (amax/max)) or modelopt")
+    p.add_argument("--four-over-six", help="nvfp4: mse or mae = keep the better of the max/6 "
+                   "and max/4 block scales (default: max/6 only)")
+    p.add_argument("--global-bound", help="nvfp4: the E4M3 value the tensor amax maps to, 448 "
+                   "(default) or 256")
     p.add_argument("--json", action="store_true", help="print JSON on stdout instead of tables")
     p.add_argument("--no-progress", action="store_true", help="no progress bars on stderr")
 

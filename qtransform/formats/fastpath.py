@@ -49,6 +49,7 @@ MIN_PARALLEL = 1 << 16  # elements; below this one thread beats the OpenMP fork/
 _VARIANT = {"default": 0, "compressed-tensors": 1, "one_level": 2}
 _RULE = {"floor": 0, "rceil": 1, "ceil": 2, "even": 3, "compressed-tensors": 4}
 _ROUNDING = {"rne": 0, "rna": 1, "stochastic": 2}
+_FOUR_OVER_SIX = {"none": 0, "mse": 1, "mae": 2}
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # read natively by qfast.c
 
 
@@ -56,6 +57,7 @@ class _Params(ctypes.Structure):
     _fields_ = [(n, ctypes.c_int32) for n in
                 ("family", "variant", "scale_rule", "rna", "is_int", "mbits", "emin", "emax")]
     _fields_ += [(n, ctypes.c_float) for n in ("max_normal", "step", "inv_step", "qmax")]
+    _fields_ += [("fos", ctypes.c_int32), ("gbound", ctypes.c_float)]
 
 
 _lock = threading.Lock()
@@ -246,6 +248,7 @@ def _params(cfg: QuantConfig) -> _Params:
         is_int=int(e.kind == "int"), mbits=e.mbits, emin=e.emin, emax=e.emax,
         max_normal=e.max_normal, step=e.step, inv_step=1.0 / e.step,
         qmax=float(e.qmax) if e.kind == "int" else e.max_normal,  # the plain-scale divisor
+        fos=_FOUR_OVER_SIX[cfg.four_over_six], gbound=float(cfg.global_bound),
     )
 
 

@@ -2,6 +2,10 @@
 
 Four named fp32 orders of operations (`nvfp4_variant`), because the public references round
 differently on ties and treat zero and tiny scales differently; see docs/numerics.md.
+`four_over_six` (default order, 1D blocks) quantizes every block twice, mapping its amax to 6
+and to 4, and keeps the candidate with the smaller reconstruction error (arXiv 2512.02010);
+`global_bound` is the E4M3 value the tensor amax maps to (448, or 256 to leave the max/4
+candidate's block scale room below 448, as Transformer Engine does).
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ E4M3_MAX = 448.0
 GLOBAL_RANGE = 2688.0  # E2M1 max (6) * E4M3 max (448)
 ONE_SIXTH = float(torch.tensor(1 / 6, dtype=torch.float32))  # fl32(1/6)
 VARIANTS = ("default", "compressed-tensors", "one_level", "modelopt")  # "default" is NVIDIA's order
+FOUR_OVER_SIX = ("none", "mse", "mae")  # none: every block maps its amax to 6
+GLOBAL_BOUNDS = ("448", "256")  # the E4M3 value the tensor amax maps to (strings: a choice option)
 MIN_BLOCK_SCALE = 2.0**-9  # ModelOpt clamps block scales up to E4M3's smallest subnormal
 
 # element values, dequantized values, scaled values (for saturation), block scales, tensor scale
@@ -49,18 +55,50 @@ def _canonical(t: torch.Tensor) -> torch.Tensor:
 def _default(
     blocks: torch.Tensor, amax_t: torch.Tensor, cfg: QuantConfig, u: torch.Tensor | None
 ) -> Parts:
-    """NVIDIA's reference order (NVFP4 pretraining paper, App. B)."""
-    g = torch.clamp_max(amax_t.new_tensor(GLOBAL_RANGE) / amax_t, FLT_MAX)  # a true division
+    """NVIDIA's reference order (NVFP4 pretraining paper, App. B), with `four_over_six`'s
+    choice between the max/6 and max/4 block scales."""
+    g = torch.clamp_max(amax_t.new_tensor(6.0 * float(cfg.global_bound)) / amax_t, FLT_MAX)
     g = torch.where(g == 0, 1.0, g)
     d = 1.0 / g
     amax_b = blocks.abs().amax(dim=1)
     # NUMERICS.md's clamp to [-448, 448] is e4m3_rne's own saturation (the product is >= 0)
     s = e4m3_rne(torch.clamp_max(amax_b * (g * ONE_SIXTH), FLT_MAX))
+    q, out, y = _candidate(blocks, s, d, cfg, u)
+    if cfg.four_over_six == "none":
+        return q, out, y, s, d
+    s4 = e4m3_rne(torch.clamp_max(amax_b * (g * 0.25), FLT_MAX))
+    q4, out4, y4 = _candidate(blocks, s4, d, cfg, u)
+    four = (block_error(out4, blocks, cfg.four_over_six)
+            < block_error(out, blocks, cfg.four_over_six))  # a tie (or NaN) keeps max/6
+    pick = four[:, None]
+    return (torch.where(pick, q4, q), torch.where(pick, out4, out), torch.where(pick, y4, y),
+            torch.where(four, s4, s), d)
+
+
+def _candidate(blocks: torch.Tensor, s: torch.Tensor, d: torch.Tensor, cfg: QuantConfig,
+               u: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Elements, dequantized values and scaled values of the blocks under block scales `s`."""
     sd = (s * d)[:, None]
     enc = torch.clamp_max(1.0 / sd, FLT_MAX)
     y = blocks * enc
     q = round_signed(torch.clamp(y, -6.0, 6.0), cfg.spec.element, cfg.rounding, u)
-    return q, q * sd, y, s, d
+    return q, q * sd, y
+
+
+def block_error(out: torch.Tensor, blocks: torch.Tensor, mode: str) -> torch.Tensor:
+    """Each block's reconstruction error in fp32: the terms |out - x| ("mae") or (out - x)^2
+    ("mse"), each rounded to fp32, summed by halving: the row is zero-padded to a power of two
+    P, then t[i] += t[i + h] for h = P/2, P/4, ..., 1 (docs/numerics.md)."""
+    diff = out - blocks
+    t = diff.abs() if mode == "mae" else diff * diff
+    width = t.shape[1]
+    p2 = 1 << max(width - 1, 0).bit_length()
+    if p2 != width:
+        t = torch.nn.functional.pad(t, (0, p2 - width))
+    while t.shape[1] > 1:
+        h = t.shape[1] // 2
+        t = t[:, :h] + t[:, h:]
+    return t[:, 0]
 
 
 def _compressed_tensors(
@@ -165,6 +203,15 @@ def scale_values(scales: torch.Tensor, tensor_scale: torch.Tensor | None, cfg: Q
 
 
 def _check(choices: dict[str, str]) -> str | None:
+    if choices["four_over_six"] != "none" and choices["nvfp4_variant"] != "default":
+        return (f"four_over_six applies to nvfp4_variant 'default' (NVIDIA's order), not "
+                f"{choices['nvfp4_variant']!r}; set nvfp4_variant 'default' or remove four_over_six")
+    if choices["four_over_six"] != "none" and choices["granularity"] != "block":
+        return (f"four_over_six chooses per 1D block; granularity {choices['granularity']!r} "
+                "is not one (use block_size, not block_shape)")
+    if choices["global_bound"] != "448" and choices["nvfp4_variant"] != "default":
+        return (f"global_bound {choices['global_bound']} applies to nvfp4_variant 'default'; "
+                "remove it or set nvfp4_variant 'default'")
     if choices["scale_dtype"] != "float32" and choices["nvfp4_variant"] != "compressed-tensors":
         return (f"scale_dtype {choices['scale_dtype']!r} applies to nvfp4_variant "
                 "'compressed-tensors' only (its bf16/fp16 scale divisions); set that variant or "
@@ -173,10 +220,11 @@ def _check(choices: dict[str, str]) -> str | None:
 
 
 NVFP4 = register_family(Family(
-    "nvfp4", {"rounding": ROUNDINGS, "nvfp4_variant": VARIANTS, "scale_dtype": SCALE_DTYPES},
+    "nvfp4", {"rounding": ROUNDINGS, "nvfp4_variant": VARIANTS, "scale_dtype": SCALE_DTYPES,
+              "four_over_six": FOUR_OVER_SIX, "global_bound": GLOBAL_BOUNDS},
     quantize=quantize_nvfp4, scale_values=scale_values,
     per_tensor=lambda cfg: cfg.nvfp4_variant != "one_level", kernel_id=1, check=_check,
-    quiet=("scale_dtype",),
+    quiet=("scale_dtype", "four_over_six", "global_bound"),
 ))
 register(FormatSpec(
     name="nvfp4", family=NVFP4, element=E2M1, default_block=16, scale="e4m3_fp32", tile=(16, 16),

@@ -18,14 +18,16 @@ from qtransform.formats import registry
 from qtransform.formats.registry import Family, FormatSpec
 
 # strings a family lists values of
-CHOICE_OPTIONS = ("scale_rule", "rounding", "nvfp4_variant", "int_range", "scale_dtype", "fp8_variant")
+CHOICE_OPTIONS = ("scale_rule", "rounding", "nvfp4_variant", "int_range", "scale_dtype", "fp8_variant",
+                  "four_over_six", "global_bound")
 # what changes numbers
 NUMERICS_OPTIONS = ("granularity", "block_size", "block_shape", "axis", *CHOICE_OPTIONS)
 FORMAT_KEYS = (*NUMERICS_OPTIONS, "seed")  # the keys that belong to one format (not training's)
 OPTION_KEYS = (*FORMAT_KEYS, "zero_saturated_grad")  # every key of `options()`
 # what a config holds for a choice its family does not take (the kernels never read it)
 NEUTRAL = {"scale_rule": "floor", "rounding": "rne", "nvfp4_variant": "default",
-           "int_range": "restricted", "scale_dtype": "float32", "fp8_variant": "default"}
+           "int_range": "restricted", "scale_dtype": "float32", "fp8_variant": "default",
+           "four_over_six": "none", "global_bound": "448"}
 KEYWORDS = ("block_size", "axis", "block_shape", "granularity", "scale_rule", "rounding",
             "generator", "seed", "amax", "scale")
 WHOLE_ROW = ("channel", "token", "tensor")  # granularities whose kernel blocks are whole rows
@@ -57,6 +59,8 @@ class QuantConfig:
     scale_dtype: str = "float32"
     granularity: str = "block"
     fp8_variant: str = "default"
+    four_over_six: str = "none"  # NVFP4: "mse"/"mae" keep the better of the max/6 and max/4 scales
+    global_bound: str = "448"  # NVFP4: the E4M3 value the tensor amax maps to
 
     @property
     def family(self) -> Family:
@@ -227,6 +231,8 @@ def _choices(spec: FormatSpec, given: dict[str, Any]) -> dict[str, str]:
     for option in CHOICE_OPTIONS:
         if option in spec.options:
             value = given.get(option, spec.family.default(option))
+            if option == "global_bound" and type(value) is int:  # policies and callers write 256
+                value = str(value)
             out[option] = _choice(spec, option, value)
         elif option in given and not (option == "scale_rule" and given[option] == NEUTRAL[option]):
             raise ValueError(
@@ -277,7 +283,7 @@ def resolve(
                 f"allowed options: {', '.join(takes)}"
             )
     choices = _choices(spec, {k: v for k, v in options.items() if k in CHOICE_OPTIONS})
-    clash = spec.family.check(choices) if spec.family.check else None
+    clash = spec.family.check(choices | {"granularity": gran}) if spec.family.check else None
     if clash:
         raise ValueError(f"{spec.name}: {clash}")
     zsg = options.get("zero_saturated_grad", False)

@@ -26,6 +26,8 @@ typedef struct {
     int32_t family, variant, scale_rule, rna; /* rna: 0 = ties to even, 1 = ties away, 2 = SR */
     int32_t is_int, mbits, emin, emax;        /* element: integer grid?, float fields */
     float max_normal, step, inv_step, qmax;   /* int grids: step and 1/step (powers of two) */
+    int32_t fos;                              /* NVFP4 four over six: 0 off, 1 MSE, 2 MAE */
+    float gbound;                             /* NVFP4: the E4M3 value the tensor amax maps to */
 } qf_params;
 
 static const uint32_t QNAN = 0x7fc00000u; /* the canonical NaN of the reference path */
@@ -289,7 +291,7 @@ static tensor_scale nv_tensor(float amax_t, const qf_params *p) {
     tensor_scale ts = {1.0f, 1.0f, 0.0f, 0};
     if (p->variant == NV_DEFAULT) {
         ts.nan = amax_t != amax_t;
-        float g = 2688.0f / amax_t;
+        float g = (6.0f * p->gbound) / amax_t; /* 2688 or 1536, exact */
         g = g > FLT_MAX ? FLT_MAX : g;
         ts.g = g == 0.0f ? 1.0f : g;
         ts.d = 1.0f / ts.g;
@@ -365,6 +367,39 @@ static inline void apply_plan(const float *x, float *o, uint8_t *sat, const floa
     else fill_nan(o, sat, n);
 }
 
+/* Four over six (formats/nvfp4.py `_default`, `block_error`): the block's max/4 plan beside its
+ * max/6 plan `pl`, each candidate's error terms |out - x| (MAE) or (out - x)^2 (MSE) in fp32,
+ * zero-padded to a power of two and summed by halving; the max/4 plan only when its sum is
+ * smaller (a tie or a NaN keeps max/6). n <= 1024 (the largest block). */
+static float fos_error(const float *x, int64_t n, plan_t pl, grid_t g, const float *u, int mae) {
+    float t[1024];
+    int64_t p2 = 1;
+    while (p2 < n) p2 <<= 1;
+    for (int64_t i = 0; i < n; i++) {
+        float y = x[i] * pl.a;
+        float o = copysign_bits(round_mag(fabs_bits(y), g, g.rna == 2 ? u[i] : 0.0f), y) * pl.post;
+        float diff = o - x[i];
+        t[i] = mae ? fabs_bits(diff) : diff * diff;
+    }
+    for (int64_t i = n; i < p2; i++) t[i] = 0.0f;
+    for (int64_t h = p2 / 2; h >= 1; h /= 2)
+        for (int64_t i = 0; i < h; i++) t[i] = t[i] + t[i + h];
+    return t[0];
+}
+
+static inline plan_t fos_plan(const float *x, int64_t n, uint32_t amax_bits, plan_t pl,
+                              const qf_params *p, const tensor_scale *ts, grid_t g,
+                              const float *u) {
+    if (pl.kind != PLAN_MUL) return pl; /* a NaN block */
+    float s = u2f(amax_bits) * (ts->g * 0.25f);
+    s = s > FLT_MAX ? FLT_MAX : s;
+    s = e4m3_rne(s > 448.0f ? 448.0f : s);
+    float sd = s * ts->d, enc = 1.0f / sd;
+    plan_t four = {PLAN_MUL, enc > FLT_MAX ? FLT_MAX : enc, sd};
+    int mae = p->fos == 2;
+    return fos_error(x, n, four, g, u, mae) < fos_error(x, n, pl, g, u, mae) ? four : pl;
+}
+
 /* MX shared exponent E of a block as `block_exponents` reports it: -127 for a zero block, 128
  * for a block holding NaN or Inf */
 static inline int32_t block_exponent(uint32_t amax_bits, const qf_params *p) {
@@ -416,7 +451,9 @@ static inline int32_t block_exponent(uint32_t amax_bits, const qf_params *p) {
                 for (int64_t r = 0; r < nr; r++) {                                             \
                     uint8_t *s = sat ? sat + r * lds + c0 : 0;                                 \
                     const float *u = RNA == 2 ? ub + r * ubw + (c0 - cj) : 0;                  \
-                    apply_plan(x + r * ldx + c0, o + r * ldo + c0, s, u, n, pl[k], g);         \
+                    plan_t pk = p->fos ? fos_plan(x + r * ldx + c0, n, am[k], pl[k], p, ts, g, u) \
+                                       : pl[k]; /* four over six: 1D blocks (nr = 1) only */   \
+                    apply_plan(x + r * ldx + c0, o + r * ldo + c0, s, u, n, pk, g);            \
                 }                                                                              \
             }                                                                                  \
         }                                                                                      \
@@ -948,7 +985,7 @@ int qf_quantize(const void *x, int dtype, void *out, uint8_t *sat, int32_t *exps
     int failed = 0;
     sr_t sr = {seed, post, cols};
     tensor_scale ts = {1.0f, 1.0f, 0.0f, 0};
-    vec_fn vec = tile_r == 1 && tile_c % 16 == 0 && cols % tile_c == 0
+    vec_fn vec = tile_r == 1 && tile_c % 16 == 0 && cols % tile_c == 0 && !p->fos
                      ? VEC_FN(dtype, p->is_int != 0, p->rna)
                      : 0;
     /* an output this large would not stay in cache until it is read: store it around the cache,

@@ -7,7 +7,7 @@ Importing this module imports triton: `quantize.py` imports it only for CUDA ten
 back to the reference path when triton is absent or `quantize` returns None.
 
 Covered: 1D blocks along any axis (moved last), every MX format and scale rule, NVFP4's
-`default` and `one_level` variants, `rne` and `rna` rounding, fp32/bf16/fp16 in and out. Not
+`default` (four over six included) and `one_level` variants, `rne` and `rna` rounding, fp32/bf16/fp16 in and out. Not
 covered (reference path, which runs on CUDA unchanged): 2D tiles, stochastic rounding, the
 `compressed-tensors` NVFP4 order, integer groups, MX block exponents, float64.
 
@@ -102,15 +102,42 @@ def _e4m3_rne(v):
 
 
 @triton.jit
+def _nvfp4_candidate(x, s, d):
+    """Scaled values and per-element dequantization scale of blocks under block scales s."""
+    sd = s * d
+    enc = tl.math.div_rn(tl.full(sd.shape, 1.0, tl.float32), sd)  # once per block
+    enc = tl.where(enc > FLT_MAX, FLT_MAX, enc)
+    return x * enc[:, None], sd[:, None] + tl.zeros(x.shape, tl.float32)
+
+
+@triton.jit
+def _block_error(x, y, scale, FOS: tl.constexpr, RNA: tl.constexpr, GROUP: tl.constexpr,
+                 BLOCK_P2: tl.constexpr, STAGES: tl.constexpr):
+    """`nvfp4.block_error`: |out - x| (FOS 2) or (out - x)^2 (FOS 1) summed by halving (padded
+    lanes hold x = 0, so their terms are 0)."""
+    yc = tl.where(y > 6.0, 6.0, tl.where(y < -6.0, -6.0, y))
+    out = _copysign(_round_magnitude(tl.abs(yc), True, 0, 1, 1.0, 1.0, 6.0, RNA), yc) * scale
+    diff = out - x
+    t = tl.abs(diff) if FOS == 2 else diff * diff
+    for st in tl.static_range(STAGES):
+        h: tl.constexpr = BLOCK_P2 >> (st + 1)
+        lo, hi = tl.split(tl.permute(tl.reshape(t, (GROUP, 2, h)), (0, 2, 1)))
+        t = lo + hi
+    return tl.reshape(t, (GROUP,))
+
+
+@triton.jit
 def _fq_kernel(x_ptr, out_ptr, sat_ptr, amax_t_ptr, n_blocks, row_len, blocks_per_row,
                FAMILY: tl.constexpr, VARIANT: tl.constexpr, RULE: tl.constexpr,
                IS_FLOAT: tl.constexpr, EMAX: tl.constexpr, EMIN: tl.constexpr,
                MBITS: tl.constexpr, INV_STEP: tl.constexpr, STEP: tl.constexpr,
                MAX_NORMAL: tl.constexpr, RNA: tl.constexpr, BLOCK: tl.constexpr,
                BLOCK_P2: tl.constexpr, GROUP: tl.constexpr, WHOLE_BLOCKS: tl.constexpr,
-               WANT_SAT: tl.constexpr, OUT_KIND: tl.constexpr):
+               WANT_SAT: tl.constexpr, OUT_KIND: tl.constexpr, FOS: tl.constexpr,
+               G_RANGE: tl.constexpr, STAGES: tl.constexpr):
     """GROUP blocks of BLOCK elements per program; FAMILY 0 = MX, 1 = NVFP4 (VARIANT 0 default,
-    1 one_level); OUT_KIND (the dtype of x and of the output) 0 fp32, 1 bf16, 2 fp16."""
+    1 one_level; FOS four over six 0 off, 1 MSE, 2 MAE; G_RANGE 6 x the global bound);
+    OUT_KIND (the dtype of x and of the output) 0 fp32, 1 bf16, 2 fp16."""
     pid = tl.program_id(0)
     bid = pid.to(tl.int64) * GROUP + tl.arange(0, GROUP).to(tl.int64)
     row = bid // blocks_per_row
@@ -164,18 +191,24 @@ def _fq_kernel(x_ptr, out_ptr, sat_ptr, amax_t_ptr, n_blocks, row_len, blocks_pe
         amax_b = amax_bits.to(tl.float32, bitcast=True)
         if VARIANT == 0:
             amax_t = tl.load(amax_t_ptr + tl.zeros_like(amax_bits))
-            g = tl.math.div_rn(tl.full(amax_t.shape, 2688.0, tl.float32), amax_t)
+            g = tl.math.div_rn(tl.full(amax_t.shape, G_RANGE, tl.float32), amax_t)
             g = tl.where(g > FLT_MAX, FLT_MAX, g)
             g = tl.where(g == 0, 1.0, g)
             d = tl.math.div_rn(tl.full(g.shape, 1.0, tl.float32), g)
             s = amax_b * (g * 0.16666667163372040)  # fl32(1/6)
             s = tl.where(s > FLT_MAX, FLT_MAX, s)
             s = _e4m3_rne(tl.where(s > 448.0, 448.0, s))
-            sd = s * d
-            enc = tl.math.div_rn(tl.full(sd.shape, 1.0, tl.float32), sd)  # once per block
-            enc = tl.where(enc > FLT_MAX, FLT_MAX, enc)
-            y = x * enc[:, None]
-            scale = sd[:, None] + tl.zeros(x.shape, tl.float32)
+            y, scale = _nvfp4_candidate(x, s, d)
+            if FOS != 0:  # four over six: the max/4 scale where its error sum is smaller
+                s4 = amax_b * (g * 0.25)
+                s4 = tl.where(s4 > FLT_MAX, FLT_MAX, s4)
+                s4 = _e4m3_rne(tl.where(s4 > 448.0, 448.0, s4))
+                y4, scale4 = _nvfp4_candidate(x, s4, d)
+                err6 = _block_error(x, y, scale, FOS, RNA, GROUP, BLOCK_P2, STAGES)
+                err4 = _block_error(x, y4, scale4, FOS, RNA, GROUP, BLOCK_P2, STAGES)
+                four = (err4 < err6)[:, None]
+                y = tl.where(four, y4, y)
+                scale = tl.where(four, scale4, scale)
         else:
             s = tl.math.div_rn(amax_b, tl.full(amax_b.shape, 6.0, tl.float32))
             s = _e4m3_rne(tl.where(s > 448.0, 448.0, s))
@@ -234,7 +267,9 @@ def run(x: torch.Tensor, cfg: QuantConfig, layout: BlockLayout,
         EMIN=elem.emin, MBITS=elem.mbits, INV_STEP=1.0 / elem.step, STEP=elem.step,
         MAX_NORMAL=elem.max_normal, RNA=cfg.rounding == "rna", BLOCK=layout.block,
         BLOCK_P2=triton.next_power_of_2(layout.block), GROUP=BLOCKS_PER_PROGRAM,
-        WHOLE_BLOCKS=row_len % layout.block == 0, WANT_SAT=want_sat, OUT_KIND=_DTYPES.index(x.dtype), enable_fp_fusion=False,
+        WHOLE_BLOCKS=row_len % layout.block == 0, WANT_SAT=want_sat, OUT_KIND=_DTYPES.index(x.dtype),
+        FOS=("none", "mse", "mae").index(cfg.four_over_six), G_RANGE=6.0 * float(cfg.global_bound),
+        STAGES=triton.next_power_of_2(layout.block).bit_length() - 1, enable_fp_fusion=False,
     )
     return (out.movedim(-1, layout.axis),
             None if sat is None else sat.movedim(-1, layout.axis))

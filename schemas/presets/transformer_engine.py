@@ -27,6 +27,7 @@ import copy
 from collections.abc import Mapping
 from typing import Any
 
+from ..errors import Issue, problems_error
 from . import Preset, PresetOption, register_preset
 
 STACK = "transformer-engine"
@@ -34,6 +35,7 @@ VERSION = ""  # read from the sources; Transformer Engine runs its recipes on Bl
 TARGETS = ["Linear"]
 IGNORE = ["re:lm_head"]  # TE quantizes its own te.Linear modules; model heads stay nn.Linear
 # TE's RHT signs: one fixed vector (pytorch/custom_recipes/reference_nvfp4.py, get_wgrad_sign_vector())
+SCOPES = ("none", "weights", "activations", "all")  # TE's _NVFP4_4OVER6_SCOPES
 RHT_SIGNS = [1, 1, 1, -1, 1, -1, -1, -1, -1, -1, -1, 1, -1, 1, -1, -1]
 OVERRIDE = PresetOption(
     "backward_override", None, "TE's backward_override / NVTE_BACKWARD_OVERRIDE: null = the quantized "
@@ -65,12 +67,35 @@ def nvfp4_block_scaling(o: Mapping[str, Any]) -> dict[str, Any]:
     quantized: dict[str, Any] = {"backward_roles": roles}
     if not o["disable_rht"]:
         quantized["wgrad_hadamard"] = {"kind": "random_hadamard", "block_size": 16, "signs": list(RHT_SIGNS)}
+    fos_w, fos_a = four_over_six(o, "weights", tiles), four_over_six(o, "activations", tiles)
+    if fos_a:  # each quantizer's columnwise copy is quantized the same way
+        roles["input"] = {"format": "nvfp4", **fos_a}
+    if fos_w:
+        roles["weight"] = {"format": "nvfp4", **fos_w}
     grads = backward(o["backward_override"], quantized)  # both rules of a Linear carry the same
-    weights = rule("NVFP4BlockScaling", "weights", tensors=["weight"], **nvfp4,
+    weights = rule("NVFP4BlockScaling", "weights", tensors=["weight"], **nvfp4, **fos_w,
                    **({"block_shape": [16, 16]} if tiles else {}), **grads)
-    inputs = rule("NVFP4BlockScaling", "inputs", tensors=["input"], **nvfp4,
+    inputs = rule("NVFP4BlockScaling", "inputs", tensors=["input"], **nvfp4, **fos_a,
                   global_scale="token" if o["row_scaled_activation"] else "tensor", **copy.deepcopy(grads))
     return {"quantize": [weights, inputs]}
+
+
+def four_over_six(o: Mapping[str, Any], scope: str, tiles: bool) -> dict[str, Any]:
+    """The four-over-six fields of one tensor scope ("weights" or "activations") under TE's
+    NVTE_NVFP4_4OVER6 switches (pytorch/quantization.py, `_make`: gradients never; the bound is
+    256 where `nvfp4_4over6_e4m3_use_256` covers the scope)."""
+    if o["nvfp4_4over6"] not in (scope, "all"):
+        return {}
+    if scope == "weights" and tiles:
+        raise problems_error([Issue(("preset_options", "nvfp4_4over6"), "qtransform's four over "
+                                    "six takes 1D blocks, and TE's weights are 16x16 tiles; set "
+                                    "disable_2d_quantization true", o["nvfp4_4over6"])])
+    if scope == "activations" and not o["disable_rht"]:
+        raise problems_error([Issue(("preset_options", "nvfp4_4over6"), "Transformer Engine "
+                                    "refuses four over six with RHT on the input quantizer; set "
+                                    "disable_rht true", o["nvfp4_4over6"])])
+    bound = 256 if o["nvfp4_4over6_e4m3_use_256"] in (scope, "all") else 448
+    return {"four_over_six": o["nvfp4_4over6_err_mode"].lower(), "global_bound": bound}
 
 
 def mxfp8_block_scaling(o: Mapping[str, Any]) -> dict[str, Any]:
@@ -105,6 +130,14 @@ NVFP4_BLOCK_SCALING = recipe_preset(
                      "1x16 blocks, a second copy along the output features for dgrad"),
         PresetOption("row_scaled_activation", False, "NVTE_NVFP4_ROW_SCALED_ACTIVATION: one fp32 "
                      "scale per token row of the forward's activations (the wgrad copy keeps one per tensor)"),
+        PresetOption("nvfp4_4over6", "none", "NVTE_NVFP4_4OVER6: four over six (per 1x16 block the "
+                     "better of the max/6 and max/4 scales) on weights, activations (inputs) or all "
+                     "(never gradients)", choices=SCOPES),
+        PresetOption("nvfp4_4over6_e4m3_use_256", "all", "NVTE_NVFP4_4OVER6_E4M3_USE_256: the "
+                     "four-over-six tensors whose global scale maps the amax to 256, not 448",
+                     choices=SCOPES),
+        PresetOption("nvfp4_4over6_err_mode", "MAE", "NVTE_NVFP4_4OVER6_ERR_MODE: the error the "
+                     "candidates are compared by", choices=("MAE", "MSE")),
         OVERRIDE,
     ), nvfp4_block_scaling)
 

@@ -29,7 +29,15 @@ from ..base import (
     unique,
 )
 from ..errors import Issue, problems_error
-from ..format_fields import OPTION_DEFAULTS, all_option_values, known_format, lowered
+from ..format_fields import (
+    FOUR_OVER_SIX_HELP,
+    GLOBAL_BOUND_HELP,
+    GLOBAL_BOUNDS,
+    OPTION_DEFAULTS,
+    all_option_values,
+    known_format,
+    lowered,
+)
 from ..selectors import compile_entry
 from ..words import describe_format, describe_selector, scheme, tensor_words
 from . import Section, register_section
@@ -102,6 +110,11 @@ class QuantRule(Selected):
         description=("fp8 formats only: whose order of operations; null = default "
                      "(compressed-tensors': x / (amax / max)), modelopt (x * (max / amax))"),
     )
+    four_over_six: StrictStr | None = Field(
+        None, json_schema_extra={"enum": [*all_option_values("four_over_six"), None]},
+        description=FOUR_OVER_SIX_HELP)
+    global_bound: Literal[GLOBAL_BOUNDS] | None = Field(  # type: ignore[valid-type]
+        None, description=GLOBAL_BOUND_HELP)
     zero_saturated_grad: StrictBool = Field(
         False, description="no gradient through saturated elements (straight-through otherwise)")
     axis: Int | None = Field(None, description="blocking axis; null = the reduction axis")
@@ -374,6 +387,8 @@ def _option_issues(rule: QuantRule, spec: registry.FormatSpec) -> list[Issue]:
     issues = []
     for option in CHOICE_OPTIONS:
         value = getattr(rule, option)
+        if option == "global_bound" and value is not None:  # an int in policies
+            value = str(value)
         allowed = spec.options.get(option) or (
             (OPTION_DEFAULTS[option],) if option in OPTION_DEFAULTS else ()
         )

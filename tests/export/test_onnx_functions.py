@@ -155,6 +155,20 @@ def test_every_format_and_option_is_bit_exact_in_onnxruntime():
     check(cases, adversarial(), static=True)
 
 
+@pytest.mark.parametrize("static", [True, False])
+def test_four_over_six_is_bit_exact_in_onnxruntime(static):
+    """Both error modes and bounds, rounding rne/rna, blocks along either axis, a short axis
+    (block cut to 6 elements, padded for the error's halving) and fp16 inputs."""
+    cases = [("nvfp4", {"four_over_six": m, "rounding": r}) for m in ("mse", "mae") for r in ("rne", "rna")]
+    cases += [("nvfp4", {"four_over_six": "mae", "global_bound": 256}), ("nvfp4", {"global_bound": 256}),
+              ("nvfp4", {"four_over_six": "mse", "axis": 0}), ("nvfp4", {"four_over_six": "mse", "block_size": 32})]
+    check(cases, adversarial(), static=static)
+    short = torch.randn(40, 6, generator=torch.Generator().manual_seed(3)) * torch.logspace(-2, 2, 40)[:, None]
+    check([("nvfp4", {"four_over_six": "mse"})], short, static=static)
+    xh = adversarial(seed=4).to(torch.float16)
+    check([("nvfp4", {"four_over_six": "mae"})], xh, static=static, elem_type=TensorProto.FLOAT16)
+
+
 def test_dynamic_shapes_block_the_same_way():
     """Bodies of inputs with symbolic dims cut blocks from Shape(x) at run time."""
     cases = [("mxfp4", {}), ("mxfp8_e4m3", {"axis": 0}), ("nvfp4", {}), ("nvfp4", {"nvfp4_variant": "one_level"}),

@@ -33,7 +33,7 @@ def test_kernels_under_the_interpreter():
                           "no:cacheprovider", __file__],
                          env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
-    assert "38 passed" in run.stdout, run.stdout[-500:]
+    assert "47 passed" in run.stdout, run.stdout[-500:]
 
 
 CASES = [
@@ -41,7 +41,9 @@ CASES = [
     ("mxfp4", {"scale_rule": "even", "rounding": "rna"}), ("mxfp6_e2m3", {}),
     ("mxfp6_e3m2", {"rounding": "rna"}), ("mxfp8_e4m3", {}), ("mxfp8_e5m2", {"scale_rule": "even"}),
     ("mxint8", {}), ("nvfp4", {}), ("nvfp4", {"rounding": "rna"}),
-    ("nvfp4", {"nvfp4_variant": "one_level"}),
+    ("nvfp4", {"nvfp4_variant": "one_level"}), ("nvfp4", {"four_over_six": "mse"}),
+    ("nvfp4", {"four_over_six": "mae", "global_bound": 256}),
+    ("nvfp4", {"four_over_six": "mae", "rounding": "rna"}),
 ]
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy, in the interpreter
 BITS = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}

@@ -186,12 +186,37 @@ def test_every_combination_of_te_options_validates_and_round_trips():
     from qtransform.schemas.loading import dump_policy
     from qtransform.schemas.presets import find_preset
 
-    for name in (TE_NVFP4, TE_MXFP8):
-        options = find_preset(name).options
+    for name in (TE_NVFP4, TE_MXFP8):  # the four-over-six switches: the test below
+        options = [o for o in find_preset(name).options if not o.name.startswith("nvfp4_4over6")]
         for values in product(*[(False, True) if o.choices is None else o.choices for o in options]):
             given = dict(zip([o.name for o in options], values, strict=True))
             policy = load_policy({"preset": name, "preset_options": given})
-            assert policy.preset_options == given
+            assert {k: policy.preset_options[k] for k in given} == given
             assert load_policy(dump_policy(policy)) == policy
             expected = given["backward_override"] or "quantized"
             assert {r.backward for r in policy.quantize} == {expected}
+
+
+def test_te_four_over_six_switches_set_the_nvfp4_options_per_scope():
+    """NVTE_NVFP4_4OVER6 scopes (never gradients), the 256 bound by scope, MAE by default; the
+    combinations TE or qtransform refuse are one-line errors."""
+    from itertools import product
+
+    base = {"disable_rht": True, "disable_2d_quantization": True}
+    for scope, use256, mode in product(("none", "weights", "activations", "all"),
+                                       ("none", "weights", "activations", "all"), ("MAE", "MSE")):
+        opts = base | {"nvfp4_4over6": scope, "nvfp4_4over6_e4m3_use_256": use256,
+                       "nvfp4_4over6_err_mode": mode}
+        weights, inputs = load_policy({"preset": TE_NVFP4, "preset_options": opts}).quantize
+        for rule, part in ((weights, "weights"), (inputs, "activations")):
+            on = scope in (part, "all")
+            cfg = rule.config()
+            assert cfg.four_over_six == (mode.lower() if on else "none")
+            assert cfg.global_bound == ("256" if on and use256 in (part, "all") else "448")
+            role = rule.backward_roles.weight if part == "weights" else rule.backward_roles.input
+            assert role.config().four_over_six == cfg.four_over_six  # the columnwise copy too
+            assert rule.backward_roles.grad.config().four_over_six == "none"
+    with pytest.raises(PolicyError, match="set disable_2d_quantization true"):
+        load_policy({"preset": TE_NVFP4, "preset_options": {"nvfp4_4over6": "weights"}})
+    with pytest.raises(PolicyError, match="set disable_rht true"):
+        load_policy({"preset": TE_NVFP4, "preset_options": {"nvfp4_4over6": "activations"}})

@@ -52,17 +52,20 @@ def nvfp4_blocks(b: Body, x: str, axes: str, cfg: QuantConfig, amax_t: str | Non
             raise UnsupportedExport("nvfp4: a stored tensor scale takes nvfp4_variant "
                                     "'compressed-tensors' or 'modelopt'")
         amax_b = amax_or_inf(b, x, axes)  # a NaN anywhere makes every output NaN through g
-        g = b.op("Min", b.op("Div", b.const(2688.0), amax_t), b.const(FLT_MAX))
+        g_range = 6.0 * float(cfg.global_bound)  # 2688 or 1536
+        g = b.op("Min", b.op("Div", b.const(g_range), amax_t), b.const(FLT_MAX))
         g = b.op("Where", b.op("Equal", g, b.const(0.0)), b.const(1.0), g)
         d = b.op("Div", b.const(1.0), g)
         d = b.op("Min", d, b.const(FLT_MAX))  # no-op on values; stops Div(1,g)*s becoming s/g
-        gs = b.op("Mul", g, b.const(np.float32(1 / 6)))
-        s = b.op("Min", b.op("Mul", amax_b, gs), b.const(FLT_MAX))
-        s = _e4m3(b, b.op("Max", b.op("Min", s, b.const(448.0)), b.const(-448.0)))
-        sd = b.op("Mul", s, d)
-        enc = b.op("Min", b.op("Div", b.const(1.0), sd), b.const(FLT_MAX))
-        q = round_signed(b, _clamp6(b, b.op("Mul", x, enc)), elem, cfg.rounding)
-        return b.op("Mul", q, sd)
+        s = _default_scale(b, amax_b, g, np.float32(1 / 6))
+        if cfg.four_over_six != "none":
+            s4 = _default_scale(b, amax_b, g, np.float32(0.25))
+            four = b.op("Less", _block_error(b, _default_out(b, x, s4, d, cfg), x, axes, cfg),
+                        _block_error(b, _default_out(b, x, s, d, cfg), x, axes, cfg))
+            # a tie (or NaN) keeps max/6; the scale is chosen, then the elements computed once
+            # more with it (Where would lose the -0.0 of a chosen element)
+            s = b.op("Where", four, s4, s)
+        return _default_out(b, x, s, d, cfg)
     if cfg.nvfp4_variant == "modelopt":
         sd = _modelopt_scale(b, amax_nan(b, x, axes), amax_t, scale_t)
         y = b.op("Div", x, sd)
@@ -85,6 +88,37 @@ def nvfp4_blocks(b: Body, x: str, axes: str, cfg: QuantConfig, amax_t: str | Non
     qa = round_magnitude(b, b.op("Abs", _clamp6(b, y)), elem, cfg.rounding)
     q = b.op("Mul", qa, b.op("Where", b.op("Less", y, b.const(0.0)), b.const(-1.0), b.const(1.0)))
     return b.op("Mul", q, scale)
+
+
+def _default_scale(b: Body, amax_b: str, g: str, inv: np.float32) -> str:
+    """NVIDIA's block scale with the block amax mapped to 1/inv: e4m3(amax_b * (g * inv))."""
+    s = b.op("Min", b.op("Mul", amax_b, b.op("Mul", g, b.const(inv))), b.const(FLT_MAX))
+    return _e4m3(b, b.op("Max", b.op("Min", s, b.const(448.0)), b.const(-448.0)))
+
+
+def _default_out(b: Body, x: str, s: str, d: str, cfg: QuantConfig) -> str:
+    """The dequantized blocks under block scales s and decode scale d (NVIDIA's order)."""
+    sd = b.op("Mul", s, d)
+    enc = b.op("Min", b.op("Div", b.const(1.0), sd), b.const(FLT_MAX))
+    q = round_signed(b, _clamp6(b, b.op("Mul", x, enc)), cfg.spec.element, cfg.rounding)
+    return b.op("Mul", q, sd)
+
+
+def _block_error(b: Body, out: str, x: str, axes: str, cfg: QuantConfig) -> str:
+    """`nvfp4.block_error` along the block axis (kept, size 1): the terms zero-padded to the
+    configured block (a power of two; a block cut to a shorter axis is shorter) and summed by
+    halving with Slice and Add, so the fp32 additions are the reference's."""
+    diff = b.op("Sub", out, x)
+    t = b.op("Abs", diff) if cfg.four_over_six == "mae" else b.op("Mul", diff, diff)
+    width = b.op("Gather", b.op("Shape", t), axes)
+    pads = b.op("Concat", b.ints(0), b.op("Sub", b.ints(cfg.block), width), axis=0)
+    t = b.op("Pad", t, pads, b.const(0.0), axes)
+    h = cfg.block // 2
+    while h >= 1:
+        t = b.op("Add", b.op("Slice", t, b.ints(0), b.ints(h), axes),
+                 b.op("Slice", t, b.ints(h), b.ints(2 * h), axes))
+        h //= 2
+    return t
 
 
 def _modelopt_scale(b: Body, amax_b: str, amax_t: str | None, scale_t: str | None = None) -> str:
@@ -136,6 +170,10 @@ def _nvfp4_scale(b: Body, amax: str, variant: str) -> str:
 
 def activation_scale(b: Body, amax: str, cfg: QuantConfig) -> str:
     """The variant's block scale, raised to the smallest normal (zero blocks)."""
+    if cfg.four_over_six != "none":
+        raise UnsupportedExport("nvfp4 four_over_six chooses each block's scale from its "
+                                "elements, not its amax: export with fake_quant_mode "
+                                "'function' or 'inline'")
     return b.op("Max", _nvfp4_scale(b, amax, cfg.nvfp4_variant), b.const(2.0**-126))
 
 
