@@ -123,11 +123,14 @@ def test_presets_lists_every_preset_with_what_it_reproduces(capsys):
     assert code == 0 and [line.split(": ", 1)[0] for line in lines] == preset_names()
     assert any(line.startswith("qerl: QeRL's rollout model") for line in lines)
     # a preset's options follow it, indented, with their values and defaults
-    options = out.split("transformer-engine/NVFP4BlockScaling: ", 1)[1].splitlines()[1:6]
+    block = out.split("transformer-engine/NVFP4BlockScaling: ", 1)[1].splitlines()[1:]
+    options = [line for line in block[:next(i for i, line in enumerate(block) if not line.startswith(" "))]]
     assert options[0] == ("    preset_options.disable_rht (true/false, default false): "
                           "NVTE_NVFP4_DISABLE_RHT: no Hadamard on the wgrad operands")
-    assert options[4].startswith('    preset_options.backward_override (null/"high_precision"/"dequantized", '
-                                 "default null)")
+    assert any(line.startswith('    preset_options.backward_override (null/"high_precision"/"dequantized", '
+                               "default null)") for line in options)
+    assert any(line.startswith('    preset_options.nvfp4_4over6 ("none"/"weights"/"activations"/"all", '
+                               'default "none")') for line in options)
 
 
 def test_explain_and_validate_of_a_preset_policy(capsys, tmp_path):
@@ -158,7 +161,7 @@ def test_every_format_option_has_a_flag(command):
     from qtransform.formats.options import CHOICE_OPTIONS
 
     flags = [f"--{o.replace('_', '-')}" for o in ("granularity", *CHOICE_OPTIONS)]
-    values = ["token", "floor", "rne", "default", "full", "input", "modelopt"]
+    values = ["token", "floor", "rne", "default", "full", "input", "modelopt", "mse", "256"]
     argv = [command, "builtin:qwen2", "--format", "int8", "--calib", "c.txt", "--out", "o"]
     for flag, value in zip(flags, values, strict=True):
         argv += [flag, value]
