@@ -14,6 +14,7 @@ import torch
 
 from qtransform.formats.blocking import BlockQuant
 from qtransform.formats.elements import CANONICAL_NAN, divide, round_magnitude, round_signed
+from qtransform.formats.nvfp4_kv import quantize_vllm_kv
 from qtransform.formats.options import QuantConfig
 from qtransform.formats.registry import (
     E2M1,
@@ -31,7 +32,8 @@ FLT_MAX = torch.finfo(torch.float32).max
 E4M3_MAX = 448.0
 GLOBAL_RANGE = 2688.0  # E2M1 max (6) * E4M3 max (448)
 ONE_SIXTH = float(torch.tensor(1 / 6, dtype=torch.float32))  # fl32(1/6)
-VARIANTS = ("default", "compressed-tensors", "one_level", "modelopt")  # "default" is NVIDIA's order
+# "default" is NVIDIA's order; "vllm-kv" vLLM's NVFP4 KV-cache writer (`nvfp4_kv.py`)
+VARIANTS = ("default", "compressed-tensors", "one_level", "modelopt", "vllm-kv")
 FOUR_OVER_SIX = ("none", "mse", "mae")  # none: every block maps its amax to 6
 GLOBAL_BOUNDS = ("448", "256")  # the E4M3 value the tensor amax maps to (strings: a choice option)
 MIN_BLOCK_SCALE = 2.0**-9  # ModelOpt clamps block scales up to E4M3's smallest subnormal
@@ -186,6 +188,8 @@ def quantize_nvfp4(
         q, out, y, s, ts = _default(blocks, amax_t, cfg, u)
     elif cfg.nvfp4_variant == "modelopt":
         q, out, y, s, ts = _modelopt(blocks, amax_t, cfg, u, scale_t)
+    elif cfg.nvfp4_variant == "vllm-kv":
+        q, out, y, s, ts = quantize_vllm_kv(blocks, cfg, u, amax_t, scale_t)
     else:
         q, out, y, s, ts = _compressed_tensors(blocks, amax_t, cfg, u, scale_t)
     return BlockQuant(
@@ -195,7 +199,7 @@ def quantize_nvfp4(
 
 
 def scale_values(scales: torch.Tensor, tensor_scale: torch.Tensor | None, cfg: QuantConfig) -> torch.Tensor:
-    """Stored block scales -> multipliers: the E4M3 scale times (default, modelopt) or over
+    """Stored block scales -> multipliers: the E4M3 scale times (default, modelopt, vllm-kv) or over
     (compressed-tensors) the tensor scale; one-level scales are the multipliers."""
     if tensor_scale is None or cfg.nvfp4_variant == "one_level":
         return scales
@@ -203,7 +207,10 @@ def scale_values(scales: torch.Tensor, tensor_scale: torch.Tensor | None, cfg: Q
 
 
 def _check(choices: dict[str, str]) -> str | None:
-    if choices["four_over_six"] != "none" and choices["nvfp4_variant"] != "default":
+    if choices["nvfp4_variant"] == "vllm-kv" and choices["four_over_six"] == "mae":
+        return ("nvfp4_variant 'vllm-kv' chooses four over six by squared error only (vLLM's "
+                "nvfp4_4over6 cache); use four_over_six 'mse'")
+    if choices["four_over_six"] != "none" and choices["nvfp4_variant"] not in ("default", "vllm-kv"):
         return (f"four_over_six applies to nvfp4_variant 'default' (NVIDIA's order), not "
                 f"{choices['nvfp4_variant']!r}; set nvfp4_variant 'default' or remove four_over_six")
     if choices["four_over_six"] != "none" and choices["granularity"] != "block":

@@ -20,6 +20,11 @@ Triton attention only, from source) scale each token's head by its own amax when
 written: s = max(amax / QMAX, 1e-6), x · fl(1 / s), int8 rounded half away from zero, fp8 to
 nearest even; the query is not quantized and no checkpoint scale is read.
 
+The NVFP4 caches (`vllm/kv_nvfp4`, `vllm/kv_nvfp4_4over6`; FlashInfer only, from source) write
+16-value blocks along head_dim with E4M3 block scales under the checkpoint's k_scale / v_scale
+(`nvfp4_variant` "vllm-kv"; `nvfp4_4over6` keeps the max/4 block scale where its squared error
+is smaller). FlashInfer's attention reads the decoded cache; its kernel is not simulated.
+
 docs/attention.md has the sources and figures.
 """
 
@@ -98,3 +103,33 @@ def per_token_head(name: str) -> Preset:
 
 per_token_head("kv_int8_per_token_head")
 per_token_head("kv_fp8_per_token_head")
+
+
+def nvfp4_cache(name: str, four_over_six: bool) -> Preset:
+    dtype = name.removeprefix("kv_")
+
+    def build(o: Mapping[str, Any]) -> dict[str, Any]:
+        rule = {"name": f"{STACK}/{name} key/value", "targets": ["Attention"], "tensors": ["key", "value"],
+                "format": "nvfp4", "nvfp4_variant": "vllm-kv",
+                **({"four_over_six": "mse"} if four_over_six else {}), **_scale(o["scales"])}
+        return {"quantize": [rule]}
+
+    options = (PresetOption("scales", "one", "k_scale / v_scale: one = 1.0 (vLLM's default without "
+                            "checkpoint scales), calibrated = amax / 448 over the calibration "
+                            "batches (what ModelOpt's NVFP4_KV_CFG checkpoints store)",
+                            choices=("one", "calibrated")),)
+    return register_preset(Preset(
+        name=f"{STACK}/{name}",
+        reproduces=f"vLLM's kv_cache_dtype={dtype!r} (NVFP4 keys and values written per 16 values "
+                   "along head_dim" + (", the max/4 block scale kept where its squared error is "
+                   "smaller" if four_over_six else "") + "; FlashInfer's attention not simulated)",
+        checked_against="vLLM source (nvfp4_kv_cache_kernels.cu 0cd789b, nvfp4_utils.cuh 20b4ad8); "
+                        "not run here",
+        content=build({o.name: o.default for o in options}),
+        options=options,
+        build=build,
+    ))
+
+
+nvfp4_cache("kv_nvfp4", four_over_six=False)
+nvfp4_cache("kv_nvfp4_4over6", four_over_six=True)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -102,3 +103,28 @@ def test_a_backend_without_per_token_head_caches_is_refused_in_one_line():
     with pytest.raises(PolicyError) as exc:
         qtransform.load_policy({"engine": {"backend": "flash-attn-3", "kv_cache_dtype": "int8_per_token_head"}})
     assert "engine.kv_cache_dtype" in str(exc.value) and "Triton attention backend only" in str(exc.value)
+
+
+@pytest.mark.parametrize("four_over_six", [False, True])
+def test_nvfp4_caches_write_what_the_kernel_writes(four_over_six):
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from tests.formats.test_kv_writers import nvfp4_writer
+
+    def cache(x: torch.Tensor) -> torch.Tensor:  # every 16 values along head_dim, k_scale 1.0
+        blocks = x.detach().float().numpy().reshape(-1, 16)
+        out = np.stack([nvfp4_writer(b, 1.0, four_over_six) for b in blocks])
+        return torch.from_numpy(out).reshape(x.shape).to(x.dtype)
+
+    def attention(module, query, key, value, attention_mask, **kwargs):
+        return sdpa_attention_forward(module, query, cache(key), cache(value), attention_mask, **kwargs)
+
+    model = build_tiny("qwen2", hidden=128)
+    ref = with_implementation(model, register_attention(f"vllm-nvfp4-{four_over_six}", attention))
+    name = "vllm/kv_nvfp4_4over6" if four_over_six else "vllm/kv_nvfp4"
+    ours = qtransform.transform(model, {"preset": name})
+    x = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        want, got, plain = ref(x).logits, ours(x).logits, model(x).logits
+    assert not torch.equal(want, plain)
+    assert torch.equal(got, want)

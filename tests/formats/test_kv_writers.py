@@ -5,6 +5,10 @@ scale's reciprocal, int8's +-0.5 then truncation by the store, fp8's saturating 
 
 from __future__ import annotations
 
+import math
+
+import numpy as np
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -83,3 +87,100 @@ def test_onnx_bodies_are_bit_exact_on_the_separating_rows():
     x = torch.cat([near_ties(64, seed=3), near_ties(64, seed=4) * 1e-6])
     for static in (True, False):
         check([INT8, FP8], x, static=static)
+
+
+# -- NVFP4 (vLLM's `reshape_and_cache_nvfp4_kernel`, `cvt_warp_fp16_to_fp4[_4over6]`) ---------
+
+E2M1_UP = [(0.25, 0.0), (0.75, 0.5), (1.25, 1.0), (1.75, 1.5), (2.5, 2.0), (3.5, 3.0), (5.0, 4.0)]
+
+
+def e2m1_table(v: np.float32) -> np.float32:
+    """The kernel's `round_to_nearest_e2m1` thresholds (ties to even), saturating at 6."""
+    a = abs(float(v))
+    q = 6.0
+    for i, (edge, value) in enumerate(E2M1_UP):
+        if (a <= edge) if i % 2 == 0 else (a < edge):
+            q = value
+            break
+    return np.float32(math.copysign(q, float(v)))
+
+
+def nvfp4_writer(block: np.ndarray, k: float, four_over_six: bool, divide: bool = False) -> np.ndarray:
+    """One 16-value block, scalar fp32 steps in the kernel's order; returns (q * SF) * k.
+    `divide`: the encode scale as g / SF instead of the kernel's 1 / (SF * (1 / g))."""
+    f = np.float32
+    g = f(1.0) / f(k)
+    vec_max = f(np.max(np.abs(block)))
+
+    def candidate(den: float):
+        sf = f(torch.tensor(float(g * (vec_max * (f(1.0) / f(den))))).clamp_max(448)
+               .to(torch.float8_e4m3fn).float())
+        enc = (g / sf if divide else f(1.0) / (sf * (f(1.0) / g))) if sf != 0 else f(0.0)
+        return sf, enc
+
+    def error(enc):
+        err = f(0.0)
+        dec = f(1.0) / enc if enc != 0 else f(0.0)
+        for i in range(0, 16, 2):
+            x0, x1 = block[i], block[i + 1]
+            if enc == 0:
+                err = err + (x0 * x0 + x1 * x1)
+            else:
+                d0, d1 = e2m1_table(x0 * enc) * dec - x0, e2m1_table(x1 * enc) * dec - x1
+                err = err + (d0 * d0 + d1 * d1)
+        return err
+
+    sf, enc = candidate(6.0)
+    if four_over_six:
+        sf4, enc4 = candidate(4.0)
+        if error(enc4) < error(enc):
+            sf, enc = sf4, enc4
+    return np.array([(e2m1_table(v * enc) * sf) * f(k) for v in block], dtype=np.float32)
+
+
+def nvfp4_rows(rows: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, 64, generator=g) * torch.exp2(torch.randint(-6, 6, (rows, 1), generator=g).float())
+    x[0, :16] = torch.tensor([6, 0.5, 2.5, 1, 0, -3, 0.25, 4, 5, -5, 1.5, 0.75, 2, -6, 3.5, 1.25])  # table edges
+    x[1, :16] = 0.0
+    return x.bfloat16().float()  # the engine writes bf16 keys and values
+
+
+@pytest.mark.parametrize("four_over_six", [False, True])
+def test_nvfp4_writer_equals_the_kernel_steps(four_over_six):
+    x = nvfp4_rows(24, seed=1)
+    k = float(x.abs().max() / 448)
+    separating = nvfp4_rows(512, seed=5)  # with k = 0.37 some blocks encode apart under g / SF
+    for rows, scale in ((x, k), (separating, 0.37)):
+        check_nvfp4_writer(rows, scale, four_over_six)
+    blocks = separating.numpy().reshape(-1, 16)
+    assert sum(not np.array_equal(nvfp4_writer(b, 0.37, four_over_six),
+                                  nvfp4_writer(b, 0.37, four_over_six, divide=True)) for b in blocks) > 3
+
+
+def check_nvfp4_writer(x: torch.Tensor, k: float, four_over_six: bool) -> None:
+    opts = {"nvfp4_variant": "vllm-kv", **({"four_over_six": "mse"} if four_over_six else {})}
+    got = fake_quantize(x, "nvfp4", scale=torch.tensor(k), **opts)
+    blocks = x.numpy().reshape(-1, 16)
+    want = np.stack([nvfp4_writer(b, k, four_over_six) for b in blocks]).reshape(x.shape)
+    assert np.array_equal(got.numpy(), want)
+    if four_over_six:  # the choice changes blocks, and only ever lowers their squared error
+        plain = fake_quantize(x, "nvfp4", scale=torch.tensor(k), nvfp4_variant="vllm-kv")
+        moved = (got != plain).reshape(-1, 16).any(dim=1)
+        assert moved.sum() > 5
+        err = ((got - x) ** 2).reshape(-1, 16).sum(1)
+        assert (err[moved] <= ((plain - x) ** 2).reshape(-1, 16).sum(1)[moved] * (1 + 1e-6)).all()
+
+
+def test_nvfp4_writer_onnx_is_bit_exact():
+    x = nvfp4_rows(32, seed=2)
+    cases = [("nvfp4", {"nvfp4_variant": "vllm-kv"}),  # k = the tensor's amax / 448
+             ("nvfp4", {"nvfp4_variant": "vllm-kv", "four_over_six": "mse"})]
+    for static in (True, False):
+        check(cases, x, static=static)
+
+
+def test_nvfp4_writer_refuses_mae_in_one_line():
+    with pytest.raises(ValueError, match="squared error only") as exc:
+        fake_quantize(torch.ones(2, 16), "nvfp4", nvfp4_variant="vllm-kv", four_over_six="mae")
+    assert "\n" not in str(exc.value)

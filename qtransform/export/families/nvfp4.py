@@ -66,6 +66,8 @@ def nvfp4_blocks(b: Body, x: str, axes: str, cfg: QuantConfig, amax_t: str | Non
             # more with it (Where would lose the -0.0 of a chosen element)
             s = b.op("Where", four, s4, s)
         return _default_out(b, x, s, d, cfg)
+    if cfg.nvfp4_variant == "vllm-kv":
+        return _vllm_kv(b, x, axes, cfg, amax_t, scale_t)
     if cfg.nvfp4_variant == "modelopt":
         sd = _modelopt_scale(b, amax_nan(b, x, axes), amax_t, scale_t)
         y = b.op("Div", x, sd)
@@ -88,6 +90,47 @@ def nvfp4_blocks(b: Body, x: str, axes: str, cfg: QuantConfig, amax_t: str | Non
     qa = round_magnitude(b, b.op("Abs", _clamp6(b, y)), elem, cfg.rounding)
     q = b.op("Mul", qa, b.op("Where", b.op("Less", y, b.const(0.0)), b.const(-1.0), b.const(1.0)))
     return b.op("Mul", q, scale)
+
+
+def _vllm_kv(b: Body, x: str, axes: str, cfg: QuantConfig, amax_t: str | None,
+             scale_t: str | None) -> str:
+    """`formats.nvfp4_kv.quantize_vllm_kv`: vLLM's NVFP4 KV-cache writer, with its four over six
+    (squared errors summed pair by pair in element order)."""
+    k = scale_t if scale_t is not None else b.op("Div", amax_t, b.const(448.0))
+    k = b.op("Where", b.op("Equal", k, b.const(0.0)), b.const(1.0), k)
+    g = b.op("Div", b.const(1.0), k)
+    inv_g = b.op("Div", b.const(1.0), g)
+    amax_b = amax_nan(b, x, axes)
+
+    def candidate(factor: np.float32) -> tuple[str, str]:
+        sf = _e4m3(b, b.op("Min", b.op("Mul", g, b.op("Mul", amax_b, b.const(factor))), b.const(448.0)))
+        zero = b.op("Equal", sf, b.const(0.0))
+        enc = b.op("Div", b.const(1.0), b.op("Mul", sf, inv_g))
+        return sf, b.op("Where", zero, b.const(0.0), enc)
+
+    def error(enc: str) -> str:
+        zero = b.op("Equal", enc, b.const(0.0))
+        dec = b.op("Where", zero, b.const(0.0), b.op("Div", b.const(1.0), enc))
+        q = round_signed(b, _clamp6(b, b.op("Mul", x, enc)), cfg.spec.element, "rne")
+        d = b.op("Where", zero, x, b.op("Sub", b.op("Mul", q, dec), x))
+        sq = b.op("Mul", d, d)
+        width = b.op("Gather", b.op("Shape", sq), axes)  # a block cut to a shorter axis: zeros
+        pads = b.op("Concat", b.ints(0), b.op("Sub", b.ints(cfg.block), width), axis=0)
+        sq = b.op("Pad", sq, pads, b.const(0.0), axes)
+        err = None
+        for i in range(0, cfg.block, 2):
+            pair = b.op("Add", b.op("Slice", sq, b.ints(i), b.ints(i + 1), axes),
+                        b.op("Slice", sq, b.ints(i + 1), b.ints(i + 2), axes))
+            err = pair if err is None else b.op("Add", err, pair)
+        return err
+
+    sf, enc = candidate(np.float32(1 / 6))
+    if cfg.four_over_six == "mse":
+        sf4, enc4 = candidate(np.float32(0.25))
+        four = b.op("Less", error(enc4), error(enc))  # a tie keeps max/6
+        sf, enc = b.op("Where", four, sf4, sf), b.op("Where", four, enc4, enc)
+    q = round_signed(b, _clamp6(b, b.op("Mul", x, enc)), cfg.spec.element, cfg.rounding)
+    return b.op("Mul", b.op("Mul", q, sf), k)
 
 
 def _default_scale(b: Body, amax_b: str, g: str, inv: np.float32) -> str:
