@@ -182,7 +182,13 @@ def with_kv_cache(report: ScanReport, rec: Recommendation) -> Recommendation:
     if bare:
         texts.append(f"No finer KV scales were measured for {', '.join(bare)}: keep "
                      f"{'their' if len(bare) > 1 else 'its'} keys and values in 16 bits.")
-    policy["quantize"] = ignoring(rules, kept, set(kept))
+    rules = ignoring(rules, kept, set(kept))
+    empty = [i for i, rule in enumerate(rules) if _attention_rule(rule)
+             and _kv_sites(report, i) <= set(rule.get("ignore", []))]  # nothing left to quantize
+    policy["quantize"] = [rule for i, rule in enumerate(rules) if i not in empty]
+    if empty:
+        texts.append(f"Rule{'s' * (len(empty) > 1)} {', '.join(names[i] for i in empty)} then "
+                     "quantize no site and go.")
     text = " ".join(texts)
     alone = not rec.kept_sites and rec.kind == "keep_high_precision" and "noise" not in rec.policy
     summary = [{"rule": c.rule, "alternative": c.label, "rows": [r for r, _, _ in c.cleared],
@@ -193,6 +199,14 @@ def with_kv_cache(report: ScanReport, rec: Recommendation) -> Recommendation:
                           rec.kept_layers, list(dict.fromkeys([*rec.kept_sites, *kept])),
                           text if alone else f"{rec.text} {text}", validated({"version": 1, **policy}),
                           rec.ranking, rec.disagreements, rec.rotated_sites, summary)
+
+
+def _kv_sites(report: ScanReport, rule: int) -> set[str]:
+    """The attention sites whose key/value rows rule `rule` quantized (its measured rungs name
+    it); every attention site of the report where no row names its rule."""
+    named = {r.site for r in report.rows if is_kv_row(r) and r.remedies
+             and next(iter(r.remedies.values()))["rule"] == rule}
+    return named or attention_sites(report)
 
 
 def _kv_text(choice: KVChoice, rule: str) -> str:
