@@ -376,6 +376,35 @@ def _tensor_shape(site: Site, point: str) -> tuple[int, ...] | None:
     return (shape[red] if point == "input" else shape[other],)
 
 
+def attention_quantizer(site: Site, point: str, rule: QuantRule) -> nn.Module:
+    """The quantizer a rule puts on an attention tensor: blocks along head_dim, one scale per
+    token and head, per head (`HeadwiseQuantize`) or per tensor; static, dynamic or fixed (the
+    pass builds it; an activation scan builds the KV alternatives it measures with it too)."""
+    config = rule.config().bind(-1)
+    label = FakeQuantPass.label(site.name, point)
+    source = activation_global_scale(rule)
+
+    def one(name: str) -> FakeQuantize:
+        static = None
+        if source == "static":
+            observer = observer_name(rule)
+            assert observer is not None
+            kwargs = rule.observer_kwargs
+            static = StaticScale(observer, config.block, kwargs.averaging_constant if kwargs else 0.01,
+                                 tensor=point)
+        return FakeQuantize(config, name, global_scale=source, static_scale=static,
+                            fixed_scale=rule.fixed_scale if source == "fixed" else None,
+                            heads_first=True)
+
+    if rule.granularity != "head":
+        return one(label)
+    if site.heads is None:
+        raise UserError(f"{site.name}: its config does not give its number of heads, which "
+                        'granularity "head" needs; use "tensor" or "token"')
+    count = site.heads[0] if point == "query" else site.heads[1]
+    return HeadwiseQuantize([one(f"{label}{ops.HEAD_SUFFIX}{h}") for h in range(count)], label)
+
+
 def _backward_specs(actions: list[Action[QuantRule]]) -> dict[str, BackwardSpec]:
     """Site name -> the non-default backward its weight/input rules ask for; two rules that ask
     one site for different ones, or a site that is not a Linear, are refused."""
@@ -453,7 +482,7 @@ class FakeQuantPass(Pass[list[QuantRule], QuantRule]):
     def build(self, program: Program, action: Action[QuantRule]) -> nn.Module:
         site, rule = action.site, action.payload
         if site.kind == ATTENTION_KIND:
-            return self._attention(site, action.point, rule)
+            return attention_quantizer(site, action.point, rule)
         weight = action.point == "weight"
         config = rule.config().bind(site.reduction_axis if weight else -1)
         label = self.label(site.name, action.point)
@@ -469,33 +498,6 @@ class FakeQuantPass(Pass[list[QuantRule], QuantRule]):
                             per_expert=site.kind == "experts" and weight, lora=rule.lora,
                             global_scale=None if weight else activation_global_scale(rule),
                             static_scale=static, group=group)
-
-    def _attention(self, site: Site, point: str, rule: QuantRule) -> nn.Module:
-        """The quantizer of an attention tensor: blocks along head_dim, one scale per token and
-        head, per head (`HeadwiseQuantize`) or per tensor; static, dynamic or fixed."""
-        config = rule.config().bind(-1)
-        label = self.label(site.name, point)
-        source = activation_global_scale(rule)
-
-        def one(name: str) -> FakeQuantize:
-            static = None
-            if source == "static":
-                observer = observer_name(rule)
-                assert observer is not None
-                kwargs = rule.observer_kwargs
-                static = StaticScale(observer, config.block, kwargs.averaging_constant if kwargs else 0.01,
-                                     tensor=point)
-            return FakeQuantize(config, name, global_scale=source, static_scale=static,
-                                fixed_scale=rule.fixed_scale if source == "fixed" else None,
-                                heads_first=True)
-
-        if rule.granularity != "head":
-            return one(label)
-        if site.heads is None:
-            raise UserError(f"{site.name}: its config does not give its number of heads, which "
-                            'granularity "head" needs; use "tensor" or "token"')
-        count = site.heads[0] if point == "query" else site.heads[1]
-        return HeadwiseQuantize([one(f"{label}{ops.HEAD_SUFFIX}{h}") for h in range(count)], label)
 
     def _group(self, program: Program, site: Site) -> ScaleGroup | None:
         members = self._groups.get(site.name)

@@ -101,6 +101,7 @@ class Tap(nn.Module):
         self.per_head = site_kind == ATTENTION_KIND  # [batch, heads, tokens, head_dim]: per head too
         self.enabled = True
         self.stride = 1
+        self.alternatives: nn.ModuleDict | None = None  # finer KV quantizers a scan measures too
         self.reset()
 
     def extra_repr(self) -> str:
@@ -118,13 +119,24 @@ class Tap(nn.Module):
         self.expert_stats: list[ErrorStats] | None = None  # experts sites: one per expert
         self.expert_tokens: list[int] | None = None
         self.head_stats: list[ErrorStats] | None = None  # attention sites: one per head
+        self.alternative_stats = {label: ErrorStats() for label in self.alternatives or {}}
+
+    def measure_alternatives(self, quantizers: dict[str, nn.Module]) -> None:
+        """Also measure these quantizers (label -> module, labels without dots) on the tapped
+        raw tensor, from empty accumulators (`alternative_stats`)."""
+        self.alternatives = nn.ModuleDict(quantizers)
+        self.alternative_stats = {label: ErrorStats() for label in quantizers}
 
     def train(self, mode: bool = True) -> Tap:
         self._weight_watch.recheck()  # a change of mode is a point where every byte is checked
         return super().train(mode)
 
     def forward(self, head: Tensor, *extras: Tensor) -> Tensor:
-        if not self.enabled or collecting():  # a calibration run is not measured
+        if not self.enabled:
+            return head
+        if collecting():  # a calibration run is not measured; alternatives observe it
+            for alternative in (self.alternatives or {}).values():
+                alternative(head)
             return head
         if ops.is_tracing(head):
             return torch.ops.qtransform.tap(head, self.label)
@@ -175,6 +187,9 @@ class Tap(nn.Module):
         if head is not raw:  # something (fake-quant, noise) changed the value: measure it
             raw_rows = sample_rows(raw, offset, self.stride)
             self.stats.update(raw_rows, rows, self._saturated(raw, raw_rows, offset))
+            for label, alternative in (self.alternatives or {}).items():
+                other = sample_rows(alternative.quantized_copy(raw), offset, self.stride)
+                self.alternative_stats[label].update(raw_rows, other)
         if self.local is not None:
             x, *params = operands
             if counts is not None:  # grouped rows: the reference needs them all, then samples

@@ -6,6 +6,8 @@ same batches. Per instrumented site the report holds
 - rows `weight` / `input`: the quantization error of the quantized tensor itself;
 - rows `query` / `key` / `value` / `probs` of attention sites: the same for those tensors, with
   each head's metrics in the row's `heads` (GQA: key/value heads for key and value);
+- on key/value rows of a KV rule, `remedies`: the same tensors under the finer KV scales of
+  its ladder (per head, per token and head; `scan/kv_remedy.py`), which `recommend` weighs;
 - row `output`: the site's *local* error (shadow taps: its output against the full-precision
   product of the same site on the same input), which ranks sites by the error they add;
 - `meta["accumulated"]`: the site's output in the quantized model against the same site's output
@@ -29,7 +31,8 @@ from torch import nn
 
 from qtransform.calibration import Calibration, run_model
 from qtransform.core.progress import Progress
-from qtransform.passes.instrument import Tap, reset_taps, tapping
+from qtransform.passes.instrument import Tap, reset_taps, tapping, taps
+from qtransform.scan.kv_remedy import Ladder, attach_alternatives, calibrate_alternatives, remedies
 from qtransform.scan.measure import (
     EndToEnd,
     SitePairs,
@@ -67,6 +70,8 @@ def scan_activations(model: nn.Module, policy_or_format: PolicyLike, calib: Cali
     stride = setup.stride(token_stride)
     end = EndToEnd(setup.causal, stride)
     reset_taps(quant)
+    ladders = attach_alternatives(setup.program, setup.policy, taps(quant))
+    calibrate_alternatives(quant, setup.policy, setup.batches)
     with eval_mode(model), SitePairs(model, quant, setup.sites, stride, setup.site_modules()) as pairs, \
             tapping(quant, True, stride=stride) as found, torch.no_grad():
         for batch in Progress(setup.batches, desc="activation scan", unit="batch", enabled=progress):
@@ -74,12 +79,13 @@ def scan_activations(model: nn.Module, policy_or_format: PolicyLike, calib: Cali
             q_out = run_model(quant, batch)
             pairs.end_batch()
             end.update(batch, fp_out, q_out)
-    return activation_report(setup, found, pairs, end, stride)
+    return activation_report(setup, found, pairs, end, stride, ladders)
 
 
 def activation_report(setup: ScanSetup, found: list[Tap], pairs: SitePairs, end: EndToEnd,
-                      token_stride: int) -> ScanReport:
-    """The report of a finished scan (in memory or layer by layer: `scan/sequential.py`)."""
+                      token_stride: int, ladders: dict[str, Ladder] | None = None) -> ScanReport:
+    """The report of a finished scan (in memory or layer by layer: `scan/sequential.py`);
+    `ladders`: the KV alternatives the taps measured (tap label -> its ladder)."""
     program = setup.program
     by_site: dict[str, dict[str, Tap]] = {}
     for tap in found:
@@ -93,8 +99,11 @@ def activation_report(setup: ScanSetup, found: list[Tap], pairs: SitePairs, end:
                                      experts=tap.experts()))
             elif tap.stats.n:
                 exps = tap.exponents.result() if tap.exponents is not None else None
-                rows.append(site_row(site, point, tap.stats, tap.quantizer, block_exponents=exps,
-                                     experts=tap.experts(), heads=tap.heads()))
+                row = site_row(site, point, tap.stats, tap.quantizer, block_exponents=exps,
+                               experts=tap.experts(), heads=tap.heads())
+                if ladders and tap.label in ladders:
+                    row.remedies = remedies(tap, ladders[tap.label])
+                rows.append(row)
     return build_report(
         "activation_scan", program, setup.policy, rows, end_to_end=end.result(),
         accumulated=pairs_table(program, pairs.stats),

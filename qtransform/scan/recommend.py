@@ -11,6 +11,11 @@ A report that measured a rotation (`scan_weights(rotation=...)`, scan/remedy.py)
 the flagged sites the rotation heals (its cost model: an online transform of the activations
 against the bits of higher precision), then applies the rule above to what is still flagged.
 
+Attention key/value rows are judged apart (`with_kv_cache`): they never make a layer problematic;
+a flagged one gets the cheapest finer KV scales the activation scan measured that clear it
+(scan/kv_remedy.py: per head, then per token and head), the KV rule rewritten to them, or,
+when none clears, its site kept out of the KV rule (its keys and values in 16 bits).
+
 Every recommendation carries a policy dict that does it, validated by `qtransform.schemas`.
 """
 
@@ -18,13 +23,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from qtransform import formats
 from qtransform.errors import UserError
 from qtransform.formats.expected import effective_bits
 from qtransform.formats.options import FORMAT_KEYS
+from qtransform.scan.kv_remedy import KVChoice, cost_text, is_kv_row, kv_choices, rewritten
 from qtransform.scan.remedy import Rotation, healed_sites
 from qtransform.schemas import load_policy
 from qtransform.schemas.base import ATTENTION_TENSORS
@@ -45,7 +51,7 @@ HIGH_PRECISION_BITS = 16.0  # a site kept out of quantization stays in bf16/fp16
 class Recommendation:
     """What to do about a scan, why, and the policy that does it."""
 
-    kind: str  # rotate | keep_high_precision | high_precision_and_aqn | change_format
+    kind: str  # rotate | kv_cache | keep_high_precision | high_precision_and_aqn | change_format
     share: float  # problematic layers / layers (sites / sites when no row has a layer)
     problematic_layers: list[int]
     kept_layers: list[int]
@@ -55,6 +61,9 @@ class Recommendation:
     ranking: str | None = None  # the sensitivity measure the kept sites follow (None: weight error)
     disagreements: list[str] = field(default_factory=list)  # where the two views differ, in words
     rotated_sites: list[str] = field(default_factory=list)  # healed by the measured rotation
+    # per KV rule with flagged key/value rows: {"rule", "alternative" (None: none clears),
+    # "rows" (cleared, "site [point]"), "kept" (sites out of the KV rule)}
+    kv_cache: list[dict[str, Any]] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -110,11 +119,16 @@ def ignoring(rules: list[dict[str, Any]], sites: Sequence[str],
     own kind (an attention rule the `attention` sites among them, a Linear rule the others), as
     an ignore entry that matches no site of its rule's kind is an error."""
     for rule in rules:
-        own = any(t in ATTENTION_TENSORS for t in rule.get("tensors", ["weight"]))
+        own = _attention_rule(rule)
         mine = [s for s in sites if (s in attention) == own]
         if mine:
             rule["ignore"] = list(dict.fromkeys([*rule.get("ignore", []), *mine]))
     return rules
+
+
+def _attention_rule(rule: dict[str, Any]) -> bool:
+    """A rule on an attention's tensors (its keys, values, query, probabilities)."""
+    return any(t in ATTENTION_TENSORS for t in rule.get("tensors", ["weight"]))
 
 
 def attention_sites(report: ScanReport) -> set[str]:
@@ -135,11 +149,82 @@ def recommend(
     `sensitivity` report of the same run, the sites kept in high precision follow its ranking
     instead (`follow_sensitivity`). Sites that a rotation measured in the report heals are
     rotated first (`with_rotation`); the rule then judges the report with them rotated."""
-    label, healed, residual = healed_sites(report)
-    rec = _by_weight_error(residual, tiers, keep_fraction=keep_fraction, total_steps=total_steps)
+    judged = replace(report, rows=[r for r in report.rows if not is_kv_row(r)], _cache=None)
+    label, healed, residual = healed_sites(judged)
+    rec = _by_weight_error(residual, tiers, keep_fraction=keep_fraction, total_steps=total_steps,
+                           whole=report)
     if sensitivity is not None:
         rec = follow_sensitivity(residual, rec, sensitivity, tiers, total_steps=total_steps)
-    return with_rotation(report, rec, label, healed) if label is not None and healed else rec
+    if label is not None and healed:
+        rec = with_rotation(report, rec, label, healed)
+    return with_kv_cache(report, rec)
+
+
+def with_kv_cache(report: ScanReport, rec: Recommendation) -> Recommendation:
+    """`rec` (made without the key/value rows) with its flagged key/value rows remedied: each KV
+    rule rewritten to the cheapest measured rung that clears its flagged rows (scan/kv_remedy.py;
+    the `engine` section the rung needs), and the sites no rung clears kept out of their KV rule;
+    the text says what the rung costs and which engines run it. `rec` as it is without flags."""
+    choices, bare = kv_choices(report)
+    if not choices and not bare:
+        return rec
+    rules = [dict(r) for r in rec.policy["quantize"]]
+    names = [r.get("name") or f"quantize[{i}]" for i, r in enumerate(rules)]
+    policy = {k: v for k, v in rec.policy.items() if k != "quantize"}
+    texts = []
+    for choice in choices:
+        if choice.label is not None:
+            rules[choice.rule] = rewritten(rules[choice.rule], choice.fields)
+            if choice.engine is not None:
+                policy["engine"] = dict(choice.engine)
+        texts.append(_kv_text(choice, names[choice.rule]))
+    kept = list(dict.fromkeys([*bare, *(s for c in choices for s in c.kept)]))
+    if bare:
+        texts.append(f"No finer KV scales were measured for {', '.join(bare)}: keep "
+                     f"{'their' if len(bare) > 1 else 'its'} keys and values in 16 bits.")
+    rules = ignoring(rules, kept, set(kept))
+    empty = [i for i, rule in enumerate(rules) if _attention_rule(rule)
+             and _kv_sites(report, i) <= set(rule.get("ignore", []))]  # nothing left to quantize
+    policy["quantize"] = [rule for i, rule in enumerate(rules) if i not in empty]
+    if empty:
+        texts.append(f"Rule{'s' * (len(empty) > 1)} {', '.join(names[i] for i in empty)} then "
+                     "quantize no site and go.")
+    text = " ".join(texts)
+    alone = not rec.kept_sites and rec.kind == "keep_high_precision" and "noise" not in rec.policy
+    summary = [{"rule": c.rule, "alternative": c.label, "rows": [r for r, _, _ in c.cleared],
+                "kept": c.kept} for c in choices]
+    if bare:
+        summary.append({"rule": None, "alternative": None, "rows": [], "kept": bare})
+    return Recommendation("kv_cache" if alone else rec.kind, rec.share, rec.problematic_layers,
+                          rec.kept_layers, list(dict.fromkeys([*rec.kept_sites, *kept])),
+                          text if alone else f"{rec.text} {text}", validated({"version": 1, **policy}),
+                          rec.ranking, rec.disagreements, rec.rotated_sites, summary)
+
+
+def _kv_sites(report: ScanReport, rule: int) -> set[str]:
+    """The attention sites whose key/value rows rule `rule` quantized (its measured rungs name
+    it); every attention site of the report where no row names its rule."""
+    named = {r.site for r in report.rows if is_kv_row(r) and r.remedies
+             and next(iter(r.remedies.values()))["rule"] == rule}
+    return named or attention_sites(report)
+
+
+def _kv_text(choice: KVChoice, rule: str) -> str:
+    """One KV rule's remedy in words: which rung clears which rows, at what cost, what is kept."""
+    text = ""
+    if choice.label is not None:
+        named = ", ".join(f"{r} {a:.1f} -> {b:.1f} dB" for r, a, b in choice.cleared[:SHOWN_DISAGREEMENTS])
+        more = f" and {len(choice.cleared) - SHOWN_DISAGREEMENTS} more" if len(choice.cleared) > SHOWN_DISAGREEMENTS else ""
+        engine = " (with the engine section it needs)" if choice.engine is not None else ""
+        text = (f"KV cache: {choice.label} clears {len(choice.cleared)} flagged key/value "
+                f"row{'s' * (len(choice.cleared) > 1)} ({named}{more}), the cheapest measured scales "
+                f"that do; rule {rule} takes them{engine}. Cost: "
+                f"{cost_text(choice.label, choice.fields, choice.engine)}.")
+    if choice.kept:
+        text += (f"{' ' if text else ''}No measured KV scales clear {', '.join(choice.kept)}: keep "
+                 f"{'their' if len(choice.kept) > 1 else 'its'} keys and values in 16 bits (out of "
+                 f"rule {rule}).")
+    return text
 
 
 def with_rotation(report: ScanReport, rec: Recommendation, label: str, healed: list[str]) -> Recommendation:
@@ -171,7 +256,11 @@ def with_rotation(report: ScanReport, rec: Recommendation, label: str, healed: l
 
 
 def _by_weight_error(report: ScanReport, tiers: Sequence[float], *, keep_fraction: float,
-                     total_steps: int) -> Recommendation:
+                     total_steps: int, whole: ScanReport | None = None) -> Recommendation:
+    """The rule of the module docstring on `report`'s flags; a layer kept in high precision
+    keeps every site `whole` (default: `report`) has in it, its attention included."""
+    every = whole or report
+    attention = attention_sites(every)
     layers = report.layers()
     bad_rows = [row for row, _ in report.problems()]
     bad_layers = report.problematic_layers()
@@ -185,6 +274,8 @@ def _by_weight_error(report: ScanReport, tiers: Sequence[float], *, keep_fractio
     new = finer_format(fmt)
     if share > CHANGE_ABOVE and new is not None:
         for rule in rules:
+            if _attention_rule(rule):  # a KV format is judged on its own rows
+                continue
             for key in FORMAT_KEYS:
                 rule.pop(key, None)
             rule["format"] = new
@@ -195,25 +286,25 @@ def _by_weight_error(report: ScanReport, tiers: Sequence[float], *, keep_fractio
                               validated({"version": 1, "quantize": rules}))
 
     if share < KEEP_BELOW or share > CHANGE_ABOVE or not layers:  # the last two: nothing better to do
-        kept = list(dict.fromkeys([r.site for r in report.rows if r.layer in set(bad_layers)] + loose))
+        kept = list(dict.fromkeys([r.site for r in every.rows if r.layer in set(bad_layers)] + loose))
         what = f"layers {_layer_text(bad_layers)}" if bad_layers else ""
         what += (" and " if what and loose else "") + ", ".join(loose)
         text = "No problematic sites: quantize every scanned weight." if not kept else (
             f"{100 * share:.0f} % {'of layers are' if layers else 'of sites are'} problematic: keep "
             f"{what} in high precision ({len(kept)} sites) and quantize the rest"
             + (f" ({fmt} has no finer format to move to)." if share > CHANGE_ABOVE else "."))
-        policy = {"version": 1, "quantize": ignoring(rules, kept, attention_sites(report))}
+        policy = {"version": 1, "quantize": ignoring(rules, kept, attention)}
         return Recommendation("keep_high_precision", share, bad_layers, bad_layers, kept, text, validated(policy))
 
     budget = max(1, math.floor(keep_fraction * len(layers)))
     kept_layers = sorted(sorted(bad_layers, key=lambda k: (_nan_last(sqnr[k]), k))[:budget])
-    kept = list(dict.fromkeys([r.site for r in report.rows if r.layer in set(kept_layers)] + loose))
+    kept = list(dict.fromkeys([r.site for r in every.rows if r.layer in set(kept_layers)] + loose))
     rest = [k for k in layers if k not in kept_layers]
     noise = aqn_section({k: sqnr[k] for k in rest}, tiers, total_steps=total_steps, layers=rest)
     text = (f"{len(bad_layers)} of {len(layers)} layers ({100 * share:.0f} %) are problematic: keep the "
             f"worst by SQNR ({_layer_text(kept_layers)}) in high precision and train the others with "
             f"SRDD-guided AQN (sigma x{'/'.join(f'{t:g}' for t in tiers)} by SQNR tier, worst first).")
-    policy = {"version": 1, "quantize": ignoring(rules, kept, attention_sites(report)), "noise": noise}
+    policy = {"version": 1, "quantize": ignoring(rules, kept, attention), "noise": noise}
     return Recommendation("high_precision_and_aqn", share, bad_layers, kept_layers, kept, text, validated(policy))
 
 
@@ -319,11 +410,12 @@ def guide(
     sqnr = report.layer_sqnr()
     if not rest:
         raise UserError("the report has no decoder layers to put AQN on: guide it without AQN")
+    quantize = rec.policy["quantize"]  # kept sites ignored, KV rules rewritten
+    if rec.kind == "change_format":  # AQN keeps the scanned format of the Linear rules
+        quantize = [r if _attention_rule(r) else s for r, s in zip(quantize, _rules(report), strict=True)]
     policy = {
-        "version": 1,
-        "quantize": ignoring(_rules(report), rec.kept_sites, attention_sites(report)),
+        **rec.policy, "quantize": quantize,
         "noise": aqn_section({k: sqnr[k] for k in rest}, tiers, total_steps=total_steps, layers=rest),
-        **({"rotate": rec.policy["rotate"]} if "rotate" in rec.policy else {}),
     }
     return validated(policy)
 

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from qtransform.core.sites import ATTENTION_KIND
 from qtransform.errors import UserError
 from qtransform.formats import hadamard
 
@@ -120,8 +121,9 @@ def heals(report: ScanReport, row: SiteRow, rotated: SiteRow) -> bool:
 
 def healed_sites(report: ScanReport) -> tuple[str | None, list[str], ScanReport]:
     """(the rotation's label, the flagged sites it heals (`heals`), the report without them:
-    what is left for the other remedies); (None, [], report) when it measured no rotation."""
-    labels = sorted({k for r in report.rows for k in (r.remedies or {})})
+    what is left for the other remedies); (None, [], report) when it measured no rotation
+    (an attention row's remedies are KV scales, `scan/kv_remedy.py`, not rotations)."""
+    labels = sorted({k for r in report.rows if r.kind != ATTENTION_KIND for k in (r.remedies or {})})
     if not labels:
         return None, [], report
     label = labels[0]

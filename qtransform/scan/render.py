@@ -19,9 +19,10 @@ from typing import Any
 from qtransform.core import io as qio
 from qtransform.core.io import encode_floats
 from qtransform.scan.grid import grid_line
+from qtransform.scan.kv_remedy import clears
 from qtransform.scan.recommend import recommend
 from qtransform.scan.remedy import healed_sites
-from qtransform.scan.report import Renderer, ScanReport, register_renderer
+from qtransform.scan.report import Renderer, ScanReport, SiteRow, register_renderer
 from qtransform.schemas.selectors import format_layers
 
 FILES = ("report.json", "report.csv", "report.md", "report.png")
@@ -148,6 +149,7 @@ def to_markdown(report: ScanReport) -> str:
     lines += experts_markdown(report)
     lines += heads_markdown(report)
     lines += remedy_markdown(report)
+    lines += kv_remedy_markdown(report)
     lines += ["", "*mean relative error is dominated by small values that quantize to zero; "
               "it is reported for comparison with older SRDD scans only (docs/metrics.md)."]
     return "\n".join(lines) + "\n"
@@ -192,6 +194,31 @@ def remedy_markdown(report: ScanReport) -> list[str]:
                          format_metric("sqnr_db", r.remedies[label]["metrics"]["sqnr_db"]),
                          f"{r.remedies[label]['metrics']['sqnr_db'] - r.metrics['sqnr_db']:+.2f}",
                          "yes" if report.row_problems(r) else "", "yes" if r.site in healed else ""]
+                        for r in rows])]
+
+
+def kv_remedy_markdown(report: ScanReport) -> list[str]:
+    """The finer KV scales an activation scan measured on each key/value row (scan/kv_remedy.py):
+    SQNR and deadzone per rung, and whether the rung clears a flagged row. [] without them."""
+    rows = [r for r in report.rows if r.kind == "attention" and r.remedies]
+    if not rows:
+        return []
+    labels = sorted({k for r in rows for k in r.remedies or {}},
+                    key=lambda k: next(r.remedies[k]["rank"] for r in rows if k in (r.remedies or {})))
+
+    def cell(row: SiteRow, label: str) -> str:
+        if label not in (row.remedies or {}):
+            return ""
+        m = row.remedies[label]["metrics"]
+        verdict = (" (clears)" if clears(report, row, label) else " (flagged)") if report.row_problems(row) else ""
+        return f"{format_metric('sqnr_db', m['sqnr_db'])} dB, {format_metric('deadzone', m['deadzone'])}{verdict}"
+
+    return ["", "## KV-cache alternatives", "",
+            "Each key/value row measured again with finer scales, cheapest first (SQNR, deadzone); "
+            "`guide` rewrites the KV rule to the cheapest that clears its flagged rows.", "",
+            *_md_table(["site", "point", "as scanned", *labels],
+                       [[r.site, r.point, f"{format_metric('sqnr_db', r.metrics['sqnr_db'])} dB, "
+                         f"{format_metric('deadzone', r.metrics['deadzone'])}", *(cell(r, k) for k in labels)]
                         for r in rows])]
 
 

@@ -110,7 +110,9 @@ class SiteRow:
     experts: list[dict[str, Any]] | None = None
     diagnostics: dict[str, float] | None = None  # weight scans: outlier channels (problem reasons)
     # weight scans given a rotation to try (scan/remedy.py): label -> {"metrics", "state"} of
-    # the format's error on the rotated weight W·R (the same SQNR and MSE as on W)
+    # the format's error on the rotated weight W·R (the same SQNR and MSE as on W); key/value
+    # rows of an activation scan: the finer KV scales measured on the same tensors, with the
+    # rule they rewrite ("rule", "fields", "engine", "rank": scan/kv_remedy.py)
     remedies: dict[str, dict[str, Any]] | None = None
     # attention sites: one entry per head, {"head", "metrics", "state"}
     heads: list[dict[str, Any]] | None = None
@@ -151,7 +153,7 @@ class SiteRow:
               "state": _decode_numbers(e["state"]) if e.get("state") else None}
              for e in d["experts"]] if d.get("experts") is not None else None,
             _decode_numbers(d["diagnostics"]) if d.get("diagnostics") else None,
-            {label: {"metrics": _decode_numbers(r["metrics"]), "state": _decode_numbers(r["state"])}
+            {label: {**r, "metrics": _decode_numbers(r["metrics"]), "state": _decode_numbers(r["state"])}
              for label, r in d["remedies"].items()} if d.get("remedies") else None,
             [{**h, "metrics": _decode_numbers(h["metrics"]) if h.get("metrics") else None,
               "state": _decode_numbers(h["state"]) if h.get("state") else None}

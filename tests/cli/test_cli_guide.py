@@ -12,6 +12,8 @@ import pytest
 from qtransform.cli.main import main
 from qtransform.models import build_tiny
 from qtransform.scan import scan_weights
+from qtransform.scan.recommend import recommend
+from tests.scan import test_kv_remedy as kv
 
 
 @pytest.fixture
@@ -71,3 +73,19 @@ def test_a_damaged_sensitivity_file_is_a_user_error(scanned, tmp_path, capsys, d
     assert main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith(f"error: {path}: not a sensitivity report"), err
+
+
+def test_guide_names_the_kv_scales_that_clear_flagged_kv_rows(tmp_path, capsys):
+    """`qtransform guide` on a saved report: the policy file is the recommendation's, and the
+    terminal and the guide page say which KV scales clear the rows and what they cost; report.md
+    shows the rungs."""
+    report = kv.scanned(kv.head_model(), [kv.LINEAR, kv.KV], kv.batch())
+    report.save(tmp_path / "scan")
+    assert "## KV-cache alternatives" in (tmp_path / "scan" / "report.md").read_text()
+    assert main(["guide", str(tmp_path / "scan"), "--out", str(tmp_path / "p.json")]) == 0
+    err = capsys.readouterr().err  # the advice goes to stderr, the policy to the file
+    assert "fp8_e4m3 per head, static minmax clears 2 flagged key/value rows" in err
+    assert "attn_head" in err and "attn_head" in (tmp_path / "p.html").read_text()
+    written = json.loads((tmp_path / "p.json").read_text())
+    assert written["quantize"][1]["granularity"] == "head"
+    assert written == recommend(report).policy
