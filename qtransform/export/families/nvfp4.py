@@ -58,6 +58,9 @@ def nvfp4_blocks(b: Body, x: str, axes: str, cfg: QuantConfig, amax_t: str | Non
         d = b.op("Div", b.const(1.0), g)
         d = b.op("Min", d, b.const(FLT_MAX))  # no-op on values; stops Div(1,g)*s becoming s/g
         s = _default_scale(b, amax_b, g, np.float32(1 / 6))
+        if cfg.four_over_six_order != "pairwise":
+            raise UnsupportedExport(f"nvfp4 four_over_six_order {cfg.four_over_six_order!r} has no "
+                                    "ONNX form; export with four_over_six_order 'pairwise'")
         if cfg.four_over_six != "none":
             s4 = _default_scale(b, amax_b, g, np.float32(0.25))
             four = b.op("Less", _block_error(b, _default_out(b, x, s4, d, cfg), x, axes, cfg),
