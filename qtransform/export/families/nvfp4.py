@@ -37,6 +37,9 @@ def nvfp4_blocks(b: Body, x: str, axes: str, cfg: QuantConfig, amax_t: str | Non
     """quantize_nvfp4 in the variant's fp32 order of operations; `amax_t` replaces the tensor's
     own amax (`fake_quantize`'s amax: a fixed value, or one per row), `scale_t` is a stored
     tensor scale (`fake_quantize`'s scale: g for compressed-tensors, d for the others)."""
+    if cfg.four_over_six_order != "pairwise":
+        raise UnsupportedExport(f"nvfp4 four_over_six_order {cfg.four_over_six_order!r} has no "
+                                "ONNX form; export with four_over_six_order 'pairwise'")
     elem = cfg.spec.element
     if cfg.nvfp4_variant == "one_level":
         s = _e4m3(b, b.op("Min", b.op("Div", amax_nan(b, x, axes), b.const(6.0)), b.const(448.0)))
@@ -58,9 +61,6 @@ def nvfp4_blocks(b: Body, x: str, axes: str, cfg: QuantConfig, amax_t: str | Non
         d = b.op("Div", b.const(1.0), g)
         d = b.op("Min", d, b.const(FLT_MAX))  # no-op on values; stops Div(1,g)*s becoming s/g
         s = _default_scale(b, amax_b, g, np.float32(1 / 6))
-        if cfg.four_over_six_order != "pairwise":
-            raise UnsupportedExport(f"nvfp4 four_over_six_order {cfg.four_over_six_order!r} has no "
-                                    "ONNX form; export with four_over_six_order 'pairwise'")
         if cfg.four_over_six != "none":
             s4 = _default_scale(b, amax_b, g, np.float32(0.25))
             four = b.op("Less", _block_error(b, _default_out(b, x, s4, d, cfg), x, axes, cfg),
