@@ -18,6 +18,7 @@ from .base import Int, PosInt, StrictModel
 from .errors import Issue, problems_error
 from .format_fields import (
     FOUR_OVER_SIX_HELP,
+    FOUR_OVER_SIX_ORDER_HELP,
     GLOBAL_BOUND_HELP,
     GLOBAL_BOUNDS,
     OPTION_DEFAULTS,
@@ -50,6 +51,9 @@ class RoleQuant(StrictModel):
     four_over_six: StrictStr | None = Field(
         None, json_schema_extra={"enum": [*all_option_values("four_over_six"), None]},
         description=FOUR_OVER_SIX_HELP)
+    four_over_six_order: StrictStr | None = Field(
+        None, json_schema_extra={"enum": [*all_option_values("four_over_six_order"), None]},
+        description=FOUR_OVER_SIX_ORDER_HELP)
     global_bound: Literal[GLOBAL_BOUNDS] | None = Field(  # type: ignore[valid-type]
         None, description=GLOBAL_BOUND_HELP)
     rounding: Literal["nearest", "stochastic"] = Field(
@@ -68,7 +72,8 @@ class RoleQuant(StrictModel):
     def _options_fit_format(self) -> RoleQuant:
         spec = registry.get(self.format)
         issues = []
-        for option in ("scale_rule", "scale_dtype", "four_over_six", "global_bound"):
+        for option in ("scale_rule", "scale_dtype", "four_over_six", "global_bound",
+                       "four_over_six_order"):
             value = getattr(self, option)
             if value is None:
                 continue
@@ -100,7 +105,8 @@ class RoleQuant(StrictModel):
                                 "rounding": ROLE_ROUNDING[self.rounding],
                                 "seed": (self.seed or 0) if self.rounding == "stochastic" else None}
         opts |= {o: getattr(self, o) for o in ("scale_rule", "scale_dtype", "four_over_six",
-                                               "global_bound") if o in spec.options}
+                                               "global_bound", "four_over_six_order")
+                 if o in spec.options}
         return QuantConfig.from_options(spec, opts)
 
 

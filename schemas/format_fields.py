@@ -16,6 +16,9 @@ GLOBAL_BOUNDS = (448, 256)  # NVFP4 `global_bound`, as policies write it (the fo
 FOUR_OVER_SIX_HELP = ("NVFP4 (default order, 1D blocks): mse or mae = quantize each block with "
                       "the scale mapping its amax to 6 and to 4, keep the one with the smaller "
                       "squared / absolute error (a tie keeps 6); null = max/6 only")
+FOUR_OVER_SIX_ORDER_HELP = ("NVFP4 four over six: whose fp32 details decide near-ties; null = pairwise "
+                            "(qtransform's halving sum), transformer-engine, flashinfer, fouroversix "
+                            "(the stack's scales, dequantization and summation; docs/recipes.md)")
 GLOBAL_BOUND_HELP = ("NVFP4 (default order): the E4M3 value the tensor amax maps to; 448 "
                      "(null) or 256 (Transformer Engine's four-over-six, room for the max/4 scale)")
 

@@ -99,6 +99,8 @@ def describe_format(rule: QuantRule) -> str:
             parts.append(f"four over six by {value.upper()} (max/6 or max/4 per block)")
         elif option == "global_bound":
             parts.append(f"tensor amax mapped to {value}")
+        elif option == "four_over_six_order":
+            parts.append(f"four over six decided in {value}'s fp32 order")
         elif option == "scale_dtype":
             parts.append("scales in the input's dtype" if value == "input" else f"{value} scales")
         else:

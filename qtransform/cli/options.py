@@ -32,6 +32,8 @@ def add_common(p: argparse.ArgumentParser) -> None:
                    "and max/4 block scales (default: max/6 only)")
     p.add_argument("--global-bound", help="nvfp4: the E4M3 value the tensor amax maps to, 448 "
                    "(default) or 256")
+    p.add_argument("--four-over-six-order", help="nvfp4 four over six: pairwise (default), "
+                   "transformer-engine, flashinfer or fouroversix (whose fp32 order decides)")
     p.add_argument("--json", action="store_true", help="print JSON on stdout instead of tables")
     p.add_argument("--no-progress", action="store_true", help="no progress bars on stderr")
 

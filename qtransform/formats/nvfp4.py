@@ -5,7 +5,9 @@ differently on ties and treat zero and tiny scales differently; see docs/numeric
 `four_over_six` (default order, 1D blocks) quantizes every block twice, mapping its amax to 6
 and to 4, and keeps the candidate with the smaller reconstruction error (arXiv 2512.02010);
 `global_bound` is the E4M3 value the tensor amax maps to (448, or 256 to leave the max/4
-candidate's block scale room below 448, as Transformer Engine does).
+candidate's block scale room below 448, as Transformer Engine does). `four_over_six_order`
+names whose fp32 details decide near-ties: qtransform's own halving sum ("pairwise") or one
+stack's scales, dequantization and summation (`_stack_choice`).
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ ONE_SIXTH = float(torch.tensor(1 / 6, dtype=torch.float32))  # fl32(1/6)
 VARIANTS = ("default", "compressed-tensors", "one_level", "modelopt", "vllm-kv")
 FOUR_OVER_SIX = ("none", "mse", "mae")  # none: every block maps its amax to 6
 GLOBAL_BOUNDS = ("448", "256")  # the E4M3 value the tensor amax maps to (strings: a choice option)
+# whose fp32 details decide four over six (docs/numerics.md "Four over six"; docs/recipes.md)
+FOUR_OVER_SIX_ORDERS = ("pairwise", "transformer-engine", "flashinfer", "fouroversix")
 MIN_BLOCK_SCALE = 2.0**-9  # ModelOpt clamps block scales up to E4M3's smallest subnormal
 
 # element values, dequantized values, scaled values (for saturation), block scales, tensor scale
@@ -68,13 +72,59 @@ def _default(
     q, out, y = _candidate(blocks, s, d, cfg, u)
     if cfg.four_over_six == "none":
         return q, out, y, s, d
+    if cfg.four_over_six_order != "pairwise":
+        return _stack_choice(blocks, amax_t, g, d, amax_b, cfg)
     s4 = e4m3_rne(torch.clamp_max(amax_b * (g * 0.25), FLT_MAX))
     q4, out4, y4 = _candidate(blocks, s4, d, cfg, u)
     four = (block_error(out4, blocks, cfg.four_over_six)
             < block_error(out, blocks, cfg.four_over_six))  # a tie (or NaN) keeps max/6
+    return _pick(four, (q, out, y, s), (q4, out4, y4, s4), d)
+
+
+def _pick(four: torch.Tensor, six_parts: tuple[torch.Tensor, ...], four_parts: tuple[torch.Tensor, ...],
+          d: torch.Tensor) -> Parts:
+    """The max/4 candidate's parts where `four`, else the max/6 candidate's."""
+    q, out, y, s = six_parts
+    q4, out4, y4, s4 = four_parts
     pick = four[:, None]
     return (torch.where(pick, q4, q), torch.where(pick, out4, out), torch.where(pick, y4, y),
             torch.where(four, s4, s), d)
+
+
+def _stack_choice(blocks: torch.Tensor, amax_t: torch.Tensor, g: torch.Tensor, d: torch.Tensor,
+                  amax_b: torch.Tensor, cfg: QuantConfig) -> Parts:
+    """Four over six in one stack's fp32 order (rounding to nearest even, as they all do):
+    both scales from `base = (amax_b / 6) * g`, s4 = e4m3(base * 1.5); each candidate's error
+    from the stack's own dequantization and summation (docs/numerics.md); a tie keeps max/6."""
+    order = cfg.four_over_six_order
+    base = torch.clamp_max((amax_b / 6.0) * g, FLT_MAX)
+    s6, s4 = e4m3_rne(base), e4m3_rne(torch.clamp_max(base * 1.5, FLT_MAX))
+    parts, errors = [], []
+    for s in (s6, s4):
+        q, out, y = _candidate(blocks, s, d, cfg, None)
+        if order == "fouroversix":  # x * (1 / (d * s)), 0 where s is 0; its rounding never clamps
+            y = torch.where(s[:, None] == 0, 0.0, blocks * (1.0 / (d * s))[:, None])
+            q = round_signed(torch.clamp(y, -6.0, 6.0), cfg.spec.element, "rne", None)
+            wide = 2.0 * torch.round(y.abs() / 2.0)  # what it gives |y| >= 7 (subnormal scales)
+            qe = torch.where(y.abs() >= 7.0, torch.copysign(wide, y), q)
+        else:
+            qe = q
+        qs = qe * s[:, None]  # exact: an E2M1 value times an E4M3 value
+        if order == "flashinfer":  # its per-tensor path: (q * s) * (1 / g)
+            deq = qs * d
+        else:  # Transformer Engine and fouroversix: ((q * s) * amax_t) / (6 * B)
+            deq = (qs * amax_t) / (6.0 * float(cfg.global_bound))
+        diff = deq - blocks
+        t = diff.abs() if cfg.four_over_six == "mae" else diff * diff
+        if order == "fouroversix":  # torch's own sum over the last axis, as its reference calls it
+            err = t.sum(dim=1)
+        else:  # one fp32 accumulator, elements in order
+            err = t[:, 0].clone()
+            for i in range(1, t.shape[1]):
+                err = err + t[:, i]
+        parts.append((q, out, y, s))
+        errors.append(err)
+    return _pick(errors[1] < errors[0], parts[0], parts[1], d)
 
 
 def _candidate(blocks: torch.Tensor, s: torch.Tensor, d: torch.Tensor, cfg: QuantConfig,
@@ -210,12 +260,25 @@ def _check(choices: dict[str, str]) -> str | None:
     if choices["nvfp4_variant"] == "vllm-kv" and choices["four_over_six"] == "mae":
         return ("nvfp4_variant 'vllm-kv' chooses four over six by squared error only (vLLM's "
                 "nvfp4_4over6 cache); use four_over_six 'mse'")
+    if choices["nvfp4_variant"] == "vllm-kv" and choices["four_over_six_order"] != "pairwise":
+        return ("nvfp4_variant 'vllm-kv' has its own four-over-six order (vLLM's KV-cache writer); "
+                "remove four_over_six_order")
     if choices["four_over_six"] != "none" and choices["nvfp4_variant"] not in ("default", "vllm-kv"):
         return (f"four_over_six applies to nvfp4_variant 'default' (NVIDIA's order), not "
                 f"{choices['nvfp4_variant']!r}; set nvfp4_variant 'default' or remove four_over_six")
     if choices["four_over_six"] != "none" and choices["granularity"] != "block":
         return (f"four_over_six chooses per 1D block; granularity {choices['granularity']!r} "
                 "is not one (use block_size, not block_shape)")
+    order = choices["four_over_six_order"]
+    if order != "pairwise" and choices["four_over_six"] == "none":
+        return (f"four_over_six_order {order!r} decides four over six; set four_over_six "
+                "'mse' or 'mae', or remove four_over_six_order")
+    if order != "pairwise" and choices["rounding"] != "rne":
+        return (f"four_over_six_order {order!r} rounds to nearest even, as {order} does; "
+                f"remove rounding {choices['rounding']!r} or use four_over_six_order 'pairwise'")
+    if order == "fouroversix" and choices["global_bound"] != "256":
+        return ("four_over_six_order 'fouroversix' maps the tensor amax to 256, as the fouroversix "
+                "library does; set global_bound 256")
     if choices["global_bound"] != "448" and choices["nvfp4_variant"] != "default":
         return (f"global_bound {choices['global_bound']} applies to nvfp4_variant 'default'; "
                 "remove it or set nvfp4_variant 'default'")
@@ -228,10 +291,11 @@ def _check(choices: dict[str, str]) -> str | None:
 
 NVFP4 = register_family(Family(
     "nvfp4", {"rounding": ROUNDINGS, "nvfp4_variant": VARIANTS, "scale_dtype": SCALE_DTYPES,
-              "four_over_six": FOUR_OVER_SIX, "global_bound": GLOBAL_BOUNDS},
+              "four_over_six": FOUR_OVER_SIX, "global_bound": GLOBAL_BOUNDS,
+              "four_over_six_order": FOUR_OVER_SIX_ORDERS},
     quantize=quantize_nvfp4, scale_values=scale_values,
     per_tensor=lambda cfg: cfg.nvfp4_variant != "one_level", kernel_id=1, check=_check,
-    quiet=("scale_dtype", "four_over_six", "global_bound"),
+    quiet=("scale_dtype", "four_over_six", "global_bound", "four_over_six_order"),
 ))
 register(FormatSpec(
     name="nvfp4", family=NVFP4, element=E2M1, default_block=16, scale="e4m3_fp32", tile=(16, 16),

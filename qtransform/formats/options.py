@@ -19,7 +19,7 @@ from qtransform.formats.registry import Family, FormatSpec
 
 # strings a family lists values of
 CHOICE_OPTIONS = ("scale_rule", "rounding", "nvfp4_variant", "int_range", "scale_dtype", "fp8_variant",
-                  "four_over_six", "global_bound")
+                  "four_over_six", "global_bound", "four_over_six_order")
 # what changes numbers
 NUMERICS_OPTIONS = ("granularity", "block_size", "block_shape", "axis", *CHOICE_OPTIONS)
 FORMAT_KEYS = (*NUMERICS_OPTIONS, "seed")  # the keys that belong to one format (not training's)
@@ -27,7 +27,7 @@ OPTION_KEYS = (*FORMAT_KEYS, "zero_saturated_grad")  # every key of `options()`
 # what a config holds for a choice its family does not take (the kernels never read it)
 NEUTRAL = {"scale_rule": "floor", "rounding": "rne", "nvfp4_variant": "default",
            "int_range": "restricted", "scale_dtype": "float32", "fp8_variant": "default",
-           "four_over_six": "none", "global_bound": "448"}
+           "four_over_six": "none", "global_bound": "448", "four_over_six_order": "pairwise"}
 KEYWORDS = ("block_size", "axis", "block_shape", "granularity", "scale_rule", "rounding",
             "generator", "seed", "amax", "scale")
 WHOLE_ROW = ("channel", "token", "tensor")  # granularities whose kernel blocks are whole rows
@@ -61,6 +61,7 @@ class QuantConfig:
     fp8_variant: str = "default"
     four_over_six: str = "none"  # NVFP4: "mse"/"mae" keep the better of the max/6 and max/4 scales
     global_bound: str = "448"  # NVFP4: the E4M3 value the tensor amax maps to
+    four_over_six_order: str = "pairwise"  # NVFP4: whose fp32 details decide four over six
 
     @property
     def family(self) -> Family:

@@ -240,6 +240,7 @@ def supported(x: torch.Tensor, cfg: QuantConfig, layout: BlockLayout, exponents:
     """Whether the kernels cover this request (else the reference path runs)."""
     return (x.dtype in _DTYPES and x.numel() > 0 and not layout.tile and not exponents
             and cfg.rounding in ("rne", "rna") and cfg.scale_rule in _RULES
+            and cfg.four_over_six_order == "pairwise"  # the stacks' orders: the reference path
             and (cfg.family.kernel_id == KERNEL_MX
                  or (cfg.family.kernel_id == KERNEL_NVFP4
                      and cfg.nvfp4_variant in ("default", "one_level"))))

@@ -95,7 +95,8 @@ def four_over_six(o: Mapping[str, Any], scope: str, tiles: bool) -> dict[str, An
                                     "refuses four over six with RHT on the input quantizer; set "
                                     "disable_rht true", o["nvfp4_4over6"])])
     bound = 256 if o["nvfp4_4over6_e4m3_use_256"] in (scope, "all") else 448
-    return {"four_over_six": o["nvfp4_4over6_err_mode"].lower(), "global_bound": bound}
+    return {"four_over_six": o["nvfp4_4over6_err_mode"].lower(), "global_bound": bound,
+            "four_over_six_order": "transformer-engine"}  # quantize_4over6_nvfp4.cuh's fp32 order
 
 
 def mxfp8_block_scaling(o: Mapping[str, Any]) -> dict[str, Any]:

@@ -31,6 +31,7 @@ from ..base import (
 from ..errors import Issue, problems_error
 from ..format_fields import (
     FOUR_OVER_SIX_HELP,
+    FOUR_OVER_SIX_ORDER_HELP,
     GLOBAL_BOUND_HELP,
     GLOBAL_BOUNDS,
     OPTION_DEFAULTS,
@@ -113,6 +114,9 @@ class QuantRule(Selected):
     four_over_six: StrictStr | None = Field(
         None, json_schema_extra={"enum": [*all_option_values("four_over_six"), None]},
         description=FOUR_OVER_SIX_HELP)
+    four_over_six_order: StrictStr | None = Field(
+        None, json_schema_extra={"enum": [*all_option_values("four_over_six_order"), None]},
+        description=FOUR_OVER_SIX_ORDER_HELP)
     global_bound: Literal[GLOBAL_BOUNDS] | None = Field(  # type: ignore[valid-type]
         None, description=GLOBAL_BOUND_HELP)
     zero_saturated_grad: StrictBool = Field(

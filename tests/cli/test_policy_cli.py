@@ -161,7 +161,7 @@ def test_every_format_option_has_a_flag(command):
     from qtransform.formats.options import CHOICE_OPTIONS
 
     flags = [f"--{o.replace('_', '-')}" for o in ("granularity", *CHOICE_OPTIONS)]
-    values = ["token", "floor", "rne", "default", "full", "input", "modelopt", "mse", "256"]
+    values = ["token", "floor", "rne", "default", "full", "input", "modelopt", "mse", "256", "transformer-engine"]
     argv = [command, "builtin:qwen2", "--format", "int8", "--calib", "c.txt", "--out", "o"]
     for flag, value in zip(flags, values, strict=True):
         argv += [flag, value]

@@ -44,7 +44,7 @@ def test_config_with_keyword_defaults_passes(cfg: QuantConfig) -> None:
     its own rounding (rna) differs from the forwarded default (rne)."""
     assert NEUTRAL == {"scale_rule": "floor", "rounding": "rne", "nvfp4_variant": "default",
                        "int_range": "restricted", "scale_dtype": "float32", "fp8_variant": "default",
-                       "four_over_six": "none", "global_bound": "448"}
+                       "four_over_six": "none", "global_bound": "448", "four_over_six_order": "pairwise"}
     out = resolve(
         cfg,
         block_size=None,
@@ -165,7 +165,8 @@ def test_tile_with_another_axis() -> None:
     ("fmt", "takes"),
     [
         ("mxfp4", "scale_rule, rounding, zero_saturated_grad, seed"),
-        ("nvfp4", "rounding, nvfp4_variant, scale_dtype, four_over_six, global_bound, zero_saturated_grad, seed"),
+        ("nvfp4", "rounding, nvfp4_variant, scale_dtype, four_over_six, global_bound, four_over_six_order, "
+                  "zero_saturated_grad, seed"),
         ("int4", "rounding, int_range, scale_dtype, zero_saturated_grad, seed"),
     ],
 )

@@ -213,6 +213,7 @@ def test_te_four_over_six_switches_set_the_nvfp4_options_per_scope():
             cfg = rule.config()
             assert cfg.four_over_six == (mode.lower() if on else "none")
             assert cfg.global_bound == ("256" if on and use256 in (part, "all") else "448")
+            assert cfg.four_over_six_order == ("transformer-engine" if on else "pairwise")
             role = rule.backward_roles.weight if part == "weights" else rule.backward_roles.input
             assert role.config().four_over_six == cfg.four_over_six  # the columnwise copy too
             assert rule.backward_roles.grad.config().four_over_six == "none"

@@ -37,6 +37,9 @@ def nvfp4_blocks(b: Body, x: str, axes: str, cfg: QuantConfig, amax_t: str | Non
     """quantize_nvfp4 in the variant's fp32 order of operations; `amax_t` replaces the tensor's
     own amax (`fake_quantize`'s amax: a fixed value, or one per row), `scale_t` is a stored
     tensor scale (`fake_quantize`'s scale: g for compressed-tensors, d for the others)."""
+    if cfg.four_over_six_order != "pairwise":
+        raise UnsupportedExport(f"nvfp4 four_over_six_order {cfg.four_over_six_order!r} has no "
+                                "ONNX form; export with four_over_six_order 'pairwise'")
     elem = cfg.spec.element
     if cfg.nvfp4_variant == "one_level":
         s = _e4m3(b, b.op("Min", b.op("Div", amax_nan(b, x, axes), b.const(6.0)), b.const(448.0)))
