@@ -74,12 +74,21 @@ def sr_e4m3(c: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return torch.where(u < (c - down) / (up - down), up, down)
 
 
-def eden(x: torch.Tensor, had: torch.Tensor, amax: torch.Tensor, u: torch.Tensor,
-         scale_override: float = BACKWARD_SCALE_OVERRIDE) -> torch.Tensor:
-    """eden_1x16s_fp4_kernel_wrapper(x, had, scale_override, 16, amax) with `u` the kernel's
+def rotate(x: torch.Tensor, had: torch.Tensor) -> torch.Tensor:
+    """The kernel's rotation: x in rows of had's order times hadᵀ (wrapper: had.T.contiguous();
+    kernel: `tl.dot(x, it)`)."""
+    return x.contiguous().reshape(-1, had.shape[0]) @ had.T
+
+
+def eden(x: torch.Tensor, had: torch.Tensor, amax: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """eden_1x16s_fp4_kernel_wrapper(x, had, (17/16)·0.93, 16, amax) with `u` the kernel's
     `tl.rand(seed, scale_offsets)`: one uniform per block scale, in flat order."""
-    dim = had.shape[0]
-    x_had = x.contiguous().reshape(-1, dim) @ had.T  # wrapper: had.T.contiguous(); kernel: x @ it
+    return eden_rotated(rotate(x, had), had.shape[0], amax, u).reshape(x.shape)
+
+
+def eden_rotated(x_had: torch.Tensor, dim: int, amax: torch.Tensor, u: torch.Tensor,
+                 scale_override: float = BACKWARD_SCALE_OVERRIDE) -> torch.Tensor:
+    """The kernel after its rotation, on the rotated values x_had (groups of `dim` in order)."""
     xg = x_had.reshape(-1, GROUP)
     s_b, s_dec = get_scales(xg, amax, 6.0 / scale_override, 255.99)
     x_scaled = xg / (s_b * s_dec)
@@ -89,12 +98,12 @@ def eden(x: torch.Tensor, had: torch.Tensor, amax: torch.Tensor, u: torch.Tensor
     correction = torch.where(den == 0.0, 1.0, num / den)
     corrected = (s_b.reshape(-1, dim // GROUP) * correction).reshape(-1, 1)
     scales = sr_e4m3(corrected, u.reshape(-1, 1))
-    return (x_fp4 * scales * s_dec).reshape(x.shape).to(x.dtype)
+    return (x_fp4 * scales * s_dec).reshape(x_had.shape).to(x_had.dtype)
 
 
 def rotated_amax(x: torch.Tensor, had: torch.Tensor) -> torch.Tensor:
     """Quartet_II_fn.backward's amax of an operand (not delayed): |x·hadᵀ| over the tensor."""
-    return (x.reshape(-1, had.shape[0]) @ had.T).abs().max().float()
+    return rotate(x, had).abs().max().float()
 
 
 def backward(g: torch.Tensor, xq: torch.Tensor, wq: torch.Tensor, had: torch.Tensor,
