@@ -11,7 +11,11 @@ learning rate. Runs:
 - plain: no quantization;
 - w4a16: NVFP4 weights, 16-bit activations, straight-through backward (dX = G·Q(W), dW = Gᵀ·X);
 - nvfp4: `transformer-engine/NVFP4BlockScaling` (forward and all three GEMMs in NVFP4);
-- nvfp4_no_rht, nvfp4_no_sr, nvfp4_no_rht_no_sr: the same with its switches.
+- nvfp4_no_rht, nvfp4_no_sr, nvfp4_no_rht_no_sr: the same with its switches;
+- nvfp4_4over6_fwd: NVFP4 W and X with four over six (Quartet II's forward), straight-through
+  backward;
+- quartet_ii: `quartet-ii/nvfp4` (that forward, the EDEN backward), Hadamard block 32 (128 does
+  not divide the model's 64 key/value features).
 
 Writes `<out>.json` (every run's loss per step and the setup) and `<out>.png` (the loss curves),
 each atomically after every run, and prints a Markdown table: the loss averaged over the last 20 steps
@@ -40,6 +44,8 @@ import qtransform
 from qtransform.core.io import atomic_path, write_json
 
 NVFP4 = "transformer-engine/NVFP4BlockScaling"
+FOUR_OVER_SIX = {"format": "nvfp4", "rounding": "rna", "four_over_six": "mse", "global_bound": 256,
+                 "global_scale": "tensor"}
 RUNS = {
     "plain": None,
     "w4a16": {"quantize": [{"name": "w4a16", "targets": ["Linear"], "ignore": ["lm_head"],
@@ -49,7 +55,12 @@ RUNS = {
     "nvfp4_no_sr": {"preset": NVFP4, "preset_options": {"disable_stochastic_rounding": True}},
     "nvfp4_no_rht_no_sr": {"preset": NVFP4, "preset_options": {"disable_rht": True,
                                                                 "disable_stochastic_rounding": True}},
+    "nvfp4_4over6_fwd": {"quantize": [{"name": "nvfp4_4over6_fwd", "targets": ["Linear"],
+                                       "ignore": ["lm_head"], "tensors": ["weight", "input"], **FOUR_OVER_SIX}]},
+    "quartet_ii": {"preset": "quartet-ii/nvfp4", "preset_options": {"hadamard_dim": 32}},
 }
+LABELS = {"plain": "none", "w4a16": "NVFP4 weights, straight-through",
+          "nvfp4_4over6_fwd": "NVFP4 W and X, four over six (mse, amax to 256, ties away), straight-through"}
 TAIL = 20  # steps averaged for the final loss
 
 
@@ -101,8 +112,7 @@ def table(result: dict) -> str:
         if "plain" in runs:
             paired = [a - b for a, b in zip(finals(run), finals(runs["plain"]), strict=True)]
             diff = f"{statistics.fmean(paired):+.3f} ({min(paired):+.3f} to {max(paired):+.3f})"
-        policy = json.dumps(RUNS[key]) if RUNS[key] and "preset" in RUNS[key] else (
-            "NVFP4 weights, straight-through" if RUNS[key] else "none")
+        policy = LABELS.get(key) or json.dumps(RUNS[key])
         low, high = min(finals(run)), max(finals(run))
         steps = sum(len(c) for c in run["loss"])
         rows.append(f"| {key} | `{policy}` | {mean[key]:.3f} ({low:.3f}-{high:.3f}) | {diff} | "

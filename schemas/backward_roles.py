@@ -6,15 +6,16 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, StrictStr, field_validator, model_validator
+from pydantic import Field, StrictBool, StrictStr, field_validator, model_validator
 
 from qtransform.core.backward import Hadamard
 from qtransform.formats import registry
+from qtransform.formats.eden import BLOCK, BLOCK_MAX, SCALE_MAX, Eden
 from qtransform.formats.hadamard import is_power_of_two
 from qtransform.formats.options import QuantConfig
 from qtransform.formats.registry import GRANULARITIES
 
-from .base import Int, PosInt, StrictModel
+from .base import Int, PosFloat, PosInt, StrictModel
 from .errors import Issue, problems_error
 from .format_fields import (
     FOUR_OVER_SIX_HELP,
@@ -28,6 +29,27 @@ from .format_fields import (
 )
 
 ROLE_ROUNDING = {"nearest": "rne", "stochastic": "stochastic"}  # a role's rounding -> the format's
+
+
+class EdenRole(StrictModel):
+    """Quartet II's EDEN quantizer for one operand (qtransform.formats.eden): NVFP4 elements
+    rounded to nearest (ties away from zero), each group's scales multiplied by EDEN's correction
+    and rounded to E4M3 stochastically."""
+
+    group: PosInt = Field(128, description="elements one correction factor covers, along the "
+                          "reduction axis: the block of the operand's Hadamard rotation (a multiple of 16)")
+    block_max: PosFloat = Field(BLOCK_MAX, description="the value a block's amax maps to "
+                                "(Quartet II: 6 / ((17/16) * 0.93))")
+    scale_max: PosFloat = Field(SCALE_MAX, description="the E4M3 value the operand's amax maps "
+                                "to (Quartet II: 255.99, room for the correction below 448)")
+
+    @field_validator("group")
+    @classmethod
+    def _whole_blocks(cls, value: int) -> int:
+        if value % BLOCK:
+            raise problems_error([Issue((), f"must be a multiple of NVFP4's block of {BLOCK}", value,
+                                        hint=" (e.g. 128)")])
+        return value
 
 
 class RoleQuant(StrictModel):
@@ -64,6 +86,9 @@ class RoleQuant(StrictModel):
         "high_precision", description="weight and input roles: what is quantized: high_precision = "
         "the operand before the forward's fake-quant; forward = the forward's quantized copy, "
         "requantized along this GEMM's reduction axis (FP-Quant's mxfp8/mxfp4 backwards)")
+    eden: EdenRole | None = Field(
+        None, description="format nvfp4 only: Quartet II's EDEN quantizer (an unbiased estimate "
+        "after a random Hadamard; its scale draws use seed); null = the format's own quantizer")
 
     _format_lower = field_validator("format", mode="before")(lowered)
     _format_known = field_validator("format")(known_format)
@@ -85,8 +110,10 @@ class RoleQuant(StrictModel):
                                     registry.suggest(value, allowed)))
         if self.rounding == "stochastic" and "stochastic" not in spec.options.get("rounding", ()):
             issues.append(Issue(("rounding",), f"{spec.name} has no stochastic rounding", self.rounding))
-        if self.seed is not None and self.rounding != "stochastic":
-            issues.append(Issue(("seed",), "only used with rounding 'stochastic'", self.seed))
+        if self.seed is not None and self.rounding != "stochastic" and self.eden is None:
+            issues.append(Issue(("seed",), "only used with rounding 'stochastic' or eden", self.seed))
+        if self.eden is not None:
+            issues += self._eden_issues()
         if not issues:
             try:
                 self.config()
@@ -96,9 +123,26 @@ class RoleQuant(StrictModel):
             raise problems_error(issues)
         return self
 
-    def config(self) -> QuantConfig:
+    def _eden_issues(self) -> list[Issue]:
+        """EDEN is its own NVFP4 quantizer: it takes none of the format's options."""
+        if self.format != "nvfp4":
+            return [Issue(("eden",), f"is an NVFP4 quantizer; the role's format is {self.format}",
+                          hint=' (set "format": "nvfp4")')]
+        issues = []
+        fixed = {"granularity": None, "block_size": None, "block_shape": None, "four_over_six": None,
+                 "global_bound": None, "rounding": "nearest",
+                 "scale_dtype": OPTION_DEFAULTS["scale_dtype"], "scale_rule": OPTION_DEFAULTS["scale_rule"]}
+        for key, default in fixed.items():
+            if getattr(self, key) != default:
+                issues.append(Issue((key,), "is fixed by eden (1x16 blocks, nearest elements with "
+                                    "ties away, stochastic E4M3 scales); remove it", getattr(self, key)))
+        return issues
+
+    def config(self) -> QuantConfig | Eden:
         """The role's format and options (axis unset: the backward binds it to the last axis of
-        the operand matrix, which is its GEMM's reduction axis)."""
+        the operand matrix, which is its GEMM's reduction axis), or its EDEN quantizer."""
+        if self.eden is not None:
+            return Eden(self.eden.group, self.eden.block_max, self.eden.scale_max, self.seed or 0)
         spec = registry.get(self.format)
         opts: dict[str, Any] = {"granularity": self.granularity, "block_size": self.block_size,
                                 "block_shape": self.block_shape, "axis": None,
@@ -145,6 +189,9 @@ class WgradHadamard(StrictModel):
     signs: list[Literal[1, -1]] | None = Field(
         None, description="random_hadamard: a fixed sign vector of block_size entries (a stack's "
         "own, e.g. Transformer Engine's); null = random_signs(block_size, seed)")
+    redraw: StrictBool = Field(
+        False, description="random_hadamard: new signs for every backward call, drawn from the "
+        "site's stream of seed (Quartet II's re-randomized rotation); false = one fixed vector")
 
     @model_validator(mode="after")
     def _check(self) -> WgradHadamard:
@@ -155,6 +202,11 @@ class WgradHadamard(StrictModel):
         for key in ("seed", "signs"):
             if getattr(self, key) is not None and self.kind != "random_hadamard":
                 issues.append(Issue((key,), "only used with kind 'random_hadamard'", getattr(self, key)))
+        if self.redraw and self.kind != "random_hadamard":
+            issues.append(Issue(("redraw",), "only used with kind 'random_hadamard'", True))
+        if self.redraw and self.signs is not None:
+            issues.append(Issue(("redraw",), "re-drawn signs replace a fixed vector; give signs or "
+                                "redraw, not both", True))
         if self.signs is not None:
             if self.seed is not None:
                 issues.append(Issue(("seed",), "give seed or signs, not both", self.seed))
@@ -171,4 +223,4 @@ def hadamard_spec(spec: WgradHadamard | None) -> Hadamard | None:
     if spec is None:
         return None
     return Hadamard(spec.kind, spec.block_size, spec.seed or 0,
-                    None if spec.signs is None else tuple(spec.signs))
+                    None if spec.signs is None else tuple(spec.signs), spec.redraw)

@@ -22,7 +22,11 @@ nothing to dW). The bias gradient is the sum of the unquantized G.
 Stochastic rounding draws from the Philox stream of the forward's stochastic rounding
 (`core.streams.DrawStream`, one per role operand: `<label>/grad_dgrad`, `grad_wgrad`,
 `weight_dgrad`, `input_wgrad`): the draw index is taken when the forward runs, so each backward
-call has its own draws and a forward recomputed by gradient checkpointing replays them.
+call has its own draws and a forward recomputed by gradient checkpointing replays them. A
+Hadamard with `redraw` takes new signs for every backward call the same way, from the stream
+`<label>/hadamard` (one draw for the dgrad and the wgrad rotation of a call: with equal seeds
+they share their signs, as Quartet II re-draws one rotation per backward). A role with an EDEN
+quantizer (`formats.eden.Eden`, Quartet II) draws its block scales from its operand's stream.
 """
 
 from __future__ import annotations
@@ -38,28 +42,35 @@ from qtransform import formats
 from qtransform.core import ops
 from qtransform.core.streams import DrawStream, site_seed
 from qtransform.formats import QuantConfig
+from qtransform.formats.eden import Eden
 from qtransform.formats.hadamard import random_signs, rotate
 
 MODES = ("dequantized", "high_precision", "quantized")
 OPERANDS = ("grad_dgrad", "grad_wgrad", "weight_dgrad", "input_wgrad")
+HADAMARD_STREAM = "hadamard"  # the stream of re-drawn Hadamard signs (dgrad and wgrad share it)
 
 
 @dataclass(frozen=True)
 class Hadamard:
     """The rotation of both wgrad operands along the tokens: `kind` "hadamard" or
     "random_hadamard", whose signs are `fixed` (a stack's own vector, e.g. Transformer Engine's)
-    or `formats.hadamard.random_signs(block, seed)`."""
+    or `formats.hadamard.random_signs(block, seed)`; with `redraw` they are
+    `random_signs(block, s)` for the per-call seed s of the site's `hadamard` stream."""
 
     kind: str
     block: int
     seed: int = 0
     fixed: tuple[int, ...] | None = None
+    redraw: bool = False
 
-    def signs(self, device: torch.device) -> Tensor | None:
+    def signs(self, device: torch.device, call_seed: int | None = None) -> Tensor | None:
         if self.kind != "random_hadamard":
             return None
         if self.fixed is not None:
             return torch.tensor(self.fixed, dtype=torch.float32, device=device)
+        if self.redraw:
+            assert call_seed is not None
+            return random_signs(self.block, call_seed, device)
         return _signs(self.block, self.seed, device)
 
 
@@ -73,26 +84,33 @@ def _signs(block: int, seed: int, device: torch.device) -> Tensor:
 @dataclass(frozen=True)
 class BackwardSpec:
     """What a site's backward GEMMs compute. `grad`, `weight`, `input` are the role configs
-    (None: that operand stays unquantized; `weight` "forward": the forward's quantized weight);
-    only "quantized" uses them and `hadamard`."""
+    (None: that operand stays unquantized; `weight` "forward": the forward's quantized weight;
+    an `Eden`: Quartet II's quantizer); only "quantized" uses them and `hadamard`."""
 
     mode: str
-    grad: QuantConfig | None = None
-    weight: QuantConfig | str | None = None
-    input: QuantConfig | None = None
+    grad: QuantConfig | Eden | None = None
+    weight: QuantConfig | Eden | str | None = None
+    input: QuantConfig | Eden | None = None
     hadamard: Hadamard | None = None
-    grad_wgrad: QuantConfig | str | None = "same"  # G in wgrad: "same" = `grad`
+    grad_wgrad: QuantConfig | Eden | str | None = "same"  # G in wgrad: "same" = `grad`
     # the roles ("weight", "input") quantized from the forward's quantized copy, not from x / w
     requantize: frozenset[str] = frozenset()
     dgrad_hadamard: Hadamard | None = None  # G and Wᵀ rotated along the output features
 
-    def config(self, operand: str) -> QuantConfig | None:
+    def config(self, operand: str) -> QuantConfig | Eden | None:
         """The config of one operand (OPERANDS), bound to its last axis; None if unquantized."""
         cfg = {"grad_dgrad": self.grad, "input_wgrad": self.input,
                "grad_wgrad": self.grad if self.grad_wgrad == "same" else self.grad_wgrad,
                "weight_dgrad": None if self.weight == "forward" else self.weight}[operand]
         assert not isinstance(cfg, str)
-        return None if cfg is None else cfg.bind(-1)
+        return cfg.bind(-1) if isinstance(cfg, QuantConfig) else cfg
+
+    def redrawn(self) -> dict[str, int]:
+        """The seed of each rotation ("dgrad_hadamard", "wgrad_hadamard") whose signs are
+        re-drawn every backward call."""
+        return {name: h.seed for name, h in (("dgrad_hadamard", self.dgrad_hadamard),
+                                             ("wgrad_hadamard", self.hadamard))
+                if h is not None and h.redraw}
 
     def describe(self) -> str:
         """One clause for plans."""
@@ -111,16 +129,20 @@ class BackwardSpec:
             parts.append(f"grad in wgrad {'unquantized' if cfg is None else cfg.describe()}")
         if self.hadamard is not None:
             fixed = ", fixed signs" if self.hadamard.fixed is not None else ""
+            fixed += ", new signs every call" if self.hadamard.redraw else ""
             parts.append(f"wgrad {self.hadamard.kind} {self.hadamard.block}{fixed}")
         if self.dgrad_hadamard is not None:
-            parts.append(f"dgrad {self.dgrad_hadamard.kind} {self.dgrad_hadamard.block}")
+            redraw = ", new signs every call" if self.dgrad_hadamard.redraw else ""
+            parts.append(f"dgrad {self.dgrad_hadamard.kind} {self.dgrad_hadamard.block}{redraw}")
         return "backward quantized (" + "; ".join(parts) + ")"
 
 
-def _quantize(x: Tensor, cfg: QuantConfig | None, seed: int | None) -> Tensor:
+def _quantize(x: Tensor, cfg: QuantConfig | Eden | None, seed: int | None) -> Tensor:
     """x fake-quantized along its last axis (contiguous), or x itself for an unquantized role."""
     if cfg is None:
         return x
+    if isinstance(cfg, Eden):
+        return cfg.quantize(x.contiguous(), seed)
     return formats.fake_quantize(x.contiguous(), cfg, seed=seed if cfg.stochastic else None)
 
 
@@ -164,7 +186,7 @@ def backward_grads(spec: BackwardSpec, grad: Tensor, x: Tensor, w: Tensor, wq: T
                 if out_features % h.block:
                     raise ValueError(f"dgrad_hadamard: a block of {h.block} does not divide the "
                                      f"{out_features} output features")
-                signs = h.signs(grad.device)
+                signs = h.signs(grad.device, seeds.get("dgrad_hadamard"))
                 gd, wt = rotate(g2, h.block, signs), rotate(wt.contiguous(), h.block, signs)
             gq = _quantize(gd, spec.config("grad_dgrad"), seeds.get("grad_dgrad"))
             if spec.weight != "forward":
@@ -174,7 +196,7 @@ def backward_grads(spec: BackwardSpec, grad: Tensor, x: Tensor, w: Tensor, wq: T
             gt, xt = g2.t(), x2.t()
             if spec.hadamard is not None:
                 h = spec.hadamard
-                signs = h.signs(grad.device)
+                signs = h.signs(grad.device, seeds.get("wgrad_hadamard"))
                 gt = rotate(_pad_tokens(gt, h.block), h.block, signs)
                 xt = rotate(_pad_tokens(xt, h.block), h.block, signs)
             gtq = _quantize(gt, spec.config("grad_wgrad"), seeds.get("grad_wgrad"))
@@ -241,6 +263,7 @@ class BackwardLinear(nn.Module):
         self.transposed = transposed  # Conv1D: W stored [in, out], the op is addmm(b, x, W)
         self._roles = {op: cfg.seed or 0 for op in OPERANDS
                        if spec.mode == "quantized" and (cfg := spec.config(op)) is not None and cfg.stochastic}
+        self._roles |= spec.redrawn()
         # one draw index per forward for every stochastic operand (None: nothing is drawn)
         self.stream = DrawStream(0, label) if self._roles else None
 
@@ -255,12 +278,14 @@ class BackwardLinear(nn.Module):
     def seeds(self) -> dict[str, int]:
         """This forward's Philox seed per stochastic operand: draw `index` of the stream
         `DrawStream(role seed, "<label>/<operand>")` at the current step, the index shared by the
-        operands (replayed when gradient checkpointing recomputes the forward)."""
+        operands (replayed when gradient checkpointing recomputes the forward); re-drawn
+        Hadamards take theirs from `<label>/hadamard`."""
         if self.stream is None:
             return {}
         s = self.stream
         index = s.next_index(self.training)
-        return {op: site_seed(seed, f"{s.key}/{op}", s.step, index) for op, seed in self._roles.items()}
+        return {op: site_seed(seed, f"{s.key}/{HADAMARD_STREAM if op.endswith('hadamard') else op}",
+                              s.step, index) for op, seed in self._roles.items()}
 
     def forward(self, xq: Tensor, wq: Tensor, bias: Tensor | None, x: Tensor, w: Tensor) -> Tensor:
         if ops.is_tracing(xq) and not torch.compiler.is_compiling():
