@@ -56,7 +56,7 @@ def policy(checkpoint: Checkpoint, names: list[str], *, weights: bool = False,
         name = f"{checkpoint.producer} KV cache ({checkpoint.kv.label})"
         fields = dict(checkpoint.kv.fields) if engine is None else _engine_kv(checkpoint.kv.fields, backend)
         rules.append({"name": name, "targets": ["Attention"], "tensors": ["key", "value"], **fields})
-        if engine is not None:
+        if engine is not None and fields["format"] == "fp8_e4m3":
             rules += engines.query_rule(name, backend)
             out["engine"] = engines.engine_section(backend)
     if checkpoint.rotations:
@@ -72,10 +72,19 @@ def policy(checkpoint: Checkpoint, names: list[str], *, weights: bool = False,
 
 def _engine_kv(fields: dict[str, Any], backend: str) -> dict[str, Any]:
     """A checkpoint's KV rule as vLLM runs it on `backend`: its FP8 cache (E4M3, whatever
-    the producer's rounding) with the stored scales, in the backend's conversion."""
+    the producer's rounding) with the stored scales, in the backend's conversion; an NVFP4
+    cache (ModelOpt's kv_cache_quant_algo NVFP4, which vLLM maps to kv_cache_dtype "nvfp4") in
+    its FlashInfer writer with the stored k_scale / v_scale (FlashInfer's reader is not
+    simulated: no engine section)."""
+    if fields["format"] == "nvfp4":
+        if backend == "cpu":
+            raise UserError("vLLM's CPU backend has no NVFP4 KV cache (FlashInfer runs it, on GPUs); "
+                            "pass backend='triton' or 'flash-attn-3' for the cache a GPU writes, or "
+                            "open the checkpoint without engine=")
+        return {**engines.nvfp4_kv_fields(), "scale_source": "static", "observer": "static_minmax"}
     if fields["format"] != "fp8_e4m3":
-        raise UserError("vLLM's NVFP4 KV cache is not simulated yet; open the checkpoint without "
-                        "engine= (the producer's fake quantization)")
+        raise UserError(f"vLLM's {fields['format']} KV cache is not simulated; open the checkpoint "
+                        "without engine= (the producer's fake quantization)")
     if fields.get("granularity") == "head":
         raise UserError("vLLM's per-head KV scales are not simulated yet; open the checkpoint "
                         "without engine= (the producer's fake quantization)")

@@ -65,6 +65,12 @@ def per_token_head_fields(kv_cache_dtype: str, backend: str) -> dict[str, Any]:
     return {**PER_TOKEN_HEAD[kv_cache_dtype], "granularity": "token", "scale_source": "dynamic"}
 
 
+def nvfp4_kv_fields(four_over_six: bool = False) -> dict[str, Any]:
+    """The quantize-rule fields (scales aside) of vLLM's NVFP4 cache writer (FlashInfer; the
+    `nvfp4_4over6` cache with `four_over_six`)."""
+    return {"format": "nvfp4", "nvfp4_variant": "vllm-kv", **({"four_over_six": "mse"} if four_over_six else {})}
+
+
 def check_cache(kv_cache_dtype: str, backend: str) -> None:
     """Refuse a cache the backend does not run (per-token-head caches: vLLM's Triton attention
     only)."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Iterable, Mapping
+from types import ModuleType
 
 from torch import Tensor, nn
 
@@ -98,7 +99,7 @@ def transform_program(
         manager.run(program, policy)
         check_stored_rotations(model, program.module())
         if scales is not None:
-            load_scales(work, {**by_path(work, scales), **kv_paths(program, kv or {})})
+            load_scales(work, {**by_path(work, scales), **kv_paths(program, kv)})
         elif calibration is not None:
             calibrate(work, calibration, attention=policy.calibration.attention
                       if policy.calibration is not None else "model")
@@ -154,31 +155,49 @@ def checkpoint_scales(model: nn.Module) -> dict[str, StoredScale] | None:
     return {name: StoredScale(scale) for name, scale in checkpoint.input_scales.items()}
 
 
-def checkpoint_kv_scales(model: nn.Module) -> dict[tuple[str, str], list[ScaleValue]] | None:
+def checkpoint_kv_scales(model: nn.Module) -> KVScales | None:
     """The KV-cache scales stored in the quantized checkpoint `model` was opened from: by
-    (attention module, "key" or "value"), one value per head (or one), as the KV rule's static
-    scales take them (the format's `kv_value`); None without."""
+    (attention module, "key" or "value"), one value per head (or one), with the producer's
+    fields to read them by; None without."""
     checkpoint = loaded_checkpoint(model)
     if checkpoint is None or checkpoint.kv is None:
         return None
-    fmt = FORMATS[checkpoint.producer]
-    return {key: [fmt.kv_value(checkpoint.kv.fields, v.reshape(())) for v in values]
-            for key, values in checkpoint.kv_scales.items()}
+    return KVScales(FORMATS[checkpoint.producer], dict(checkpoint.kv.fields),
+                    {key: [v.reshape(()) for v in values] for key, values in checkpoint.kv_scales.items()})
 
 
-def kv_paths(program: Program, kv: Mapping[tuple[str, str], list[ScaleValue]]) -> dict[str, ScaleValue]:
+class KVScales:
+    """A checkpoint's stored KV scales and how its producer's format reads them."""
+
+    def __init__(self, fmt: ModuleType, fields: dict, values: dict[tuple[str, str], list[Tensor]]):
+        self.fmt, self.fields, self.values = fmt, fields, values
+
+    def value(self, quantizer: nn.Module, stored: Tensor) -> ScaleValue:
+        """`stored` as the static scale of `quantizer`: vLLM's NVFP4 cache writer takes the
+        checkpoint's k_scale itself; every other rule the producer's reading (`kv_value`)."""
+        config = getattr(quantizer, "config", None)
+        if config is not None and config.name == "nvfp4" and config.nvfp4_variant == "vllm-kv":
+            return StoredScale(stored)
+        return self.fmt.kv_value(self.fields, stored)
+
+
+def kv_paths(program: Program, kv: KVScales | None) -> dict[str, ScaleValue]:
     """KV scales keyed by the static-scale paths of the quantizers the transform inserted on
     each attention's key and value (one per head, in order; a rotation before them has none)."""
-    own = list(static_scales(program.module()))
+    if kv is None:
+        return {}
+    root = program.module()
+    own = list(static_scales(root))
     out: dict[str, ScaleValue] = {}
-    for (site, point), values in kv.items():
+    for (site, point), values in kv.values.items():
         inserted = [i.module_path for i in program.log if i.site == site and i.point == point]
         paths = [p for path in inserted for p in own if p.startswith(path + ".")]
         if len(paths) != len(values):
             raise UserError(f"{site} ({point}): the checkpoint stores {len(values)} KV scale(s), the "
                             f"policy's quantizer there has {len(paths)}; open it with its own "
                             "policy (checkpoint_policy)")
-        out.update(zip(paths, values, strict=True))
+        out.update({p: kv.value(root.get_submodule(p.rpartition(".")[0]), v)
+                    for p, v in zip(paths, values, strict=True)})
     return out
 
 

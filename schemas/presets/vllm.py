@@ -110,8 +110,7 @@ def nvfp4_cache(name: str, four_over_six: bool) -> Preset:
 
     def build(o: Mapping[str, Any]) -> dict[str, Any]:
         rule = {"name": f"{STACK}/{name} key/value", "targets": ["Attention"], "tensors": ["key", "value"],
-                "format": "nvfp4", "nvfp4_variant": "vllm-kv",
-                **({"four_over_six": "mse"} if four_over_six else {}), **_scale(o["scales"])}
+                **engines.nvfp4_kv_fields(four_over_six), **_scale(o["scales"])}
         return {"quantize": [rule]}
 
     options = (PresetOption("scales", "one", "k_scale / v_scale: one = 1.0 (vLLM's default without "

@@ -144,3 +144,30 @@ def test_recalibrating_the_kv_scales_leaves_the_other_static_scales(tmp_path):
                        (after[keys[0]] / 448).reshape(1))  # what the engine receives
     with pytest.raises(UserError, match="no static scale of query"):
         qtransform.calibrate(ours, calib, tensors=["query"])
+
+
+def test_a_modelopt_nvfp4_kv_checkpoint_opens_as_vllms_nvfp4_cache(tmp_path):
+    """vLLM maps kv_cache_quant_algo NVFP4 to its nvfp4 cache: the writer takes the stored
+    k_scale itself (g = 1 / k_scale), not the amax ModelOpt's own fake quantization rebuilds."""
+    model = build_tiny("llama", hidden=128)
+    calib, x = batches()
+    ours = qtransform.transform(model, {"preset": ["modelopt/NVFP4_DEFAULT_CFG", "modelopt/NVFP4_KV_CFG"]},
+                                calibration=calib)
+    folder = qtransform.export_checkpoint(ours, tmp_path / "ckpt", format="modelopt")
+    opened = load_model(folder)
+    policy = qtransform.checkpoint_policy(opened, engine="vllm", backend="triton")
+    kv = policy["quantize"][-1]
+    assert (kv["format"], kv["nvfp4_variant"], kv["tensors"]) == ("nvfp4", "vllm-kv", ["key", "value"])
+    assert "engine" not in policy  # FlashInfer's reader is not simulated
+    engine = qtransform.transform(opened, policy)
+    stored = load_file(folder / "model.safetensors")
+    key_quantizers = [m for m in engine.modules() if isinstance(m, FakeQuantize) and "/key_fake_quant" in m.label]
+    assert key_quantizers
+    for q in key_quantizers:
+        attention = q.label.split("/")[0]
+        assert torch.equal(q.static_scale.scale, stored[f"{attention}.k_proj.k_scale"].reshape(()))
+    with torch.no_grad():
+        assert not torch.equal(engine(x).logits, ours(x).logits)  # vLLM's writer, not ModelOpt's
+    with pytest.raises(UserError, match="CPU backend has no NVFP4 KV cache") as exc:
+        qtransform.checkpoint_policy(opened, engine="vllm", backend="cpu")
+    assert "\n" not in str(exc.value)
