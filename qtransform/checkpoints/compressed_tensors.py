@@ -350,6 +350,10 @@ def weight_args(cfg: QuantConfig, cols: int, has_inputs: bool, where: str) -> tu
     if not (cfg.tile is not None or cfg.granularity == "tensor" or cfg.block_axis in (-1, 1)):
         return Reason(f"{where}: blocks along axis {cfg.block_axis}; compressed-tensors blocks the input features (the last axis)")
     if fam == "nvfp4":
+        if cfg.four_over_six != "none":
+            return Reason(f"{where}: four_over_six scales as q * (s * d) (NVIDIA's order), which "
+                          "compressed-tensors' q * (s / g) does not give back bit for bit; export "
+                          "format='modelopt' (its decode is q * s * d)")
         if cfg.nvfp4_variant != NAME:
             return Reason(f"{where}: nvfp4_variant {cfg.nvfp4_variant!r} scales as q * s * d, compressed-tensors "
                           "decodes q * s / g; use nvfp4_variant 'compressed-tensors' (format='modelopt' "

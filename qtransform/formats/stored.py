@@ -89,7 +89,13 @@ def _fast(part: Tensor, start: int, config: QuantConfig, amax: Tensor | None) ->
     """The same numbers from `fake_quantize` (the compiled kernel where it applies) and the scales
     of the block amaxes alone (the family's scale arithmetic on one-element blocks); the elements
     are the values over their multipliers, snapped to the grid and checked: decoding them must
-    give the fake-quantized values bit for bit, else None (the reference path decides)."""
+    give the fake-quantized values bit for bit, else None (the reference path decides).
+
+    Four over six chooses each block's scale from its elements, not its amax alone, and the
+    stored scale must be the one chosen (a max/4 block whose elements are also on the max/6
+    grid would otherwise be stored as max/6 with other codes): the reference path stores it."""
+    if config.family.name == "nvfp4" and config.four_over_six != "none":
+        return None
     per_tensor = config.family.per_tensor(config)
     out = fake_quantize(part, config, amax=amax if per_tensor else None)
     layout = layout_for(part, config)

@@ -134,6 +134,37 @@ def fouroversix(blocks: np.ndarray, amax_t: np.float32, mode: str) -> tuple[np.n
     return four, np.where(four, scales[4], scales[6])
 
 
+def pairwise(x: np.ndarray, amax_t: np.float32, bound: int, mode: str) -> tuple[bool, float]:
+    """The same for qtransform's own order (docs/numerics.md "Four over six"): scales
+    amax_b * (g * fl(1/6)) and * (g * 0.25), values q * (s * d), the halving sum."""
+    with np.errstate(divide="ignore", over="ignore"):
+        g = _enc(amax_t, bound)
+        d = F32(1) / g
+        amax_b = F32(np.abs(x).max())
+        s6 = e4m3(min(amax_b * (g * F32(1 / 6)), FLT_MAX))
+        s4 = e4m3(min(amax_b * (g * F32(0.25)), FLT_MAX))
+        errs = []
+        for s in (s6, s4):
+            sd = s * d
+            enc = min(F32(1) / sd, FLT_MAX)
+            t = [(lambda e: e * e if mode == "mse" else abs(e))(e2m1_rne(v * enc) * sd - v) for v in x]
+            t += [F32(0)] * ((1 << max(len(t) - 1, 0).bit_length()) - len(t))
+            while len(t) > 1:
+                h = len(t) // 2
+                t = [t[i] + t[i + h] for i in range(h)]
+            errs.append(t[0])
+    four = bool(errs[1] < errs[0])
+    return four, float(s4 if four else s6)
+
+
+def elements(x: np.ndarray, scale: float, d: np.float32) -> list[float]:
+    """A block's E2M1 values under its chosen E4M3 scale in NVIDIA's order: x * (1 / (s * d))
+    rounded to nearest even, clamped to 6 (signed; a negative value rounded to 0 is -0)."""
+    with np.errstate(divide="ignore", over="ignore"):
+        enc = min(F32(1) / (F32(scale) * d), FLT_MAX)
+    return [float(e2m1_rne(v * enc)) for v in x]
+
+
 def packed_nvfp4(elements: torch.Tensor) -> torch.Tensor:
     """Two E2M1 codes a byte, the first element in the low nibble (what every stack writes),
     from fp32 values on the E2M1 grid (signed; -0 keeps its sign bit)."""
