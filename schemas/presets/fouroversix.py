@@ -1,5 +1,5 @@
 """transformers' `FourOverSixConfig` (quant_method "fouroversix", transformers 5.23,
-`utils/quantization_config.py` and `integrations/fouroversix.py`, which passes its fields to
+its `utils/quantization_config.py` and its fouroversix integration module, which passes its fields to
 mit-han-lab/fouroversix's `ModelQuantizationConfig`) as a qtransform policy, in transformers' words.
 
 Read from fouroversix dadfad6 (`quantize/pytorch/reference.py`: `quantize`, `select_fouroversix`,
