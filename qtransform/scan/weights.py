@@ -65,6 +65,21 @@ def config_for(fmt: str, options: dict[str, Any] | None) -> QuantConfig:
     return _named_stream(cfg)
 
 
+def format_spec(text: str) -> tuple[str, dict[str, Any]]:
+    """'nvfp4:four_over_six=mse:global_bound=256' -> ('nvfp4', {...}): a format with its own
+    options (`compare --formats nvfp4,nvfp4:four_over_six=mse`); numbers become ints."""
+    name, *pairs = text.strip().split(":")
+    own: dict[str, Any] = {}
+    for pair in pairs:
+        key, eq, value = pair.partition("=")
+        if not eq or not key.strip() or not value.strip():
+            raise UserError(f"format {text!r}: write FORMAT:OPTION=VALUE[:OPTION=VALUE...], e.g. "
+                            "nvfp4:four_over_six=mse")
+        value = value.strip()
+        own[key.strip()] = int(value) if value.isdigit() and key.strip() in ("block_size", "seed") else value
+    return name.strip(), own
+
+
 def _named_stream(cfg: QuantConfig) -> QuantConfig:
     """Stochastic rounding without a seed uses seed 0, so a report always names its stream."""
     return replace(cfg, seed=0) if cfg.stochastic and cfg.seed is None else cfg
@@ -394,7 +409,9 @@ def compare_formats(
     """Quantize the same weights with each format; totals sum the accumulators over all tensors.
 
     Per-layer dB values are never averaged: a model-wide SQNR is the signal energy of all weights
-    over their total error energy. Shared `options` go to the formats that take them. Each tensor
+    over their total error energy. Shared `options` go to the formats that take them; a format
+    may carry its own (`format_spec`: "nvfp4:four_over_six=mse" beside "nvfp4"), and a
+    four-over-six column's totals add `max4_share`, the share of blocks that kept max/4. Each tensor
     is read once for all formats. `rotation` (e.g. "hadamard-32") adds, beside each format, the
     column "FORMAT with ROTATION": the same format on the weights rotated along their reduction
     axis (scan/remedy.py); a site the rotation does not fit counts unrotated there (a note
@@ -403,9 +420,10 @@ def compare_formats(
     if len(formats_) < 1:
         raise UserError("give at least one format to compare")
     choices = {}
-    for fmt in formats_:
-        cfg = config_for(fmt, applicable_options(fmt, options))
-        choices[cfg.name] = cfg
+    for text in formats_:
+        fmt, own = format_spec(text)
+        cfg = config_for(fmt, {**applicable_options(fmt, options), **own})
+        choices[text.strip() if own else cfg.name] = cfg
     rot = _rotation(rotation)
     columns = {f: (f, None) for f in choices}
     if rot is not None:
@@ -429,14 +447,20 @@ def compare_formats(
     limits = _limits(policy, None)
     reports = {
         column: ScanReport(
-            meta=build_meta(kind="weight_scan", source=source_label(source), fmt=f,
+            meta=build_meta(kind="weight_scan", source=source_label(source), fmt=choices[f].name,
                             options=choices[f].options(), quantize=_rules(policy, choices[f]),
                             **({"rotation": how.label} if how is not None else {})),
             rows=rows[column], thresholds=limits,
         )
         for column, (f, how) in columns.items()
     }
-    comparison = Comparison.of({c: t.result() for c, t in totals.items()}, reports)
+    results = {c: t.result() for c, t in totals.items()}
+    for column, report in reports.items():
+        counted = [r.diagnostics for r in report.rows if r.diagnostics and "max4_blocks" in r.diagnostics]
+        if counted:  # a four-over-six column: the blocks that kept max/4, over all its weights
+            results[column]["max4_share"] = (sum(d["max4_blocks"] for d in counted)
+                                             / max(1.0, sum(d["blocks"] for d in counted)))
+    comparison = Comparison.of(results, reports)
     if unfit and rot is not None:
         comparison.notes.append(
             f"{rot.label} does not fit the reduction axis of {len(unfit)} of {len(pairs)} sites "
