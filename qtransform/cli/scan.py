@@ -57,8 +57,9 @@ EPILOG_SCAN = """examples:
   qtransform scan model.safetensors --format mxfp4 --scale-rule rceil --out scans/rceil --json
   qtransform scan ./Qwen2.5-1.5B --policy policy.json --out scans/p --fail-on-problematic
 """
-EPILOG_COMPARE = """example:
+EPILOG_COMPARE = """examples:
   qtransform compare ./Qwen2.5-1.5B --formats mxfp4,nvfp4,mxfp8_e4m3
+  qtransform compare ./Qwen2.5-1.5B --formats nvfp4,nvfp4:four_over_six=mse   # + share of max/4 blocks
 """
 EPILOG_GUIDE = """examples:
   qtransform guide scans/mxfp4/report.json --out policy.json
@@ -109,6 +110,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="weight scan: also measure each weight rotated along its reduction axis "
                         "(hadamard-32, random_hadamard-64:SEED, hadamard = the whole axis); the "
                         "report shows the gain and `guide` proposes a rotate rule where it heals")
+    s.add_argument("--four-over-six-remedy", metavar="MODES", default="mse",
+                   help="weight scan of plain NVFP4: also measure four over six (mse, mae, mse,mae; "
+                        "none: skip) on every weight, with its share of max/4 blocks; `guide` "
+                        "proposes it where it clears flagged sites (default: mse)")
     s.add_argument("--fail-on-problematic", action="store_true",
                    help="exit 1 when any site is problematic")
     s.add_argument("--no-onnx", action="store_true",
@@ -119,7 +124,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     c = sub.add_parser("compare", help="several formats side by side over the same weights",
                        epilog=EPILOG_COMPARE, formatter_class=raw)
     c.add_argument("model", help="safetensors file, HF/safetensors folder, builtin:<arch> or demo")
-    c.add_argument("--formats", required=True, help="comma-separated formats")
+    c.add_argument("--formats", required=True,
+                   help="comma-separated formats, each with its own options if needed: "
+                        "FORMAT:OPTION=VALUE[:OPTION=VALUE] (e.g. nvfp4,nvfp4:four_over_six=mse)")
     c.add_argument("--policy", help="policy JSON whose quantize rules select the sites")
     c.add_argument("--rotation", metavar="ROT",
                    help="add a column 'FORMAT with ROT' beside each format: the weights rotated "
@@ -192,7 +199,8 @@ def run_scan(args: argparse.Namespace) -> int:
             report = scan_weights(source, args.format, policy=args.policy,
                                   options=format_options(args), thresholds=thresholds(args.threshold),
                                   flagging=flagging(args), progress=progress(args),
-                                  rotation=args.rotation)
+                                  rotation=args.rotation,
+                                  four_over_six=_fos_modes(args.four_over_six_remedy))
         files = report.save(staging)
         files["html"] = write_scan_page(report, staging / "report.html", source=source,
                                         command=command_line())
@@ -202,6 +210,16 @@ def run_scan(args: argparse.Namespace) -> int:
         print(scan_table(report))
         print(f"\nwrote {', '.join(str(Path(args.out) / p.name) for p in files.values())}")
     return 1 if args.fail_on_problematic and report.problems() else 0
+
+
+def _fos_modes(text: str) -> tuple[str, ...]:
+    """--four-over-six-remedy: 'mse', 'mae', 'mse,mae' or 'none'."""
+    modes = tuple(m.strip() for m in text.split(",") if m.strip())
+    if modes == ("none",):
+        return ()
+    if not modes or any(m not in ("mse", "mae") for m in modes):
+        raise UserError(f"--four-over-six-remedy {text!r}: give mse, mae, mse,mae or none")
+    return tuple(dict.fromkeys(modes))
 
 
 def _activation_scan(args: argparse.Namespace):

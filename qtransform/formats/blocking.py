@@ -104,6 +104,7 @@ class BlockQuant:
     sat: torch.Tensor  # bool: |scaled value| beyond the element max normal (clipped)
     scales: torch.Tensor  # [n_blocks]: E8M0 codes (uint8), e4m3 block scales or int scales (fp32)
     tensor_scale: torch.Tensor | None = None  # NVFP4 two-level: the fp32 per-tensor factor
+    max4: torch.Tensor | None = None  # NVFP4 four over six: [n_blocks] bool, block kept max/4
 
 
 def tensor_amax(x: torch.Tensor) -> torch.Tensor:

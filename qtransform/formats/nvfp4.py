@@ -44,6 +44,8 @@ MIN_BLOCK_SCALE = 2.0**-9  # ModelOpt clamps block scales up to E4M3's smallest 
 
 # element values, dequantized values, scaled values (for saturation), block scales, tensor scale
 Parts = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]
+# the parts and four over six's choice: the blocks that kept max/4 (None without four over six)
+Chosen = tuple[Parts, torch.Tensor | None]
 
 
 def e4m3_rne(v: torch.Tensor) -> torch.Tensor:
@@ -60,7 +62,7 @@ def _canonical(t: torch.Tensor) -> torch.Tensor:
 
 def _default(
     blocks: torch.Tensor, amax_t: torch.Tensor, cfg: QuantConfig, u: torch.Tensor | None
-) -> Parts:
+) -> Chosen:
     """NVIDIA's reference order (NVFP4 pretraining paper, App. B), with `four_over_six`'s
     choice between the max/6 and max/4 block scales."""
     g = torch.clamp_max(amax_t.new_tensor(6.0 * float(cfg.global_bound)) / amax_t, FLT_MAX)
@@ -71,14 +73,14 @@ def _default(
     s = e4m3_rne(torch.clamp_max(amax_b * (g * ONE_SIXTH), FLT_MAX))
     q, out, y = _candidate(blocks, s, d, cfg, u)
     if cfg.four_over_six == "none":
-        return q, out, y, s, d
+        return (q, out, y, s, d), None
     if cfg.four_over_six_order != "pairwise":
         return _stack_choice(blocks, amax_t, g, d, amax_b, cfg)
     s4 = e4m3_rne(torch.clamp_max(amax_b * (g * 0.25), FLT_MAX))
     q4, out4, y4 = _candidate(blocks, s4, d, cfg, u)
     four = (block_error(out4, blocks, cfg.four_over_six)
             < block_error(out, blocks, cfg.four_over_six))  # a tie (or NaN) keeps max/6
-    return _pick(four, (q, out, y, s), (q4, out4, y4, s4), d)
+    return _pick(four, (q, out, y, s), (q4, out4, y4, s4), d), four
 
 
 def _pick(four: torch.Tensor, six_parts: tuple[torch.Tensor, ...], four_parts: tuple[torch.Tensor, ...],
@@ -92,7 +94,7 @@ def _pick(four: torch.Tensor, six_parts: tuple[torch.Tensor, ...], four_parts: t
 
 
 def _stack_choice(blocks: torch.Tensor, amax_t: torch.Tensor, g: torch.Tensor, d: torch.Tensor,
-                  amax_b: torch.Tensor, cfg: QuantConfig) -> Parts:
+                  amax_b: torch.Tensor, cfg: QuantConfig) -> Chosen:
     """Four over six in one stack's fp32 order (rounding to nearest even, as they all do):
     both scales from `base = (amax_b / 6) * g`, s4 = e4m3(base * 1.5); each candidate's error
     from the stack's own dequantization and summation (docs/numerics.md); a tie keeps max/6."""
@@ -124,7 +126,8 @@ def _stack_choice(blocks: torch.Tensor, amax_t: torch.Tensor, g: torch.Tensor, d
                 err = err + t[:, i]
         parts.append((q, out, y, s))
         errors.append(err)
-    return _pick(errors[1] < errors[0], parts[0], parts[1], d)
+    four = errors[1] < errors[0]
+    return _pick(four, parts[0], parts[1], d), four
 
 
 def _candidate(blocks: torch.Tensor, s: torch.Tensor, d: torch.Tensor, cfg: QuantConfig,
@@ -226,6 +229,7 @@ def quantize_nvfp4(
     the stored tensor scale (what `BlockQuant.tensor_scale` holds for the variant: g for
     compressed-tensors, d for ModelOpt), used as it is. NVIDIA's default order encodes with g
     and decodes with d = 1/g, which a stored d does not give back exactly: it takes an amax."""
+    four = None
     if cfg.nvfp4_variant == "one_level":
         q, out, y, s, ts = _one_level(blocks, cfg, u)
     elif scale_t is not None and cfg.nvfp4_variant == "default":
@@ -235,16 +239,16 @@ def quantize_nvfp4(
         raise ValueError("two-level NVFP4 needs the amax of the whole tensor")
     elif cfg.nvfp4_variant == "default":
         assert amax_t is not None
-        q, out, y, s, ts = _default(blocks, amax_t, cfg, u)
+        (q, out, y, s, ts), four = _default(blocks, amax_t, cfg, u)
     elif cfg.nvfp4_variant == "modelopt":
         q, out, y, s, ts = _modelopt(blocks, amax_t, cfg, u, scale_t)
     elif cfg.nvfp4_variant == "vllm-kv":
-        q, out, y, s, ts = quantize_vllm_kv(blocks, cfg, u, amax_t, scale_t)
+        q, out, y, s, ts, four = quantize_vllm_kv(blocks, cfg, u, amax_t, scale_t)
     else:
         q, out, y, s, ts = _compressed_tensors(blocks, amax_t, cfg, u, scale_t)
     return BlockQuant(
         out=_canonical(out), q=_canonical(q), sat=y.abs() > 6.0, scales=_canonical(s),
-        tensor_scale=None if ts is None else _canonical(ts),
+        tensor_scale=None if ts is None else _canonical(ts), max4=four,
     )
 
 

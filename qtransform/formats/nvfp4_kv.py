@@ -59,19 +59,21 @@ def _error(blocks: torch.Tensor, enc: torch.Tensor, cfg: QuantConfig) -> torch.T
 
 def quantize_vllm_kv(blocks: torch.Tensor, cfg: QuantConfig, u: torch.Tensor | None,
                      amax_t: torch.Tensor | None, scale_t: torch.Tensor | None
-                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(elements, dequantized values, scaled values, block scales, k) of the writer (module
-    docstring) on [n, 16] fp32 blocks."""
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                torch.Tensor | None]:
+    """(elements, dequantized values, scaled values, block scales, k, the blocks that kept max/4
+    (None without four over six)) of the writer (module docstring) on [n, 16] fp32 blocks."""
     k = (scale_t if scale_t is not None else amax_t / E4M3_MAX).to(torch.float32)
     k = torch.where(k == 0, 1.0, k)  # an all-zero tensor: any scale gives zeros
     g = torch.reciprocal(k)
     inv_g = torch.reciprocal(g)
     amax_b = blocks.abs().amax(dim=1)
     sf, enc = _candidate(blocks, amax_b, g, inv_g, ONE_SIXTH)
+    four = None
     if cfg.four_over_six == "mse":
         sf4, enc4 = _candidate(blocks, amax_b, g, inv_g, 0.25)
         four = _error(blocks, enc4, cfg) < _error(blocks, enc, cfg)  # a tie keeps max/6
         sf, enc = torch.where(four, sf4, sf), torch.where(four, enc4, enc)
     y = blocks * enc[:, None]
     q = round_signed(torch.clamp(y, -6.0, 6.0), cfg.spec.element, cfg.rounding, u)
-    return q, (q * sf[:, None]) * (k if k.dim() == 0 else k[:, None]), y, sf, k
+    return q, (q * sf[:, None]) * (k if k.dim() == 0 else k[:, None]), y, sf, k, four

@@ -415,6 +415,40 @@ def block_exponents(x: torch.Tensor, fmt: str | FormatSpec | QuantConfig, **opti
     return e.reshape(layout.grid_shape if x.ndim else ())
 
 
+def four_over_six_blocks(x: torch.Tensor, fmt: str | FormatSpec | QuantConfig, *,
+                         generator: torch.Generator | None = None, seed: int | None = None,
+                         **options: Any) -> torch.Tensor:
+    """NVFP4 with `four_over_six`: which blocks kept the max/4 block scale (bool, shaped like the
+    block grid), the very choice `fake_quantize` makes with the same options, seed and `amax`
+    (the reference path's own decision, chunk by chunk as it quantizes). What a scan reports as
+    the share of max/4 blocks; the checkpoint holds the choice only implicitly, in the scales."""
+    amax = options.pop("amax", None)
+    cfg = _checked(x, fmt, options)
+    if cfg.spec.name != "nvfp4" or cfg.four_over_six == "none":
+        raise ValueError(f"{cfg.name}: four_over_six_blocks needs nvfp4 with four_over_six "
+                         "'mse' or 'mae' (the blocks choose between max/6 and max/4 there only)")
+    amax = check_amax(x, cfg, amax)
+    seed = stream_seed(cfg, generator, seed, x.device)
+    layout = layout_for(x, cfg)
+    xs = x.detach().reshape(layout.shape)
+    dim, unit = _chunking(layout)
+    n = layout.shape[dim]
+    if amax is None:
+        amax = tensor_amax(xs.to(torch.float32))
+    rows = amax.expand(layout.shape) if amax.ndim else None
+    step = max(1, CHUNK_ELEMENTS // max(1, xs.numel() // max(n, 1) * unit)) * unit
+    out = torch.empty(layout.grid_shape, dtype=torch.bool, device=x.device)
+    for s in range(0, n, step):
+        k = min(step, n - s)
+        pos = (philox.positions(layout.shape, dim, s, k, x.device)
+               if cfg.rounding == "stochastic" else None)
+        res, lay = quantize_blocks(xs.narrow(dim, s, k), cfg, seed, pos=pos,
+                                   amax_t=amax if rows is None else rows.narrow(dim, s, k))
+        assert res.max4 is not None
+        out.narrow(dim, s // unit, math.ceil(k / unit)).copy_(per_block(res.max4, lay))
+    return out.reshape(layout.grid_shape if x.ndim else ())
+
+
 def _checked(x: torch.Tensor, fmt: str | FormatSpec | QuantConfig, options: dict[str, Any]) -> QuantConfig:
     cfg = resolve(fmt, **options)
     check_input(x, cfg)

@@ -22,7 +22,7 @@ from qtransform.report.page import Page
 from qtransform.scan.compare import Comparison
 from qtransform.scan.problems import expected_for
 from qtransform.scan.recommend import recommend
-from qtransform.scan.render import end_to_end_text, plot_title
+from qtransform.scan.render import end_to_end_text, fos_table, plot_title
 from qtransform.scan.report import ScanReport, SiteRow
 from qtransform.scan.sensitivity_report import SensitivityReport, measure_label
 
@@ -176,6 +176,14 @@ def scan_page(report: ScanReport, *, histograms: dict[str, dict[str, Any]] | Non
                      center=sorted(expected)[len(expected) // 2] if expected else None, span=SPAN_DB)
     page.section("Flagged sites", "Each flagged row with the reasons in words.")
     page.flags([(r.label, "; ".join(why)) for r, why in problems])
+    head, fos_rows = fos_table(report)
+    if head:
+        page.section("Four over six beside NVFP4", "Each plain NVFP4 weight quantized again keeping, "
+                     "per block, the max/4 scale where its error is smaller, with the share of blocks "
+                     "that kept it; no storage bit, only quantization time. \"cleared\": the flagged "
+                     "sites the recommendation's four over six clears.")
+        page.table([dict(zip(head, cells, strict=True)) for cells in fos_rows], id="four_over_six",
+                   flagged=[cells[-2] == "yes" for cells in fos_rows])
     page.section("Sites", "One row per measured (site, point); click a column to sort, type to "
                  "filter. Flagged rows are red; \"expected dB\" is what the format does to Gaussian "
                  "data of the same block structure.")
@@ -214,9 +222,13 @@ def compare_page(comparison: Comparison, *, command: str | None = None, links: L
                 run_metadata({**first.meta, "format": ", ".join(comparison.formats)}, command))
     page.section("Whole model", "Every compared metric over all weights together; \"better\" is "
                  "the winner of that metric.")
-    page.table([{"metric": m, **{f: comparison.totals[f][m] for f in comparison.formats},
-                 "better": comparison.winners[m]} for m in comparison.winners], sortable=False,
-               filterable=False, id="totals")
+    totals = [{"metric": m, **{f: comparison.totals[f][m] for f in comparison.formats},
+               "better": comparison.winners[m]} for m in comparison.winners]
+    if any("max4_share" in t for t in comparison.totals.values()):  # four-over-six columns
+        totals.append({"metric": "max/4 blocks %", **{f: 100 * t["max4_share"] if "max4_share" in t
+                                                      else None for f, t in comparison.totals.items()},
+                       "better": ""})
+    page.table(totals, sortable=False, filterable=False, id="totals")
     for note in comparison.notes:
         page.text(note)
     layers = comparison.per_layer()

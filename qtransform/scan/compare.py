@@ -109,6 +109,10 @@ class Comparison:
         for metric in COMPARED_METRICS:
             cells = [format_metric(metric, self.totals[f][metric]) for f in self.formats]
             lines.append(f"| {metric} | " + " | ".join(cells) + f" | {self.winners[metric]} |")
+        if any("max4_share" in t for t in self.totals.values()):  # four-over-six columns
+            cells = [f"{100 * self.totals[f]['max4_share']:.1f} %" if "max4_share" in self.totals[f]
+                     else "-" for f in self.formats]
+            lines.append("| max/4 blocks | " + " | ".join(cells) + " | |")
         lines += ["", "## Per layer (SQNR dB of each layer's weights)", "",
                   "| layer | sites | " + " | ".join(self.formats) + " | better |",
                   "|" + "---|" * (len(self.formats) + 3)]

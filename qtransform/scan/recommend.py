@@ -7,7 +7,10 @@ The rule reads the share of problematic decoder layers (a layer is as bad as its
   precision and train the rest with SRDD-guided AQN: sigma multipliers by SQNR tier;
 - over 30 %: the format is too coarse for this model: try a finer one (e.g. MXFP8).
 
-A report that measured a rotation (`scan_weights(rotation=...)`, scan/remedy.py) first rotates
+A weight scan of plain NVFP4 measures four over six on every weight (scan/fos_remedy.py): it
+costs no storage bit and nothing at inference, so it comes first: the rules of the flagged sites
+it clears gain `four_over_six`, and the report is judged with it on their weights.
+A report that measured a rotation (`scan_weights(rotation=...)`, scan/remedy.py) then rotates
 the flagged sites the rotation heals (its cost model: an online transform of the activations
 against the bits of higher precision), then applies the rule above to what is still flagged.
 
@@ -30,6 +33,7 @@ from qtransform import formats
 from qtransform.errors import UserError
 from qtransform.formats.expected import effective_bits
 from qtransform.formats.options import FORMAT_KEYS
+from qtransform.scan import fos_remedy
 from qtransform.scan.kv_remedy import KVChoice, cost_text, is_kv_row, kv_choices, rewritten
 from qtransform.scan.remedy import Rotation, healed_sites
 from qtransform.schemas import load_policy
@@ -51,7 +55,8 @@ HIGH_PRECISION_BITS = 16.0  # a site kept out of quantization stays in bf16/fp16
 class Recommendation:
     """What to do about a scan, why, and the policy that does it."""
 
-    kind: str  # rotate | kv_cache | keep_high_precision | high_precision_and_aqn | change_format
+    # four_over_six | rotate | kv_cache | keep_high_precision | high_precision_and_aqn | change_format
+    kind: str
     share: float  # problematic layers / layers (sites / sites when no row has a layer)
     problematic_layers: list[int]
     kept_layers: list[int]
@@ -64,6 +69,10 @@ class Recommendation:
     # per KV rule with flagged key/value rows: {"rule", "alternative" (None: none clears),
     # "rows" (cleared, "site [point]"), "kept" (sites out of the KV rule)}
     kv_cache: list[dict[str, Any]] = field(default_factory=list)
+    # the four-over-six mode a weight scan measured that clears flagged sites: {"alternative",
+    # "mode", "rules" (indices that gain it), "rows" (cleared sites), "max4_share" (site -> share
+    # of blocks that keep max/4)}; None when none clears one
+    four_over_six: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -150,6 +159,9 @@ def recommend(
     instead (`follow_sensitivity`). Sites that a rotation measured in the report heals are
     rotated first (`with_rotation`); the rule then judges the report with them rotated."""
     judged = replace(report, rows=[r for r in report.rows if not is_kv_row(r)], _cache=None)
+    fos = fos_remedy.choose(judged)
+    if fos is not None and fos.report is not None:
+        judged = fos.report  # the flagged sites it clears are fine, its rules' weights with it
     label, healed, residual = healed_sites(judged)
     rec = _by_weight_error(residual, tiers, keep_fraction=keep_fraction, total_steps=total_steps,
                            whole=report)
@@ -157,7 +169,43 @@ def recommend(
         rec = follow_sensitivity(residual, rec, sensitivity, tiers, total_steps=total_steps)
     if label is not None and healed:
         rec = with_rotation(report, rec, label, healed)
+    if fos is not None:
+        rec = with_four_over_six(report, rec, fos)
     return with_kv_cache(report, rec)
+
+
+def with_four_over_six(report: ScanReport, rec: Recommendation, fos: fos_remedy.FosChoice) -> Recommendation:
+    """`rec` (made on the report with four over six on the weights of `fos.rules`) with those
+    quantize rules gaining `four_over_six` and its cost in words; `rec` as it is when the format
+    changes (the finer format needs no NVFP4 remedy)."""
+    if rec.kind == "change_format":
+        return rec
+    rules = [dict(r) for r in rec.policy["quantize"]]
+    names = [r.get("name") or f"quantize[{i}]" for i, r in enumerate(rules)]
+    wider = []
+    for i in fos.rules:
+        rules[i]["four_over_six"] = fos.mode
+        if set(rules[i].get("tensors", ["weight"])) - {"weight"}:
+            wider.append(names[i])
+    gains = fos.cleared
+    named = ", ".join(f"{s} {a:.1f} -> {b:.1f} dB, max/4 in {100 * share:.0f} % of blocks"
+                      for s, a, b, share in gains[:SHOWN_DISAGREEMENTS])
+    more = f" and {len(gains) - SHOWN_DISAGREEMENTS} more" if len(gains) > SHOWN_DISAGREEMENTS else ""
+    plural = len(fos.rules) > 1
+    text = (f"Four over six ({fos.mode}) clears {len(gains)} flagged NVFP4 site{'s' * (len(gains) > 1)} "
+            f"({named}{more}); rule{'s' * plural} {', '.join(names[i] for i in fos.rules)} "
+            f"take{'' if plural else 's'} four_over_six \"{fos.mode}\". Cost: {fos_remedy.cost_text()}.")
+    if wider:
+        text += (f" {', '.join(wider)} also quantize{'' if len(wider) > 1 else 's'} activations: "
+                 "four over six applies to them too (quantization time at every call; this weight "
+                 "scan did not measure them).")
+    still = rec.kept_sites or rec.rotated_sites or "noise" in rec.policy
+    summary = {"alternative": fos.label, "mode": fos.mode, "rules": list(fos.rules),
+               "rows": [s for s, _, _, _ in gains], "max4_share": {s: share for s, _, _, share in gains}}
+    return Recommendation(rec.kind if still else "four_over_six", rec.share, rec.problematic_layers,
+                          rec.kept_layers, rec.kept_sites, text + (" " + rec.text if still else ""),
+                          validated({**rec.policy, "quantize": rules}), rec.ranking,
+                          rec.disagreements, rec.rotated_sites, rec.kv_cache, summary)
 
 
 def with_kv_cache(report: ScanReport, rec: Recommendation) -> Recommendation:
@@ -198,7 +246,7 @@ def with_kv_cache(report: ScanReport, rec: Recommendation) -> Recommendation:
     return Recommendation("kv_cache" if alone else rec.kind, rec.share, rec.problematic_layers,
                           rec.kept_layers, list(dict.fromkeys([*rec.kept_sites, *kept])),
                           text if alone else f"{rec.text} {text}", validated({"version": 1, **policy}),
-                          rec.ranking, rec.disagreements, rec.rotated_sites, summary)
+                          rec.ranking, rec.disagreements, rec.rotated_sites, summary, rec.four_over_six)
 
 
 def _kv_sites(report: ScanReport, rule: int) -> set[str]:

@@ -122,8 +122,10 @@ def heals(report: ScanReport, row: SiteRow, rotated: SiteRow) -> bool:
 def healed_sites(report: ScanReport) -> tuple[str | None, list[str], ScanReport]:
     """(the rotation's label, the flagged sites it heals (`heals`), the report without them:
     what is left for the other remedies); (None, [], report) when it measured no rotation
-    (an attention row's remedies are KV scales, `scan/kv_remedy.py`, not rotations)."""
-    labels = sorted({k for r in report.rows if r.kind != ATTENTION_KIND for k in (r.remedies or {})})
+    (an attention row's remedies are KV scales, `scan/kv_remedy.py`, and an entry with a "kind"
+    another remedy, such as four over six, `scan/fos_remedy.py`)."""
+    labels = sorted({k for r in report.rows if r.kind != ATTENTION_KIND
+                     for k, found in (r.remedies or {}).items() if "kind" not in found})
     if not labels:
         return None, [], report
     label = labels[0]

@@ -18,6 +18,7 @@ from typing import Any
 
 from qtransform.core import io as qio
 from qtransform.core.io import encode_floats
+from qtransform.scan import fos_remedy
 from qtransform.scan.grid import grid_line
 from qtransform.scan.kv_remedy import clears
 from qtransform.scan.recommend import recommend
@@ -148,6 +149,7 @@ def to_markdown(report: ScanReport) -> str:
     )
     lines += experts_markdown(report)
     lines += heads_markdown(report)
+    lines += fos_markdown(report)
     lines += remedy_markdown(report)
     lines += kv_remedy_markdown(report)
     lines += ["", "*mean relative error is dominated by small values that quantize to zero; "
@@ -176,6 +178,48 @@ def heads_markdown(report: ScanReport) -> list[str]:
             "Per attention site and point, the SQNR (dB) of each head (key/value: the key/value "
             "heads) beside the site's.", "",
             *_md_table(["site", "point", "heads", "SQNR dB", "worst head", "SQNR dB per head"], table)]
+
+
+def fos_table(report: ScanReport) -> tuple[list[str], list[list[Any]]]:
+    """Four over six beside plain NVFP4, per weight row that measured it (scan/fos_remedy.py):
+    header and rows (SQNR as scanned; per mode its SQNR, gain and share of max/4 blocks; flagged;
+    whether the recommended mode clears it). ([], []) without."""
+    keys = fos_remedy.labels(report)
+    if not keys:
+        return [], []
+    choice = fos_remedy.choose(report)
+    cleared = {s for s, _, _, _ in choice.cleared} if choice is not None else set()
+    head = ["site", "SQNR dB"]
+    for key in keys:
+        head += [f"{key} dB", f"{key} gain dB", f"{key} max/4 blocks"]
+    head += ["flagged", "cleared"]
+    rows = []
+    for r in report.rows:
+        if not any(k in (r.remedies or {}) for k in keys):
+            continue
+        cells: list[Any] = [r.site, format_metric("sqnr_db", r.metrics["sqnr_db"])]
+        for key in keys:
+            found = (r.remedies or {}).get(key)
+            cells += ["", "", ""] if found is None else [
+                format_metric("sqnr_db", found["metrics"]["sqnr_db"]),
+                f"{found['metrics']['sqnr_db'] - r.metrics['sqnr_db']:+.2f}",
+                f"{100 * found['max4_share']:.1f} %"]
+        cells += ["yes" if report.row_problems(r) else "", "yes" if r.site in cleared else ""]
+        rows.append(cells)
+    return head, rows
+
+
+def fos_markdown(report: ScanReport) -> list[str]:
+    """report.md's four-over-six section ([] when the scan measured none)."""
+    head, rows = fos_table(report)
+    if not head:
+        return []
+    return ["", "## Four over six beside NVFP4", "",
+            "Each plain NVFP4 weight quantized again keeping, per block of 16, the max/4 scale "
+            "where its error is smaller (arXiv 2512.02010), and the share of blocks that kept it. "
+            "It costs no storage bit (the checkpoint is ordinary NVFP4), only quantization time; "
+            "`guide` gives it to the rules of the flagged sites it clears.", "",
+            *_md_table(head, rows)]
 
 
 def remedy_markdown(report: ScanReport) -> list[str]:

@@ -37,8 +37,9 @@ from qtransform.core.sites import Site
 from qtransform.errors import UserError
 from qtransform.formats import QuantConfig
 from qtransform.formats.options import CHOICE_OPTIONS, FORMAT_KEYS
-from qtransform.formats.quantize import quantize_with_info
+from qtransform.formats.quantize import four_over_six_blocks, quantize_with_info
 from qtransform.passes.fake_quant import first_weight_seed
+from qtransform.scan import fos_remedy
 from qtransform.scan.compare import Comparison
 from qtransform.scan.grid import grid_fit
 from qtransform.scan.problems import DEFAULT_THRESHOLDS, check_flagging
@@ -62,6 +63,21 @@ def config_for(fmt: str, options: dict[str, Any] | None) -> QuantConfig:
     except ValueError as exc:
         raise UserError(str(exc)) from None
     return _named_stream(cfg)
+
+
+def format_spec(text: str) -> tuple[str, dict[str, Any]]:
+    """'nvfp4:four_over_six=mse:global_bound=256' -> ('nvfp4', {...}): a format with its own
+    options (`compare --formats nvfp4,nvfp4:four_over_six=mse`); numbers become ints."""
+    name, *pairs = text.strip().split(":")
+    own: dict[str, Any] = {}
+    for pair in pairs:
+        key, eq, value = pair.partition("=")
+        if not eq or not key.strip() or not value.strip():
+            raise UserError(f"format {text!r}: write FORMAT:OPTION=VALUE[:OPTION=VALUE...], e.g. "
+                            "nvfp4:four_over_six=mse")
+        value = value.strip()
+        own[key.strip()] = int(value) if value.isdigit() and key.strip() in ("block_size", "seed") else value
+    return name.strip(), own
 
 
 def _named_stream(cfg: QuantConfig) -> QuantConfig:
@@ -91,6 +107,15 @@ def policy_configs(policy: PolicyLike, sites: Sequence[Site]) -> dict[str, Quant
             per_rule[index] = _named_stream(cfg)
         out[name] = per_rule[index]
     return out
+
+
+def policy_rule_index(policy: PolicyLike | None, sites: Sequence[Site]) -> dict[str, int]:
+    """Site name -> the index of the quantize rule that applies to its weight (0 for every site
+    without a policy: the scan's one rule); remedies name the rule they would change."""
+    if policy is None:
+        return {s.name: 0 for s in sites}
+    found = resolve_quant_rules(load_policy(policy).quantize, sites).items()
+    return {name: index for (name, tensor), (index, _) in found if tensor == "weight"}
 
 
 def policy_thresholds(policy: PolicyLike) -> dict[str, float]:
@@ -181,6 +206,22 @@ def measure_experts(
     return total, hist, [stats for stats, _, _ in per_expert]
 
 
+def max4_counts(w: torch.Tensor, site: Site, cfg: QuantConfig, amax: torch.Tensor | None = None,
+                expert: int | None = None) -> tuple[int, int]:
+    """(blocks that kept the max/4 scale, blocks) of a weight under a four-over-six config: the
+    quantizer's own choice (`four_over_six_blocks`) with the seed and shared amax `measure` uses;
+    a fused experts weight expert by expert."""
+    if site.kind == "experts":
+        two_d = Site(site.name, site.cls_name, "linear", site.layer, site.role,
+                     weight_shape=tuple(w.shape[1:]), weight_transposed=site.weight_transposed)
+        counts = [max4_counts(w[e], two_d, cfg, None if amax is None else amax[e], e)
+                  for e in range(w.shape[0])]
+        return sum(c for c, _ in counts), sum(b for _, b in counts)
+    cfg = cfg.bind(site.reduction_axis)
+    mask = four_over_six_blocks(w, cfg, seed=first_weight_seed(cfg, site.name, expert), amax=amax)
+    return int(mask.sum()), mask.numel()
+
+
 def _progress(refs: Sequence[WeightRef], progress: bool | None, desc: str) -> Progress:
     """Progress in parameters (`core.progress`: a bar on a terminal, lines elsewhere)."""
     total = sum(math.prod(r.site.weight_shape or ()) for r in refs)
@@ -221,9 +262,31 @@ def _measured_row(ref: WeightRef, w: torch.Tensor, cfg: QuantConfig,
     """The row of one weight (with per-expert entries for a fused experts weight) and its stats."""
     if ref.site.kind == "experts":
         stats, hist, experts = measure_experts(w, ref.site, cfg, amax)
-        return _row(ref, cfg, stats, hist, experts), stats
-    stats, hist, diagnostics = measure(w, ref.site, cfg, amax=amax)
-    return _row(ref, cfg, stats, hist, diagnostics=diagnostics), stats
+        row = _row(ref, cfg, stats, hist, experts)
+    else:
+        stats, hist, diagnostics = measure(w, ref.site, cfg, amax=amax)
+        row = _row(ref, cfg, stats, hist, diagnostics=diagnostics)
+    if cfg.name == "nvfp4" and cfg.four_over_six != "none":  # which blocks kept max/4
+        chosen, blocks = max4_counts(w, ref.site, cfg, amax)
+        row.diagnostics = {**(row.diagnostics or {}), "max4_blocks": float(chosen),
+                           "blocks": float(blocks), "max4_share": chosen / blocks if blocks else 0.0}
+    return row, stats
+
+
+def _fos_remedies(ref: WeightRef, w: torch.Tensor, cfg: QuantConfig, amax: torch.Tensor | None,
+                  modes: Sequence[str], rule: int) -> dict[str, dict[str, Any]]:
+    """Four over six measured on a plain NVFP4 weight, one entry per mode (scan/fos_remedy.py;
+    {} where the config does not take it)."""
+    out = {}
+    for mode in modes:
+        alt = fos_remedy.alternative(cfg, mode)
+        if alt is None:
+            continue
+        row, stats = _measured_row(ref, w, alt, amax)
+        assert row.diagnostics is not None
+        out[fos_remedy.label(mode)] = fos_remedy.entry(
+            stats, mode, rule, (int(row.diagnostics["max4_blocks"]), int(row.diagnostics["blocks"])))
+    return out
 
 
 def _rotated_row(ref: WeightRef, w: torch.Tensor, cfg: QuantConfig,
@@ -249,6 +312,7 @@ def scan_weights(
     flagging: str = "expected",
     progress: bool | None = False,
     rotation: str | Rotation | None = None,
+    four_over_six: Sequence[str] = fos_remedy.MODES,
 ) -> ScanReport:
     """Scan every Linear-like weight of `source` under `fmt` (with `fake_quantize` `options`).
 
@@ -259,16 +323,23 @@ def scan_weights(
     on Gaussian data of their block structure or outliers among the model's sites; "absolute"
     applies the fixed thresholds (docs/metrics.md). `rotation` (e.g. "hadamard-32", see
     `scan.remedy.Rotation`) also measures every weight rotated along its reduction axis, into
-    each row's `remedies`, where `recommend` weighs it against higher precision.
+    each row's `remedies`, where `recommend` weighs it against higher precision. `four_over_six`:
+    the modes ("mse", "mae") measured on every plain NVFP4 weight (scan/fos_remedy.py), into the
+    same `remedies` with the share of blocks that keep max/4; () measures none.
     """
     if fmt is None and policy is None:
         raise UserError("give a format (e.g. mxfp4) or a policy with quantize rules")
+    bad = [m for m in four_over_six if m not in ("mse", "mae")]
+    if bad or isinstance(four_over_six, str):
+        raise UserError(f"four_over_six {four_over_six!r}: give a list of modes, 'mse' and/or 'mae' "
+                        "(an empty list measures none)")
     default = config_for(fmt, options) if fmt is not None else None
     rot = _rotation(rotation)
     pairs = _select(weight_refs(source), policy)
     rotate = rotate_rules(policy) if policy is not None else []
     groups = scale_groups(policy, [r.site for r, _ in pairs]) if default is None else []
     seen = SeenWeights.of([r for r, _ in pairs], rotate, groups)
+    index = policy_rule_index(policy, [r.site for r, _ in pairs])
     rows = []
     grids = {}
     with _progress([r for r, _ in pairs], progress, f"scan {fmt or 'policy'}") as bar:
@@ -284,6 +355,8 @@ def scan_weights(
             rotated = _rotated_row(ref, w, cfg, rot) if rot is not None else None
             if rot is not None and rotated is not None:
                 row.remedies = {rot.label: {"metrics": rotated[1].result(), "state": rotated[1].state()}}
+            if fos := _fos_remedies(ref, w, cfg, seen.amax(name), four_over_six, index.get(name, 0)):
+                row.remedies = {**(row.remedies or {}), **fos}
             rows.append(row)
             bar.update(w.numel())
             del w
@@ -336,7 +409,9 @@ def compare_formats(
     """Quantize the same weights with each format; totals sum the accumulators over all tensors.
 
     Per-layer dB values are never averaged: a model-wide SQNR is the signal energy of all weights
-    over their total error energy. Shared `options` go to the formats that take them. Each tensor
+    over their total error energy. Shared `options` go to the formats that take them; a format
+    may carry its own (`format_spec`: "nvfp4:four_over_six=mse" beside "nvfp4"), and a
+    four-over-six column's totals add `max4_share`, the share of blocks that kept max/4. Each tensor
     is read once for all formats. `rotation` (e.g. "hadamard-32") adds, beside each format, the
     column "FORMAT with ROTATION": the same format on the weights rotated along their reduction
     axis (scan/remedy.py); a site the rotation does not fit counts unrotated there (a note
@@ -345,9 +420,10 @@ def compare_formats(
     if len(formats_) < 1:
         raise UserError("give at least one format to compare")
     choices = {}
-    for fmt in formats_:
-        cfg = config_for(fmt, applicable_options(fmt, options))
-        choices[cfg.name] = cfg
+    for text in formats_:
+        fmt, own = format_spec(text)
+        cfg = config_for(fmt, {**applicable_options(fmt, options), **own})
+        choices[text.strip() if own else cfg.name] = cfg
     rot = _rotation(rotation)
     columns = {f: (f, None) for f in choices}
     if rot is not None:
@@ -371,14 +447,20 @@ def compare_formats(
     limits = _limits(policy, None)
     reports = {
         column: ScanReport(
-            meta=build_meta(kind="weight_scan", source=source_label(source), fmt=f,
+            meta=build_meta(kind="weight_scan", source=source_label(source), fmt=choices[f].name,
                             options=choices[f].options(), quantize=_rules(policy, choices[f]),
                             **({"rotation": how.label} if how is not None else {})),
             rows=rows[column], thresholds=limits,
         )
         for column, (f, how) in columns.items()
     }
-    comparison = Comparison.of({c: t.result() for c, t in totals.items()}, reports)
+    results = {c: t.result() for c, t in totals.items()}
+    for column, report in reports.items():
+        counted = [r.diagnostics for r in report.rows if r.diagnostics and "max4_blocks" in r.diagnostics]
+        if counted:  # a four-over-six column: the blocks that kept max/4, over all its weights
+            results[column]["max4_share"] = (sum(d["max4_blocks"] for d in counted)
+                                             / max(1.0, sum(d["blocks"] for d in counted)))
+    comparison = Comparison.of(results, reports)
     if unfit and rot is not None:
         comparison.notes.append(
             f"{rot.label} does not fit the reduction axis of {len(unfit)} of {len(pairs)} sites "
