@@ -9,6 +9,7 @@ TensorRT-LLM load as `quant_method: modelopt`: its vocabulary in one module, rea
 |---|---|
 | NVFP4 | `weight` (uint8, two E2M1 codes per byte, even column low), `weight_scale` (E4M3 per 16), `weight_scale_2` (fp32 0-dim, amax / 2688: the decode factor), `input_scale` (fp32 0-dim, static activations) |
 | FP8 | `weight` (float8_e4m3fn), `weight_scale` (fp32 0-dim), `input_scale` (fp32 0-dim) |
+| W4A16_NVFP4 | NVFP4's without `input_scale` (read: ModelOpt's name for NVFP4 weights with 16-bit inputs) |
 
 ModelOpt decodes q * weight_scale (* weight_scale_2): NVFP4 weights in the orders whose decode is
 q * (s * d) (`nvfp4_variant` "modelopt", its export's, or "default", NVIDIA's) and FP8 per tensor
