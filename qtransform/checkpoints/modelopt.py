@@ -9,6 +9,7 @@ TensorRT-LLM load as `quant_method: modelopt`: its vocabulary in one module, rea
 |---|---|
 | NVFP4 | `weight` (uint8, two E2M1 codes per byte, even column low), `weight_scale` (E4M3 per 16), `weight_scale_2` (fp32 0-dim, amax / 2688: the decode factor), `input_scale` (fp32 0-dim, static activations) |
 | FP8 | `weight` (float8_e4m3fn), `weight_scale` (fp32 0-dim), `input_scale` (fp32 0-dim) |
+| W4A16_NVFP4 | NVFP4's without `input_scale` (read: ModelOpt's name for NVFP4 weights with 16-bit inputs) |
 
 ModelOpt decodes q * weight_scale (* weight_scale_2): NVFP4 weights in the orders whose decode is
 q * (s * d) (`nvfp4_variant` "modelopt", its export's, or "default", NVIDIA's) and FP8 per tensor
@@ -18,7 +19,7 @@ are stored exactly; anything else is refused.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -56,7 +57,7 @@ class Layout:
     algo: str
     format: str  # the Group.format name the reader keeps
     weights: TensorScheme
-    inputs: TensorScheme
+    inputs: TensorScheme | None  # None: 16-bit inputs (no input_scale)
     specs: Callable[[int, int], Specs]  # rows, cols
     decode: Callable[[dict[str, Tensor], TensorScheme, str], Tensor]
 
@@ -73,13 +74,18 @@ def _decode_fp8(p: dict[str, Tensor], w: TensorScheme, where: str) -> Tensor:
                   need(p, "weight_scale", where).to(torch.float32), None, w, where)
 
 
+def _nvfp4_specs(rows: int, cols: int) -> Specs:
+    return [("weight", torch.uint8, (rows, cols // 2)),
+            ("weight_scale", torch.float8_e4m3fn, (rows, cols // 16)),
+            ("weight_scale_2", torch.float32, ())]
+
+
 LAYOUTS = {row.algo: row for row in (
     Layout("NVFP4", "modelopt-nvfp4", TensorScheme("float", 4, "tensor_group", 16),
-           TensorScheme("float", 4, "tensor_group", 16, dynamic="local"),
-           lambda rows, cols: [("weight", torch.uint8, (rows, cols // 2)),
-                               ("weight_scale", torch.float8_e4m3fn, (rows, cols // 16)),
-                               ("weight_scale_2", torch.float32, ())],
-           _decode_nvfp4),
+           TensorScheme("float", 4, "tensor_group", 16, dynamic="local"), _nvfp4_specs, _decode_nvfp4),
+    # ModelOpt's name for NVFP4 weights whose input quantizer is off (`get_quantization_format`)
+    Layout("W4A16_NVFP4", "modelopt-nvfp4", TensorScheme("float", 4, "tensor_group", 16), None,
+           _nvfp4_specs, _decode_nvfp4),
     Layout("FP8", "modelopt-fp8", TensorScheme("float", 8, "tensor"), TensorScheme("float", 8, "tensor"),
            lambda rows, cols: [("weight", torch.float8_e4m3fn, (rows, cols)),
                                ("weight_scale", torch.float32, ())],
@@ -104,12 +110,24 @@ def parse(file: Path, data: dict) -> Checkpoint:
     if kv_algo and kv_algo not in KV_FIELDS:
         raise UserError(f"{file}: kv_cache_quant_algo {kv_algo!r}, which qtransform does not "
                         f"read (it reads {', '.join(KV_FIELDS)})")
-    if algo == "NVFP4" and q.get("group_size", 16) != 16:
+    if algo in ("NVFP4", "W4A16_NVFP4") and q.get("group_size", 16) != 16:
         raise UserError(f"{file}: NVFP4 with group_size {q.get('group_size')}; only 16 is read")
     row = LAYOUTS[algo]
     group = Group(("Linear",), row.weights, row.inputs, row.format)
     kv = KVScheme(dict(KV_FIELDS[kv_algo]), f"{kv_algo} per tensor") if kv_algo else None
     return Checkpoint(NAME, [group], [str(m) for m in q.get("exclude_modules") or []], kv=kv)
+
+
+def settle_inputs(checkpoint: Checkpoint, with_scale: list[str], without: list[str], where: str) -> None:
+    """Keep a group's input scheme only where the checkpoint stores its input scales: ModelOpt
+    writes `input_scale` for every Linear whose inputs are quantized and none when they are not
+    (an FP8 or NVFP4 quant_algo names the weights either way), so inputs are 16-bit where no
+    quantized Linear has one; some with and some without is refused."""
+    if with_scale and without:
+        raise UserError(f"{where}: input_scale on {with_scale[0]} but not on {without[0]}; ModelOpt "
+                        "stores one for every Linear whose inputs are quantized: re-export it")
+    if not with_scale:
+        checkpoint.groups = [replace(g, inputs=None) for g in checkpoint.groups]
 
 
 # the KV cache: `self_attn.k_proj.k_scale` / `v_proj.v_scale` = amax / 448 in fp32, 0-dim, for

@@ -106,6 +106,10 @@ def decompress(checkpoint: Checkpoint, files: TensorFiles, dtype: torch.dtype) -
         scale = next((p[k] for k in fmt.INPUT_SCALES if k in p), None)
         if scale is not None:
             checkpoint.input_scales[module] = scale.detach().to(torch.float32).reshape(())
+    settle = getattr(fmt, "settle_inputs", None)
+    if settle is not None and parts:
+        without = [m for m in parts if m not in checkpoint.input_scales]
+        settle(checkpoint, sorted(checkpoint.input_scales), sorted(without), str(next(iter(where_of.values()))))
     return out
 
 

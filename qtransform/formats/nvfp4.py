@@ -7,7 +7,9 @@ and to 4, and keeps the candidate with the smaller reconstruction error (arXiv 2
 `global_bound` is the E4M3 value the tensor amax maps to (448, or 256 to leave the max/4
 candidate's block scale room below 448, as Transformer Engine does). `four_over_six_order`
 names whose fp32 details decide near-ties: qtransform's own halving sum ("pairwise") or one
-stack's scales, dequantization and summation (`_stack_choice`).
+stack's scales, dequantization and summation (`_stack_choice`); "modelopt" (with nvfp4_variant
+"modelopt") is ModelOpt's NVFP4_FOUR_OVER_SIX_CFG weights: its MSE calibration's choice of block
+amax, then its export's arithmetic (`_modelopt_four_over_six`).
 """
 
 from __future__ import annotations
@@ -39,8 +41,9 @@ VARIANTS = ("default", "compressed-tensors", "one_level", "modelopt", "vllm-kv")
 FOUR_OVER_SIX = ("none", "mse", "mae")  # none: every block maps its amax to 6
 GLOBAL_BOUNDS = ("448", "256")  # the E4M3 value the tensor amax maps to (strings: a choice option)
 # whose fp32 details decide four over six (docs/numerics.md "Four over six"; docs/recipes.md)
-FOUR_OVER_SIX_ORDERS = ("pairwise", "transformer-engine", "flashinfer", "fouroversix")
+FOUR_OVER_SIX_ORDERS = ("pairwise", "transformer-engine", "flashinfer", "fouroversix", "modelopt")
 MIN_BLOCK_SCALE = 2.0**-9  # ModelOpt clamps block scales up to E4M3's smallest subnormal
+FP8_EPSILON = 2.0**-24  # ModelOpt's fake_e4m3fy / fp8_eager treat an amax at or below it as 1
 
 # element values, dequantized values, scaled values (for saturation), block scales, tensor scale
 Parts = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]
@@ -211,6 +214,45 @@ def _modelopt(
     return q, q * sd, y, s, d
 
 
+def _modelopt_four_over_six(blocks: torch.Tensor, amax_t: torch.Tensor) -> tuple[Parts, torch.Tensor]:
+    """ModelOpt's NVFP4_FOUR_OVER_SIX_CFG weight, as its export stores it (G = amax_t, the
+    group's global amax; NVIDIA/Model-Optimizer a2fbac7, docs/recipes.md).
+
+    Calibration (`MseCalibrator`, multipliers 1.0 and 1.5): each candidate block amax a is
+    fake-quantized as `compute_fp4_scales` + the Triton kernel do it: A = (G * 1.75) / 6,
+    block scale e4m3((a / 6) * (448 / A)) * (1 / (448 / A)) with no lower clamp (0: a zero
+    block), elements |x| / scale rounded to nearest even, signed back; the loss sums
+    (x - xq)^2 per block (here by halving, `block_error`); a tie keeps 1.0. Export
+    (`NVFP4QTensor`, four_over_six's 256): d = G / 1536, s = e4m3(clamp(((a / 6) * 256) / (G / 6),
+    2^-9, 448)) with a zero a / 6 taken as 1, elements x / (s * d); zeros come out +0.
+    Also returns which blocks took the 1.5 multiplier (the max/4 choice)."""
+    amax_b = blocks.abs().amax(dim=1)
+    a15 = amax_b * 1.5
+    fq_amax = (amax_t * 1.75) / 6.0
+    fq_amax = torch.where(fq_amax <= FP8_EPSILON, 1.0, fq_amax)
+    enc = 448.0 / fq_amax
+    dec = 1.0 / enc
+    errors = []
+    for a in (amax_b, a15):
+        scale = (e4m3_rne(torch.clamp_max((a / 6.0) * enc, FLT_MAX)) * dec)[:, None]
+        qa = round_magnitude(torch.clamp_max(blocks.abs() / torch.where(scale == 0, 1.0, scale), 6.0), E2M1)
+        v = qa * scale
+        xq = torch.where(scale == 0, 0.0, torch.where(blocks >= 0, v, -v))
+        errors.append(block_error(xq, blocks, "mse"))
+    four = errors[1] < errors[0]
+    amax_c = torch.where(four, a15, amax_b)
+    d = amax_t / 1536.0
+    sixth = amax_c / 6.0
+    s = (torch.where(sixth == 0, 1.0, sixth) * 256.0) / (amax_t / 6.0)
+    s = e4m3_rne(torch.clamp(s, MIN_BLOCK_SCALE, E4M3_MAX))
+    d = torch.where((d == 0) | torch.isinf(d), 1.0, d)  # ModelOpt would divide by zero
+    sd = (s * d)[:, None]
+    y = blocks / sd
+    qa = round_magnitude(torch.clamp(y, -6.0, 6.0).abs(), E2M1)
+    q = torch.where(qa == 0, 0.0, torch.where(y < 0, -qa, qa))  # its zeros are +0
+    return (q, q * sd, y, s, d), four
+
+
 def _one_level(blocks: torch.Tensor, cfg: QuantConfig, u: torch.Tensor | None) -> Parts:
     """No tensor scale: s = e4m3(amax_b / 6), elements x / s (torchao's order, no lower clamp)."""
     amax_b = blocks.abs().amax(dim=1)
@@ -240,6 +282,11 @@ def quantize_nvfp4(
     elif cfg.nvfp4_variant == "default":
         assert amax_t is not None
         (q, out, y, s, ts), four = _default(blocks, amax_t, cfg, u)
+    elif cfg.four_over_six_order == "modelopt":
+        if scale_t is not None or amax_t is None:
+            raise ValueError("nvfp4: four_over_six_order 'modelopt' calibrates from the tensor amax "
+                             "(ModelOpt's static weights), not a stored tensor scale")
+        (q, out, y, s, ts), four = _modelopt_four_over_six(blocks, amax_t)
     elif cfg.nvfp4_variant == "modelopt":
         q, out, y, s, ts = _modelopt(blocks, amax_t, cfg, u, scale_t)
     elif cfg.nvfp4_variant == "vllm-kv":
@@ -267,13 +314,19 @@ def _check(choices: dict[str, str]) -> str | None:
     if choices["nvfp4_variant"] == "vllm-kv" and choices["four_over_six_order"] != "pairwise":
         return ("nvfp4_variant 'vllm-kv' has its own four-over-six order (vLLM's KV-cache writer); "
                 "remove four_over_six_order")
-    if choices["four_over_six"] != "none" and choices["nvfp4_variant"] not in ("default", "vllm-kv"):
+    order = choices["four_over_six_order"]
+    if (order == "modelopt") != (choices["nvfp4_variant"] == "modelopt" and choices["four_over_six"] != "none"):
+        return ("four_over_six_order 'modelopt' is ModelOpt's four over six (NVFP4_FOUR_OVER_SIX_CFG): "
+                "set it with nvfp4_variant 'modelopt', four_over_six 'mse' and global_bound 256 together")
+    if order == "modelopt" and (choices["four_over_six"] != "mse" or choices["global_bound"] != "256"):
+        return ("four_over_six_order 'modelopt' chooses by squared error with block scales normalized "
+                "to 256, as ModelOpt's MSE calibration does; set four_over_six 'mse' and global_bound 256")
+    if choices["four_over_six"] != "none" and choices["nvfp4_variant"] not in ("default", "vllm-kv", "modelopt"):
         return (f"four_over_six applies to nvfp4_variant 'default' (NVIDIA's order), not "
                 f"{choices['nvfp4_variant']!r}; set nvfp4_variant 'default' or remove four_over_six")
     if choices["four_over_six"] != "none" and choices["granularity"] != "block":
         return (f"four_over_six chooses per 1D block; granularity {choices['granularity']!r} "
                 "is not one (use block_size, not block_shape)")
-    order = choices["four_over_six_order"]
     if order != "pairwise" and choices["four_over_six"] == "none":
         return (f"four_over_six_order {order!r} decides four over six; set four_over_six "
                 "'mse' or 'mae', or remove four_over_six_order")
@@ -283,7 +336,7 @@ def _check(choices: dict[str, str]) -> str | None:
     if order == "fouroversix" and choices["global_bound"] != "256":
         return ("four_over_six_order 'fouroversix' maps the tensor amax to 256, as the fouroversix "
                 "library does; set global_bound 256")
-    if choices["global_bound"] != "448" and choices["nvfp4_variant"] != "default":
+    if choices["global_bound"] != "448" and choices["nvfp4_variant"] != "default" and order != "modelopt":
         return (f"global_bound {choices['global_bound']} applies to nvfp4_variant 'default'; "
                 "remove it or set nvfp4_variant 'default'")
     if choices["scale_dtype"] != "float32" and choices["nvfp4_variant"] != "compressed-tensors":

@@ -65,7 +65,7 @@ def fp4_stored(weight: Tensor, config: QuantConfig,
     if config.name == "mxfp4" and config.block == 32:
         found = fastpath.mxfp4_pack(weight, config)
         return None if found is None else (*found, None)
-    if (config.family.name != "nvfp4" or config.block != 16
+    if (config.family.name != "nvfp4" or config.block != 16 or config.four_over_six != "none"
             or config.nvfp4_variant not in ("compressed-tensors", "modelopt")):
         return None
     if amax is None:

@@ -44,12 +44,12 @@ def rule(config: str, part: str, **fields: Any) -> dict[str, Any]:
     return {"name": f"{STACK}/{config} {part}", "targets": list(TARGETS), "ignore": list(IGNORE), **fields}
 
 
-def config_preset(config: str, what: str, rules: list[dict[str, Any]]) -> Preset:
+def config_preset(config: str, what: str, rules: list[dict[str, Any]], version: str = VERSION) -> Preset:
     return register_preset(Preset(
         name=f"{STACK}/{config}",
         reproduces=f"ModelOpt's {config} ({what}) on every Linear but its default disabled modules "
                    "(lm_head, MoE routers and gates, vision towers)",
-        checked_against=VERSION,
+        checked_against=version,
         content={"quantize": rules},
     ))
 
@@ -62,6 +62,19 @@ NVFP4_DEFAULT_CFG = config_preset(
         rule("NVFP4_DEFAULT_CFG", "inputs", format="nvfp4", nvfp4_variant="modelopt", tensors=["input"],
              scale_source="static", observer="static_minmax"),
     ])
+
+# after the 0.46 release, in no release yet: NVIDIA/Model-Optimizer at a2fbac7 (2026-08-21), read
+NVFP4_FOUR_OVER_SIX_CFG = config_preset(
+    "NVFP4_FOUR_OVER_SIX_CFG", "NVFP4 weights whose block amax MSE calibration multiplies by 1.0 "
+    "or 1.5 (max/6 or max/4), block scales normalized to 256, q/k/v and gate/up global scales "
+    "fused; NVFP4_DEFAULT_CFG's inputs", [
+        rule("NVFP4_FOUR_OVER_SIX_CFG", "weights", format="nvfp4", nvfp4_variant="modelopt",
+             four_over_six="mse", four_over_six_order="modelopt", global_bound=256,
+             tensors=["weight"], share_scale="fused"),
+        rule("NVFP4_FOUR_OVER_SIX_CFG", "inputs", format="nvfp4", nvfp4_variant="modelopt",
+             tensors=["input"], scale_source="static", observer="static_minmax"),
+    ], version="NVIDIA/Model-Optimizer a2fbac7 (from source; a numpy port of its calibration and "
+               "export, tests/formats/stack_fouroversix.py)")
 
 FP8_DEFAULT_CFG = config_preset(
     "FP8_DEFAULT_CFG", "FP8 E4M3 weights and inputs, one fp32 scale amax/448 per tensor, input "

@@ -6,6 +6,8 @@ ported from its stack, and the folder opens back to the same logits bit for bit;
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -95,3 +97,47 @@ def test_compressed_tensors_refuses_four_over_six_naming_modelopt(tmp_path):
     with pytest.raises(qtransform.UserError, match=r"four_over_six .*format='modelopt'"):
         qtransform.export_checkpoint(model, tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def test_modelopt_four_over_six_preset_weights_bytes_and_reopening_are_the_port(tmp_path):
+    """modelopt/NVFP4_FOUR_OVER_SIX_CFG: the transformed weights are ModelOpt's export's values
+    (the numpy port of its MSE calibration and export, G the fused group's amax), the checkpoint's
+    bytes are that export packed, hf_quant_config says NVFP4 (ModelOpt writes the static 4/6
+    quantizers as "nvfp4_static" -> NVFP4), and the folder opens back to the same logits (bf16)."""
+    folder = tmp_path / "base"
+    build_tiny("qwen2", hidden=128, dtype=torch.bfloat16).save_pretrained(folder)
+    base = load_model(folder)
+    weights = {n: m.weight.detach().float().clone() for n, m in base.named_modules()
+               if isinstance(m, torch.nn.Linear)}
+    g = torch.Generator().manual_seed(2)
+    batches = [torch.randint(0, base.config.vocab_size, (1, 16), generator=g) for _ in range(4)]
+    ids = torch.randint(0, base.config.vocab_size, (3, 12), generator=g)
+    transformed = qtransform.transform(base, {"preset": "modelopt/NVFP4_FOUR_OVER_SIX_CFG"}, calibration=batches)
+    out = qtransform.export_checkpoint(transformed, tmp_path / "ckpt", format="modelopt")
+    tensors = read(out)
+    assert json.loads((out / "hf_quant_config.json").read_text())["quantization"]["quant_algo"] == "NVFP4"
+    modules = dict(transformed.named_modules())
+    four = 0
+    for name in [n for n in weights if n.startswith("model.layers.0.")]:
+        parent, _, leaf = name.rpartition(".")
+        amax_t = F32(max(weights[f"{parent}.{s}"].abs().max().item() for s in FUSED.get(leaf, (leaf,))))
+        w = weights[name].numpy()
+        found = [port.modelopt_four_over_six(b, amax_t) for b in w.reshape(-1, 16)]
+        d = found[0][3]
+        values = torch.tensor([f[1] for f in found]).reshape(w.shape)
+        scales = torch.tensor([f[2] for f in found], dtype=torch.float32)
+        served = (values * (scales[:, None] * torch.tensor(d)).reshape(w.shape[0], -1).repeat_interleave(16, 1)) + 0.0
+        with torch.no_grad():
+            got = modules[name].weight_fake_quant(modules[name].weight)
+        assert torch.equal(got, served.to(got.dtype)), name  # the model's dtype: bf16
+        assert torch.equal(tensors[f"{name}.weight"], port.packed_nvfp4(values)), name
+        want = scales.to(torch.float8_e4m3fn).reshape(w.shape[0], -1)
+        assert torch.equal(tensors[f"{name}.weight_scale"].view(torch.uint8), want.view(torch.uint8)), name
+        assert tensors[f"{name}.weight_scale_2"].item() == float(d), name
+        four += sum(f[0] for f in found)
+    assert four > 0
+    opened = load_model(out)
+    with torch.no_grad():
+        expected = transformed(ids).logits
+        got = qtransform.transform(opened, checkpoint_policy(opened))(ids).logits
+    assert torch.equal(got, expected), f"max |diff| {(got - expected).abs().max().item():.3g}"

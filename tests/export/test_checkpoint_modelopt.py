@@ -96,3 +96,42 @@ def test_refusals(tmp_path):
     with pytest.raises(qtransform.UserError, match="format int4 has no ModelOpt form"):
         qtransform.export_checkpoint(model, tmp_path / "out", format="modelopt")
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("algo", ["NVFP4", "W4A16_NVFP4"])
+def test_a_weight_only_nvfp4_checkpoint_opens_without_an_input_rule(algo, tmp_path):
+    """NVFP4 weights with 16-bit inputs: no input_scale in the folder, so the opened policy
+    quantizes no inputs, whether hf_quant_config says NVFP4 (qtransform's writer) or
+    W4A16_NVFP4 (ModelOpt's name for it); the logits are the transformed model's bit for bit."""
+    from qtransform.models import checkpoint_policy, load_model
+
+    rule = {"targets": ["Linear"], "ignore": ["lm_head"], "tensors": ["weight"], "format": "nvfp4",
+            "nvfp4_variant": "modelopt", "share_scale": "fused"}
+    model, tensors = export({"quantize": [rule]}, tmp_path)
+    assert not [k for k in tensors if k.endswith("input_scale")]
+    config = tmp_path / "out" / "hf_quant_config.json"
+    data = json.loads(config.read_text())
+    assert data["quantization"]["quant_algo"] == "NVFP4"
+    data["quantization"]["quant_algo"] = algo
+    config.write_text(json.dumps(data))
+    opened = load_model(tmp_path / "out")
+    policy = checkpoint_policy(opened)
+    assert [r for r in policy["quantize"] if "input" in r["tensors"]] == []
+    ids = torch.randint(0, 256, (2, 10), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        assert torch.equal(qtransform.transform(opened, policy)(ids).logits, model(ids).logits)
+
+
+def test_input_scales_on_some_linears_only_are_refused(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from qtransform.models import load_model
+
+    export({"preset": "modelopt/NVFP4_DEFAULT_CFG"}, tmp_path)
+    file = next((tmp_path / "out").glob("*.safetensors"))
+    tensors = load_file(str(file))
+    dropped = "model.layers.0.mlp.down_proj.input_scale"
+    del tensors[dropped]
+    save_file(tensors, str(file), metadata={"format": "pt"})
+    with pytest.raises(qtransform.UserError, match="input_scale on .* but not on model.layers.0.mlp.down_proj"):
+        load_model(tmp_path / "out")

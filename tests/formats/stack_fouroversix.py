@@ -10,6 +10,10 @@ to compare `four_over_six_order` against. Read from (docs/recipes.md):
   scale, 16 elements per thread).
 - fouroversix dadfad6 `src/fouroversix/quantize/pytorch/reference.py`: `compute_nv_scale_factors`,
   `fake_quantize_to_e2m1`, `select_fouroversix` (transformers' `FourOverSixConfig` calls it).
+- NVIDIA/Model-Optimizer a2fbac7 (`NVFP4_FOUR_OVER_SIX_CFG`): `calib/mse.py` `MseCalibrator`,
+  `kernels/quantization/gemm/fp4_kernel.py` `compute_fp4_scales` /
+  `static_blockwise_fp4_fake_quant`, `kernels/quantization/common/nvfp4_quant.py`,
+  `tensor_quant.py` `_fp8_eager`, `qtensor/nvfp4_tensor.py` (the export).
 """
 
 from __future__ import annotations
@@ -174,3 +178,68 @@ def packed_nvfp4(elements: torch.Tensor) -> torch.Tensor:
         codes.append(mag | (8 if np.signbit(v) else 0))
     c = torch.tensor(codes, dtype=torch.uint8).reshape(elements.shape[0], -1)
     return c[:, 0::2] | (c[:, 1::2] << 4)
+
+
+# --- ModelOpt's NVFP4_FOUR_OVER_SIX_CFG (NVIDIA/Model-Optimizer a2fbac7) ---------------------------
+
+def _halving_sum(terms: list[np.float32]) -> np.float32:
+    """t[i] += t[i + h] for h = 8, 4, 2, 1 on 16 fp32 terms."""
+    t = [F32(v) for v in terms]
+    while len(t) > 1:
+        h = len(t) // 2
+        t = [F32(t[i] + t[i + h]) for i in range(h)]
+    return t[0]
+
+
+def modelopt_fake_quant(x: np.ndarray, amax: np.float32, g_amax: np.float32) -> list[np.float32]:
+    """static_blockwise_fp4_fake_quant of one block with block amax `amax` and global amax
+    `g_amax`, four_over_six's normalization 256: compute_fp4_scales (amax / 6, then fp8 fake
+    quantization against (G * (448 / 256)) / 6: x * (448 / A) to E4M3, saturating, times the
+    reciprocal) and the kernel's |x| / scale rounded to the E2M1 grid, ties even, signed back."""
+    a = F32(F32(g_amax * F32(1.75)) / F32(6))
+    if a <= F32(2.0**-24):
+        a = F32(1)
+    enc = F32(F32(448) / a)
+    dec = F32(F32(1) / enc)
+    scale = F32(e4m3(min(F32(F32(amax / F32(6)) * enc), F32(448))) * dec)
+    if scale == 0:
+        return [F32(0)] * len(x)
+    out = []
+    for v in x:
+        m = F32(e2m1_rne(F32(abs(v)) / scale)) * scale
+        out.append(F32(m if v >= 0 else -m))
+    return out
+
+
+def modelopt_calibrated_amax(x: np.ndarray, g_amax: np.float32) -> tuple[bool, np.float32]:
+    """(1.5 chosen, calibrated block amax): MseCalibrator over the multipliers 1.0 and 1.5 of the
+    block's max-calibrated amax, loss (x - xq)^2 per element summed over the block, argmin (a tie
+    keeps the first, 1.0)."""
+    amax = F32(np.abs(x).max())
+    losses = []
+    for a in (amax, F32(amax * F32(1.5))):
+        xq = modelopt_fake_quant(x, a, g_amax)
+        losses.append(_halving_sum([F32(F32(v - q) * F32(v - q)) for v, q in zip(x, xq, strict=True)]))
+    four = bool(losses[1] < losses[0])
+    return four, F32(amax * F32(1.5)) if four else amax
+
+
+def modelopt_export(x: np.ndarray, amax_c: np.float32, g_amax: np.float32) -> tuple[list[float], float, np.float32]:
+    """(E2M1 values, E4M3 block scale, weight_scale_2) ModelOpt's export writes for one block:
+    weight_scale_2 = G / (6 * 256), weight_scale = e4m3(clamp((amax_c / 6) * 256 / (G / 6), 2^-9,
+    448)) with amax_c / 6 == 0 taken as 1, elements x / (weight_scale * weight_scale_2) rounded to
+    nearest even, saturating at 6 (a negative value rounded to zero is -0: its sign bit)."""
+    d = F32(g_amax / F32(1536))
+    p = F32(amax_c / F32(6))
+    p = F32(1) if p == 0 else p
+    v = F32(F32(p * F32(256)) / F32(g_amax / F32(6)))
+    s = e4m3(min(max(v, F32(2.0**-9)), F32(448)))
+    sd = F32(s * d)
+    return [float(e2m1_rne(F32(v / sd))) for v in x], float(s), d
+
+
+def modelopt_four_over_six(x: np.ndarray, g_amax: np.float32) -> tuple[bool, list[float], float, np.float32]:
+    """One weight block of NVFP4_FOUR_OVER_SIX_CFG as the export stores it: (1.5 chosen, E2M1
+    values, E4M3 scale, weight_scale_2)."""
+    four, amax_c = modelopt_calibrated_amax(x, g_amax)
+    return (four, *modelopt_export(x, amax_c, g_amax))
