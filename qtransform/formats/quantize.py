@@ -383,6 +383,9 @@ def check_scale(x: torch.Tensor, cfg: QuantConfig, scale: Any,
         raise ValueError(
             f"{cfg.name}: scale= is a stored tensor-level scale, which this config has none of; "
             "it applies to two-level NVFP4 and to granularity 'tensor' (fp8_*, int4, int8)")
+    if (type(scale) is torch.Tensor and scale.dtype == torch.float32 and not scale.ndim
+            and scale.device == x.device and not scale.requires_grad):
+        return scale  # already what the conversion below makes (a fixed scale, at every call)
     if not isinstance(scale, torch.Tensor) or not scale.is_floating_point() or scale.numel() != 1:
         raise ValueError(f"{cfg.name}: scale must be a one-element floating-point tensor")
     return scale.detach().to(device=x.device, dtype=torch.float32).reshape(())
