@@ -30,6 +30,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from qtransform.errors import UserError
+
 LOG2E = 1.4426950408889634
 E4M3_MAX = 448.0
 
@@ -68,8 +70,6 @@ def additive_mask(module: nn.Module, attention_mask: Tensor | None, q_len: int, 
 
 
 def _refuse_extras(module: nn.Module, options: dict[str, Any]) -> None:
-    from qtransform.errors import UserError
-
     if options.get("softcap") is not None or getattr(module, "sinks", None) is not None:
         raise UserError(f"{type(module).__name__}: its attention has logit soft-capping or sinks, "
                         "which the engine kernels here do not compute; leave this model out of "

@@ -34,6 +34,7 @@ import torch
 from qtransform.formats import philox
 from qtransform.formats.blocking import BlockLayout
 from qtransform.formats.options import QuantConfig
+from qtransform.formats.registry import SCALE_TORCH_DTYPES
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +60,14 @@ class _Params(ctypes.Structure):
     _fields_ += [(n, ctypes.c_float) for n in ("max_normal", "step", "inv_step", "qmax")]
     _fields_ += [("fos", ctypes.c_int32), ("gbound", ctypes.c_float)]
 
+
+class _Fp8Params(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_int32) for n in ("variant", "rtz", "mbits", "emin", "pre", "sdt")]
+    _fields_ += [("max_normal", ctypes.c_float)]
+
+
+_FP8_VARIANTS = {"default": 0, "modelopt": 1, "vllm-cpu": 2}  # qf_fp8_tensor's variant codes
+_FP8_ROUNDING = {"rne": 0, "rtz": 1}
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -219,6 +228,11 @@ def library() -> ctypes.CDLL | None:
                     lib.qf_nvfp4_pack.restype = ctypes.c_int
                     lib.qf_nvfp4_pack.argtypes = [ctypes.c_void_p, ctypes.c_int] + [ctypes.c_int64] * 2 + [
                         ctypes.c_float, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+                    lib.qf_fp8_tensor.restype = None
+                    lib.qf_fp8_tensor.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
+                                                  ctypes.c_void_p, ctypes.c_int64,
+                                                  ctypes.POINTER(_Fp8Params)] + [ctypes.c_void_p] * 2 + [
+                        ctypes.c_int]
                     lib.qf_mxfp4_pack.restype = ctypes.c_int
                     lib.qf_mxfp4_pack.argtypes = [ctypes.c_void_p, ctypes.c_int] + [ctypes.c_int64] * 2 + [
                         ctypes.POINTER(_Params), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
@@ -356,6 +370,61 @@ def quantize(
 
 def _ptr(t: torch.Tensor | None) -> int:
     return 0 if t is None else t.data_ptr()
+
+
+@functools.lru_cache(maxsize=256)
+def _fp8_call(cfg: QuantConfig, dtype: torch.dtype) -> tuple[int, object] | None:
+    """(dtype code, ctypes.byref of the `qf_fp8_tensor` parameters) for an FP8 config with one
+    scale per tensor on `dtype`, or None where the kernel does not cover it: another family or
+    granularity, or stochastic rounding."""
+    code = _DTYPES.get(dtype)
+    e = cfg.spec.element
+    if (
+        code is None
+        or cfg.family.name != "fp8"
+        or cfg.granularity != "tensor"
+        or cfg.tile
+        or cfg.rounding not in _FP8_ROUNDING
+        or cfg.fp8_variant not in _FP8_VARIANTS
+    ):
+        return None
+    # the scale dtype of compressed-tensors' order (`scaled.bind_dtype`: "input" is x's dtype)
+    sdt = _DTYPES[dtype] if cfg.scale_dtype == "input" else _DTYPES[SCALE_TORCH_DTYPES[cfg.scale_dtype]]
+    params = _Fp8Params(variant=_FP8_VARIANTS[cfg.fp8_variant], rtz=_FP8_ROUNDING[cfg.rounding],
+                        mbits=e.mbits, emin=e.emin, pre=int(cfg.fp8_variant == "vllm-cpu" and e.name == "e4m3"),
+                        sdt=sdt, max_normal=e.max_normal)
+    return code, ctypes.byref(params)
+
+
+def fp8_tensor(
+    x: torch.Tensor, cfg: QuantConfig, want_sat: bool, amax: torch.Tensor | None = None,
+    scale: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, None] | None:
+    """FP8 with one scale for the whole tensor (granularity "tensor": a KV cache at every
+    attention call, a per-tensor activation) in one compiled pass: (values in x's shape and
+    dtype, saturation mask if `want_sat`, None), bit for bit `formats/fp8.py`'s numbers for
+    every `fp8_variant`, rounding "rne" or "rtz". The scale is the stored `scale` (0-dim fp32),
+    else from `amax` (0-dim fp32), else from x's own amax. None where that does not apply
+    (the caller then runs the torch path). Eager torch spends about twenty dispatched ops on
+    it, which on a decode step's few thousand elements cost far more than the arithmetic."""
+    call = _fp8_call(cfg, x.dtype)
+    given = scale if scale is not None else amax
+    if (call is None or not x.is_cpu or x.numel() == 0 or not enabled() or library() is None
+            or (given is not None and (given.dtype != torch.float32 or not given.is_cpu))):
+        return None
+    code, params = call
+    xs = x.detach()
+    if not xs.is_contiguous():
+        xs = xs.contiguous()
+    out = torch.empty_like(xs)  # a third of torch.empty's per-call cost
+    sat = torch.empty_like(xs, dtype=torch.bool) if want_sat else None
+    n = xs.numel()
+    assert _lib is not None
+    _lib.qf_fp8_tensor(xs.data_ptr(), code, out.data_ptr(), _ptr(sat), n, params,
+                       None if amax is None or scale is not None else amax.data_ptr(),
+                       None if scale is None else scale.data_ptr(),
+                       torch.get_num_threads() if n >= MIN_PARALLEL else 1)
+    return out, sat, None
 
 
 STATS_SLOTS = 21  # qtransform.core.metrics._FIELDS: 15 sums and counts, 5 counts, max |e|

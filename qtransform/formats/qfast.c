@@ -1625,3 +1625,143 @@ int qf_mxfp4_pack(const void *x, int dtype, int64_t rows, int64_t cols, const qf
     }
     return bad;
 }
+
+/* ---- FP8 with one scale for the whole tensor (granularity "tensor": a KV cache, a per-tensor
+ * activation), the operations of qtransform/formats/fp8.py on every element in one pass ----
+ *
+ * Every variant is y = x / a (compressed-tensors' order, "default": its scale and quotient
+ * rounded to the scale dtype sdt, as scaled.py's _round_to) or y = x * a ("vllm-cpu": a =
+ * fl(1 / s); "modelopt": a = m), c = clamp(y, +-max), for vllm-cpu's E4M3 values below 2^-6
+ * c pre-rounded to nearest even on a 2^-29 grid, q = copysign(round(|c|), c) on the FP8 grid
+ * (nearest even, or toward zero), out = q * post, every NaN the canonical one; sat: |y| > max.
+ * A NaN or infinite scale (amax) makes every element NaN and none saturated. The scale is
+ * worked out here from the stored scale, the given amax or x's own amax, as fp8.py does. */
+enum { FP8_DEFAULT = 0, FP8_MODELOPT = 1, FP8_VLLM_CPU = 2 };
+
+typedef struct {
+    int32_t variant, rtz, mbits, emin, pre; /* pre: vllm-cpu's 2^-29 grid (E4M3 only) */
+    int32_t sdt;                            /* the default variant's scale dtype: DT_* */
+    float max_normal;
+} qf_fp8;
+
+/* v rounded to nearest even in dtype sdt and widened back (a NaN stays a NaN) */
+static inline __attribute__((always_inline)) float round_sd(float v, int sdt) {
+    if (sdt == DT_BF16) return u2f((uint32_t)f2bf_bits(f2u(v)) << 16);
+    if (sdt == DT_F16) return u2f(h2f_bits(f2h_bits(f2u(v))));
+    return v;
+}
+
+/* |a| (not NaN) rounded onto the FP8 grid, saturated first (as round_mag) */
+static inline __attribute__((always_inline)) float fp8_mag(float a, const qf_fp8 *g, int rtz) {
+    a = a < g->max_normal ? a : g->max_normal;
+    int e = (int)(f2u(a) >> 23) - 127;
+    e = e < g->emin ? g->emin : e;
+    float t = a * u2f((uint32_t)(127 + g->mbits - e) << 23); /* < 2^(mbits+1): exact */
+    float r = rtz ? (float)(int32_t)t : (t + 8388608.0f) - 8388608.0f;
+    return r * u2f((uint32_t)(127 - g->mbits + e) << 23);
+}
+
+/* n fp32 elements; div, pre, rtz, sdt are constants in each instantiation (branch-free loops) */
+static inline __attribute__((always_inline)) void fp8_span(
+    const float *restrict x, float *restrict o, uint8_t *restrict sat, int64_t n, float a,
+    float post, const qf_fp8 *g, int div, int pre, int rtz, int sdt) {
+    float top = g->max_normal;
+    for (int64_t i = 0; i < n; i++) {
+        float y = div ? round_sd(x[i] / a, sdt) : x[i] * a;
+        float c = y < -top ? -top : (y > top ? top : y);
+        float m = fabs_bits(c);
+        if (pre) {
+            float p = ((m * 0x1p29f + 8388608.0f) - 8388608.0f) * 0x1p-29f; /* m * 2^29 < 2^23 */
+            m = m < 0x1p-6f ? p : m;
+        }
+        float v = copysign_bits(fp8_mag(m, g, rtz), c) * post;
+        o[i] = (c != c || v != v) ? u2f(QNAN) : v;
+    }
+    if (sat)
+        for (int64_t i = 0; i < n; i++)
+            sat[i] = fabs_bits(div ? round_sd(x[i] / a, sdt) : x[i] * a) > top;
+}
+
+static void fp8_dispatch(const float *x, float *o, uint8_t *sat, int64_t n, float a, float post,
+                         const qf_fp8 *g, int div) {
+#define FP8_SPAN(DIV, PRE, RTZ, SDT) fp8_span(x, o, sat, n, a, post, g, DIV, PRE, RTZ, SDT)
+    int rtz = g->rtz != 0;
+    if (!div) { /* vllm-cpu, modelopt */
+        if (g->pre) rtz ? FP8_SPAN(0, 1, 1, DT_F32) : FP8_SPAN(0, 1, 0, DT_F32);
+        else rtz ? FP8_SPAN(0, 0, 1, DT_F32) : FP8_SPAN(0, 0, 0, DT_F32);
+    } else if (g->sdt == DT_BF16) {
+        rtz ? FP8_SPAN(1, 0, 1, DT_BF16) : FP8_SPAN(1, 0, 0, DT_BF16);
+    } else if (g->sdt == DT_F16) {
+        rtz ? FP8_SPAN(1, 0, 1, DT_F16) : FP8_SPAN(1, 0, 0, DT_F16);
+    } else {
+        rtz ? FP8_SPAN(1, 0, 1, DT_F32) : FP8_SPAN(1, 0, 0, DT_F32);
+    }
+#undef FP8_SPAN
+}
+
+static inline int finite_bits(float v) { return (f2u(v) & 0x7fffffffu) < 0x7f800000u; }
+
+#define FP8_CHUNK 2048
+/* x and out (dtype fp32, bf16 or fp16, both the same; sat optional): n elements. scale_in: the
+ * stored scale, else amax_in, else the amax of x (NaN propagates). */
+void qf_fp8_tensor(const void *x, int dtype, void *out, uint8_t *sat, int64_t n, const qf_fp8 *g,
+                   const float *amax_in, const float *scale_in, int nthreads) {
+    float top = g->max_normal, a, post, s = 0.0f, amax = 0.0f;
+    if (!scale_in) {
+        if (amax_in) {
+            amax = *amax_in;
+        } else { /* |x| orders like its bits (NaN above Inf) */
+            uint32_t m = 0;
+#pragma omp parallel for if (nthreads > 1) num_threads(nthreads) reduction(max : m) schedule(static)
+            for (int64_t i = 0; i < n; i++) {
+                uint32_t v = load_bits(x, i, dtype) & 0x7fffffffu;
+                m = v > m ? v : m;
+            }
+            amax = u2f(m);
+        }
+    }
+    int bad, div = 0;
+    if (g->variant == FP8_DEFAULT) { /* scaled.py quantize_scaled, the scale in dtype sdt */
+        if (scale_in) {
+            s = round_sd(*scale_in, g->sdt);
+            bad = !finite_bits(s);
+        } else {
+            amax = round_sd(amax, g->sdt);
+            bad = !finite_bits(amax);
+            s = round_sd(amax / top, g->sdt);
+        }
+        /* torch.finfo(dtype).eps */
+        s = s == 0.0f ? (g->sdt == DT_BF16 ? 0x1p-7f : g->sdt == DT_F16 ? 0x1p-10f : 0x1p-23f) : s;
+        a = s, post = s, div = 1;
+    } else if (g->variant == FP8_VLLM_CPU) {
+        if (scale_in) s = *scale_in;
+        else s = amax / top, s = s == 0.0f ? 1.0f : s;
+        bad = !finite_bits(s);
+        a = 1.0f / s, post = s;
+    } else { /* modelopt: m = fl(1 / amax) * max (amax <= 2^-24 counts as 1), out = q * fl(1 / m) */
+        if (scale_in) {
+            s = *scale_in;
+            bad = !finite_bits(s);
+            a = 1.0f / s, post = s;
+        } else {
+            bad = !finite_bits(amax);
+            a = (1.0f / (amax <= 0x1p-24f ? 1.0f : amax)) * top;
+            post = 1.0f / a;
+        }
+    }
+#pragma omp parallel for if (nthreads > 1) num_threads(nthreads) schedule(static)
+    for (int64_t c = 0; c < n; c += FP8_CHUNK) {
+        int64_t m = n - c < FP8_CHUNK ? n - c : FP8_CHUNK;
+        uint8_t *sc = sat ? sat + c : 0;
+        float xb[FP8_CHUNK], ob[FP8_CHUNK];
+        const float *src = dtype == DT_F32 ? (const float *)x + c : xb;
+        float *dst = dtype == DT_F32 ? (float *)out + c : ob;
+        if (bad) {
+            fill_nan(dst, sc, m);
+        } else {
+            if (dtype != DT_F32) widen(x, c, dtype, xb, m);
+            fp8_dispatch(src, dst, sc, m, a, post, g, div);
+        }
+        if (dtype != DT_F32) narrow(dst, out, c, dtype, m);
+    }
+}

@@ -43,15 +43,18 @@ CHUNK_ELEMENTS = 1 << 18  # reference path on CPU: elements per chunk (bounds it
 # launch-bound (H200: 190 ms of launches for 18 ms of kernels); 2^22 keeps temporaries ~150 MB
 GPU_CHUNK_ELEMENTS = 1 << 22
 # every NaN we output, per dtype: fp32 0x7fc00000 and its bf16 / fp16 counterparts (torch's
-# vectorized fp32 -> bf16 narrowing writes 0xffff, its scalar one 0x7fc0: pinned here)
-_NAN_BITS = {torch.bfloat16: 0x7FC0, torch.float16: 0x7E00}
+# vectorized fp32 -> bf16 narrowing writes 0xffff, its scalar one 0x7fc0; a NaN element under
+# a given tensor scale leaves torch's float8 cast as 0x7ff00000, or copysign with its sign and
+# payload: pinned here)
+_NAN_BITS = {torch.float32: (0x7FC00000, torch.int32), torch.bfloat16: (0x7FC0, torch.int16),
+             torch.float16: (0x7E00, torch.int16)}
 
 
 def canonical_nan_(t: torch.Tensor) -> torch.Tensor:
-    """Set every NaN of a bf16/fp16 tensor to its dtype's canonical +qNaN, in place."""
+    """Set every NaN of an fp32/bf16/fp16 tensor to its dtype's canonical +qNaN, in place."""
     bits = _NAN_BITS.get(t.dtype)
     if bits is not None:
-        t.masked_fill_(torch.isnan(t), torch.tensor(bits, dtype=torch.int16).view(t.dtype))
+        t.masked_fill_(torch.isnan(t), torch.tensor(bits[0], dtype=bits[1]).view(t.dtype))
     return t
 
 
@@ -208,7 +211,12 @@ def _forward(
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Fake-quantized x in its own dtype, plus the saturation mask and the MX block exponents
     when asked for, all from one quantization. `amax`: a checked tensor-amax override; `scale`:
-    a checked stored tensor scale (the reference path only: the kernels derive theirs)."""
+    a checked stored tensor scale (the torch path and the per-tensor FP8 kernel; the block
+    kernels derive theirs)."""
+    if cfg.granularity == "tensor" and not want_exps:  # FP8 with one scale: one compiled pass
+        fast = fastpath.fp8_tensor(x, cfg, want_sat, amax, scale)
+        if fast is not None:
+            return fast
     layout = layout_for(x, cfg)
     seed = stream_seed(cfg, generator, seed, x.device)
     fast = _gpu_path(x, cfg, layout, want_sat, want_exps) if amax is None and scale is None else None
@@ -375,6 +383,9 @@ def check_scale(x: torch.Tensor, cfg: QuantConfig, scale: Any,
         raise ValueError(
             f"{cfg.name}: scale= is a stored tensor-level scale, which this config has none of; "
             "it applies to two-level NVFP4 and to granularity 'tensor' (fp8_*, int4, int8)")
+    if (type(scale) is torch.Tensor and scale.dtype == torch.float32 and not scale.ndim
+            and scale.device == x.device and not scale.requires_grad):
+        return scale  # already what the conversion below makes (a fixed scale, at every call)
     if not isinstance(scale, torch.Tensor) or not scale.is_floating_point() or scale.numel() != 1:
         raise ValueError(f"{cfg.name}: scale must be a one-element floating-point tensor")
     return scale.detach().to(device=x.device, dtype=torch.float32).reshape(())
