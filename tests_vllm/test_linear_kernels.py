@@ -84,5 +84,5 @@ def test_engine_linears_reproduce_vllm_cpu(folders, plain_rows, scheme, tmp_path
     for name, (mean, worst) in got.items():
         print(f"{scheme} {name}: mean {mean:.2e} max {worst:.2e}")
     mean, worst = got["engine simulation"]
-    assert mean < 1e-4 and worst < 1e-3
-    assert got["qtransform without the engine"][0] > 10 * mean
+    assert mean < 1e-6 and worst < 1e-5  # the fp32 floor: the unquantized model's own
+    assert got["qtransform without the engine"][1] > 5 * worst
