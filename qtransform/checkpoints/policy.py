@@ -50,6 +50,8 @@ def policy(checkpoint: Checkpoint, names: list[str], *, weights: bool = False,
             rules.append({"name": f"{checkpoint.producer} group {i} weights",
                           "targets": [ct_entry(t) for t in g.targets], "ignore": list(ignore),
                           "tensors": ["weight"], **fmt.rule_fields(g.weights, "weight")})
+    kv = None if checkpoint.kv is None else (
+        dict(checkpoint.kv.fields) if engine is None else _engine_kv(checkpoint.kv.fields, backend))
     linears = _engine_linears(checkpoint, backend, dtype) if engine is not None and not weights else []
     for i, g in enumerate(checkpoint.groups):
         if g.inputs is None or linears:
@@ -60,11 +62,10 @@ def policy(checkpoint: Checkpoint, names: list[str], *, weights: bool = False,
                       "targets": [ct_entry(t) for t in g.targets], "ignore": list(ignore),
                       "tensors": ["input"], **fmt.rule_fields(g.inputs, "input")})
     out: dict[str, Any] = {"version": 1, "quantize": rules}
-    if checkpoint.kv is not None:
+    if checkpoint.kv is not None and kv is not None:
         name = f"{checkpoint.producer} KV cache ({checkpoint.kv.label})"
-        fields = dict(checkpoint.kv.fields) if engine is None else _engine_kv(checkpoint.kv.fields, backend)
-        rules.append({"name": name, "targets": ["Attention"], "tensors": ["key", "value"], **fields})
-        if engine is not None and fields["format"] == "fp8_e4m3":
+        rules.append({"name": name, "targets": ["Attention"], "tensors": ["key", "value"], **kv})
+        if engine is not None and kv["format"] == "fp8_e4m3":
             rules += engines.query_rule(name, backend)
             out["engine"] = engines.engine_section(backend, linears=linears)
     if linears and "engine" not in out:
