@@ -1,9 +1,13 @@
-"""Engine pass: the selected attention modules run an inference engine's attention kernel.
+"""Engine pass: the selected attention modules run an inference engine's attention kernel, and
+the selected quantized Linears its quantized-linear kernel.
 
-The kernel (`core/attention_kernels.py`: vLLM's CPU attention, FlashAttention-3's or vLLM
-Triton's FP8 forward) replaces the model's attention implementation inside each attention
+The attention kernel (`core/attention_kernels.py`: vLLM's CPU attention, FlashAttention-3's or
+vLLM Triton's FP8 forward) replaces the model's attention implementation inside each attention
 site's graph (its "kernel" point), after the quantize rules' query, key and value quantizers, so
-it reads what the engine's cache would hold. With the engine section absent nothing changes.
+it reads what the engine's cache would hold. A Linear's kernel (`core/linear_kernels.py`)
+replaces its linear op (the Linear site's "kernel" point) and computes from the input, the
+stored weight codes and scales of the checkpoint the model was opened from: the input
+quantization is the kernel's own. With the engine section absent nothing changes.
 """
 
 from __future__ import annotations
@@ -13,12 +17,22 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from qtransform.core import linear_kernels
 from qtransform.core.attention_kernels import KERNELS
-from qtransform.core.engines import PER_TOKEN_HEAD, check_cache, device_backend, fp8_attention
+from qtransform.core.engines import (
+    PER_TOKEN_HEAD,
+    check_cache,
+    device_backend,
+    fp8_attention,
+    linear_kernel,
+)
 from qtransform.core.program import Program
-from qtransform.core.sites import ATTENTION_KIND
+from qtransform.core.sites import ATTENTION_KIND, Site
+from qtransform.errors import UserError
+from qtransform.models import loaded_checkpoint
 from qtransform.pipeline.base import Action, Pass, register_pass
 from qtransform.pipeline.selection import select_sites
+from qtransform.schemas.base import Selected
 from qtransform.schemas.sections.engine import EngineSpec
 
 
@@ -39,27 +53,91 @@ class EngineAttention(nn.Module):
         return self.kernel(module, query, key, value, attention_mask, options, self.fp8)
 
 
+class EngineLinear(nn.Module):
+    """One quantized Linear's engine kernel (`kernel` of `core/linear_kernels.py`): the weight's
+    codes on the checkpoint's stored `scale` (the stored codes for the opened checkpoint's
+    weights), computed as the engine computes."""
+
+    def __init__(self, engine: str, backend: str, kernel: str, scale: Tensor):
+        super().__init__()
+        self.engine, self.backend, self.kernel = engine, backend, kernel
+        self.scale = scale.detach().clone()  # not a buffer: the model's .to(dtype) must not round it
+
+    def extra_repr(self) -> str:
+        return f"{self.engine} {self.backend}, {self.kernel}"
+
+    def forward(self, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+        scale = self.scale.to(weight.device)
+        codes = linear_kernels.weight_codes(weight.detach(), scale, linear_kernels.CODES[self.kernel])
+        return linear_kernels.KERNELS[self.kernel](x, codes, scale, bias)
+
+
 @register_pass
 class EnginePass(Pass[EngineSpec, EngineSpec]):
-    """Puts `EngineAttention` at the kernel point of every selected attention site."""
+    """Puts `EngineAttention` at the kernel point of every selected attention site, and
+    `EngineLinear` at that of every selected quantized Linear."""
 
     name = tag = section = "engine"
     provides = (name,)
     modes = ("module",)  # it replaces an attention call inside its attention site's graph
 
     def select(self, program: Program, spec: EngineSpec) -> list[Action[EngineSpec]]:
-        return [Action(site, "kernel", "engine", spec)
-                for site in select_sites(program, spec, "engine", kinds=(ATTENTION_KIND,))]
+        sites = select_sites(program, spec, "engine", kinds=(ATTENTION_KIND,))
+        return [Action(site, "kernel", "engine", spec) for site in sites + quantized_linears(program, spec)]
 
     def build(self, program: Program, action: Action[EngineSpec]) -> nn.Module:
         spec = action.payload
         backend = resolved(program.model, spec.backend, spec.kv_cache_dtype)
+        if action.site.kind != ATTENTION_KIND:
+            return linear_module(program, action.site, spec, backend)
         check_cache(spec.kv_cache_dtype, backend)
         return EngineAttention(spec.name, backend, spec.kv_cache_dtype)
 
     def describe(self, action: Action[EngineSpec]) -> str:
         spec = action.payload
+        if action.site.kind != ATTENTION_KIND:
+            return f"{spec.name} {spec.backend} quantized-linear kernel"
         return f"{spec.name} {spec.backend} attention kernel (kv_cache_dtype {spec.kv_cache_dtype})"
+
+
+def quantized_linears(program: Program, spec: EngineSpec) -> list[Site]:
+    """The Linear sites `spec.linears` selects that the opened checkpoint quantizes (its
+    high-precision ones run the engine's plain GEMM: they stay as they are)."""
+    if not spec.linears:
+        return []
+    checkpoint = loaded_checkpoint(program.model)
+    if checkpoint is None:
+        raise UserError("engine.linears: the engine's linear kernels compute from a quantized "
+                        "checkpoint's stored weights and scales; open one with load_model (a "
+                        "compressed-tensors folder), or drop engine.linears")
+    selector = Selected(targets=spec.linears, layers=spec.layers)
+    sites = [s for s in select_sites(program, selector, "engine.linears", kinds=("linear",))
+             if s.module_name in checkpoint.modules]
+    if not sites:
+        raise UserError(f"engine.linears: {spec.linears} selects none of the checkpoint's quantized "
+                        "Linears; name them (e.g. [\"Linear\"]) or drop engine.linears")
+    return sites
+
+
+def linear_module(program: Program, site: Site, spec: EngineSpec, backend: str) -> EngineLinear:
+    """The engine kernel of a quantized Linear site, for its checkpoint group's scheme."""
+    checkpoint = loaded_checkpoint(program.model)
+    assert checkpoint is not None
+    group = checkpoint.groups[checkpoint.modules[site.module_name]]
+    weight = program.model.get_submodule(site.module_name).weight
+    try:
+        kernel = linear_kernel(group.weights, group.inputs, backend, weight.dtype)
+    except UserError as exc:
+        raise UserError(f"{site.name}: {exc}") from None
+    head = program.site_graph(site.name).heads.get("input")
+    if head is not None and head.meta.get("qtransform", {}).get("pass") == "fake_quant":
+        raise UserError(f"{site.name}: a quantize rule quantizes its input, which the engine's "
+                        f"{kernel} kernel quantizes itself; leave this Linear out of the rule's "
+                        "targets (checkpoint_policy(model, engine=...) does)")
+    scale = checkpoint.weight_scales.get(site.module_name)
+    if scale is None:
+        raise UserError(f"{site.name}: the checkpoint stores no weight_scale for it; re-export it")
+    return EngineLinear(spec.name, backend, kernel, scale)
 
 
 def resolved(model: nn.Module, backend: str, kv_cache_dtype: str = "fp8") -> str:

@@ -252,8 +252,9 @@ def checkpoint_policy(model: nn.Module, *, weights: bool = False, engine: str | 
 
     `engine="vllm"`: what that engine computes from the folder where qtransform simulates it
     (its KV cache: the cache writer's conversion with the stored scales and the attention
-    kernel of `backend`: "auto" = the model's device, "cpu", "flash-attn-3", "triton");
-    default None, what the producer's fake quantization computes (docs/attention.md)."""
+    kernel of `backend`: "auto" = the model's device, "cpu", "flash-attn-3", "triton"; on "cpu"
+    its quantized-linear kernels too); default None, what the producer's fake quantization
+    computes (docs/attention.md, docs/engines.md)."""
     checkpoint = loaded_checkpoint(model)
     if checkpoint is None:
         return None
@@ -264,8 +265,9 @@ def checkpoint_policy(model: nn.Module, *, weights: bool = False, engine: str | 
     if backend == "auto":
         backend = engines.device_backend(next((p.device for p in model.parameters()), torch.device("cpu")))
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
     return checkpoints.policy(checkpoint, [name for name, _ in base.named_modules()], weights=weights,
-                              engine=engine, backend=backend)
+                              engine=engine, backend=backend, dtype=dtype)
 
 
 def _first_line(exc: BaseException) -> str:

@@ -44,6 +44,19 @@ class StrictModel(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+def compiled_entries(entries: list[str]) -> list[str]:
+    """`entries` when each is a valid selector entry, else the problems of those that are not."""
+    issues = []
+    for i, text in enumerate(entries):
+        try:
+            compile_entry(text)
+        except ValueError as exc:
+            issues.append(Issue((i,), str(exc), text))
+    if issues:
+        raise problems_error(issues)
+    return entries
+
+
 class Selected(StrictModel):
     """Selector fields shared by every section; see `qtransform.schemas.selectors`."""
 
@@ -58,15 +71,7 @@ class Selected(StrictModel):
     @field_validator("targets", "ignore")
     @classmethod
     def _entries_compile(cls, entries: list[str]) -> list[str]:
-        issues = []
-        for i, text in enumerate(entries):
-            try:
-                compile_entry(text)
-            except ValueError as exc:
-                issues.append(Issue((i,), str(exc), text))
-        if issues:
-            raise problems_error(issues)
-        return entries
+        return compiled_entries(entries)
 
     @field_validator("layers")
     @classmethod

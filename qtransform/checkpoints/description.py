@@ -74,6 +74,7 @@ class Checkpoint:
     ignore: list[str]
     modules: dict[str, int] = field(default_factory=dict)  # quantized module -> group index
     input_scales: dict[str, Tensor] = field(default_factory=dict)  # module -> stored input scale
+    weight_scales: dict[str, Tensor] = field(default_factory=dict)  # module -> stored weight_scale
     rotations: list[RotationGroup] = field(default_factory=list)
     rotated: dict[str, list[str]] = field(default_factory=dict)  # rotation group -> its modules
     kv: KVScheme | None = None  # the KV cache's scheme (keys and values of every attention)

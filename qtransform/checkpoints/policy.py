@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from qtransform.checkpoints.description import Checkpoint
 from qtransform.checkpoints.matching import ct_entry
 from qtransform.checkpoints.reader import FORMATS
@@ -13,7 +15,8 @@ from qtransform.errors import UserError
 
 
 def policy(checkpoint: Checkpoint, names: list[str], *, weights: bool = False,
-           engine: str | None = None, backend: str = "cpu") -> dict[str, Any]:
+           engine: str | None = None, backend: str = "cpu",
+           dtype: torch.dtype = torch.float32) -> dict[str, Any]:
     """The qtransform policy (a plain dict) that turns the opened checkpoint into the model its
     library deploys, on a model whose module names are `names`.
 
@@ -33,8 +36,12 @@ def policy(checkpoint: Checkpoint, names: list[str], *, weights: bool = False,
     an attention's query and key (q_attn, k_cache) rules with point `query_key`.
 
     `engine` ("vllm"): the KV cache as that engine runs it on `backend` (`core/engines.py`:
-    its cache writer's conversion with the stored scales, its attention kernel); the Linears
-    stay what the producer's fake quantization computes."""
+    its cache writer's conversion with the stored scales, its attention kernel); on the cpu
+    backend the quantized Linears run its quantized-linear kernels for the checkpoint's scheme
+    in a model of `dtype` (the engine section's `linears`, without input rules: the kernel
+    quantizes its input itself; a scheme the backend does not run is refused; not with
+    `weights=True`, whose model holds no stored scales), on the others they stay what the
+    producer's fake quantization computes."""
     fmt = FORMATS[checkpoint.producer]
     ignore = fmt.ignored_entries(checkpoint.ignore, names)
     rules: list[dict[str, Any]] = []
@@ -43,8 +50,11 @@ def policy(checkpoint: Checkpoint, names: list[str], *, weights: bool = False,
             rules.append({"name": f"{checkpoint.producer} group {i} weights",
                           "targets": [ct_entry(t) for t in g.targets], "ignore": list(ignore),
                           "tensors": ["weight"], **fmt.rule_fields(g.weights, "weight")})
+    kv = None if checkpoint.kv is None else (
+        dict(checkpoint.kv.fields) if engine is None else _engine_kv(checkpoint.kv.fields, backend))
+    linears = _engine_linears(checkpoint, backend, dtype) if engine is not None and not weights else []
     for i, g in enumerate(checkpoint.groups):
-        if g.inputs is None:
+        if g.inputs is None or linears:
             continue
         label = g.weights.label() if g.weights else "16-bit"
         rules.append({"name": f"{checkpoint.producer} group {i} inputs (weights {label} in the "
@@ -52,13 +62,14 @@ def policy(checkpoint: Checkpoint, names: list[str], *, weights: bool = False,
                       "targets": [ct_entry(t) for t in g.targets], "ignore": list(ignore),
                       "tensors": ["input"], **fmt.rule_fields(g.inputs, "input")})
     out: dict[str, Any] = {"version": 1, "quantize": rules}
-    if checkpoint.kv is not None:
+    if checkpoint.kv is not None and kv is not None:
         name = f"{checkpoint.producer} KV cache ({checkpoint.kv.label})"
-        fields = dict(checkpoint.kv.fields) if engine is None else _engine_kv(checkpoint.kv.fields, backend)
-        rules.append({"name": name, "targets": ["Attention"], "tensors": ["key", "value"], **fields})
-        if engine is not None and fields["format"] == "fp8_e4m3":
+        rules.append({"name": name, "targets": ["Attention"], "tensors": ["key", "value"], **kv})
+        if engine is not None and kv["format"] == "fp8_e4m3":
             rules += engines.query_rule(name, backend)
-            out["engine"] = engines.engine_section(backend)
+            out["engine"] = engines.engine_section(backend, linears=linears)
+    if linears and "engine" not in out:
+        out["engine"] = engines.engine_section(backend, "auto", linears)
     if checkpoint.rotations:
         out["rotate"] = [{"name": g.name, "targets": [ct_entry(n) for n in checkpoint.rotated[g.name]],
                           "kind": "hadamard", "block_size": g.block,
@@ -67,6 +78,21 @@ def policy(checkpoint: Checkpoint, names: list[str], *, weights: bool = False,
                          for g in checkpoint.rotations]
     if fmt.CALIBRATION and any(r.get("scale_source") == "static" for r in rules):
         out["calibration"] = dict(fmt.CALIBRATION)
+    return out
+
+
+def _engine_linears(checkpoint: Checkpoint, backend: str, dtype: torch.dtype) -> list[str]:
+    """The engine section's `linears` on vLLM's cpu backend (every group's targets; each group's
+    scheme one its kernels run, else a one-line refusal), none on the other backends."""
+    if backend != "cpu" or not any(g.weights is not None for g in checkpoint.groups):
+        return []
+    out: list[str] = []
+    for g in checkpoint.groups:
+        try:
+            engines.linear_kernel(g.weights, g.inputs, backend, dtype)
+        except UserError as exc:
+            raise UserError(f"{checkpoint.producer} checkpoint, {exc}; or open it without engine=") from None
+        out += [ct_entry(t) for t in g.targets if ct_entry(t) not in out]
     return out
 
 

@@ -61,7 +61,8 @@ def _json(text: str, file: Path) -> dict:
 
 def decompress(checkpoint: Checkpoint, files: TensorFiles, dtype: torch.dtype) -> dict[str, Tensor]:
     """The model state dict of a checkpoint's tensors: every quantized module's weight decoded,
-    other tensors cast to `dtype`; fills `checkpoint.modules` and `input_scales`."""
+    other tensors cast to `dtype`; fills `checkpoint.modules`, `input_scales` and
+    `weight_scales` (an engine's linear kernels read the stored weight scales)."""
     fmt = FORMATS[checkpoint.producer]
     suffixes = set(fmt.SUFFIXES)
     parts: dict[str, dict[str, Tensor]] = {}
@@ -103,6 +104,8 @@ def decompress(checkpoint: Checkpoint, files: TensorFiles, dtype: torch.dtype) -
         _check_scales(module, p, fmt.SCALES, where)
         out[module + ".weight"] = fmt.DECODERS[group.format](p, group.weights, where).to(dtype)
         checkpoint.modules[module] = index
+        if "weight_scale" in p and not (group.weights.kind == "float" and group.weights.bits == 4):
+            checkpoint.weight_scales[module] = p["weight_scale"].detach()  # FP4's (1 per 16-32) not kept
         scale = next((p[k] for k in fmt.INPUT_SCALES if k in p), None)
         if scale is not None:
             checkpoint.input_scales[module] = scale.detach().to(torch.float32).reshape(())

@@ -16,15 +16,24 @@ Its per-token-head caches (`int8_per_token_head`, `fp8_per_token_head`; Triton b
 from source) scale each token's head by its own amax: s = max(amax / QMAX, 1e-6) in fp32,
 x · fl(1 / s), int8 rounded half away from zero, fp8 to nearest even; the query is not
 quantized and the kernel reads 16-bit probabilities.
+
+Its quantized Linears (a compressed-tensors checkpoint's schemes; `core/linear_kernels.py`
+computes them) are simulated on the `cpu` backend, where they were measured: W8A8 int8 (dynamic
+per-token activations), FP8_DYNAMIC and W4A16 (bf16 and fp16 only); `linear_kernel` names the
+kernel of a scheme or refuses, in one line, one the CPU backend does not run. On GPU backends
+the Linears stay what the producer's fake quantization computes.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from qtransform.errors import UserError
+
+if TYPE_CHECKING:
+    from qtransform.checkpoints.description import TensorScheme
 
 ENGINES = ("vllm",)
 BACKENDS = ("auto", "cpu", "flash-attn-3", "triton")
@@ -99,5 +108,41 @@ def query_rule(name: str, backend: str) -> list[dict[str, Any]]:
              "scale_source": "fixed", "fixed_scale": 1.0}]
 
 
-def engine_section(backend: str, kv_cache_dtype: str = "fp8") -> dict[str, Any]:
-    return {"name": "vllm", "backend": backend, "kv_cache_dtype": kv_cache_dtype}
+def linear_kernel(weights: TensorScheme | None, inputs: TensorScheme | None, backend: str,
+                  dtype: torch.dtype) -> str:
+    """The `core/linear_kernels.py` kernel vLLM's `backend` runs for a checkpoint group's weight
+    and input schemes in a model of `dtype`, or a one-line refusal of what it does not run."""
+    label = (f"weights {weights.label() if weights else '16-bit'}, activations "
+             f"{inputs.label() if inputs else '16-bit'}")
+    if backend != "cpu":
+        raise UserError(f"{label}: vLLM's quantized Linears are simulated on its cpu backend only, "
+                        f"not {backend}; use backend cpu, or leave the engine's linears out")
+    if weights is None:
+        raise UserError(f"{label}: no quantized weights, nothing for vLLM's quantized-linear kernels")
+    if not weights.symmetric or (inputs is not None and not inputs.symmetric):
+        raise UserError(f"{label}: zero points (asymmetric quantization) are not simulated on "
+                        "vLLM's CPU backend; leave the engine's linears out")
+    dynamic_tokens = inputs is not None and inputs.strategy == "token" and inputs.dynamic is True
+    if (weights.kind, weights.bits) == ("int", 8) and weights.strategy == "channel" and dynamic_tokens \
+            and (inputs.kind, inputs.bits) == ("int", 8):
+        return "w8a8_int8"
+    if (weights.kind, weights.bits) == ("float", 8) and weights.strategy == "channel" and dynamic_tokens \
+            and (inputs.kind, inputs.bits) == ("float", 8):
+        return "fp8_dynamic"
+    if (weights.kind, weights.bits) == ("int", 4) and weights.strategy == "group" and inputs is None:
+        if dtype not in (torch.bfloat16, torch.float16):
+            raise UserError(f"{label}: vLLM's CPU backend runs W4A16 in bf16 and fp16 only "
+                            f"(cpu_gemm_wna16), not {str(dtype).removeprefix('torch.')}; load the "
+                            "model with dtype=torch.bfloat16")
+        return "w4a16"
+    raise UserError(f"{label}: vLLM's CPU backend (x86 without AMX) does not run this scheme, or "
+                    "it is not simulated; the CPU linears here are W8A8 int8 and FP8_DYNAMIC "
+                    "(per-channel weights, dynamic per-token activations) and W4A16 (int4 groups)")
+
+
+def engine_section(backend: str, kv_cache_dtype: str = "fp8",
+                   linears: list[str] | None = None) -> dict[str, Any]:
+    """The `engine` section of vLLM on `backend` (`linears`: the Linears that run its
+    quantized-linear kernels)."""
+    return {"name": "vllm", "backend": backend, "kv_cache_dtype": kv_cache_dtype,
+            **({"linears": linears} if linears else {})}

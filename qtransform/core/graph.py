@@ -18,6 +18,7 @@ weight (the parameter's `get_attr`, rewired for every use, like a norm's weight)
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
@@ -226,11 +227,18 @@ class GraphSite:
         return insertion
 
     def _replace_kernel(self, module: nn.Module, pass_name: str, tag: str) -> Insertion:
-        if self.site.kind != "attention" or self.op_node is not None:
-            raise ValueError(f"{self.site.name}: only an attention site in module mode has a kernel")
-        attr = self._free_attr(f"kernel_{tag}")
-        self.owner.add_module(attr, module)
-        new = attention.replace_kernel(self.graph, attr)
+        """An attention site's attention call, or a Linear site's linear op (then called as
+        `module(x_head, w_head, bias)`), replaced by `module`; logged as an insertion."""
+        if self.op_node is not None or self.site.kind not in ("attention", "linear"):
+            raise ValueError(f"{self.site.name}: only an attention or Linear site in module mode "
+                             "has a kernel")
+        if self.site.kind == "linear":
+            new = self._swap_linear(module, "kernel_" + tag, lambda x, w, bias: (x, w, bias))
+            attr = str(new.target)
+        else:
+            attr = self._free_attr(f"kernel_{tag}")
+            self.owner.add_module(attr, module)
+            new = attention.replace_kernel(self.graph, attr)
         new.meta["qtransform"] = {"site": self.site.name, "point": "kernel", "pass": pass_name, "tag": tag}
         path = f"{self.prefix}.{attr}" if self.prefix else attr
         insertion = Insertion(self.site.name, "kernel", pass_name, tag, new.name, path)
@@ -243,6 +251,14 @@ class GraphSite:
         on it; the head itself otherwise): a Linear with its own backward. GPT-2's Conv1D op
         `addmm(bias, x, w)` is replaced alike. Not an insertion (nothing is logged; the forward
         computes the same values). Returns the child's name."""
+        new = self._swap_linear(module, "linear_" + tag, lambda x, w, bias: (
+            x, w, bias, before.get("input", x), before.get("weight", w)))
+        self.replaced.append(str(new.target))
+        return str(new.target)
+
+    def _swap_linear(self, module: nn.Module, name: str, operands: Callable[..., tuple]) -> fx.Node:
+        """The site's linear op replaced by a call of `module` (added as child `name`) on
+        `operands(x, w, bias)`; the new node."""
         op = self.op_node if self.op_node is not None else next(
             (n for n in self.graph.nodes if n.op == "call_function" and n.target in _LINEAR_OPS), None)
         if op is None or op.target not in _LINEAR_OPS or (op.target in _ADDMM_OPS) != (self.site.kind == "conv1d"):
@@ -253,11 +269,10 @@ class GraphSite:
             x, w = op.args[0], op.args[1]
             bias = op.args[2] if len(op.args) > 2 else op.kwargs.get("bias")
         base = f"{_safe(self.site.name)}__" if self.op_node is not None else ""
-        attr = self._free_attr(f"{base}linear_{tag}")
+        attr = self._free_attr(f"{base}{name}")
         self.owner.add_module(attr, module)
-        args = (x, w, bias, before.get("input", x), before.get("weight", w))
         with self.graph.inserting_before(op):
-            new = self.graph.call_module(attr, args)
+            new = self.graph.call_module(attr, operands(x, w, bias))
         new.meta.update({k: v for k, v in op.meta.items() if k in ("val", "tensor_meta", "nn_module_stack")})
         op.replace_all_uses_with(new)
         self.graph.erase_node(op)
@@ -267,8 +282,7 @@ class GraphSite:
                     table[point] = new
         if self.op_node is op:
             self.op_node = new
-        self.replaced.append(attr)
-        return attr
+        return new
 
     def recompile(self) -> None:
         """Make the host run the edited graph (once per pass, after the lint), and tell each
