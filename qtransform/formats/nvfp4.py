@@ -36,8 +36,9 @@ FLT_MAX = torch.finfo(torch.float32).max
 E4M3_MAX = 448.0
 GLOBAL_RANGE = 2688.0  # E2M1 max (6) * E4M3 max (448)
 ONE_SIXTH = float(torch.tensor(1 / 6, dtype=torch.float32))  # fl32(1/6)
-# "default" is NVIDIA's order; "vllm-kv" vLLM's NVFP4 KV-cache writer (`nvfp4_kv.py`)
-VARIANTS = ("default", "compressed-tensors", "one_level", "modelopt", "vllm-kv")
+# "default" is NVIDIA's order; "vllm-kv" vLLM's NVFP4 KV-cache writer (`nvfp4_kv.py`);
+# "quartet-ii" Quartet II's forward kernel (`_quartet_ii`)
+VARIANTS = ("default", "compressed-tensors", "one_level", "modelopt", "vllm-kv", "quartet-ii")
 FOUR_OVER_SIX = ("none", "mse", "mae")  # none: every block maps its amax to 6
 GLOBAL_BOUNDS = ("448", "256")  # the E4M3 value the tensor amax maps to (strings: a choice option)
 # whose fp32 details decide four over six (docs/numerics.md "Four over six"; docs/recipes.md)
@@ -253,6 +254,35 @@ def _modelopt_four_over_six(blocks: torch.Tensor, amax_t: torch.Tensor) -> tuple
     return (q, q * sd, y, s, d), four
 
 
+def _quartet_ii(blocks: torch.Tensor, amax_t: torch.Tensor, cfg: QuantConfig,
+                u: torch.Tensor | None) -> Chosen:
+    """Quartet II's forward (`rtn_1x16s_fp4_kernel_wrapper`, IST-DASLab/Quartet-II 8776a90): d =
+    (amax_t / B) / 6 (1 when amax_t is 0; B = global_bound), s = e4m3((amax_b / 6) / d) with a
+    zero s taken as 1, y = x / (s * d), out = q * (s * d); four over six ("mse") builds the
+    max/4 scale as e4m3(((amax_b / 6) * 1.5) / d) the same way and keeps it where torch's sum
+    of the squared errors over the block is smaller (a tie keeps max/6)."""
+    bound = float(cfg.global_bound)
+    d = torch.where(amax_t == 0, 1.0, (amax_t / bound) / 6.0)
+    sixth = blocks.abs().amax(dim=1) / 6.0
+
+    def candidate(v: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        s = e4m3_rne(torch.clamp_max(v / d, FLT_MAX))
+        s = torch.where(s == 0, 1.0, s)
+        sd = (s * d)[:, None]
+        y = blocks / sd
+        q = round_signed(torch.clamp(y, -6.0, 6.0), cfg.spec.element, cfg.rounding, u)
+        return q, q * sd, y, s
+
+    six = candidate(sixth)
+    if cfg.four_over_six == "none":
+        return (*six, d), None
+    four_parts = candidate(sixth * 1.5)
+    err6 = ((blocks - six[1]) * (blocks - six[1])).sum(dim=1)
+    err4 = ((blocks - four_parts[1]) * (blocks - four_parts[1])).sum(dim=1)
+    four = err4 < err6
+    return _pick(four, six, four_parts, d), four
+
+
 def _one_level(blocks: torch.Tensor, cfg: QuantConfig, u: torch.Tensor | None) -> Parts:
     """No tensor scale: s = e4m3(amax_b / 6), elements x / s (torchao's order, no lower clamp)."""
     amax_b = blocks.abs().amax(dim=1)
@@ -291,6 +321,11 @@ def quantize_nvfp4(
         q, out, y, s, ts = _modelopt(blocks, amax_t, cfg, u, scale_t)
     elif cfg.nvfp4_variant == "vllm-kv":
         q, out, y, s, ts, four = quantize_vllm_kv(blocks, cfg, u, amax_t, scale_t)
+    elif cfg.nvfp4_variant == "quartet-ii":
+        if scale_t is not None:
+            raise ValueError("nvfp4: nvfp4_variant 'quartet-ii' computes its tensor scale from the "
+                             "amax, not a stored scale")
+        (q, out, y, s, ts), four = _quartet_ii(blocks, amax_t, cfg, u)
     else:
         q, out, y, s, ts = _compressed_tensors(blocks, amax_t, cfg, u, scale_t)
     return BlockQuant(
@@ -308,6 +343,10 @@ def scale_values(scales: torch.Tensor, tensor_scale: torch.Tensor | None, cfg: Q
 
 
 def _check(choices: dict[str, str]) -> str | None:
+    if choices["nvfp4_variant"] == "quartet-ii" and choices["four_over_six"] == "mae":
+        return "nvfp4_variant 'quartet-ii' chooses four over six by squared error; use 'mse'"
+    if choices["nvfp4_variant"] == "quartet-ii" and choices["four_over_six_order"] != "pairwise":
+        return "nvfp4_variant 'quartet-ii' has its own four-over-six order; remove four_over_six_order"
     if choices["nvfp4_variant"] == "vllm-kv" and choices["four_over_six"] == "mae":
         return ("nvfp4_variant 'vllm-kv' chooses four over six by squared error only (vLLM's "
                 "nvfp4_4over6 cache); use four_over_six 'mse'")
@@ -321,7 +360,8 @@ def _check(choices: dict[str, str]) -> str | None:
     if order == "modelopt" and (choices["four_over_six"] != "mse" or choices["global_bound"] != "256"):
         return ("four_over_six_order 'modelopt' chooses by squared error with block scales normalized "
                 "to 256, as ModelOpt's MSE calibration does; set four_over_six 'mse' and global_bound 256")
-    if choices["four_over_six"] != "none" and choices["nvfp4_variant"] not in ("default", "vllm-kv", "modelopt"):
+    if choices["four_over_six"] != "none" and choices["nvfp4_variant"] not in ("default", "vllm-kv", "modelopt",
+                                                                               "quartet-ii"):
         return (f"four_over_six applies to nvfp4_variant 'default' (NVIDIA's order), not "
                 f"{choices['nvfp4_variant']!r}; set nvfp4_variant 'default' or remove four_over_six")
     if choices["four_over_six"] != "none" and choices["granularity"] != "block":
@@ -336,9 +376,10 @@ def _check(choices: dict[str, str]) -> str | None:
     if order == "fouroversix" and choices["global_bound"] != "256":
         return ("four_over_six_order 'fouroversix' maps the tensor amax to 256, as the fouroversix "
                 "library does; set global_bound 256")
-    if choices["global_bound"] != "448" and choices["nvfp4_variant"] != "default" and order != "modelopt":
-        return (f"global_bound {choices['global_bound']} applies to nvfp4_variant 'default'; "
-                "remove it or set nvfp4_variant 'default'")
+    if (choices["global_bound"] != "448" and choices["nvfp4_variant"] not in ("default", "quartet-ii")
+            and order != "modelopt"):
+        return (f"global_bound {choices['global_bound']} applies to nvfp4_variant 'default' or "
+                "'quartet-ii'; remove it or set one of them")
     if choices["scale_dtype"] != "float32" and choices["nvfp4_variant"] != "compressed-tensors":
         return (f"scale_dtype {choices['scale_dtype']!r} applies to nvfp4_variant "
                 "'compressed-tensors' only (its bf16/fp16 scale divisions); set that variant or "

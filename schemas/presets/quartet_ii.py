@@ -34,7 +34,8 @@ def rules(o: Mapping[str, Any]) -> dict[str, Any]:
     eden = {"format": "nvfp4", "eden": {"group": group}}
     again = {**eden, "source": "forward"}  # weight_fp4.T, input_fp4.T: the forward's copies
     rotation = {"kind": "random_hadamard", "block_size": group, "redraw": True}
-    forward: dict[str, Any] = {"format": "nvfp4", "rounding": "rna", "global_scale": "tensor"}
+    forward: dict[str, Any] = {"format": "nvfp4", "nvfp4_variant": "quartet-ii", "rounding": "rna",
+                               "global_scale": "tensor"}
     if o["four_over_six"]:
         forward |= {"four_over_six": "mse", "global_bound": 256}
     return {"quantize": [{

@@ -21,6 +21,7 @@ from qtransform import fake_quantize, formats
 from qtransform.export.functions import (
     DOMAIN,
     Shape,
+    UnsupportedExport,
     attributes,
     fake_quant_function,
     overload,
@@ -147,6 +148,11 @@ def test_scale_dtype_other_than_fp32_is_refused_in_one_line():
                        r"'bfloat16' has no ONNX body; export the model in float32 or with scale_dtype "
                        r"'float32'$"):
         _fake_quant_translation(None, "fp8_e4m3", '{"scale_dtype": "bfloat16"}', "l/weight_fake_quant")
+
+
+def test_an_nvfp4_variant_without_a_body_is_refused_not_computed_otherwise():
+    with pytest.raises(UnsupportedExport, match=r"^nvfp4: nvfp4_variant 'quartet-ii' has no ONNX body"):
+        fake_quant_function(QuantConfig.from_options("nvfp4", {"nvfp4_variant": "quartet-ii"}).bind(-1), 21, None)
 
 
 def test_every_format_and_option_is_bit_exact_in_onnxruntime():

@@ -78,6 +78,9 @@ def nvfp4_blocks(b: Body, x: str, axes: str, cfg: QuantConfig, amax_t: str | Non
         q = b.op("Mul", qa, b.op("Where", b.op("Less", y, b.const(0.0)), b.const(-1.0), b.const(1.0)))
         q = b.op("Where", b.op("Equal", qa, b.const(0.0)), b.const(0.0), q)  # ModelOpt's zeros are +0
         return b.op("Mul", q, sd)
+    if cfg.nvfp4_variant != "compressed-tensors":  # every other variant returned above
+        raise UnsupportedExport(f"nvfp4: nvfp4_variant {cfg.nvfp4_variant!r} has no ONNX body; "
+                                "export a policy without it")
     amax_b = amax_nan(b, x, axes)  # a NaN block is all NaN here (g ignores amax_t's NaN)
     if scale_t is None:
         recip = b.op("Min", b.op("Div", b.const(1.0), amax_t), b.const(np.inf))  # stops Div-Mul fusion
