@@ -241,7 +241,7 @@ def test_modelopt_algorithms_it_cannot_read_are_refused(tmp_path):
     model = build_tiny("qwen2", hidden=64)
     folder, _ = write_folder(tmp_path, model, lambda m, w: ({"weight": w}, w),
                              modelopt={"quantization": {"quant_algo": "W4A8_AWQ"}})
-    with pytest.raises(UserError, match="quant_algo 'W4A8_AWQ'.*reads NVFP4, FP8"):
+    with pytest.raises(UserError, match="quant_algo 'W4A8_AWQ'.*reads NVFP4, W4A16_NVFP4, FP8"):
         load_model(folder)
 
 

@@ -13,7 +13,9 @@ from qtransform.errors import UserError
 from qtransform.schemas.presets import preset_names
 
 NORM_PRESETS = {"qerl"}  # its noise targets RMSNorm: a LayerNorm model (BERT) has none
-USER = {"qerl": {"noise": {"schedule": {"total_steps": 10}}}}
+USER = {"qerl": {"noise": {"schedule": {"total_steps": 10}}},
+        # its backward Hadamard must divide every Linear's output features (64 for k_proj here)
+        "quartet-ii/nvfp4": {"preset_options": {"hadamard_dim": 32}}}
 
 
 def _bert() -> torch.nn.Module:
