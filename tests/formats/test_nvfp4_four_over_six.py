@@ -180,6 +180,60 @@ def test_vector_path_special_blocks(dtype):
     assert both[0, :16].isnan().all() and not both[0, 16:].isnan().any()
 
 
+def keeps_max4(x: torch.Tensor, **opts) -> torch.Tensor:
+    """Per 16-block of x, whether the reference path keeps its max/4 candidate."""
+    plain = reference(x, **{k: v for k, v in opts.items() if k != "four_over_six"})
+    return (reference(x, **opts) != plain).reshape(-1, 16).any(dim=1)
+
+
+def boundary_blocks(mode: str, opts: dict) -> torch.Tensor:
+    """Blocks on the reference's decision boundary: element 1 of random blocks (amax 1) swept
+    over (0, 1), then bisected on its bit pattern to two neighbouring floats that the reference
+    decides differently (the two errors within an ulp or so of each other); both sides."""
+    g = torch.Generator().manual_seed(7)
+    blocks = torch.rand(256, 16, generator=g) * 2 - 1
+    blocks[:, 0] = 1.0
+    sweep = torch.linspace(0.01, 1.0, 65)
+
+    def decide(values: torch.Tensor) -> torch.Tensor:
+        b = blocks[: len(values)].clone()
+        b[:, 1] = values
+        return keeps_max4(b, four_over_six=mode, **opts)
+
+    seen = torch.stack([decide(torch.full((256,), float(t))) for t in sweep], dim=1)
+    flips = (seen[:, 1:] != seen[:, :1]).int().argmax(dim=1)
+    has = (seen[:, 1:] != seen[:, :1]).any(dim=1)
+    blocks = blocks[has]
+    lo = sweep[flips[has]].view(torch.int32).clone()
+    hi = sweep[flips[has] + 1].view(torch.int32).clone()
+    first = decide(lo.view(torch.float32))
+    while (hi - lo > 1).any():
+        mid = lo + (hi - lo) // 2
+        same = decide(mid.view(torch.float32)) == first
+        lo, hi = torch.where(same, mid, lo), torch.where(same, hi, mid)
+    out = []
+    for side in (lo, hi):
+        b = blocks.clone()
+        b[:, 1] = side.view(torch.float32)
+        out.append(b)
+    return torch.cat(out)
+
+
+@pytest.mark.skipif(fastpath.unavailable_reason() is not None, reason="no C fast path here")
+@pytest.mark.parametrize("mode", ["mse", "mae"])
+def test_vector_path_sums_in_the_halving_order(mode):
+    """Blocks on the decision boundary, in rows of 16 whole blocks: the vector path decides each
+    as the reference does, which a summation order other than the halving one would not."""
+    opts = {"global_bound": 256, "amax": torch.tensor(1.3)}
+    x = boundary_blocks(mode, opts)
+    assert len(x) >= 64
+    x = x[: len(x) // 16 * 16].reshape(-1, 256)
+    fast, ref = with_info(x, True, four_over_six=mode, **opts), with_info(x, False, four_over_six=mode, **opts)
+    assert torch.equal(fast[0], ref[0]) and torch.equal(fast[1], ref[1])
+    four = keeps_max4(x, four_over_six=mode, **opts)
+    assert four.any() and not four.all()
+
+
 def block(values: list[float]) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.float32).reshape(1, 16)
 
