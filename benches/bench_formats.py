@@ -38,7 +38,10 @@ FOS_TARGET = 1.5
 
 
 def target(case: str, dtype: str) -> float | None:
-    """The speed goal of one row (None: no goal)."""
+    """The speed goal of one row against the floor (None: none; four over six's is against
+    plain nvfp4, FOS_TARGET)."""
+    if case in FOS_CASES:
+        return None
     if case.endswith(" sr"):
         return 3.0
     if dtype == "fp32":
@@ -107,12 +110,13 @@ def run_dtype(x: torch.Tensor, dtype: str, args: argparse.Namespace) -> list[str
         ratio = sec / floor
         goal = target(key, dtype)
         verdict = "" if goal is None else f"<= {goal:g}x {'ok' if ratio <= goal else 'MISSED'}"
-        if key in FOS_CASES:  # against plain nvfp4: the median of the per-round ratios
-            rel = statistics.median(a / b for a, b in zip(ts, times["nvfp4"], strict=True))
-            goal, verdict = FOS_TARGET, f"{rel:.2f}x nvfp4 <= {FOS_TARGET:g}x {'ok' if rel <= FOS_TARGET else 'MISSED'}"
-            ratio = rel
         if goal is not None and ratio > goal:
             missed.append(f"{key} ({dtype})")
+        if key in FOS_CASES:  # against plain nvfp4: the median of the per-round ratios
+            rel = statistics.median(a / b for a, b in zip(ts, times["nvfp4"], strict=True))
+            verdict = f"{rel:.2f}x nvfp4 <= {FOS_TARGET:g}x {'ok' if rel <= FOS_TARGET else 'MISSED'}"
+            if rel > FOS_TARGET:
+                missed.append(f"{key} ({dtype})")
         extra = f" {ref[key]:.4f} | {ref[key] / floor:.1f} |" if key in ref else (" | |" if ref else "")
         print(f"| {key} | {sec:.4f} | {ratio:.2f} | {verdict} |{extra}")
     return missed
