@@ -4,7 +4,8 @@ One elementwise torch op (allocate the output, read x, write it) is the floor: n
 quantizer can beat it by much. Targets: on fp32 mxfp4 and nvfp4 within 3x of the
 floor and mxfp8 within 2x; on bf16/fp16 (read and written natively) MX formats and int groups
 within 1.5x of the same-dtype floor and nvfp4 (which reads the tensor twice) within 1.8x;
-stochastic rounding within 3x. Runs are interleaved (floor, then every case, repeated) so that
+stochastic rounding within 3x; NVFP4 four over six (both candidates per block, "mse" and "mae")
+within 1.5x of plain nvfp4 on the same dtype. Runs are interleaved (floor, then every case, repeated) so that
 load from other processes hits all rows alike; the table shows medians. Every large allocation
 gets fresh pages (glibc's mmap threshold is pinned low by re-executing with
 MALLOC_MMAP_THRESHOLD_ set), so the floor and the quantizers pay the same page faults.
@@ -32,10 +33,15 @@ from qtransform.formats import fake_quantize, fastpath, names
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 TARGETS_FP32 = {"mxfp4": 3.0, "nvfp4": 3.0, "mxfp8_e4m3": 2.0, "mxfp8_e5m2": 2.0}
 SR_CASES = ("mxfp4", "nvfp4", "int4")  # stochastic rounding rows (seed 0)
+FOS_CASES = {"nvfp4 4over6 mse": "mse", "nvfp4 4over6 mae": "mae"}  # goal: x plain nvfp4
+FOS_TARGET = 1.5
 
 
 def target(case: str, dtype: str) -> float | None:
-    """The speed goal of one row (None: no goal)."""
+    """The speed goal of one row against the floor (None: none; four over six's is against
+    plain nvfp4, FOS_TARGET)."""
+    if case in FOS_CASES:
+        return None
     if case.endswith(" sr"):
         return 3.0
     if dtype == "fp32":
@@ -73,6 +79,8 @@ def cases_for(x: torch.Tensor) -> dict[str, Callable[[], object]]:
         cases[fmt] = lambda fmt=fmt: fake_quantize(x, fmt)
     for fmt in SR_CASES:
         cases[f"{fmt} sr"] = lambda fmt=fmt: fake_quantize(x, fmt, rounding="stochastic", seed=0)
+    for key, mode in FOS_CASES.items():
+        cases[key] = lambda mode=mode: fake_quantize(x, "nvfp4", four_over_six=mode)
     return cases
 
 
@@ -104,6 +112,11 @@ def run_dtype(x: torch.Tensor, dtype: str, args: argparse.Namespace) -> list[str
         verdict = "" if goal is None else f"<= {goal:g}x {'ok' if ratio <= goal else 'MISSED'}"
         if goal is not None and ratio > goal:
             missed.append(f"{key} ({dtype})")
+        if key in FOS_CASES:  # against plain nvfp4: the median of the per-round ratios
+            rel = statistics.median(a / b for a, b in zip(ts, times["nvfp4"], strict=True))
+            verdict = f"{rel:.2f}x nvfp4 <= {FOS_TARGET:g}x {'ok' if rel <= FOS_TARGET else 'MISSED'}"
+            if rel > FOS_TARGET:
+                missed.append(f"{key} ({dtype})")
         extra = f" {ref[key]:.4f} | {ref[key] / floor:.1f} |" if key in ref else (" | |" if ref else "")
         print(f"| {key} | {sec:.4f} | {ratio:.2f} | {verdict} |{extra}")
     return missed

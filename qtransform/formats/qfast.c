@@ -617,6 +617,7 @@ VINLINE v16f vpow2(v16i k) {
 typedef struct {
     float a[VGROUP], post[VGROUP];
     int kind[VGROUP];
+    float a4[VGROUP], post4[VGROUP]; /* NVFP4 four over six: the max/4 candidate's a and post */
 } vplan_t;
 
 /* plan_block for the nj blocks of a group: in 16 lanes for MX, int groups and the default NVFP4
@@ -647,6 +648,14 @@ VINLINE int vplans(v16u am, v16i ex, const qf_params *p, const tensor_scale *ts,
         post = s * ts->d;
         a = vminf(1.0f / post, (v16f)SPLAT(f2u(FLT_MAX)));
         nan = (v16i)(am > 0x7f800000u); /* NaN blocks (a given tensor amax); Inf ones saturate */
+        if (p->fos) { /* fos_plan's max/4 candidate */
+            v16f s4 = vminf(vminf((v16f)am * (ts->g * 0.25f), (v16f)SPLAT(f2u(FLT_MAX))),
+                            (v16f)SPLAT(f2u(448.0f)));
+            s4 = vround(s4, e4m3, s4);
+            v16f post4 = s4 * ts->d, a4 = vminf(1.0f / post4, (v16f)SPLAT(f2u(FLT_MAX)));
+            memcpy(vp->a4, &a4, sizeof a4);
+            memcpy(vp->post4, &post4, sizeof post4);
+        }
     } else {
         int uni = -2;
         for (int64_t k = 0; k < nj; k++) {
@@ -733,6 +742,83 @@ VINLINE void vapply(const void *x, void *o, uint8_t *sat, const float *u, int64_
 VINLINE void vnan(void *o, uint8_t *sat, int64_t base, int64_t n, int dtype, int st) {
     for (int64_t v = 0; v < n; v += 16) vstore(o, base + v, dtype, SPLAT(QNAN), st);
     if (sat) memset(sat + base, 0, (size_t)n);
+}
+
+/* Four over six's error term of 16 elements under one candidate (fos_error's fp32 operations,
+ * the element rounded as vapply's MUL plan rounds it) */
+VINLINE v16f vfos_term(v16f xv, v16f uv, v16f a, v16f post, grid_t g, int mae) {
+    v16f y = xv * a;
+    v16u yb = (v16u)y;
+    v16f ay = (v16f)(yb & 0x7fffffffu);
+    v16f q = vround(vsatabs(y, ay, (v16f)SPLAT(f2u(g.max_normal))), g, uv);
+    v16f diff = (v16f)((v16u)q | (yb & 0x80000000u)) * post - xv;
+    return mae ? (v16f)((v16u)diff & 0x7fffffffu) : diff * diff;
+}
+
+/* The halving sum of one block's terms (B a power of two) down to 16 lanes: t[i] += t[i + h]
+ * for h = B/2, ..., 16 are whole-vector additions; fold_sums does h = 8, 4, 2, 1. */
+VINLINE void vfos_block(const void *x, const float *u, int64_t at, int64_t B, int dtype, float a6,
+                        float p6, float a4, float p4, grid_t g, int mae, v16f *e6, v16f *e4) {
+    v16f t6[1024 / 16], t4[1024 / 16];
+    for (int64_t v = 0; v < B / 16; v++) {
+        v16f xv = (v16f)vload(x, at + v * 16, dtype), uv = {0};
+        if (g.rna == 2) memcpy(&uv, u + v * 16, sizeof uv);
+        t6[v] = vfos_term(xv, uv, (v16f)SPLAT(f2u(a6)), (v16f)SPLAT(f2u(p6)), g, mae);
+        t4[v] = vfos_term(xv, uv, (v16f)SPLAT(f2u(a4)), (v16f)SPLAT(f2u(p4)), g, mae);
+    }
+    for (int64_t h = B / 32; h >= 1; h /= 2)
+        for (int64_t i = 0; i < h; i++) t6[i] = t6[i] + t6[i + h], t4[i] = t4[i] + t4[i + h];
+    *e6 = t6[0];
+    *e4 = t4[0];
+}
+
+/* The last four halving steps (h = 8, 4, 2, 1) of 16 blocks at once, t[k] holding block k's 16
+ * partial sums: fold_halves' and fold_blocks' shuffles, each pairing element i of a block with
+ * element i + h, with additions for maxima; lane k of the result is block k's sum. */
+VINLINE v16f fold_sums(const v16f t[VGROUP]) {
+    v16f v[8];
+    for (int j = 0; j < 8; j++)
+        v[j] = (v16f)_mm512_shuffle_f32x4((__m512)t[2 * j], (__m512)t[2 * j + 1], 0x44) +
+               (v16f)_mm512_shuffle_f32x4((__m512)t[2 * j], (__m512)t[2 * j + 1], 0xEE);
+    for (int i = 0; i < 4; i++)
+        v[i] = (v16f)_mm512_shuffle_f32x4((__m512)v[i], (__m512)v[i + 4], 0x88) +
+               (v16f)_mm512_shuffle_f32x4((__m512)v[i], (__m512)v[i + 4], 0xDD);
+    for (int i = 0; i < 2; i++)
+        v[i] = (v16f)_mm512_unpacklo_pd((__m512d)v[i], (__m512d)v[i + 2]) +
+               (v16f)_mm512_unpackhi_pd((__m512d)v[i], (__m512d)v[i + 2]);
+    v16f z = (v16f)_mm512_shuffle_ps((__m512)v[0], (__m512)v[1], 0x88) +
+             (v16f)_mm512_shuffle_ps((__m512)v[0], (__m512)v[1], 0xDD);
+    const v16u block_at = {0, 4, 2, 6, 1, 5, 3, 7, 8, 12, 10, 14, 9, 13, 11, 15};
+    return (v16f)_mm512_permutexvar_ps((__m512i)block_at, (__m512)z);
+}
+
+/* fos_plan for the nj blocks of a group (their uniforms in ub): both candidates' errors, then
+ * the max/4 plan into vp->a and vp->post where its error is smaller (a tie or a NaN keeps max/6;
+ * the plan of a NaN block is never read). */
+VINLINE void vfos_choose(const void *x, const float *ub, int64_t base, int64_t nj, int64_t B,
+                         int dtype, grid_t g, int mae, vplan_t *vp) {
+    v16f t6[VGROUP], t4[VGROUP];
+    for (int64_t k = 0; k < VGROUP; k++) {
+        t6[k] = t4[k] = (v16f){0};
+        if (k < nj)
+            vfos_block(x, ub + k * B, base + k * B, B, dtype, vp->a[k], vp->post[k], vp->a4[k],
+                       vp->post4[k], g, mae, &t6[k], &t4[k]);
+    }
+    __mmask16 four = _mm512_cmp_ps_mask((__m512)fold_sums(t4), (__m512)fold_sums(t6), _CMP_LT_OQ);
+    four &= group_lanes(nj);
+    if (!four) return;
+    _mm512_storeu_ps(vp->a, _mm512_mask_loadu_ps(_mm512_loadu_ps(vp->a), four, vp->a4));
+    _mm512_storeu_ps(vp->post, _mm512_mask_loadu_ps(_mm512_loadu_ps(vp->post), four, vp->post4));
+}
+
+/* vfos_choose with the usual block sizes and both metrics as compile-time constants */
+VINLINE void vfos_group(const void *x, const float *ub, int64_t base, int64_t nj, int64_t B,
+                        int dtype, grid_t g, int mae, vplan_t *vp) {
+    if (B == 16 && mae) vfos_choose(x, ub, base, nj, 16, dtype, g, 1, vp);
+    else if (B == 16) vfos_choose(x, ub, base, nj, 16, dtype, g, 0, vp);
+    else if (B == 32 && mae) vfos_choose(x, ub, base, nj, 32, dtype, g, 1, vp);
+    else if (B == 32) vfos_choose(x, ub, base, nj, 32, dtype, g, 0, vp);
+    else vfos_choose(x, ub, base, nj, B, dtype, g, mae, vp);
 }
 
 /* max lane-wise in 16-bit lanes (w16, which only AVX512BW builds pass) or 32-bit ones */
@@ -913,6 +999,7 @@ VINLINE void vec_body(
         int uni = unis[s];
         if (rna == 2) fill_uniform(sr, row, col0 + jc * B, nj * B, ub);
         int64_t base = off + jc * B;
+        if (p->fos && uni != PLAN_NAN) vfos_group(x, ub, base, nj, B, dtype, g, p->fos == 2, &plans[s]);
         int st = stream;
         if (dtype == DT_BF16 && uni != PLAN_NAN && normal_outputs(vp, nj, g)) st |= ST_NORMAL;
         if (uni == PLAN_POW2) vgroup(x, o, sat, ub, base, nj, B, dtype, PLAN_POW2, vp, g, st);
@@ -985,7 +1072,9 @@ int qf_quantize(const void *x, int dtype, void *out, uint8_t *sat, int32_t *exps
     int failed = 0;
     sr_t sr = {seed, post, cols};
     tensor_scale ts = {1.0f, 1.0f, 0.0f, 0};
-    vec_fn vec = tile_r == 1 && tile_c % 16 == 0 && cols % tile_c == 0 && !p->fos
+    /* four over six on the vector path: the default variant, blocks of a power of two */
+    int fos_ok = !p->fos || (p->variant == NV_DEFAULT && (tile_c & (tile_c - 1)) == 0);
+    vec_fn vec = tile_r == 1 && tile_c % 16 == 0 && cols % tile_c == 0 && fos_ok
                      ? VEC_FN(dtype, p->is_int != 0, p->rna)
                      : 0;
     /* an output this large would not stay in cache until it is read: store it around the cache,
