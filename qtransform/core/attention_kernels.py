@@ -79,16 +79,22 @@ def _refuse_extras(module: nn.Module, options: dict[str, Any]) -> None:
 def vllm_cpu(module: nn.Module, query: Tensor, key: Tensor, value: Tensor,
              attention_mask: Tensor | None, options: dict[str, Any], fp8: bool = True) -> tuple[Tensor, None]:
     """vLLM's CPU attention: fp32 throughout, cast to the model's dtype at the end (whatever
-    the cache holds)."""
+    the cache holds). GQA's query heads of one key/value head are one matrix product with it
+    (no repeated keys and values: the same fp32 products)."""
     del fp8
     _refuse_extras(module, options)
-    q, k, v, scale = _fp32_inputs(module, query, key, value, options)
-    scores = torch.matmul(q, k.transpose(2, 3)) * scale
-    mask = additive_mask(module, attention_mask, q.shape[2], k.shape[2], q.device)
+    batch, heads, q_len, _ = query.shape
+    kv_heads, k_len = key.shape[1], key.shape[2]
+    scaling = options.get("scaling")
+    scale = query.shape[-1] ** -0.5 if scaling is None else float(scaling)
+    q = query.to(torch.float32).reshape(batch, kv_heads, heads // kv_heads * q_len, -1)
+    scores = torch.matmul(q, key.to(torch.float32).transpose(2, 3)) * scale
+    scores = scores.view(batch, heads, q_len, k_len)
+    mask = additive_mask(module, attention_mask, q_len, k_len, query.device)
     if mask is not None:
         scores = scores + mask
-    probs = torch.softmax(scores, dim=-1)
-    out = torch.matmul(probs, v)
+    probs = torch.softmax(scores, dim=-1).view(batch, kv_heads, heads // kv_heads * q_len, k_len)
+    out = torch.matmul(probs, value.to(torch.float32)).view(batch, heads, q_len, -1)
     return out.transpose(1, 2).contiguous().to(query.dtype), None
 
 
