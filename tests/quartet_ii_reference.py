@@ -77,7 +77,7 @@ def sr_e4m3(c: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 def rotate(x: torch.Tensor, had: torch.Tensor) -> torch.Tensor:
     """The kernel's rotation: x in rows of had's order times hadᵀ (wrapper: had.T.contiguous();
     kernel: `tl.dot(x, it)`)."""
-    return x.contiguous().reshape(-1, had.shape[0]) @ had.T
+    return x.contiguous().reshape(-1, had.shape[0]) @ had.T.contiguous()
 
 
 def eden(x: torch.Tensor, had: torch.Tensor, amax: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
