@@ -25,21 +25,17 @@ from __future__ import annotations
 
 import torch
 
-from qtransform.formats.elements import round_signed
+from qtransform.formats.elements import round_magnitude, round_signed
 from qtransform.formats.options import QuantConfig
+from qtransform.formats.registry import E4M3
 
-E4M3_MAX = 448.0
-ONE_SIXTH = float(torch.tensor(1 / 6, dtype=torch.float32))
-
-
-def _e4m3(v: torch.Tensor) -> torch.Tensor:
-    return v.clamp_max(E4M3_MAX).to(torch.float8_e4m3fn).to(torch.float32)
+ONE_SIXTH = float(torch.tensor(1 / 6, dtype=torch.float32))  # the kernel's 1/6 in fp32
 
 
-def _candidate(blocks: torch.Tensor, amax_b: torch.Tensor, g: torch.Tensor, inv_g: torch.Tensor,
+def _candidate(amax_b: torch.Tensor, g: torch.Tensor, inv_g: torch.Tensor,
                factor: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(block scales SF, encode scales enc) of one candidate (`factor` 1/6 or 1/4)."""
-    sf = _e4m3(g * (amax_b * factor))
+    sf = round_magnitude(g * (amax_b * factor), E4M3)  # E4M3 to nearest even, saturating
     enc = torch.where(sf != 0, torch.reciprocal(sf * inv_g), 0.0)
     return sf, enc
 
@@ -63,15 +59,15 @@ def quantize_vllm_kv(blocks: torch.Tensor, cfg: QuantConfig, u: torch.Tensor | N
                                 torch.Tensor | None]:
     """(elements, dequantized values, scaled values, block scales, k, the blocks that kept max/4
     (None without four over six)) of the writer (module docstring) on [n, 16] fp32 blocks."""
-    k = (scale_t if scale_t is not None else amax_t / E4M3_MAX).to(torch.float32)
+    k = (scale_t if scale_t is not None else amax_t / E4M3.max_normal).to(torch.float32)
     k = torch.where(k == 0, 1.0, k)  # an all-zero tensor: any scale gives zeros
     g = torch.reciprocal(k)
     inv_g = torch.reciprocal(g)
     amax_b = blocks.abs().amax(dim=1)
-    sf, enc = _candidate(blocks, amax_b, g, inv_g, ONE_SIXTH)
+    sf, enc = _candidate(amax_b, g, inv_g, ONE_SIXTH)
     four = None
     if cfg.four_over_six == "mse":
-        sf4, enc4 = _candidate(blocks, amax_b, g, inv_g, 0.25)
+        sf4, enc4 = _candidate(amax_b, g, inv_g, 0.25)
         four = _error(blocks, enc4, cfg) < _error(blocks, enc, cfg)  # a tie keeps max/6
         sf, enc = torch.where(four, sf4, sf), torch.where(four, enc4, enc)
     y = blocks * enc[:, None]
