@@ -8,7 +8,7 @@ The public API. Transform: `transform`, `transform_program`, `plan`, `capture`, 
 `compare_runs`, `report_runs`. Export: `export_onnx`; deployable checkpoints
 (compressed-tensors, ModelOpt): `export_checkpoint`. Pages: `Page`, `scan_page`,
 `write_scan_page` (one self-contained HTML page per result). Checkpoints: `load_model` (also
-opens compressed-tensors and ModelOpt folders), `checkpoint_policy`; weights already on a grid:
+opens compressed-tensors and ModelOpt folders), `checkpoint_policy`, `engine_differences`; weights already on a grid:
 `grid_fit`, `GridFit`.
 
 This façade is the top of the layers (docs/architecture.md): it imports every stage, which also
@@ -24,7 +24,7 @@ from qtransform.errors import UserError
 from qtransform.export import export_onnx
 from qtransform.export.checkpoint import export_checkpoint
 from qtransform.formats import fake_quantize
-from qtransform.models import checkpoint_policy, load_model
+from qtransform.models import checkpoint_policy, engine_differences, load_model
 from qtransform.pipeline import Pass, PassManager, Plan, plan, transform, transform_program
 from qtransform.pipeline.saving import load_transformed, save_transformed
 from qtransform.report import Page, scan_page, write_scan_page
@@ -98,5 +98,5 @@ __all__ += ["Correction", "log_to", "mismatch_metrics"]
 __all__ += ["compare_runs", "report_runs"]
 __all__ += ["Page", "scan_page", "write_scan_page"]
 __all__ += ["Preset", "preset_names", "register_preset"]
-__all__ += ["load_model", "checkpoint_policy", "grid_fit", "GridFit"]
+__all__ += ["load_model", "checkpoint_policy", "engine_differences", "grid_fit", "GridFit"]
 __all__ += ["export_checkpoint"]

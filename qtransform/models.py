@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from qtransform import checkpoints
+from qtransform.checkpoints import engine_report
 from qtransform.checkpoints.shards import TensorFiles, check_safetensors
 from qtransform.core import engines
 from qtransform.core import io as qio
@@ -268,6 +269,37 @@ def checkpoint_policy(model: nn.Module, *, weights: bool = False, engine: str | 
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
     return checkpoints.policy(checkpoint, [name for name, _ in base.named_modules()], weights=weights,
                               engine=engine, backend=backend, dtype=dtype)
+
+
+def engine_differences(source: nn.Module | str | os.PathLike, *, engine: str = "vllm",
+                       backends: tuple[str, ...] | None = None,
+                       dtype: torch.dtype | None = None) -> dict[str, list[str]]:
+    """What `engine` computes, backend by backend, differently from the fake-quantized model a
+    quantized checkpoint describes (a model opened with `load_model`, or the folder), and
+    whether `checkpoint_policy(model, engine=...)` simulates it: one line per quantized Linear
+    group and for the KV cache (the export prints it). `backends`: default cpu, flash-attn-3
+    and triton; `dtype`: the model's (default the opened model's, else the folder's)."""
+    if engine not in engines.ENGINES:
+        raise UserError(f"engine {engine!r}: choose one of {', '.join(engines.ENGINES)}")
+    backends = backends or engine_report.REPORTED
+    bad = [b for b in backends if b not in engine_report.REPORTED]
+    if bad:
+        raise UserError(f"backend {bad[0]!r}: choose among {', '.join(engine_report.REPORTED)}")
+    if isinstance(source, nn.Module):
+        checkpoint = loaded_checkpoint(source)
+        dtype = dtype or next((p.dtype for p in source.parameters() if p.is_floating_point()), torch.float32)
+    else:
+        path = Path(source)
+        if not (path / "config.json").is_file():
+            raise UserError(f"{path}: no config.json; give a quantized checkpoint folder")
+        config = read_config(path)
+        checkpoint = checkpoints.detect(path, config)
+        named = getattr(torch, str(config.get("dtype") or config.get("torch_dtype") or ""), None)
+        dtype = dtype or (named if isinstance(named, torch.dtype) else torch.float32)
+    if checkpoint is None:
+        raise UserError("not a quantized checkpoint: open a compressed-tensors or ModelOpt folder "
+                        "(load_model) or give its path")
+    return {b: engine_report.differences(checkpoint, b, dtype) for b in backends}
 
 
 def _first_line(exc: BaseException) -> str:

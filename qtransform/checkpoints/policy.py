@@ -51,7 +51,7 @@ def policy(checkpoint: Checkpoint, names: list[str], *, weights: bool = False,
                           "targets": [ct_entry(t) for t in g.targets], "ignore": list(ignore),
                           "tensors": ["weight"], **fmt.rule_fields(g.weights, "weight")})
     kv = None if checkpoint.kv is None else (
-        dict(checkpoint.kv.fields) if engine is None else _engine_kv(checkpoint.kv.fields, backend))
+        dict(checkpoint.kv.fields) if engine is None else engine_kv(checkpoint.kv.fields, backend))
     linears = _engine_linears(checkpoint, backend, dtype) if engine is not None and not weights else []
     for i, g in enumerate(checkpoint.groups):
         if g.inputs is None or linears:
@@ -96,7 +96,7 @@ def _engine_linears(checkpoint: Checkpoint, backend: str, dtype: torch.dtype) ->
     return out
 
 
-def _engine_kv(fields: dict[str, Any], backend: str) -> dict[str, Any]:
+def engine_kv(fields: dict[str, Any], backend: str) -> dict[str, Any]:
     """A checkpoint's KV rule as vLLM runs it on `backend`: its FP8 cache (E4M3, whatever
     the producer's rounding) with the stored scales, in the backend's conversion; an NVFP4
     cache (ModelOpt's kv_cache_quant_algo NVFP4, which vLLM maps to kv_cache_dtype "nvfp4") in

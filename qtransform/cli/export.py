@@ -14,7 +14,7 @@ from qtransform.core import io as qio
 from qtransform.errors import UserError
 from qtransform.export.checkpoint import FORMATS, export_checkpoint
 from qtransform.export.onnx import check_opset, export_onnx
-from qtransform.models import input_paths, load_model, load_tokenizer
+from qtransform.models import engine_differences, input_paths, load_model, load_tokenizer
 from qtransform.pipeline import transform
 from qtransform.report.page import page_beside
 from qtransform.report.run_pages import export_page, export_summary
@@ -159,9 +159,16 @@ def run_checkpoint(args: argparse.Namespace) -> int:
                             max_shard_size=args.max_shard_size, force=args.force)
     seconds = time.perf_counter() - start
     files = sorted(p.name for p in out.iterdir() if not p.name.startswith("."))
-    summary = {"out": str(out), "format": args.to, "seconds": round(seconds, 2), "files": files}
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    engine = engine_differences(out, dtype=dtype)
+    summary = {"out": str(out), "format": args.to, "seconds": round(seconds, 2), "files": files,
+               "engine_differences": {"vllm": engine}}
     if args.json:
         print(json.dumps(summary, indent=2))
     else:
         print(f"exported {out} ({args.to}) in {seconds:.1f} s: {', '.join(files)}")
+        print("what vLLM computes differently from the fake-quantized model, per backend "
+              "(checkpoint_policy(model, engine=\"vllm\", backend=...) simulates what says simulated):")
+        for backend, lines in engine.items():
+            print("\n".join(f"  {backend}: {line}" for line in lines))
     return 0

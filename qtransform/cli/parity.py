@@ -8,19 +8,22 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from qtransform.core.engines import BACKENDS
 from qtransform.core.io import check_folder_target, output_folder, read_input_text
 from qtransform.core.noise import noise_modules
 from qtransform.errors import UserError
-from qtransform.models import input_paths, load_model, load_tokenizer
+from qtransform.export.checkpoint import export_checkpoint
+from qtransform.models import input_paths, is_quantized_folder, load_model, load_tokenizer
 from qtransform.pipeline import transform
 from qtransform.report.run_pages import parity_page
 from qtransform.report.scan_pages import command_line
-from qtransform.rl import HFEngine, noise_controller, parity, rollout_weights
+from qtransform.rl import HFEngine, noise_controller, parity, rollout_weights, simulated_engine
 from qtransform.schemas import load_policy
 
 EPILOG = """examples:
@@ -28,6 +31,8 @@ EPILOG = """examples:
   qtransform parity ./SmolLM2-135M --policy w4a16.json --engine clean --prompts prompts.txt \
       --temperature 0.7 --top-p 0.8 --attribute --out parity/clean
   qtransform parity builtin:qwen2 --policy w4a16.json --engine rollout-weights --phase rollout --out p/
+  qtransform parity ./SmolLM2-W8A8 --policy w8a8.json --engine vllm --simulate --backend cpu \
+      --attribute --out parity/engine   # what vLLM's kernels add, without vLLM
 
 engines:
   rollout-weights  the original architecture loaded with qtransform.rollout_weights (what a
@@ -35,7 +40,9 @@ engines:
   clean            the original architecture with the clean weights (a sync that forgot the
                    transform: shows the gap)
   vllm             vllm.LLM on the model folder, rollout weights pushed, processed log-probs
-                   (needs vllm installed)
+                   (needs vllm installed); with --simulate no vLLM runs: the policy's checkpoint
+                   (exported to a temporary folder; a quantized MODEL folder as it is) opened as
+                   vLLM runs it on --backend (checkpoint_policy(engine="vllm"), docs/engines.md)
 
 prompts: a text file, one prompt per line (encoded with the model folder's tokenizer), or a JSON
 list of token-id lists.
@@ -49,6 +56,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("model", help="HF/safetensors folder or builtin:<arch>")
     p.add_argument("--policy", required=True, help="policy JSON the trainer's model is transformed with")
     p.add_argument("--engine", choices=("rollout-weights", "clean", "vllm"), default="rollout-weights")
+    p.add_argument("--simulate", action="store_true",
+                   help="--engine vllm without vLLM: qtransform's simulation of vLLM serving the "
+                        "policy's checkpoint (or the quantized MODEL folder itself)")
+    p.add_argument("--backend", choices=BACKENDS, default="auto",
+                   help="with --simulate: vLLM's backend (auto: the model's device)")
     p.add_argument("--out", required=True, help="folder for parity.json/.md/.png")
     p.add_argument("--force", action="store_true", help="replace --out even when qtransform did not write it")
     p.add_argument("--step", type=int, default=0, help="noise controller step (default 0)")
@@ -99,6 +111,13 @@ def _policy_meta(path: str) -> dict[str, Any]:
 
 
 def _engine(args: argparse.Namespace, model: torch.nn.Module):
+    if args.simulate:
+        if is_quantized_folder(args.model):
+            return simulated_engine(args.model, backend=args.backend)
+        dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+        with tempfile.TemporaryDirectory(prefix="qtransform-parity-") as tmp:
+            export_checkpoint(model, Path(tmp) / "checkpoint")  # the folder vLLM would serve
+            return simulated_engine(Path(tmp) / "checkpoint", backend=args.backend, dtype=dtype)
     if args.engine == "vllm":
         if args.model.startswith("builtin:"):
             raise UserError("--engine vllm needs a model folder (vLLM loads it from disk)")
@@ -120,6 +139,10 @@ def _engine(args: argparse.Namespace, model: torch.nn.Module):
 
 
 def run_parity(args: argparse.Namespace) -> int:
+    if args.simulate and args.engine != "vllm":
+        raise UserError(f"--simulate simulates vLLM; drop it with --engine {args.engine}, or use --engine vllm")
+    if args.backend != "auto" and not args.simulate:
+        raise UserError(f"--backend {args.backend} picks the simulated engine's backend; add --simulate")
     protect = input_paths(args.model, args.policy, args.prompts)
     check_folder_target(args.out, "parity", force=args.force, protect=protect)  # before any work
     policy = load_policy(args.policy)
@@ -138,7 +161,7 @@ def run_parity(args: argparse.Namespace) -> int:
                     seed=args.seed, temperature=args.temperature, top_k=args.top_k,
                     top_p=args.top_p, min_p=args.min_p, floor=not args.no_floor,
                     attribute=args.attribute, tokenizer=tokenizer,
-                    metadata={"model_path": args.model, "engine_kind": args.engine,
+                    metadata={"model_path": args.model, "engine_kind": args.engine + (f" simulated ({args.backend})" if args.simulate else ""),
                               **_policy_meta(args.policy)})
     with output_folder(args.out, "parity", force=args.force, protect=protect) as staging:
         names = [path.name for path in report.save(staging).values()]

@@ -42,6 +42,16 @@ PER_TOKEN_HEAD = {  # kv_cache_dtype -> the writer's quantize-rule fields
     "int8_per_token_head": {"format": "int8", "int_range": "vllm-per-token-head", "rounding": "rna"},
     "fp8_per_token_head": {"format": "fp8_e4m3", "fp8_variant": "vllm-per-token-head"},
 }
+# what each backend's attention kernel computes, in words (the engine section's text, reports)
+BACKEND_WORDS = {
+    "auto": "the engine's backend on the model's device (cpu on CPU, flash-attn-3 on Hopper GPUs, "
+            "triton on others)",
+    "cpu": "vLLM's CPU attention (fp32 products and softmax, the output cast to the model's dtype)",
+    "flash-attn-3": "FlashAttention-3's FP8 forward (probabilities rounded to E4M3 per key tile, "
+                    "the row sum from the unrounded ones)",
+    "triton": "vLLM's Triton unified attention (with an FP8 cache P·256 rounded to E4M3, with "
+              "others P in the model's dtype)",
+}
 # vLLM's kv_cache_dtype values the engine section knows ("auto": the model's 16-bit cache)
 KV_CACHE_DTYPES = ("auto", *KV_DTYPES, *PER_TOKEN_HEAD)
 
@@ -146,3 +156,27 @@ def engine_section(backend: str, kv_cache_dtype: str = "fp8",
     quantized-linear kernels)."""
     return {"name": "vllm", "backend": backend, "kv_cache_dtype": kv_cache_dtype,
             **({"linears": linears} if linears else {})}
+
+
+def gpu_linear_words(weights: TensorScheme | None, inputs: TensorScheme | None) -> str:
+    """What vLLM's CUDA kernels compute for a checkpoint group's scheme (read from its sources,
+    docs/engines.md; not simulated: on GPU backends the Linears keep the producer's fake
+    quantization)."""
+    if weights is None:
+        return "16-bit weights: the engine's dense GEMM"
+    if (weights.kind, weights.bits) == ("float", 8):
+        act = ("activations quantized per token by x / scale (a division) rounded to nearest even"
+               if inputs is not None and inputs.strategy == "token" else "activations as stored")
+        return (f"CUTLASS scaled_mm: E4M3 products in fp32, the weight scale then the activation "
+                f"scale applied to the accumulator (one fma with the bias), one cast; {act}")
+    if (weights.kind, weights.bits) == ("int", 8):
+        return ("CUTLASS scaled_mm: int8 products summed in int32, the scales applied to the fp32 "
+                "accumulator; dynamic per-token activations q = rni(x · 127 / amax), not x / scale")
+    if weights.kind == "int" and weights.bits == 4 and inputs is None:
+        return ("Marlin: the int4 weight times its group scale rounded to the activation dtype "
+                "inside the kernel, fp32 accumulation")
+    if weights.kind == "float" and weights.bits == 4:
+        return ("Hopper: Marlin, weights only (the activations are not quantized, whatever the "
+                "fake quantization does to them); Blackwell: FlashInfer / CUTLASS FP4 GEMMs whose "
+                "activation quantizer uses approximate reciprocals")
+    return "a kernel not described here"

@@ -125,3 +125,16 @@ def w4a16(x: Tensor, codes: Tensor, w_scale: Tensor, bias: Tensor | None) -> Ten
 
 KERNELS = {"w8a8_int8": w8a8_int8, "fp8_dynamic": fp8_dynamic, "w4a16": w4a16}
 CODES = {"w8a8_int8": "int", "fp8_dynamic": "fp8", "w4a16": "int"}  # the weight's stored codes
+
+# what each kernel computes differently from the producer's fake quantization (the export's report)
+DIFFERENCES = {
+    "w8a8_int8": "activation scale amax / 127 in fp32 (the fake quantization: llm-compressor's "
+                 "amax / 127.5, every code apart), codes x · fl(1 / scale); an exact int32 GEMM "
+                 "with both scales applied after it in fp32 (the fake quantization multiplies "
+                 "dequantized values in the model's dtype)",
+    "fp8_dynamic": "activation scale in fp32 (the fake quantization: the model's dtype), codes "
+                   "x · fl(1 / scale) where it divides; the fp32 GEMM of the codes with both "
+                   "scales applied after it",
+    "w4a16": "the group scale and the dequantized weight rounded to the model's dtype, the "
+             "product summed in fp32 (the fake quantization: one product in the model's dtype)",
+}

@@ -8,6 +8,7 @@ from qtransform.rl.noise import NoiseController, evaluation, noise_controller, s
 from qtransform.rl.parity import HFEngine, parity
 from qtransform.rl.parity_report import ParityReport
 from qtransform.rl.sampling import Sampling
+from qtransform.rl.simulated import simulated_engine
 from qtransform.rl.tracking import log_to, rl_metrics, weight_stats
 from qtransform.rl.weights import rollout_filter, rollout_weights
 
@@ -15,4 +16,4 @@ __all__ = ["HFEngine", "NoiseController", "ParityReport", "noise_controller", "p
            "rollout_filter", "rollout_weights", "silent_reason", "evaluation"]
 __all__ += ["Correction", "icepop_mask", "importance_weights", "log_to", "mismatch_metrics",
             "rejection_mask", "rl_metrics", "weight_stats"]
-__all__ += ["Sampling"]
+__all__ += ["Sampling", "simulated_engine"]

@@ -20,23 +20,13 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from qtransform.core.engines import BACKENDS, ENGINES, KV_CACHE_DTYPES, check_cache
+from qtransform.core.engines import BACKEND_WORDS, BACKENDS, ENGINES, KV_CACHE_DTYPES, check_cache
 from qtransform.errors import UserError
 
 from ..base import Entries, Selected, compiled_entries
 from ..errors import Issue, problems_error
 from ..words import describe_selector
 from . import Section, register_section
-
-BACKEND_WORDS = {
-    "auto": "the engine's backend on the model's device (cpu on CPU, flash-attn-3 on Hopper GPUs, "
-            "triton on others)",
-    "cpu": "vLLM's CPU attention (fp32 products and softmax, the output cast to the model's dtype)",
-    "flash-attn-3": "FlashAttention-3's FP8 forward (probabilities rounded to E4M3 per key tile, "
-                    "the row sum from the unrounded ones)",
-    "triton": "vLLM's Triton unified attention (with an FP8 cache P·256 rounded to E4M3, with "
-              "others P in the model's dtype)",
-}
 
 
 class EngineSpec(Selected):
