@@ -243,7 +243,7 @@ def loaded_checkpoint(model: nn.Module) -> checkpoints.Checkpoint | None:
 
 
 def checkpoint_policy(model: nn.Module, *, weights: bool = False, engine: str | None = None,
-                      backend: str = "auto") -> dict | None:
+                      backend: str = "auto", nvfp4_4over6: str | None = None) -> dict | None:
     """The qtransform policy (a JSON dict) describing the quantization of the checkpoint `model`
     was loaded from (load_model of a compressed-tensors or ModelOpt folder); None for a plain
     model. Transforming the model with it reproduces the checkpoint's quantized model: its
@@ -254,8 +254,11 @@ def checkpoint_policy(model: nn.Module, *, weights: bool = False, engine: str | 
     `engine="vllm"`: what that engine computes from the folder where qtransform simulates it
     (its KV cache: the cache writer's conversion with the stored scales and the attention
     kernel of `backend`: "auto" = the model's device, "cpu", "flash-attn-3", "triton"; on "cpu"
-    its quantized-linear kernels too); default None, what the producer's fake quantization
-    computes (docs/attention.md, docs/engines.md)."""
+    its quantized-linear kernels too; on GPU backends a compressed-tensors checkpoint's NVFP4
+    activations as its CUDA quantizer computes them, and with `nvfp4_4over6` "mae" or "mse"
+    FlashInfer's four over six on them, as `FLASHINFER_NVFP4_4OVER6=1` with that error mode);
+    default None, what the producer's fake quantization computes (docs/attention.md,
+    docs/engines.md)."""
     checkpoint = loaded_checkpoint(model)
     if checkpoint is None:
         return None
@@ -268,7 +271,7 @@ def checkpoint_policy(model: nn.Module, *, weights: bool = False, engine: str | 
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
     return checkpoints.policy(checkpoint, [name for name, _ in base.named_modules()], weights=weights,
-                              engine=engine, backend=backend, dtype=dtype)
+                              engine=engine, backend=backend, dtype=dtype, nvfp4_4over6=nvfp4_4over6)
 
 
 def engine_differences(source: nn.Module | str | os.PathLike, *, engine: str = "vllm",

