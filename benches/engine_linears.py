@@ -6,6 +6,7 @@ model (PLAIN_DIR, optional), qtransform's producer simulation of the quantized f
 engine="vllm", backend="cpu")`: the quantized-linear and attention kernels).
 
 usage: python benches/engine_linears.py VLLM_OUT.json QUANT_DIR [PLAIN_DIR] [--attn eager|sdpa]
+       [--dtype bfloat16]   (PLAIN_DIR == QUANT_DIR: an unquantized run, the engine section alone)
 """
 
 from __future__ import annotations
@@ -37,18 +38,24 @@ def main() -> None:
     parser.add_argument("quant")
     parser.add_argument("plain", nargs="?")
     parser.add_argument("--attn", default="sdpa")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                        help="the dtype vLLM ran in (its `dtype=`)")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    dtype = getattr(torch, args.dtype)
     rows = json.loads(open(args.out).read())
-    opened = load_model(args.quant)
+    opened = load_model(args.quant, dtype=dtype)
     opened.set_attn_implementation(args.attn)
     models = {"qtransform without the engine": qtransform.transform(opened, qtransform.checkpoint_policy(opened)),
               "engine simulation": qtransform.transform(
                   opened, qtransform.checkpoint_policy(opened, engine="vllm", backend="cpu"))}
     if args.plain:
-        plain = load_model(args.plain)
+        plain = load_model(args.plain, dtype=dtype)
         plain.set_attn_implementation(args.attn)
         models = {"unquantized model": plain, **models}
+        if args.plain == args.quant:  # an unquantized run: the engine's attention and RoPE alone
+            models = {"unquantized model": plain, "engine simulation": qtransform.transform(
+                plain, {"engine": {"backend": "cpu", "kv_cache_dtype": "auto"}})}
     for name, model in models.items():
         mean, worst = figures(model, rows)
         print(f"{name}: mean {mean:.3e} max {worst:.3e}", flush=True)

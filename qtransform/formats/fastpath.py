@@ -233,6 +233,9 @@ def library() -> ctypes.CDLL | None:
                                                   ctypes.c_void_p, ctypes.c_int64,
                                                   ctypes.POINTER(_Fp8Params)] + [ctypes.c_void_p] * 2 + [
                         ctypes.c_int]
+                    lib.qf_vllm_attention.restype = ctypes.c_int
+                    lib.qf_vllm_attention.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 6 + [
+                        ctypes.c_float, ctypes.c_int]
                     lib.qf_mxfp4_pack.restype = ctypes.c_int
                     lib.qf_mxfp4_pack.argtypes = [ctypes.c_void_p, ctypes.c_int] + [ctypes.c_int64] * 2 + [
                         ctypes.POINTER(_Params), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
@@ -582,3 +585,27 @@ def mxfp4_pack(x: torch.Tensor, cfg: QuantConfig) -> tuple[torch.Tensor, torch.T
                           packed.data_ptr(), scales.data_ptr(), threads):
         return None
     return packed, scales
+
+
+def vllm_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor,
+                   scale: float) -> torch.Tensor | None:
+    """vLLM CPU's attention rows (`qf_vllm_attention`; `core/attention_kernels.py` holds the
+    torch reference): q [B, H, Tq, D], k and v [B, Hkv, Tk, D] in fp32, keep [B, Tq, Tk] bool;
+    the output [B, Tq, H, D] in fp32, or None when the kernel is unavailable."""
+    if not (enabled() and q.is_cpu):
+        return None
+    lib = library()
+    if lib is None:
+        return None
+    q, k, v = (t.to(torch.float32).contiguous() for t in (q, k, v))
+    keep = keep.to(torch.uint8).contiguous()
+    b, h, tq, d = q.shape
+    out = torch.empty(b, tq, h, d, dtype=torch.float32)
+    rows = b * h * tq
+    threads = torch.get_num_threads() if rows * k.shape[2] * d >= MIN_PARALLEL else 1
+    status = lib.qf_vllm_attention(q.data_ptr(), k.data_ptr(), v.data_ptr(), keep.data_ptr(),
+                                   out.data_ptr(), b, h, k.shape[1], tq, k.shape[2], d,
+                                   ctypes.c_float(scale), threads)
+    if status != 0:
+        raise MemoryError("vLLM CPU attention kernel: out of memory for its row buffers")
+    return out

