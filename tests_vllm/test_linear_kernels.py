@@ -19,6 +19,7 @@ from tests.tiny_rl import save_folder, tiny_qwen2
 from tests_vllm.test_kv_cache import engine
 
 SCHEMES = ("W8A8", "FP8_DYNAMIC")
+DTYPES = ("float32", "bfloat16")
 
 
 def scaled_qwen2() -> torch.nn.Module:
@@ -52,8 +53,9 @@ def folders(tmp_path_factory) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="module")
-def plain_rows(folders, tmp_path_factory) -> list[dict]:
-    return engine(folders["plain"], "auto", tmp_path_factory.mktemp("plain") / "out.json")
+def plain_rows(folders, tmp_path_factory) -> dict[str, list[dict]]:
+    return {dtype: engine(folders["plain"], "auto", tmp_path_factory.mktemp("plain") / "out.json", dtype=dtype)
+            for dtype in DTYPES}
 
 
 def figures(model: torch.nn.Module, rows: list[dict]) -> tuple[float, float]:
@@ -70,22 +72,24 @@ def figures(model: torch.nn.Module, rows: list[dict]) -> tuple[float, float]:
     return float(d.mean()), float(d.max())
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("scheme", SCHEMES)
-def test_engine_linears_reproduce_vllm_cpu(folders, plain_rows, scheme, tmp_path):
-    rows = engine(folders[scheme], "auto", tmp_path / "out.json")
-    opened = load_model(folders[scheme])
+def test_engine_linears_reproduce_vllm_cpu(folders, plain_rows, scheme, dtype, tmp_path):
+    rows = engine(folders[scheme], "auto", tmp_path / "out.json", dtype=dtype)
+    torch_dtype = getattr(torch, dtype)
+    opened = load_model(folders[scheme], dtype=torch_dtype)
     producer = qtransform.transform(opened, qtransform.checkpoint_policy(opened))
     ours = qtransform.transform(opened, qtransform.checkpoint_policy(opened, engine="vllm", backend="cpu"))
-    plain = load_model(folders["plain"])
+    plain = load_model(folders["plain"], dtype=torch_dtype)
     engine_plain = qtransform.transform(plain, {"engine": {"backend": "cpu", "kv_cache_dtype": "auto"}})
-    got = {"unquantized floor (vLLM plain vs transformers plain)": figures(plain, plain_rows),
-           "unquantized, the engine section (attention, RoPE)": figures(engine_plain, plain_rows),
+    got = {"unquantized floor (vLLM plain vs transformers plain)": figures(plain, plain_rows[dtype]),
+           "unquantized, the engine section (attention, RoPE, norms)": figures(engine_plain, plain_rows[dtype]),
            "unquantized model": figures(plain, rows),
            "qtransform without the engine": figures(producer, rows),
            "engine simulation": figures(ours, rows)}
     for name, (mean, worst) in got.items():
-        print(f"{scheme} {name}: mean {mean:.2e} max {worst:.2e}")
+        print(f"{scheme} {dtype} {name}: mean {mean:.2e} max {worst:.2e}")
     mean, worst = got["engine simulation"]
-    assert worst < 1e-6  # bit for bit but the lm_head's fp32 order (oneDNN's, not torch's)
-    assert got["unquantized, the engine section (attention, RoPE)"][1] < 1e-6
+    assert worst < 1e-6  # bit for bit but the fp32 lm_head's order (oneDNN's, not torch's)
+    assert got["unquantized, the engine section (attention, RoPE, norms)"][1] < 1e-6
     assert got["qtransform without the engine"][1] > 1e3 * worst

@@ -174,3 +174,46 @@ def test_what_vllm_does_not_compute_is_refused():
     assert "\n" not in str(exc.value)
     with pytest.raises(UserError, match="partial rotary"):
         engine_rotary.vllm_cpu_rotary(torch.ones(1, 1, 2, 8), torch.ones(1, 2, 4), torch.ones(1, 2, 4))
+
+
+def test_bf16_residual_norms_are_vllms_fused_add():
+    """In bf16 vLLM normalises the fp32 sum of the residual and the sublayer's output; the
+    engine section's post-attention, next input and final norms do, the rest stays."""
+    model = build_tiny("qwen2", num_layers=2, dtype=torch.bfloat16)
+    ours = qtransform.transform(model, {"engine": {"backend": "cpu", "kv_cache_dtype": "auto"}})
+    layers = ours.model.layers
+    seen: dict[str, torch.Tensor] = {}
+    layers[0].register_forward_pre_hook(lambda m, a: seen.__setitem__("x0", a[0]))
+    layers[0].self_attn.register_forward_hook(lambda m, a, o: seen.__setitem__("a0", o[0]))
+    layers[0].post_attention_layernorm.register_forward_hook(lambda m, a, o: seen.__setitem__("n0", o))
+    layers[-1].mlp.register_forward_hook(lambda m, a, o: seen.__setitem__("f1", o))
+    layers[-1].post_attention_layernorm.register_forward_pre_hook(lambda m, a: seen.__setitem__("h1", a[0]))
+    ours.model.norm.register_forward_hook(lambda m, a, o: seen.__setitem__("final", o))
+    with torch.no_grad():
+        ours(torch.randint(0, 256, (1, 11), generator=torch.Generator().manual_seed(0)))
+    norm = layers[0].post_attention_layernorm
+    s = seen["x0"].float() + seen["a0"].float()
+    want = ((s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)).to(torch.bfloat16)
+            * norm.weight).to(torch.bfloat16)
+    assert torch.equal(seen["n0"], want)
+    assert not torch.equal(norm.__class__.forward(norm, seen["x0"] + seen["a0"]), want)  # transformers'
+    s = seen["h1"].float() + seen["f1"].float()
+    final = ours.model.norm
+    want = ((s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + final.variance_epsilon)).to(torch.bfloat16)
+            * final.weight).to(torch.bfloat16)
+    assert torch.equal(seen["final"], want)
+
+
+def test_fp32_and_models_without_the_engine_keep_their_norms():
+    model = build_tiny("qwen2", num_layers=2)
+    ids = torch.randint(0, 256, (1, 7), generator=torch.Generator().manual_seed(1))
+    ours = qtransform.transform(model, {"engine": {"backend": "cpu", "kv_cache_dtype": "auto"}})
+    plain = build_tiny("qwen2", num_layers=2, dtype=torch.bfloat16)
+    with torch.no_grad():
+        before = plain(ids).logits
+        ours(ids)
+        assert torch.equal(plain(ids).logits, before)
+    from qtransform.core import engine_norms
+    norm = ours.model.layers[0].post_attention_layernorm
+    x = torch.randn(1, 7, norm.weight.shape[0])
+    assert engine_norms._fused(x, x, x, norm) is None  # fp32: transformers' numbers already
