@@ -32,6 +32,7 @@ from torch import Tensor, nn
 from qtransform.core import ops
 from qtransform.core.linear_kernels import fma32
 from qtransform.errors import UserError
+from qtransform.formats import fastpath
 
 _ACTIVE: contextvars.ContextVar[bool] = contextvars.ContextVar("qtransform_vllm_cpu_rotary", default=False)
 SIGNATURE = ["q", "k", "cos", "sin", "unsqueeze_dim"]
@@ -39,12 +40,17 @@ WRAPPED = "__qtransform_vllm_cpu_rotary__"
 
 
 def vllm_cpu_rotary(x: Tensor, cos: Tensor, sin: Tensor, unsqueeze_dim: int = 1) -> Tensor:
-    """vLLM CPU's NeoX rotary of `x` ([..., head_dim]) with transformers' cos/sin tables."""
+    """vLLM CPU's NeoX rotary of `x` ([..., head_dim]) with transformers' cos/sin tables (the
+    compiled kernel for [B, H, T, D], else fp32 torch with the fused multiply-adds emulated)."""
     half = x.shape[-1] // 2
     if cos.shape[-1] != x.shape[-1]:
         raise UserError(f"rotary over {cos.shape[-1]} of {x.shape[-1]} head dimensions (partial "
                         "rotary) is not simulated for vLLM's CPU backend; leave this model out of "
                         "the engine section")
+    if x.dim() == 4 and unsqueeze_dim == 1 and cos.dim() == 3:  # [B, H, T, D]: the compiled kernel
+        fast = fastpath.vllm_rotary(x, cos, sin)
+        if fast is not None:
+            return fast.to(x.dtype)
     c = cos.unsqueeze(unsqueeze_dim)[..., :half].to(torch.float32)
     s = sin.unsqueeze(unsqueeze_dim)[..., :half].to(torch.float32)
     x32 = x.to(torch.float32)

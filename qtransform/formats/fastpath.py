@@ -1,6 +1,7 @@
 """Compiled CPU fast path for fake quantization (bit-identical to the reference, stochastic
-rounding included) and for the error statistics of `qtransform.core.metrics.ErrorStats` (equal up to
-summation order).
+rounding included), for the error statistics of `qtransform.core.metrics.ErrorStats` (equal up to
+summation order), and for vLLM CPU's attention and RoPE in the engine simulation (bit-identical to
+their torch references in `core/attention_kernels.py` and `core/engine_rotary.py`).
 
 Eager torch spends one memory pass per elementwise op (a dozen per format, two dozen for the
 metrics) and microseconds of dispatch per op; `qfast.c` does one pass per block and one pass for
@@ -233,6 +234,8 @@ def library() -> ctypes.CDLL | None:
                                                   ctypes.c_void_p, ctypes.c_int64,
                                                   ctypes.POINTER(_Fp8Params)] + [ctypes.c_void_p] * 2 + [
                         ctypes.c_int]
+                    lib.qf_vllm_rotary.restype = None
+                    lib.qf_vllm_rotary.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 4
                     lib.qf_vllm_attention.restype = ctypes.c_int
                     lib.qf_vllm_attention.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 6 + [
                         ctypes.c_float, ctypes.c_int]
@@ -608,4 +611,21 @@ def vllm_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torc
                                    ctypes.c_float(scale), threads)
     if status != 0:
         raise MemoryError("vLLM CPU attention kernel: out of memory for its row buffers")
+    return out
+
+
+def vllm_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor | None:
+    """vLLM CPU's NeoX rotary (`qf_vllm_rotary`; `core/engine_rotary.py` holds the torch
+    reference): x [B, H, T, D], cos and sin [B, T, D]; fp32 out, or None when the kernel is
+    unavailable."""
+    if not (enabled() and x.is_cpu and cos.is_cpu):
+        return None
+    lib = library()
+    if lib is None:
+        return None
+    b, h, t, d = x.shape
+    x = x.to(torch.float32).contiguous()
+    cos, sin = (v.to(torch.float32).expand(b, t, d).contiguous() for v in (cos, sin))
+    out = torch.empty_like(x)
+    lib.qf_vllm_rotary(x.data_ptr(), cos.data_ptr(), sin.data_ptr(), out.data_ptr(), b, h, t, d)
     return out

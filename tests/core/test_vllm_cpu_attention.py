@@ -217,3 +217,17 @@ def test_fp32_and_models_without_the_engine_keep_their_norms():
     norm = ours.model.layers[0].post_attention_layernorm
     x = torch.randn(1, 7, norm.weight.shape[0])
     assert engine_norms._fused(x, x, x, norm) is None  # fp32: transformers' numbers already
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 2**16), dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
+       b=st.integers(1, 2), h=st.integers(1, 4), t=st.integers(1, 9), d=st.sampled_from([8, 64]))
+def test_the_compiled_rotary_equals_the_torch_path(seed, dtype, b, h, t, d):
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(b, h, t, d, generator=g) * 4).to(dtype)
+    cos, sin = (torch.randn(b, t, d, generator=g).to(dtype) for _ in range(2))
+    if fastpath.vllm_rotary(x, cos, sin) is None:
+        pytest.skip(f"no compiled kernel here: {fastpath.unavailable_reason()}")
+    fast = engine_rotary.vllm_cpu_rotary(x, cos, sin)
+    slow = engine_rotary.vllm_cpu_rotary(x.unsqueeze(0), cos.unsqueeze(0), sin.unsqueeze(0), 2)[0]  # the torch path
+    assert torch.equal(fast, slow)
