@@ -77,9 +77,12 @@ POLICIES = {
     # vLLM's FP8 KV cache on its CPU backend: keys and values through the cache's conversion,
     # the backend's fp32 attention kernel (docs/attention.md)
     "kv_fp8": {"preset": "vllm/kv_fp8_e4m3", "preset_options": {"backend": "cpu"}},
+    # vLLM's CPU forward without a quantized cache: its attention kernel bit for bit (compiled),
+    # its RoPE, its fused residual norms (docs/engines.md)
+    "engine_cpu": {"engine": {"backend": "cpu", "kv_cache_dtype": "auto"}},
 }
 CASES = ("generate", "prefill", "w4a4", "aqn", "hw_error", "lora", "onnx", "sensitivity", "sites",
-         "kv")
+         "kv", "engine")
 
 
 def smollm2(dtype: torch.dtype) -> tuple[nn.Module, torch.Tensor]:
@@ -300,6 +303,13 @@ def run_case(case: str, model: nn.Module, ids: torch.Tensor, args: argparse.Name
         report(f"kv prefill forward ({ids.shape[1]} tokens), kv_fp8", 1.15,
                rounds(forward(model, ids), forward(q, ids), threads, args.rounds))
         report("kv generate 24 tokens, kv_fp8", 1.15,
+               rounds(generate(model, ids), generate(q, ids), threads, args.rounds))
+        del q
+    elif case == "engine":
+        q = transformed(model, "engine_cpu")
+        report(f"engine prefill forward ({ids.shape[1]} tokens), engine_cpu", 2.0,
+               rounds(forward(model, ids), forward(q, ids), threads, args.rounds))
+        report("engine generate 24 tokens, engine_cpu", 2.0,
                rounds(generate(model, ids), generate(q, ids), threads, args.rounds))
         del q
     elif case == "lora":

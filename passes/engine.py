@@ -37,6 +37,8 @@ from qtransform.pipeline.selection import select_sites
 from qtransform.schemas.base import Selected
 from qtransform.schemas.sections.engine import EngineSpec
 
+from .fake_quant import FakeQuantize
+
 
 class EngineAttention(nn.Module):
     """One attention module's engine kernel (`backend` of `engine`)."""
@@ -52,7 +54,35 @@ class EngineAttention(nn.Module):
 
     def forward(self, module: nn.Module, query: Tensor, key: Tensor, value: Tensor,
                 attention_mask: Tensor | None, options: dict[str, Any]) -> tuple[Tensor, None]:
+        if self.backend == "cpu" and self.fp8:  # the cache's codes and scales, where there are
+            scales = cache_scales(module)
+            return self.kernel(module, query, key, value, attention_mask, options, scales is not None,
+                               kv_scales=scales)
         return self.kernel(module, query, key, value, attention_mask, options, self.fp8)
+
+
+def cache_scales(module: nn.Module) -> tuple[Tensor, Tensor, str] | None:
+    """The FP8 cache writer's (k_scale, v_scale, element) in attention `module`: its key and value
+    quantizers' one fixed scale each (a stored, fixed or calibrated static scale, as the writer
+    applies it); None where they are switched off or have no such scale (a calibration pass):
+    the kernel then reads the values as a 16/32-bit cache."""
+    found = []
+    for point in ("key", "value"):
+        quantizer = getattr(module, f"{point}_fake_quant", None)
+        if not isinstance(quantizer, FakeQuantize) or quantizer.config.family.name != "fp8" \
+                or not quantizer.enabled:
+            return None
+        level = quantizer.fixed_level()
+        if "scale" in level:
+            scale = level["scale"].to(torch.float32).reshape(())
+        elif "amax" in level:
+            amax = level["amax"].to(torch.float32).reshape(())
+            scale = amax / quantizer.config.spec.max_normal
+            scale = torch.where(scale == 0, 1.0, scale)
+        else:
+            return None
+        found.append(scale)
+    return found[0], found[1], module.key_fake_quant.config.spec.element.name
 
 
 class EngineLinear(nn.Module):

@@ -176,6 +176,14 @@ class FakeQuantize(nn.Module):
             return {"scale": self._fixed_scale}
         return {}
 
+    def fixed_level(self) -> dict[str, Tensor]:
+        """The one tensor-level scale this module applies whatever x is: {"scale": ...} (stored
+        or fixed), {"amax": ...} (calibrated static, scale group), or {} (x's own, per token,
+        or a static scale not calibrated yet)."""
+        if self.global_scale in (None, "token") or (self.static_scale is not None and not self.static_scale.frozen):
+            return {}  # x's own, or a static scale still calibrating
+        return self._fixed()
+
     @staticmethod
     def _check() -> str:
         return "identity" if in_rollout() else "sample"

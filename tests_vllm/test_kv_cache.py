@@ -86,7 +86,8 @@ def test_vllm_kv_presets_reproduce_vllm_cpu(folder, kv_cache_dtype, tmp_path):
                                                       "fixed_scale": 1.0}]})
     assert gaps(model, rows) > 0.01  # the plain model is far off
     assert gaps(cast, rows) > 0.01  # so is a plain cast to FP8 (rounded to nearest)
-    assert gaps(ours, rows) < 1e-4
+    print("engine simulation gap", gaps(ours, rows))
+    assert gaps(ours, rows) < 1e-6  # bit for bit but the fp32 lm_head's GEMM order
 
 
 def test_checkpoint_scales_as_vllm_cpu_uses_them(folder, tmp_path):
@@ -111,7 +112,8 @@ def test_checkpoint_scales_as_vllm_cpu_uses_them(folder, tmp_path):
     producer = qtransform.transform(model, qtransform.checkpoint_policy(model))
     ours = qtransform.transform(model, qtransform.checkpoint_policy(model, engine="vllm", backend="cpu"))
     assert gaps(producer, rows) > 0.01  # llm-compressor's fake quantization is not the engine's
-    assert gaps(ours, rows) < 1e-4
+    print("engine simulation gap", gaps(ours, rows))
+    assert gaps(ours, rows) < 1e-6  # bit for bit but the fp32 lm_head's GEMM order
 
 
 def test_recalibrated_kv_scales_reach_the_engine_with_the_weights(folder, tmp_path):
@@ -135,7 +137,8 @@ def test_recalibrated_kv_scales_reach_the_engine_with_the_weights(folder, tmp_pa
     assert pairs["model.layers.0.self_attn.k_scale"].shape == (1,)
     save_file({k: v.contiguous() for k, v in pairs.items()}, tmp_path / "push.safetensors")
     rows = engine(tmp_path / "start", "auto", tmp_path / "out.json", push=tmp_path / "push.safetensors")
-    assert gaps(trainer, rows) < 1e-4
+    print("pushed trainer gap", gaps(trainer, rows))
+    assert gaps(trainer, rows) < 1e-6
     assert json.loads((tmp_path / "out.warnings.json").read_text()) == []
     weights_only = {k: v.contiguous() for k, v in pairs.items() if not k.endswith(("k_scale", "v_scale"))}
     save_file(weights_only, tmp_path / "stale.safetensors")
@@ -163,4 +166,5 @@ def test_per_head_scales_as_vllm_cpu_uses_them(tmp_path):
     per_head = qtransform.transform(model, qtransform.checkpoint_policy(model, engine="vllm", backend="flash-attn-3"))
     ours = qtransform.transform(model, qtransform.checkpoint_policy(model, engine="vllm", backend="cpu"))
     assert gaps(producer, rows) > 0.1 and gaps(per_head, rows) > 0.1
-    assert gaps(ours, rows) < 1e-4
+    print("engine simulation gap", gaps(ours, rows))
+    assert gaps(ours, rows) < 1e-5  # the fp32 lm_head's GEMM order (K = 128) moves an ulp here

@@ -13,8 +13,9 @@ cache decodes to), the model's mask and options, and returns what `core/attentio
   reduced as GCC's `_mm512_reduce_add_ps` (lanes i + 8, then i + 4, then (0 + 2) + (1 + 3)), P·V
   a fused multiply-add chain over keys from 0, out = fl(1 / (double)sum) · acc, cast to the
   model's dtype (`formats/qfast.c` `qf_vllm_attention`, else `vllm_cpu_reference`); with an FP8
-  cache, and in traced graphs (ONNX), approximately: fp32 products of the decoded cache, torch's
-  softmax;
+  cache the chains run on the cache's codes, the logits are multiplied by fl(scale · k_scale)
+  after them (q unscaled) and out = fl(v_scale / (double)sum) · acc; traced graphs (ONNX) have
+  no fused multiply-add: fp32 products of the decoded cache, torch's softmax there;
 - `flash_attn_3`: FlashAttention-3's FP8 forward (vllm-flash-attn `hopper/`, written from
   source, not run here): key tiles of `kBlockN` from the last to the first, a running row max,
   P = exp2(S·log2e - (m·log2e - 8)) in [0, 256] rounded to FP8 E4M3 before P·V while the row
@@ -94,31 +95,46 @@ def _refuse_extras(module: nn.Module, options: dict[str, Any]) -> None:
 
 
 def vllm_cpu(module: nn.Module, query: Tensor, key: Tensor, value: Tensor,
-             attention_mask: Tensor | None, options: dict[str, Any], fp8: bool = True) -> tuple[Tensor, None]:
-    """vLLM's CPU attention, bit for bit for a 16- or 32-bit cache (the module docstring's steps;
-    the compiled kernel, else `vllm_cpu_reference`), cast to the model's dtype at the end. With an
-    FP8 cache (`fp8`) the engine runs another path, not reproduced bit for bit, and a traced
-    graph has no fused multiply-add: both take `_fp32_attention`."""
+             attention_mask: Tensor | None, options: dict[str, Any], fp8: bool = True,
+             kv_scales: tuple[Tensor, Tensor, str] | None = None) -> tuple[Tensor, None]:
+    """vLLM's CPU attention, bit for bit (the module docstring's steps; the compiled kernel, else
+    `vllm_cpu_reference`), cast to the model's dtype at the end. With an FP8 cache (`fp8`) the
+    engine reads the cache's codes and folds its scales in (`kv_scales`: the cache writer's
+    k_scale, v_scale and element, given by the engine section); without them, and in traced
+    graphs (no fused multiply-add), `_fp32_attention`."""
     _refuse_extras(module, options)
-    if fp8 or ops.is_tracing(query):  # traced (ONNX, torch.compile): no fused multiply-add op
+    if ops.is_tracing(query) or (fp8 and kv_scales is None):
         return _fp32_attention(module, query, key, value, attention_mask, options)
     scaling = options.get("scaling")
-    scale = float(torch.tensor(query.shape[-1] ** -0.5 if scaling is None else float(scaling),
-                               dtype=torch.float32))
+    scale = torch.tensor(query.shape[-1] ** -0.5 if scaling is None else float(scaling), dtype=torch.float32)
     keep = keep_mask(module, attention_mask, query.shape[0], query.shape[2], key.shape[2], query.device)
-    out = fastpath.vllm_attention(query, key, value, keep, scale) if query.is_cpu else None
+    q, k, v = query.to(torch.float32), key.to(torch.float32), value.to(torch.float32)
+    logit_scale, v_scale = 0.0, 1.0
+    if fp8:  # the cache's codes; the scales where vLLM's FP8 path puts them
+        k_scale, v_s, element = kv_scales
+        k, v = cache_codes(k, k_scale, element), cache_codes(v, v_s, element)
+        logit_scale, v_scale = float(scale * k_scale.to(torch.float32)), float(v_s)
+        scale = torch.tensor(1.0)
+    args = (q, k, v, keep, float(scale), logit_scale, v_scale)
+    out = fastpath.vllm_attention(*args) if query.is_cpu else None
     if out is None:
-        out = vllm_cpu_reference(query.to(torch.float32), key.to(torch.float32), value.to(torch.float32),
-                                 keep, scale)
+        out = vllm_cpu_reference(*args)
     return out.to(query.dtype), None
+
+
+def cache_codes(x: Tensor, scale: Tensor, element: str) -> Tensor:
+    """The FP8 codes (as fp32) behind a cache's decoded values x = code · scale: x / scale lies
+    within an ulp of its code, which rounding to the element recovers."""
+    dtype = torch.float8_e4m3fn if element == "e4m3" else torch.float8_e5m2
+    top = torch.finfo(dtype).max
+    return (x / scale.to(torch.float32)).clamp(-top, top).to(dtype).to(torch.float32)
 
 
 def _fp32_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor,
                     attention_mask: Tensor | None, options: dict[str, Any]) -> tuple[Tensor, None]:
-    """vLLM CPU's attention approximately: fp32 products of the (decoded) keys and values,
-    torch's softmax; over an FP8 cache within 2e-6 of the engine's log-probs (tests_vllm: the
-    engine folds k_scale and v_scale into an order the measurement did not pin down). GQA's
-    query heads of one key/value head are one matrix product with it."""
+    """vLLM CPU's attention approximately (traced graphs): fp32 products of the decoded keys
+    and values, torch's softmax. GQA's query heads of one key/value head are one matrix product
+    with it."""
     batch, heads, q_len, _ = query.shape
     kv_heads, k_len = key.shape[1], key.shape[2]
     scaling = options.get("scaling")
@@ -171,15 +187,19 @@ def fast_exp(x: Tensor) -> Tensor:
     return (res * torch.where(under, 0.0, two_n)) * 2.0
 
 
-def vllm_cpu_reference(q: Tensor, k: Tensor, v: Tensor, keep: Tensor, scale: float) -> Tensor:
+def vllm_cpu_reference(q: Tensor, k: Tensor, v: Tensor, keep: Tensor, scale: float,
+                       logit_scale: float = 0.0, v_scale: float = 1.0) -> Tensor:
     """`vllm_cpu`'s arithmetic in torch (fp32 inputs [B, H, Tq, D] and [B, Hkv, Tk, D], keep
-    [B, Tq, Tk]; output [B, Tq, H, D] in fp32): what the compiled kernel computes, slowly."""
+    [B, Tq, Tk]; an FP8 cache's logit and value scales; output [B, Tq, H, D] in fp32): what the
+    compiled kernel computes, slowly."""
     groups = q.shape[1] // k.shape[1]
     kk, vv = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
     qs = q * torch.tensor(scale, dtype=torch.float32)
     s = torch.zeros(*q.shape[:3], k.shape[2], dtype=torch.float32, device=q.device)
     for d in range(q.shape[-1]):  # one fused multiply-add per head_dim element, from 0
         s = fma32(qs[..., d, None], kk[:, :, None, :, d], s)
+    if logit_scale != 0.0:
+        s = s * torch.tensor(logit_scale, dtype=torch.float32)
     attend = keep[:, None]
     s = torch.where(attend, s, -math.inf)
     m = s.amax(dim=-1, keepdim=True)
@@ -194,7 +214,7 @@ def vllm_cpu_reference(q: Tensor, k: Tensor, v: Tensor, keep: Tensor, scale: flo
     acc = torch.zeros_like(q)
     for j in range(k.shape[2]):  # one fused multiply-add per key, from 0; masked keys skipped
         acc = torch.where(attend[..., j, None], fma32(p[..., j, None], vv[:, :, None, j], acc), acc)
-    inv = (1.0 / total.double()).float()
+    inv = (v_scale / total.double()).float()
     out = torch.where(attend.any(dim=-1, keepdim=True), inv[..., None] * acc, 0.0)
     return out.transpose(1, 2).contiguous()
 

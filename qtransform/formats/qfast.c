@@ -1863,7 +1863,9 @@ void qf_fp8_tensor(const void *x, int dtype, void *out, uint8_t *sat, int64_t n,
  * (and the key range padded to a multiple of 32) at -inf; p = its AVX-512 polynomial exp of
  * s - max; the row sum in 16 lanes (key j into lane j % 16, in order) reduced as GCC reduces
  * _mm512_reduce_add_ps; P.V a fused multiply-add chain over keys from 0; out = (float)(1 /
- * (double)sum) * acc. fmaf is explicit (the file is built with -ffp-contract=off). q [B, H, Tq,
+ * (double)sum) * acc. An FP8 cache (its codes in k and v) scales the logits instead of q, by
+ * logit_scale = fl(scale * k_scale) after each chain (0: none), and v_scale takes 1's place in
+ * the final reciprocal. fmaf is explicit (the file is built with -ffp-contract=off). q [B, H, Tq,
  * D], k and v [B, Hkv, Tk, D], keep [B, Tq, Tk] (nonzero: the key is attended), out [B, Tq, H,
  * D], all contiguous fp32. A row with no key attended is written as zeros. */
 #include <math.h>
@@ -1893,7 +1895,7 @@ static inline float va_fast_exp(float x) {
 
 int qf_vllm_attention(const float *q, const float *k, const float *v, const uint8_t *keep, float *out,
                       int64_t B, int64_t H, int64_t Hkv, int64_t Tq, int64_t Tk, int64_t D, float scale,
-                      int nthreads) {
+                      float logit_scale, float v_scale, int nthreads) {
     const int64_t rows = B * H * Tq, group = H / Hkv, padded = (Tk + 31) / 32 * 32;
     int failed = 0;
 #pragma omp parallel num_threads(nthreads) reduction(|| : failed)
@@ -1920,6 +1922,7 @@ int qf_vllm_attention(const float *q, const float *k, const float *v, const uint
                 const float *kj = kb + j * D;
                 float a = 0.0f;
                 for (int64_t d = 0; d < D; d++) a = fmaf(qs[d], kj[d], a);
+                if (logit_scale != 0.0f) a *= logit_scale;
                 s[j] = a;
                 if (!any || a > m) m = a;
                 any = 1;
@@ -1944,7 +1947,7 @@ int qf_vllm_attention(const float *q, const float *k, const float *v, const uint
                 const float p = s[j];
                 for (int64_t d = 0; d < D; d++) acc[d] = fmaf(p, vj[d], acc[d]);
             }
-            const float inv = (float)(1.0 / (double)sum);
+            const float inv = (float)((double)v_scale / (double)sum);
             for (int64_t d = 0; d < D; d++) o[d] = inv * acc[d];
         }
         free(s);

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 import qtransform
 from qtransform.core import engine_rotary
-from qtransform.core.attention_kernels import fast_exp, vllm_cpu_reference
+from qtransform.core.attention_kernels import cache_codes, fast_exp, vllm_cpu_reference
 from qtransform.errors import UserError
 from qtransform.formats import fastpath
 from qtransform.models import build_tiny
@@ -52,8 +52,9 @@ def port_exp(x: np.float32) -> np.float32:
     return F32(F32(res * two_n) * F32(2))
 
 
-def port_row(q: np.ndarray, k: np.ndarray, v: np.ndarray, keep: np.ndarray, scale: np.float32) -> np.ndarray:
-    """One query row: q [D], k and v [L, D], keep [L]."""
+def port_row(q: np.ndarray, k: np.ndarray, v: np.ndarray, keep: np.ndarray, scale: np.float32,
+             logit_scale: np.float32 | None = None, v_scale: float = 1.0) -> np.ndarray:
+    """One query row: q [D], k and v [L, D], keep [L]; an FP8 cache's logit and value scales."""
     if not keep.any():
         return np.zeros_like(q)
     qs = (q * scale).astype(F32)
@@ -62,6 +63,8 @@ def port_row(q: np.ndarray, k: np.ndarray, v: np.ndarray, keep: np.ndarray, scal
         acc = F32(0)
         for d in range(len(q)):
             acc = fma(qs[d], k[j, d], acc)
+        if logit_scale is not None:
+            acc = F32(acc * logit_scale)
         s.append(acc if keep[j] else F32(-np.inf))
     m = max(s)
     p = [port_exp(F32(x - m)) if keep[j] else F32(0) for j, x in enumerate(s)]
@@ -75,7 +78,7 @@ def port_row(q: np.ndarray, k: np.ndarray, v: np.ndarray, keep: np.ndarray, scal
     for j in range(len(k)):
         if keep[j]:
             acc = np.array([fma(p[j], v[j, d], acc[d]) for d in range(len(q))], dtype=F32)
-    inv = F32(1.0 / float(total))
+    inv = F32(float(F32(v_scale)) / float(total))
     return (inv * acc).astype(F32)
 
 
@@ -100,6 +103,36 @@ def test_the_reference_is_the_measured_steps():
             assert np.array_equal(got[0, t, h].numpy(), want), (t, h)
 
 
+def test_an_fp8_cache_scales_the_logits_and_the_reciprocal():
+    """vLLM's FP8 path: the chains on the cache's codes, q unscaled, the logits times
+    fl(scale · k_scale), out = fl(v_scale / (double)sum) · acc."""
+    q, k, v, keep = inputs(3)
+    k8, v8 = (t.clamp(-448, 448).to(torch.float8_e4m3fn).float() for t in (k * 20, v * 20))
+    scale, ks, vs = F32(8 ** -0.5), F32(0.0123), F32(0.031)
+    logit_scale = F32(scale * ks)
+    got = vllm_cpu_reference(q, k8, v8, keep, 1.0, float(logit_scale), float(vs))
+    for t in range(q.shape[2]):
+        for h in range(q.shape[1]):
+            want = port_row(q[0, h, t].numpy(), k8[0, h // 2].numpy(), v8[0, h // 2].numpy(),
+                            keep[0, t].numpy(), F32(1.0), logit_scale, vs)
+            assert np.array_equal(got[0, t, h].numpy(), want), (t, h)
+    fast = fastpath.vllm_attention(q, k8, v8, keep, 1.0, float(logit_scale), float(vs))
+    assert fast is None or torch.equal(fast, got)
+
+
+@settings(max_examples=60, deadline=None)
+@given(codes=st.lists(st.integers(0, 255), min_size=1, max_size=64), element=st.sampled_from(["e4m3", "e5m2"]),
+       scale=st.floats(2.0**-20, 2.0**10, width=32))
+def test_cache_codes_recover_the_stored_codes(codes, element, scale):
+    dtype = torch.float8_e4m3fn if element == "e4m3" else torch.float8_e5m2
+    c = torch.tensor(codes, dtype=torch.uint8).view(dtype).float()
+    c = c[c.isfinite()]
+    s = torch.tensor(scale, dtype=torch.float32)
+    decoded = c * s
+    ok = (decoded.abs() >= torch.finfo(torch.float32).tiny) | (c == 0)  # no fp32 subnormal products
+    assert torch.equal(cache_codes(decoded, s, element)[ok], c[ok])
+
+
 def test_fast_exp_is_the_polynomial():
     x = torch.cat([torch.linspace(-90, 0, 997), torch.tensor([-math.inf, -87.3, -87.4, 0.0, -1e-30])])
     got = fast_exp(x)
@@ -111,17 +144,20 @@ def test_fast_exp_is_the_polynomial():
 @settings(max_examples=40, deadline=None)
 @given(seed=st.integers(0, 2**16), b=st.integers(1, 2), hkv=st.sampled_from([1, 2]), group=st.sampled_from([1, 3]),
        tq=st.integers(1, 6), extra=st.integers(0, 40), d=st.sampled_from([8, 32, 64]),
-       drop=st.floats(0, 1), magnitude=st.sampled_from([1e-3, 1.0, 30.0]))
-def test_the_compiled_kernel_equals_the_reference(seed, b, hkv, group, tq, extra, d, drop, magnitude):
+       drop=st.floats(0, 1), magnitude=st.sampled_from([1e-3, 1.0, 30.0]), fp8=st.booleans())
+def test_the_compiled_kernel_equals_the_reference(seed, b, hkv, group, tq, extra, d, drop, magnitude, fp8):
     q, k, v, keep = inputs(seed, b, hkv * group, hkv, tq, tq + extra, d)
     g = torch.Generator().manual_seed(seed + 1)
     keep &= torch.rand(keep.shape, generator=g) >= drop * 0.5  # masked keys, some rows entirely
     q = q * magnitude
-    scale = float(F32(d ** -0.5))
-    fast = fastpath.vllm_attention(q, k, v, keep, scale)
+    scale, extra_scales = float(F32(d ** -0.5)), ()
+    if fp8:  # the cache's codes, its logit and value scales
+        k, v = (t.mul(20).clamp(-448, 448).to(torch.float8_e4m3fn).float() for t in (k, v))
+        scale, extra_scales = 1.0, (float(F32(0.07 * magnitude)), float(F32(0.013)))
+    fast = fastpath.vllm_attention(q, k, v, keep, scale, *extra_scales)
     if fast is None:
         pytest.skip(f"no compiled kernel here: {fastpath.unavailable_reason()}")
-    assert torch.equal(fast, vllm_cpu_reference(q, k, v, keep, scale))
+    assert torch.equal(fast, vllm_cpu_reference(q, k, v, keep, scale, *extra_scales))
 
 
 def port_rotary(x: np.ndarray, c: np.ndarray, s: np.ndarray) -> np.ndarray:
