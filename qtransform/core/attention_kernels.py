@@ -109,16 +109,19 @@ def vllm_cpu(module: nn.Module, query: Tensor, key: Tensor, value: Tensor,
     scale = torch.tensor(query.shape[-1] ** -0.5 if scaling is None else float(scaling), dtype=torch.float32)
     keep = keep_mask(module, attention_mask, query.shape[0], query.shape[2], key.shape[2], query.device)
     q, k, v = query.to(torch.float32), key.to(torch.float32), value.to(torch.float32)
-    logit_scale, v_scale = 0.0, 1.0
+    logit_scale, v_scale, codes = 0.0, 1.0, None
     if fp8:  # the cache's codes; the scales where vLLM's FP8 path puts them
         k_scale, v_s, element = kv_scales
-        k, v = cache_codes(k, k_scale, element), cache_codes(v, v_s, element)
-        logit_scale, v_scale = float(scale * k_scale.to(torch.float32)), float(v_s)
+        k_scale, v_s = k_scale.to(torch.float32), v_s.to(torch.float32)
+        logit_scale, v_scale = float(scale * k_scale), float(v_s)
+        codes = (float(k_scale), float(v_s), element)
         scale = torch.tensor(1.0)
-    args = (q, k, v, keep, float(scale), logit_scale, v_scale)
-    out = fastpath.vllm_attention(*args) if query.is_cpu else None
+    out = fastpath.vllm_attention(q, k, v, keep, float(scale), logit_scale, v_scale, codes) \
+        if query.is_cpu else None
     if out is None:
-        out = vllm_cpu_reference(*args)
+        if codes is not None:
+            k, v = cache_codes(k, kv_scales[0], codes[2]), cache_codes(v, kv_scales[1], codes[2])
+        out = vllm_cpu_reference(q, k, v, keep, float(scale), logit_scale, v_scale)
     return out.to(query.dtype), None
 
 
@@ -126,8 +129,7 @@ def cache_codes(x: Tensor, scale: Tensor, element: str) -> Tensor:
     """The FP8 codes (as fp32) behind a cache's decoded values x = code · scale: x / scale lies
     within an ulp of its code, which rounding to the element recovers."""
     dtype = torch.float8_e4m3fn if element == "e4m3" else torch.float8_e5m2
-    top = torch.finfo(dtype).max
-    return (x / scale.to(torch.float32)).clamp(-top, top).to(dtype).to(torch.float32)
+    return (x / scale.to(torch.float32)).to(dtype).to(torch.float32)
 
 
 def _fp32_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor,

@@ -238,7 +238,7 @@ def library() -> ctypes.CDLL | None:
                     lib.qf_vllm_rotary.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 4
                     lib.qf_vllm_attention.restype = ctypes.c_int
                     lib.qf_vllm_attention.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 6 + [
-                        ctypes.c_float] * 3 + [ctypes.c_int]
+                        ctypes.c_float] * 3 + [ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
                     lib.qf_mxfp4_pack.restype = ctypes.c_int
                     lib.qf_mxfp4_pack.argtypes = [ctypes.c_void_p, ctypes.c_int] + [ctypes.c_int64] * 2 + [
                         ctypes.POINTER(_Params), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
@@ -591,11 +591,13 @@ def mxfp4_pack(x: torch.Tensor, cfg: QuantConfig) -> tuple[torch.Tensor, torch.T
 
 
 def vllm_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor,
-                   scale: float, logit_scale: float = 0.0, v_scale: float = 1.0) -> torch.Tensor | None:
+                   scale: float, logit_scale: float = 0.0, v_scale: float = 1.0,
+                   codes: tuple[float, float, str] | None = None) -> torch.Tensor | None:
     """vLLM CPU's attention rows (`qf_vllm_attention`; `core/attention_kernels.py` holds the
     torch reference): q [B, H, Tq, D], k and v [B, Hkv, Tk, D] in fp32, keep [B, Tq, Tk] bool;
-    an FP8 cache's `logit_scale` and `v_scale` (its codes in k and v); the output [B, Tq, H, D]
-    in fp32, or None when the kernel is unavailable."""
+    an FP8 cache's `logit_scale` and `v_scale`, its codes in k and v, or recovered from them by
+    the kernel with `codes` (k_scale, v_scale, element); the output [B, Tq, H, D] in fp32, or
+    None when the kernel is unavailable."""
     if not (enabled() and q.is_cpu):
         return None
     lib = library()
@@ -607,10 +609,12 @@ def vllm_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torc
     out = torch.empty(b, tq, h, d, dtype=torch.float32)
     rows = b * h * tq
     threads = torch.get_num_threads() if rows * k.shape[2] * d >= MIN_PARALLEL else 1
+    divisors = (ctypes.c_float * 2)(*(codes[:2] if codes else (1.0, 1.0)))
+    element = {None: 0, "e4m3": 1, "e5m2": 2}[codes[2] if codes else None]
     status = lib.qf_vllm_attention(q.data_ptr(), k.data_ptr(), v.data_ptr(), keep.data_ptr(),
                                    out.data_ptr(), b, h, k.shape[1], tq, k.shape[2], d,
                                    ctypes.c_float(scale), ctypes.c_float(logit_scale),
-                                   ctypes.c_float(v_scale), threads)
+                                   ctypes.c_float(v_scale), divisors, element, threads)
     if status != 0:
         raise MemoryError("vLLM CPU attention kernel: out of memory for its row buffers")
     return out

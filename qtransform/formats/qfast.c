@@ -1865,7 +1865,8 @@ void qf_fp8_tensor(const void *x, int dtype, void *out, uint8_t *sat, int64_t n,
  * _mm512_reduce_add_ps; P.V a fused multiply-add chain over keys from 0; out = (float)(1 /
  * (double)sum) * acc. An FP8 cache (its codes in k and v) scales the logits instead of q, by
  * logit_scale = fl(scale * k_scale) after each chain (0: none), and v_scale takes 1's place in
- * the final reciprocal. fmaf is explicit (the file is built with -ffp-contract=off). q [B, H, Tq,
+ * the final reciprocal; with `element` the codes are recovered first from k and v (the writer's
+ * output) over kv_div (k_scale, v_scale). fmaf is explicit (the file is built with -ffp-contract=off). q [B, H, Tq,
  * D], k and v [B, Hkv, Tk, D], keep [B, Tq, Tk] (nonzero: the key is attended), out [B, Tq, H,
  * D], all contiguous fp32. A row with no key attended is written as zeros. */
 #include <math.h>
@@ -1893,11 +1894,41 @@ static inline float va_fast_exp(float x) {
     return (res * two_n) * 2.0f;
 }
 
+/* The FP8 code nearest y (element 1: E4M3, 3 mantissa bits down to 2^-6; 2: E5M2, 2 bits down to
+ * 2^-14), as fp32: y is a decoded cache value over its scale, within an ulp of its code. */
+static inline float va_fp8_code(float y, int element) {
+    const int mbits = element == 1 ? 3 : 2, emin = element == 1 ? -6 : -14;
+    const float a = fabsf(y);
+    if (!(a > 0.0f) || isinf(a)) return y;
+    int ex;
+    frexpf(a, &ex); /* a = m * 2^ex, m in [0.5, 1): its leading bit is 2^(ex - 1) */
+    const int e = ex - 1 < emin ? emin : ex - 1;
+    const float step = ldexpf(1.0f, e - mbits);
+    return copysignf(nearbyintf(a / step) * step, y);
+}
+
 int qf_vllm_attention(const float *q, const float *k, const float *v, const uint8_t *keep, float *out,
                       int64_t B, int64_t H, int64_t Hkv, int64_t Tq, int64_t Tk, int64_t D, float scale,
-                      float logit_scale, float v_scale, int nthreads) {
+                      float logit_scale, float v_scale, const float *kv_div, int element, int nthreads) {
     const int64_t rows = B * H * Tq, group = H / Hkv, padded = (Tk + 31) / 32 * 32;
     int failed = 0;
+    float *kc = NULL, *vc = NULL;
+    if (element != 0) { /* an FP8 cache: its codes, from the writer's output and scales */
+        const int64_t n = B * Hkv * Tk * D;
+        kc = malloc(sizeof(float) * (size_t)(n > 0 ? n : 1));
+        vc = malloc(sizeof(float) * (size_t)(n > 0 ? n : 1));
+        if (kc == NULL || vc == NULL) {
+            free(kc);
+            free(vc);
+            return -1;
+        }
+        for (int64_t i = 0; i < n; i++) {
+            kc[i] = va_fp8_code(k[i] / kv_div[0], element);
+            vc[i] = va_fp8_code(v[i] / kv_div[1], element);
+        }
+        k = kc;
+        v = vc;
+    }
 #pragma omp parallel num_threads(nthreads) reduction(|| : failed)
     {
         float *s = malloc(sizeof(float) * (size_t)(padded > 0 ? padded : 1));
@@ -1954,6 +1985,8 @@ int qf_vllm_attention(const float *q, const float *k, const float *v, const uint
         free(qs);
         free(acc);
     }
+    free(kc);
+    free(vc);
     return failed ? -1 : 0;
 }
 

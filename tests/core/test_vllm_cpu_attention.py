@@ -158,6 +158,11 @@ def test_the_compiled_kernel_equals_the_reference(seed, b, hkv, group, tq, extra
     if fast is None:
         pytest.skip(f"no compiled kernel here: {fastpath.unavailable_reason()}")
     assert torch.equal(fast, vllm_cpu_reference(q, k, v, keep, scale, *extra_scales))
+    if fp8:  # the kernel recovers the codes itself from the writer's output and scales
+        sk, sv = torch.tensor(0.0123), torch.tensor(3.7)
+        decoded = fastpath.vllm_attention(q, k * sk, v * sv, keep, scale, *extra_scales,
+                                          codes=(float(sk), float(sv), "e4m3"))
+        assert torch.equal(decoded, fast)
 
 
 def port_rotary(x: np.ndarray, c: np.ndarray, s: np.ndarray) -> np.ndarray:
