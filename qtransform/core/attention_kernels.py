@@ -36,13 +36,13 @@ import functools
 import math
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 
-from qtransform.core import ops
+from qtransform.core import ops, vllm_cpu_kernels
 from qtransform.core.linear_kernels import fma32
 from qtransform.errors import UserError
-from qtransform.formats import fastpath
 
 LOG2E = 1.4426950408889634
 E4M3_MAX = 448.0
@@ -106,19 +106,24 @@ def vllm_cpu(module: nn.Module, query: Tensor, key: Tensor, value: Tensor,
     if ops.is_tracing(query) or (fp8 and kv_scales is None):
         return _fp32_attention(module, query, key, value, attention_mask, options)
     scaling = options.get("scaling")
-    scale = torch.tensor(query.shape[-1] ** -0.5 if scaling is None else float(scaling), dtype=torch.float32)
-    keep = keep_mask(module, attention_mask, query.shape[0], query.shape[2], key.shape[2], query.device)
-    q, k, v = query.to(torch.float32), key.to(torch.float32), value.to(torch.float32)
+    scale = query.shape[-1] ** -0.5 if scaling is None else float(scaling)
+    q_len, k_len = query.shape[2], key.shape[2]
+    # no mask: every key, or sdpa's causal shortcut (the kernel builds those rows itself)
+    causal = attention_mask is None and q_len > 1 and getattr(module, "is_causal", True)
+    keep = None if attention_mask is None else keep_mask(
+        module, attention_mask, query.shape[0], q_len, k_len, query.device)
     logit_scale, v_scale, codes = 0.0, 1.0, None
     if fp8:  # the cache's codes; the scales where vLLM's FP8 path puts them
         k_scale, v_s, element = kv_scales
-        k_scale, v_s = k_scale.to(torch.float32), v_s.to(torch.float32)
-        logit_scale, v_scale = float(scale * k_scale), float(v_s)
-        codes = (float(k_scale), float(v_s), element)
-        scale = torch.tensor(1.0)
-    out = fastpath.vllm_attention(q, k, v, keep, float(scale), logit_scale, v_scale, codes) \
-        if query.is_cpu else None
+        k_scale, v_s = float(k_scale), float(v_s)
+        logit_scale = float(np.float32(scale) * np.float32(k_scale))  # fl(scale · k_scale)
+        v_scale, codes, scale = v_s, (k_scale, v_s, element), 1.0
+    out = vllm_cpu_kernels.attention(query, key, value, keep, float(scale), logit_scale, v_scale, codes,
+                                     causal)
     if out is None:
+        if keep is None:
+            keep = keep_mask(module, attention_mask, query.shape[0], q_len, k_len, query.device)
+        q, k, v = query.to(torch.float32), key.to(torch.float32), value.to(torch.float32)
         if codes is not None:
             k, v = cache_codes(k, kv_scales[0], codes[2]), cache_codes(v, kv_scales[1], codes[2])
         out = vllm_cpu_reference(q, k, v, keep, float(scale), logit_scale, v_scale)

@@ -29,10 +29,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from qtransform.core import ops
+from qtransform.core import ops, vllm_cpu_kernels
 from qtransform.core.linear_kernels import fma32
 from qtransform.errors import UserError
-from qtransform.formats import fastpath
 
 _ACTIVE: contextvars.ContextVar[bool] = contextvars.ContextVar("qtransform_vllm_cpu_rotary", default=False)
 SIGNATURE = ["q", "k", "cos", "sin", "unsqueeze_dim"]
@@ -48,7 +47,7 @@ def vllm_cpu_rotary(x: Tensor, cos: Tensor, sin: Tensor, unsqueeze_dim: int = 1)
                         "rotary) is not simulated for vLLM's CPU backend; leave this model out of "
                         "the engine section")
     if x.dim() == 4 and unsqueeze_dim == 1 and cos.dim() == 3:  # [B, H, T, D]: the compiled kernel
-        fast = fastpath.vllm_rotary(x, cos, sin)
+        fast = vllm_cpu_kernels.rotary(x, cos, sin)
         if fast is not None:
             return fast.to(x.dtype)
     c = cos.unsqueeze(unsqueeze_dim)[..., :half].to(torch.float32)

@@ -1,7 +1,7 @@
 """Compiled CPU fast path for fake quantization (bit-identical to the reference, stochastic
 rounding included), for the error statistics of `qtransform.core.metrics.ErrorStats` (equal up to
-summation order), and for vLLM CPU's attention and RoPE in the engine simulation (bit-identical to
-their torch references in `core/attention_kernels.py` and `core/engine_rotary.py`).
+summation order), and for vLLM CPU's attention and RoPE in the engine simulation (their ctypes
+wrappers are `core/vllm_cpu_kernels.py`).
 
 Eager torch spends one memory pass per elementwise op (a dozen per format, two dozen for the
 metrics) and microseconds of dispatch per op; `qfast.c` does one pass per block and one pass for
@@ -234,11 +234,6 @@ def library() -> ctypes.CDLL | None:
                                                   ctypes.c_void_p, ctypes.c_int64,
                                                   ctypes.POINTER(_Fp8Params)] + [ctypes.c_void_p] * 2 + [
                         ctypes.c_int]
-                    lib.qf_vllm_rotary.restype = None
-                    lib.qf_vllm_rotary.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 4
-                    lib.qf_vllm_attention.restype = ctypes.c_int
-                    lib.qf_vllm_attention.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 6 + [
-                        ctypes.c_float] * 3 + [ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
                     lib.qf_mxfp4_pack.restype = ctypes.c_int
                     lib.qf_mxfp4_pack.argtypes = [ctypes.c_void_p, ctypes.c_int] + [ctypes.c_int64] * 2 + [
                         ctypes.POINTER(_Params), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
@@ -588,50 +583,3 @@ def mxfp4_pack(x: torch.Tensor, cfg: QuantConfig) -> tuple[torch.Tensor, torch.T
                           packed.data_ptr(), scales.data_ptr(), threads):
         return None
     return packed, scales
-
-
-def vllm_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor,
-                   scale: float, logit_scale: float = 0.0, v_scale: float = 1.0,
-                   codes: tuple[float, float, str] | None = None) -> torch.Tensor | None:
-    """vLLM CPU's attention rows (`qf_vllm_attention`; `core/attention_kernels.py` holds the
-    torch reference): q [B, H, Tq, D], k and v [B, Hkv, Tk, D] in fp32, keep [B, Tq, Tk] bool;
-    an FP8 cache's `logit_scale` and `v_scale`, its codes in k and v, or recovered from them by
-    the kernel with `codes` (k_scale, v_scale, element); the output [B, Tq, H, D] in fp32, or
-    None when the kernel is unavailable."""
-    if not (enabled() and q.is_cpu):
-        return None
-    lib = library()
-    if lib is None:
-        return None
-    q, k, v = (t.to(torch.float32).contiguous() for t in (q, k, v))
-    keep = keep.to(torch.uint8).contiguous()
-    b, h, tq, d = q.shape
-    out = torch.empty(b, tq, h, d, dtype=torch.float32)
-    rows = b * h * tq
-    threads = torch.get_num_threads() if rows * k.shape[2] * d >= MIN_PARALLEL else 1
-    divisors = (ctypes.c_float * 2)(*(codes[:2] if codes else (1.0, 1.0)))
-    element = {None: 0, "e4m3": 1, "e5m2": 2}[codes[2] if codes else None]
-    status = lib.qf_vllm_attention(q.data_ptr(), k.data_ptr(), v.data_ptr(), keep.data_ptr(),
-                                   out.data_ptr(), b, h, k.shape[1], tq, k.shape[2], d,
-                                   ctypes.c_float(scale), ctypes.c_float(logit_scale),
-                                   ctypes.c_float(v_scale), divisors, element, threads)
-    if status != 0:
-        raise MemoryError("vLLM CPU attention kernel: out of memory for its row buffers")
-    return out
-
-
-def vllm_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor | None:
-    """vLLM CPU's NeoX rotary (`qf_vllm_rotary`; `core/engine_rotary.py` holds the torch
-    reference): x [B, H, T, D], cos and sin [B, T, D]; fp32 out, or None when the kernel is
-    unavailable."""
-    if not (enabled() and x.is_cpu and cos.is_cpu):
-        return None
-    lib = library()
-    if lib is None:
-        return None
-    b, h, t, d = x.shape
-    x = x.to(torch.float32).contiguous()
-    cos, sin = (v.to(torch.float32).expand(b, t, d).contiguous() for v in (cos, sin))
-    out = torch.empty_like(x)
-    lib.qf_vllm_rotary(x.data_ptr(), cos.data_ptr(), sin.data_ptr(), out.data_ptr(), b, h, t, d)
-    return out

@@ -1895,78 +1895,117 @@ static inline float va_fast_exp(float x) {
 }
 
 /* The FP8 code nearest y (element 1: E4M3, 3 mantissa bits down to 2^-6; 2: E5M2, 2 bits down to
- * 2^-14), as fp32: y is a decoded cache value over its scale, within an ulp of its code. */
+ * 2^-14), as fp32: y is a decoded cache value over its scale, within an ulp of its code. Branch
+ * free, so that the loop over a cache vectorizes: normal magnitudes round their fp32 mantissa to
+ * the element's bits (nearest even, a carry moving into the exponent), those below the element's
+ * smallest normal add and subtract 2^23 times its subnormal step; zeros, infinities and NaN stay. */
 static inline float va_fp8_code(float y, int element) {
-    const int mbits = element == 1 ? 3 : 2, emin = element == 1 ? -6 : -14;
+    const uint32_t shift = element == 1 ? 20u : 21u;
+    const float tiny = element == 1 ? 0x1p-6f : 0x1p-14f, magic = element == 1 ? 0x1p14f : 0x1p7f;
     const float a = fabsf(y);
-    if (!(a > 0.0f) || isinf(a)) return y;
-    int ex;
-    frexpf(a, &ex); /* a = m * 2^ex, m in [0.5, 1): its leading bit is 2^(ex - 1) */
-    const int e = ex - 1 < emin ? emin : ex - 1;
-    const float step = ldexpf(1.0f, e - mbits);
-    return copysignf(nearbyintf(a / step) * step, y);
+    uint32_t u;
+    memcpy(&u, &a, sizeof u);
+    u = (u + ((1u << (shift - 1)) - 1u) + ((u >> shift) & 1u)) & ~((1u << shift) - 1u);
+    float normal;
+    memcpy(&normal, &u, sizeof normal);
+    const float sub = (a + magic) - magic;
+    const float r = a < tiny ? sub : normal;
+    return a > 0.0f && a <= FLT_MAX ? copysignf(r, y) : y;
 }
 
-int qf_vllm_attention(const float *q, const float *k, const float *v, const uint8_t *keep, float *out,
-                      int64_t B, int64_t H, int64_t Hkv, int64_t Tq, int64_t Tk, int64_t D, float scale,
-                      float logit_scale, float v_scale, const float *kv_div, int element, int nthreads) {
-    const int64_t rows = B * H * Tq, group = H / Hkv, padded = (Tk + 31) / 32 * 32;
+/* The FP8 cache's codes (element 1 or 2) of its decoded values x, from x / div. */
+static void va_codes(const float *x, float *out, int64_t n, float div, int element) {
+    if (element == 1)
+        for (int64_t i = 0; i < n; i++) out[i] = va_fp8_code(x[i] / div, 1);
+    else
+        for (int64_t i = 0; i < n; i++) out[i] = va_fp8_code(x[i] / div, 2);
+}
+
+int qf_vllm_attention(const float *q, const float *k, const float *v, const uint8_t *keep, int causal,
+                      float *out, int64_t B, int64_t H, int64_t Hkv, int64_t Tq, int64_t Tk, int64_t D,
+                      float scale, float logit_scale, float v_scale, const float *kv_div, int element,
+                      int nthreads) {
+    /* Each logit is one fused multiply-add chain over head_dim; 16 keys' chains run side by side
+     * (keys transposed in tiles of [D][16], zeros past Tk), which changes no chain's order.
+     * keep NULL: every key, or with `causal` those up to the query's own position. */
+    const int64_t rows = B * H * Tq, group = H / Hkv, padded = (Tk + 31) / 32 * 32, tiles = padded / 16;
+    const int64_t n = B * Hkv * Tk * D;
     int failed = 0;
     float *kc = NULL, *vc = NULL;
+    float *kt = calloc((size_t)(B * Hkv * tiles * D * 16 > 0 ? B * Hkv * tiles * D * 16 : 1), sizeof(float));
     if (element != 0) { /* an FP8 cache: its codes, from the writer's output and scales */
-        const int64_t n = B * Hkv * Tk * D;
         kc = malloc(sizeof(float) * (size_t)(n > 0 ? n : 1));
         vc = malloc(sizeof(float) * (size_t)(n > 0 ? n : 1));
-        if (kc == NULL || vc == NULL) {
-            free(kc);
-            free(vc);
-            return -1;
-        }
-        for (int64_t i = 0; i < n; i++) {
-            kc[i] = va_fp8_code(k[i] / kv_div[0], element);
-            vc[i] = va_fp8_code(v[i] / kv_div[1], element);
-        }
+    }
+    if (kt == NULL || (element != 0 && (kc == NULL || vc == NULL))) {
+        free(kc);
+        free(vc);
+        free(kt);
+        return -1;
+    }
+    if (element != 0) {
+        va_codes(k, kc, n, kv_div[0], element);
+        va_codes(v, vc, n, kv_div[1], element);
         k = kc;
         v = vc;
     }
+    for (int64_t bh = 0; bh < B * Hkv; bh++)
+        for (int64_t j = 0; j < Tk; j++)
+            for (int64_t d = 0; d < D; d++)
+                kt[((bh * tiles + j / 16) * D + d) * 16 + j % 16] = k[(bh * Tk + j) * D + d];
 #pragma omp parallel num_threads(nthreads) reduction(|| : failed)
     {
         float *s = malloc(sizeof(float) * (size_t)(padded > 0 ? padded : 1));
         float *qs = malloc(sizeof(float) * (size_t)D), *acc = malloc(sizeof(float) * (size_t)D);
-        if (s == NULL || qs == NULL || acc == NULL) failed = 1;
+        uint8_t *own = keep == NULL ? malloc((size_t)(Tk > 0 ? Tk : 1)) : NULL;
+        if (s == NULL || qs == NULL || acc == NULL || (keep == NULL && own == NULL)) failed = 1;
 #pragma omp for schedule(static)
         for (int64_t row = 0; row < rows; row++) {
             if (failed) continue;
             int64_t b = row / (H * Tq), h = (row / Tq) % H, t = row % Tq, kh = h / group;
             const float *qr = q + row * D;
-            const float *kb = k + (b * Hkv + kh) * Tk * D, *vb = v + (b * Hkv + kh) * Tk * D;
-            const uint8_t *kr = keep + (b * Tq + t) * Tk;
+            const float *ktb = kt + (b * Hkv + kh) * tiles * D * 16, *vb = v + (b * Hkv + kh) * Tk * D;
+            const uint8_t *kr = keep != NULL ? keep + (b * Tq + t) * Tk : own;
+            if (keep == NULL)
+                for (int64_t j = 0; j < Tk; j++) own[j] = !causal || j <= t + Tk - Tq;
             float *o = out + ((b * Tq + t) * H + h) * D;
             for (int64_t d = 0; d < D; d++) qs[d] = qr[d] * scale;
             float m = -INFINITY;
             int any = 0;
-            for (int64_t j = 0; j < padded; j++) {
-                if (j >= Tk || !kr[j]) {
-                    s[j] = -INFINITY;
+            for (int64_t tile = 0; tile < tiles; tile++) {
+                const int64_t j0 = tile * 16;
+                int kept = 0;
+                for (int64_t j = j0; j < j0 + 16 && j < Tk; j++) kept |= kr[j];
+                if (!kept) {
+                    for (int jj = 0; jj < 16; jj++) s[j0 + jj] = -INFINITY;
                     continue;
                 }
-                const float *kj = kb + j * D;
-                float a = 0.0f;
-                for (int64_t d = 0; d < D; d++) a = fmaf(qs[d], kj[d], a);
-                if (logit_scale != 0.0f) a *= logit_scale;
-                s[j] = a;
-                if (!any || a > m) m = a;
-                any = 1;
+                float a[16] = {0};
+                const float *kd = ktb + tile * D * 16;
+                for (int64_t d = 0; d < D; d++) {
+                    const float qd = qs[d];
+                    for (int jj = 0; jj < 16; jj++) a[jj] = fmaf(qd, kd[d * 16 + jj], a[jj]);
+                }
+                for (int jj = 0; jj < 16; jj++) {
+                    const int64_t j = j0 + jj;
+                    if (j >= Tk || !kr[j]) {
+                        s[j] = -INFINITY;
+                        continue;
+                    }
+                    float x = a[jj];
+                    if (logit_scale != 0.0f) x *= logit_scale;
+                    s[j] = x;
+                    if (!any || x > m) m = x;
+                    any = 1;
+                }
             }
             if (!any) {
                 memset(o, 0, sizeof(float) * (size_t)D);
                 continue;
             }
+            for (int64_t j = 0; j < padded; j++) s[j] = va_fast_exp(s[j] - m);
             float lane[16] = {0};
-            for (int64_t j = 0; j < padded; j++) {
-                s[j] = va_fast_exp(s[j] - m);
-                lane[j % 16] += s[j];
-            }
+            for (int64_t j = 0; j < padded; j++) lane[j % 16] += s[j];
             float t8[8], t4[4];
             for (int i = 0; i < 8; i++) t8[i] = lane[i + 8] + lane[i];
             for (int i = 0; i < 4; i++) t4[i] = t8[i + 4] + t8[i];
@@ -1984,9 +2023,11 @@ int qf_vllm_attention(const float *q, const float *k, const float *v, const uint
         free(s);
         free(qs);
         free(acc);
+        free(own);
     }
     free(kc);
     free(vc);
+    free(kt);
     return failed ? -1 : 0;
 }
 

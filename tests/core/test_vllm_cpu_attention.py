@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import qtransform
-from qtransform.core import engine_rotary
+from qtransform.core import engine_rotary, vllm_cpu_kernels
 from qtransform.core.attention_kernels import cache_codes, fast_exp, vllm_cpu_reference
 from qtransform.errors import UserError
 from qtransform.formats import fastpath
@@ -116,7 +116,7 @@ def test_an_fp8_cache_scales_the_logits_and_the_reciprocal():
             want = port_row(q[0, h, t].numpy(), k8[0, h // 2].numpy(), v8[0, h // 2].numpy(),
                             keep[0, t].numpy(), F32(1.0), logit_scale, vs)
             assert np.array_equal(got[0, t, h].numpy(), want), (t, h)
-    fast = fastpath.vllm_attention(q, k8, v8, keep, 1.0, float(logit_scale), float(vs))
+    fast = vllm_cpu_kernels.attention(q, k8, v8, keep, 1.0, float(logit_scale), float(vs))
     assert fast is None or torch.equal(fast, got)
 
 
@@ -154,13 +154,13 @@ def test_the_compiled_kernel_equals_the_reference(seed, b, hkv, group, tq, extra
     if fp8:  # the cache's codes, its logit and value scales
         k, v = (t.mul(20).clamp(-448, 448).to(torch.float8_e4m3fn).float() for t in (k, v))
         scale, extra_scales = 1.0, (float(F32(0.07 * magnitude)), float(F32(0.013)))
-    fast = fastpath.vllm_attention(q, k, v, keep, scale, *extra_scales)
+    fast = vllm_cpu_kernels.attention(q, k, v, keep, scale, *extra_scales)
     if fast is None:
         pytest.skip(f"no compiled kernel here: {fastpath.unavailable_reason()}")
     assert torch.equal(fast, vllm_cpu_reference(q, k, v, keep, scale, *extra_scales))
     if fp8:  # the kernel recovers the codes itself from the writer's output and scales
         sk, sv = torch.tensor(0.0123), torch.tensor(3.7)
-        decoded = fastpath.vllm_attention(q, k * sk, v * sv, keep, scale, *extra_scales,
+        decoded = vllm_cpu_kernels.attention(q, k * sk, v * sv, keep, scale, *extra_scales,
                                           codes=(float(sk), float(sv), "e4m3"))
         assert torch.equal(decoded, fast)
 
@@ -267,8 +267,48 @@ def test_the_compiled_rotary_equals_the_torch_path(seed, dtype, b, h, t, d):
     g = torch.Generator().manual_seed(seed)
     x = (torch.randn(b, h, t, d, generator=g) * 4).to(dtype)
     cos, sin = (torch.randn(b, t, d, generator=g).to(dtype) for _ in range(2))
-    if fastpath.vllm_rotary(x, cos, sin) is None:
+    if vllm_cpu_kernels.rotary(x, cos, sin) is None:
         pytest.skip(f"no compiled kernel here: {fastpath.unavailable_reason()}")
     fast = engine_rotary.vllm_cpu_rotary(x, cos, sin)
     slow = engine_rotary.vllm_cpu_rotary(x.unsqueeze(0), cos.unsqueeze(0), sin.unsqueeze(0), 2)[0]  # the torch path
     assert torch.equal(fast, slow)
+
+
+@settings(max_examples=60, deadline=None)
+@given(codes=st.lists(st.integers(0, 255), min_size=16, max_size=96), element=st.sampled_from(["e4m3", "e5m2"]),
+       k_scale=st.floats(2.0**-20, 2.0**10, width=32), v_scale=st.floats(2.0**-20, 2.0**10, width=32))
+def test_the_kernel_recovers_every_fp8_code(codes, element, k_scale, v_scale):
+    """Every finite code of either element, subnormals included, comes back from code · scale."""
+    dtype = torch.float8_e4m3fn if element == "e4m3" else torch.float8_e5m2
+    c = torch.tensor(codes, dtype=torch.uint8).view(dtype).float()
+    c = c[c.isfinite()][:8 * (int(c.isfinite().sum()) // 8)]
+    if not c.numel():
+        return
+    k8 = c.reshape(1, 1, -1, 8)
+    v8 = k8.flip(2)
+    q, keep = torch.linspace(-1, 1, 8).reshape(1, 1, 1, 8), torch.ones(1, 1, k8.shape[2], dtype=torch.bool)
+    sk, sv = torch.tensor(k_scale), torch.tensor(v_scale)
+    fast = vllm_cpu_kernels.attention(q, k8, v8, keep, 1.0, 0.5, float(sv))
+    if fast is None:
+        pytest.skip(f"no compiled kernel here: {fastpath.unavailable_reason()}")
+    decoded = vllm_cpu_kernels.attention(q, k8 * sk, v8 * sv, keep, 1.0, 0.5, float(sv),
+                                         codes=(float(sk), float(sv), element))
+    assert torch.equal(decoded, fast)
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 2**16), tq=st.integers(1, 40), extra=st.integers(0, 40), fp8=st.booleans())
+def test_the_kernels_own_causal_rows_equal_a_causal_mask(seed, tq, extra, fp8):
+    """Without a mask the kernel builds the rows itself: every key, or the causal ones (the
+    query's own position among the last tq of the keys)."""
+    q, k, v, keep = inputs(seed, 1, 6, 2, tq, tq + extra, 32)
+    causal = torch.ones(1, tq, tq + extra, dtype=torch.bool).tril(extra)
+    extra_scales = (float(F32(0.07)), float(F32(0.5))) if fp8 else ()
+    if fp8:
+        k, v = (t.mul(20).clamp(-448, 448).to(torch.float8_e4m3fn).float() for t in (k, v))
+    got = vllm_cpu_kernels.attention(q, k, v, None, 0.25, *extra_scales, causal=True)
+    if got is None:
+        pytest.skip(f"no compiled kernel here: {fastpath.unavailable_reason()}")
+    assert torch.equal(got, vllm_cpu_reference(q, k, v, causal, 0.25, *extra_scales))
+    every = vllm_cpu_kernels.attention(q, k, v, None, 0.25, *extra_scales)
+    assert torch.equal(every, vllm_cpu_reference(q, k, v, torch.ones_like(causal), 0.25, *extra_scales))
