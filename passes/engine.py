@@ -19,14 +19,22 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from qtransform.core import engine_norms, engine_rotary, linear_kernels
-from qtransform.core.attention_kernels import KERNELS
+from qtransform.core import (
+    attention_kernels,
+    engine_norms,
+    engine_rotary,
+    flashinfer_kernels,
+    linear_kernels,
+)
 from qtransform.core.engines import (
+    NVFP4_KV,
+    NVFP4_READERS,
     PER_TOKEN_HEAD,
     check_cache,
     device_backend,
     fp8_attention,
     linear_kernel,
+    nvfp4_backend,
 )
 from qtransform.core.program import Program
 from qtransform.core.sites import ATTENTION_KIND, Site
@@ -38,6 +46,9 @@ from qtransform.schemas.base import Selected
 from qtransform.schemas.sections.engine import EngineSpec
 
 from .fake_quant import FakeQuantize
+
+KERNELS = {**attention_kernels.KERNELS, **flashinfer_kernels.KERNELS}
+E4M3_MAX = 448.0  # an NVFP4 cache's k_scale from a calibrated amax: amax / 448
 
 
 class EngineAttention(nn.Module):
@@ -58,31 +69,41 @@ class EngineAttention(nn.Module):
             scales = cache_scales(module)
             return self.kernel(module, query, key, value, attention_mask, options, scales is not None,
                                kv_scales=scales)
+        if self.backend in NVFP4_READERS:  # the global scales outside the cache's code · SF
+            scales = cache_scales(module)
+            k_scale, v_scale = (1.0, 1.0) if scales is None else (float(scales[0]), float(scales[1]))
+            return self.kernel(module, query, key, value, attention_mask, options, False,
+                               kv_scales=(k_scale, v_scale))
         return self.kernel(module, query, key, value, attention_mask, options, self.fp8)
 
 
 def cache_scales(module: nn.Module) -> tuple[Tensor, Tensor, str] | None:
-    """The FP8 cache writer's (k_scale, v_scale, element) in attention `module`: its key and value
+    """The cache writer's (k_scale, v_scale, element) in attention `module`: its key and value
     quantizers' one fixed scale each (a stored, fixed or calibrated static scale, as the writer
-    applies it); None where they are switched off or have no such scale (a calibration pass):
-    the kernel then reads the values as a 16/32-bit cache."""
+    applies it), element an FP8 one or "nvfp4" (vLLM's NVFP4 cache: the global scale outside
+    its blocks, amax / 448 when calibrated); None where they are switched off or have no such
+    scale (a calibration pass): the kernel then reads the values as a 16/32-bit cache."""
     found = []
     for point in ("key", "value"):
         quantizer = getattr(module, f"{point}_fake_quant", None)
-        if not isinstance(quantizer, FakeQuantize) or quantizer.config.family.name != "fp8" \
-                or not quantizer.enabled:
+        if not isinstance(quantizer, FakeQuantize) or not quantizer.enabled:
+            return None
+        config = quantizer.config
+        nvfp4 = config.name == "nvfp4" and config.nvfp4_variant == "vllm-kv"
+        if config.family.name != "fp8" and not nvfp4:
             return None
         level = quantizer.fixed_level()
         if "scale" in level:
             scale = level["scale"].to(torch.float32).reshape(())
         elif "amax" in level:
             amax = level["amax"].to(torch.float32).reshape(())
-            scale = amax / quantizer.config.spec.max_normal
+            scale = amax / (E4M3_MAX if nvfp4 else config.spec.max_normal)
             scale = torch.where(scale == 0, 1.0, scale)
         else:
             return None
         found.append(scale)
-    return found[0], found[1], module.key_fake_quant.config.spec.element.name
+    config = module.key_fake_quant.config
+    return found[0], found[1], "nvfp4" if config.name == "nvfp4" else config.spec.element.name
 
 
 class EngineLinear(nn.Module):
@@ -198,4 +219,11 @@ def resolved(model: nn.Module, backend: str, kv_cache_dtype: str = "fp8") -> str
         return backend
     if kv_cache_dtype in PER_TOKEN_HEAD:
         return "triton"
+    if kv_cache_dtype in NVFP4_KV:
+        reader = nvfp4_backend(next((p.device for p in model.parameters()), torch.device("cpu")))
+        if reader is None:
+            raise UserError(f"engine.backend auto: vLLM reads a {kv_cache_dtype} cache on GPUs only "
+                            "(FlashInfer); name the GPU's kernel: backend flashinfer (compute "
+                            "capability 8.x, 9.x), flashinfer-xqa (12.x) or trtllm-gen (10.x)")
+        return reader
     return device_backend(next((p.device for p in model.parameters()), torch.device("cpu")))

@@ -281,13 +281,13 @@ def engine_differences(source: nn.Module | str | os.PathLike, *, engine: str = "
     quantized checkpoint describes (a model opened with `load_model`, or the folder), and
     whether `checkpoint_policy(model, engine=...)` simulates it: one line per quantized Linear
     group and for the KV cache (the export prints it). `backends`: default cpu, flash-attn-3
-    and triton; `dtype`: the model's (default the opened model's, else the folder's)."""
+    and triton (flashinfer, flashinfer-xqa and trtllm-gen for an NVFP4 KV cache); `dtype`: the model's (default the opened model's, else the folder's)."""
     if engine not in engines.ENGINES:
         raise UserError(f"engine {engine!r}: choose one of {', '.join(engines.ENGINES)}")
-    backends = backends or engine_report.REPORTED
-    bad = [b for b in backends if b not in engine_report.REPORTED]
+    known = [b for b in engines.BACKENDS if b != "auto"]
+    bad = [b for b in backends or () if b not in known]
     if bad:
-        raise UserError(f"backend {bad[0]!r}: choose among {', '.join(engine_report.REPORTED)}")
+        raise UserError(f"backend {bad[0]!r}: choose among {', '.join(known)}")
     if isinstance(source, nn.Module):
         checkpoint = loaded_checkpoint(source)
         dtype = dtype or next((p.dtype for p in source.parameters() if p.is_floating_point()), torch.float32)
@@ -302,6 +302,9 @@ def engine_differences(source: nn.Module | str | os.PathLike, *, engine: str = "
     if checkpoint is None:
         raise UserError("not a quantized checkpoint: open a compressed-tensors or ModelOpt folder "
                         "(load_model) or give its path")
+    if not backends:
+        nvfp4_kv = checkpoint.kv is not None and checkpoint.kv.fields["format"] == "nvfp4"
+        backends = engine_report.REPORTED_NVFP4_KV if nvfp4_kv else engine_report.REPORTED
     return {b: engine_report.differences(checkpoint, b, dtype) for b in backends}
 
 

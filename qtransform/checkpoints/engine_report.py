@@ -19,7 +19,8 @@ from qtransform.core import engines, linear_kernels
 from qtransform.errors import UserError
 from qtransform.formats import registry
 
-REPORTED = ("cpu", "flash-attn-3", "triton")  # every backend a report covers by default
+REPORTED = ("cpu", "flash-attn-3", "triton")  # the backends a report covers by default
+REPORTED_NVFP4_KV = engines.NVFP4_READERS  # ... for a checkpoint with an NVFP4 KV cache
 SCALE_FIELDS = ("scale_source", "observer")  # both sides use the stored scales
 
 
@@ -66,11 +67,9 @@ def _kv(checkpoint: Checkpoint, backend: str) -> list[str]:
     lines = [f"{label}: {writer}, with the stored scales (simulated)"]
     if engines.query_rule("", backend) and engine["format"] == "fp8_e4m3":
         lines.append(f"{label}: the query is quantized to E4M3 too, with q_scale 1.0 (simulated)")
-    if engine["format"] == "nvfp4":
-        lines.append(f"{label}: FlashInfer's attention reads the NVFP4 cache (not simulated: the "
-                     "model's own attention reads the decoded values)")
-    else:
-        lines.append(f"{label}: attention computes as {engines.BACKEND_WORDS[backend]} (simulated)")
+    how = {"trtllm-gen": "simulated from source; its steps inside inferred"}.get(
+        backend, "simulated" if backend == "cpu" else "simulated from source")
+    lines.append(f"{label}: attention computes as {engines.BACKEND_WORDS[backend]} ({how})")
     return lines
 
 

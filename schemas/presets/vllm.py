@@ -23,7 +23,10 @@ nearest even; the query is not quantized and no checkpoint scale is read.
 The NVFP4 caches (`vllm/kv_nvfp4`, `vllm/kv_nvfp4_4over6`; FlashInfer only, from source) write
 16-value blocks along head_dim with E4M3 block scales under the checkpoint's k_scale / v_scale
 (`nvfp4_variant` "vllm-kv"; `nvfp4_4over6` keeps the max/4 block scale where its squared error
-is smaller). FlashInfer's attention reads the decoded cache; its kernel is not simulated.
+is smaller). FlashInfer reads them (`"backend"`: flashinfer on compute capability 8.x and 9.x,
+flashinfer-xqa on 12.x, trtllm-gen on 10.x, the only one that takes `nvfp4_4over6`;
+`core/flashinfer_kernels.py`, from source); on a CPU, where vLLM has no NVFP4 cache, `auto` leaves
+the model's own attention reading the decoded cache.
 
 docs/attention.md has the sources and figures.
 """
@@ -107,22 +110,33 @@ per_token_head("kv_fp8_per_token_head")
 
 def nvfp4_cache(name: str, four_over_six: bool) -> Preset:
     dtype = name.removeprefix("kv_")
+    readers = ("trtllm-gen",) if four_over_six else engines.NVFP4_READERS
+    backend = PresetOption("backend", "auto", "FlashInfer's kernel that reads the cache: auto (the "
+                           "model's GPU; none on a CPU, where vLLM has no NVFP4 cache), none (the "
+                           "model's own attention reads the decoded cache), " + ", ".join(readers)
+                           + " (core/flashinfer_kernels.py)", choices=("auto", "none", *readers))
 
     def build(o: Mapping[str, Any]) -> dict[str, Any]:
         rule = {"name": f"{STACK}/{name} key/value", "targets": ["Attention"], "tensors": ["key", "value"],
                 **engines.nvfp4_kv_fields(four_over_six), **_scale(o["scales"])}
-        return {"quantize": [rule]}
+        reader = engines.nvfp4_backend() if o["backend"] == "auto" else o["backend"]
+        if reader is None or reader == "none":
+            return {"quantize": [rule]}
+        engines.check_cache(dtype, reader)
+        return {"quantize": [rule], "engine": engines.engine_section(reader, dtype)}
 
-    options = (PresetOption("scales", "one", "k_scale / v_scale: one = 1.0 (vLLM's default without "
-                            "checkpoint scales), calibrated = amax / 448 over the calibration "
-                            "batches (what ModelOpt's NVFP4_KV_CFG checkpoints store)",
-                            choices=("one", "calibrated")),)
+    options = (backend, PresetOption("scales", "one", "k_scale / v_scale: one = 1.0 (vLLM's default "
+                                      "without checkpoint scales), calibrated = amax / 448 over the "
+                                      "calibration batches (what ModelOpt's NVFP4_KV_CFG checkpoints "
+                                      "store)", choices=("one", "calibrated")))
     return register_preset(Preset(
         name=f"{STACK}/{name}",
         reproduces=f"vLLM's kv_cache_dtype={dtype!r} (NVFP4 keys and values written per 16 values "
                    "along head_dim" + (", the max/4 block scale kept where its squared error is "
-                   "smaller" if four_over_six else "") + "; FlashInfer's attention not simulated)",
-        checked_against="vLLM source (nvfp4_kv_cache_kernels.cu 0cd789b, nvfp4_utils.cuh 20b4ad8); "
+                   "smaller" if four_over_six else "") + "; read by the FlashInfer kernel of the "
+                   "backend option)",
+        checked_against="vLLM source (nvfp4_kv_cache_kernels.cu 0cd789b, nvfp4_utils.cuh 20b4ad8; "
+                        "v1/attention/backends/flashinfer.py 0.32.0) and FlashInfer 0.6.18 (fb28d72); "
                         "not run here",
         content=build({o.name: o.default for o in options}),
         options=options,

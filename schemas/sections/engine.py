@@ -3,7 +3,8 @@ Linears simulate.
 
 An engine's attention kernel computes its own numbers from the query, keys and values it reads:
 vLLM's CPU backend runs everything in fp32; FlashAttention-3 and vLLM's Triton backend round the
-probabilities to FP8 inside the kernel when the cache is FP8. This section puts that kernel in
+probabilities to FP8 inside the kernel when the cache is FP8; FlashInfer reads an NVFP4 cache
+with probabilities in the model's dtype (or E4M3 on Blackwell's trtllm-gen). This section puts that kernel in
 place of the model's attention implementation on the selected attention modules; what the
 cache stores (the keys' and values' format and scales) stays the quantize rules' (the `vllm/`
 presets write both). docs/attention.md says what each backend computes and how it was checked.
@@ -37,13 +38,16 @@ class EngineSpec(Selected):
     name: Literal[ENGINES] = Field("vllm", description="the inference engine")  # type: ignore[valid-type]
     backend: Literal[BACKENDS] = Field(  # type: ignore[valid-type]
         "auto", description="its attention backend: auto (the model's device: cpu on CPU, "
-        "flash-attn-3 on Hopper GPUs, triton on others), cpu (vLLM's CPU kernels), flash-attn-3, "
-        "triton (vLLM's Triton attention)")
+        "flash-attn-3 on Hopper GPUs, triton on others; for an NVFP4 cache FlashInfer's kernel of "
+        "the GPU), cpu (vLLM's CPU kernels), flash-attn-3, triton (vLLM's Triton attention), "
+        "flashinfer, flashinfer-xqa, trtllm-gen (FlashInfer's readers of an NVFP4 cache on compute "
+        "capability 8.x-9.x, 12.x, 10.x)")
     kv_cache_dtype: Literal[KV_CACHE_DTYPES] = Field(  # type: ignore[valid-type]
         "fp8", description="vLLM's kv_cache_dtype, which decides the kernel's own rounding: fp8, "
         "fp8_e4m3, fp8_e5m2 (the FP8 forward on GPU backends: probabilities rounded to E4M3), "
-        "int8_per_token_head, fp8_per_token_head (Triton only; 16-bit probabilities), auto (a "
-        "16-bit cache); what the cache stores is the quantize rules'")
+        "int8_per_token_head, fp8_per_token_head (Triton only; 16-bit probabilities), nvfp4, "
+        "nvfp4_4over6 (FlashInfer's backends only; the latter trtllm-gen), auto (a 16-bit "
+        "cache); what the cache stores is the quantize rules'")
     linears: Entries = Field(
         default_factory=list, description="the Linears (class names, globs or 're:') of a model "
         "opened from a quantized checkpoint that run the engine's quantized-linear kernel for the "

@@ -14,6 +14,7 @@ import qtransform
 from qtransform.errors import UserError
 from qtransform.models import build_tiny, load_model
 from qtransform.passes import FakeQuantize
+from qtransform.passes.engine import cache_scales
 
 
 def batches(vocab: int = 256) -> tuple[list[torch.Tensor], torch.Tensor]:
@@ -148,17 +149,18 @@ def test_recalibrating_the_kv_scales_leaves_the_other_static_scales(tmp_path):
 
 def test_a_modelopt_nvfp4_kv_checkpoint_opens_as_vllms_nvfp4_cache(tmp_path):
     """vLLM maps kv_cache_quant_algo NVFP4 to its nvfp4 cache: the writer takes the stored
-    k_scale itself (g = 1 / k_scale), not the amax ModelOpt's own fake quantization rebuilds."""
-    model = build_tiny("llama", hidden=128)
+    k_scale itself (g = 1 / k_scale), not the amax ModelOpt's own fake quantization rebuilds,
+    and FlashInfer's kernel of the backend reads it with the stored scales outside its blocks."""
+    model = build_tiny("llama", hidden=128).to(torch.bfloat16)
     calib, x = batches()
     ours = qtransform.transform(model, {"preset": ["modelopt/NVFP4_DEFAULT_CFG", "modelopt/NVFP4_KV_CFG"]},
                                 calibration=calib)
     folder = qtransform.export_checkpoint(ours, tmp_path / "ckpt", format="modelopt")
-    opened = load_model(folder)
-    policy = qtransform.checkpoint_policy(opened, engine="vllm", backend="triton")
+    opened = load_model(folder, dtype=torch.bfloat16)
+    policy = qtransform.checkpoint_policy(opened, engine="vllm", backend="flashinfer")
     kv = policy["quantize"][-1]
     assert (kv["format"], kv["nvfp4_variant"], kv["tensors"]) == ("nvfp4", "vllm-kv", ["key", "value"])
-    assert "engine" not in policy  # FlashInfer's reader is not simulated
+    assert policy["engine"] == {"name": "vllm", "backend": "flashinfer", "kv_cache_dtype": "nvfp4"}
     engine = qtransform.transform(opened, policy)
     stored = load_file(folder / "model.safetensors")
     key_quantizers = [m for m in engine.modules() if isinstance(m, FakeQuantize) and "/key_fake_quant" in m.label]
@@ -166,11 +168,17 @@ def test_a_modelopt_nvfp4_kv_checkpoint_opens_as_vllms_nvfp4_cache(tmp_path):
     for q in key_quantizers:
         attention = q.label.split("/")[0]
         assert torch.equal(q.static_scale.scale, stored[f"{attention}.k_proj.k_scale"].reshape(()))
+    scales = cache_scales(engine.get_submodule(key_quantizers[0].label.split("/")[0]))
+    assert scales[2] == "nvfp4" and torch.equal(scales[0], key_quantizers[0].static_scale.scale.float())
+    without = qtransform.transform(opened, {k: v for k, v in policy.items() if k != "engine"})
     with torch.no_grad():
-        assert not torch.equal(engine(x).logits, ours(x).logits)  # vLLM's writer, not ModelOpt's
-    with pytest.raises(UserError, match="CPU backend has no NVFP4 KV cache") as exc:
-        qtransform.checkpoint_policy(opened, engine="vllm", backend="cpu")
-    assert "\n" not in str(exc.value)
+        read, decoded = engine(x).logits, without(x).logits
+        assert not torch.equal(decoded, ours(x).logits)  # vLLM's writer, not ModelOpt's
+        assert not torch.equal(read, decoded)  # FlashInfer's rounding
+    for backend, words in (("cpu", "FlashInfer only"), ("triton", "FlashInfer only")):
+        with pytest.raises(UserError, match=words) as exc:
+            qtransform.checkpoint_policy(opened, engine="vllm", backend=backend)
+        assert "\n" not in str(exc.value)
 
 
 # --- per-head (attn_head) scales as the engine reads them -----------------------------------------

@@ -64,8 +64,12 @@ def test_what_a_backend_does_not_run_says_so_in_its_line(folders):
     assert "not simulated" in report["cpu"][0] and "does not run this scheme" in report["cpu"][0]
     assert "Marlin" in report["flash-attn-3"][0]
     kv = qtransform.engine_differences(folders["MO_NVFP4_KV"], backends=("cpu", "triton"))
-    assert any("no NVFP4 KV cache" in line and "not simulated" in line for line in kv["cpu"])
-    assert any("FlashInfer's attention" in line for line in kv["triton"])
+    for backend in ("cpu", "triton"):
+        assert any("FlashInfer only" in line and "not simulated" in line for line in kv[backend])
+    readers = qtransform.engine_differences(folders["MO_NVFP4_KV"])  # FlashInfer's, by default
+    assert sorted(readers) == ["flashinfer", "flashinfer-xqa", "trtllm-gen"]
+    assert any("FA2 template" in line and "(simulated from source)" in line for line in readers["flashinfer"])
+    assert any("its steps inside inferred" in line for line in readers["trtllm-gen"])
 
 
 def test_bad_requests_are_one_line(folders, tmp_path):
