@@ -89,7 +89,7 @@ def cache_scales(module: nn.Module) -> tuple[Tensor, Tensor, str] | None:
         if not isinstance(quantizer, FakeQuantize) or not quantizer.enabled:
             return None
         config = quantizer.config
-        nvfp4 = config.name == "nvfp4" and config.nvfp4_variant == "vllm-kv"
+        nvfp4 = config.name == "nvfp4" and config.nvfp4_variant in ("vllm-kv", "flashinfer-kv")
         if config.family.name != "fp8" and not nvfp4:
             return None
         level = quantizer.fixed_level()

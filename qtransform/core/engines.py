@@ -104,9 +104,13 @@ def per_token_head_fields(kv_cache_dtype: str, backend: str) -> dict[str, Any]:
     return {**PER_TOKEN_HEAD[kv_cache_dtype], "granularity": "token", "scale_source": "dynamic"}
 
 
-def nvfp4_kv_fields(four_over_six: bool = False) -> dict[str, Any]:
-    """The quantize-rule fields (scales aside) of vLLM's NVFP4 cache writer (FlashInfer; the
-    `nvfp4_4over6` cache with `four_over_six`)."""
+def nvfp4_kv_fields(four_over_six: bool = False, backend: str | None = None) -> dict[str, Any]:
+    """The quantize-rule fields (scales aside) of vLLM's NVFP4 cache writer (the `nvfp4_4over6`
+    cache with `four_over_six`): FlashInfer's on the GPUs whose reader is `flashinfer` or
+    `flashinfer-xqa` (compute capability 8.x, 9.x, 12.x), vLLM's own elsewhere (10.x)."""
+    if backend in ("flashinfer", "flashinfer-xqa"):
+        check_cache("nvfp4_4over6" if four_over_six else "nvfp4", backend)
+        return {"format": "nvfp4", "nvfp4_variant": "flashinfer-kv"}
     return {"format": "nvfp4", "nvfp4_variant": "vllm-kv", **({"four_over_six": "mse"} if four_over_six else {})}
 
 

@@ -326,7 +326,7 @@ def quantize(
         or cfg.family.kernel_id is None
         or cfg.granularity == "tensor"  # the kernels scale by each block's own amax
         or (cfg.int_range, cfg.scale_dtype, cfg.fp8_variant) != ("restricted", "float32", "default")
-        or cfg.nvfp4_variant in ("modelopt", "vllm-kv", "quartet-ii", "vllm")  # the reference path only
+        or cfg.nvfp4_variant in ("modelopt", "vllm-kv", "flashinfer-kv", "quartet-ii", "vllm")  # the reference path only
         or cfg.four_over_six_order != "pairwise"  # the stacks' own orders: the reference path only
         or (seed is None and cfg.rounding == "stochastic")
         or cfg.rounding not in _ROUNDING  # truncation: the reference path only

@@ -20,7 +20,7 @@ import torch
 
 from qtransform.formats.blocking import BlockQuant
 from qtransform.formats.elements import CANONICAL_NAN, divide, round_magnitude, round_signed
-from qtransform.formats.nvfp4_kv import quantize_vllm_kv
+from qtransform.formats.nvfp4_kv import quantize_flashinfer_kv, quantize_vllm_kv
 from qtransform.formats.options import QuantConfig
 from qtransform.formats.registry import (
     E2M1,
@@ -38,10 +38,12 @@ FLT_MAX = torch.finfo(torch.float32).max
 E4M3_MAX = 448.0
 GLOBAL_RANGE = 2688.0  # E2M1 max (6) * E4M3 max (448)
 ONE_SIXTH = float(torch.tensor(1 / 6, dtype=torch.float32))  # fl32(1/6)
-# "default" is NVIDIA's order; "vllm-kv" vLLM's NVFP4 KV-cache writer (`nvfp4_kv.py`);
+# "default" is NVIDIA's order; "vllm-kv" vLLM's NVFP4 KV-cache writer, "flashinfer-kv" FlashInfer's
+# (`nvfp4_kv.py`);
 # "quartet-ii" Quartet II's forward kernel (`_quartet_ii`); "vllm" vLLM's activation quantizer
 # on CUDA, with FlashInfer's four over six (`_vllm`)
-VARIANTS = ("default", "compressed-tensors", "one_level", "modelopt", "vllm-kv", "quartet-ii", "vllm")
+VARIANTS = ("default", "compressed-tensors", "one_level", "modelopt", "vllm-kv", "flashinfer-kv", "quartet-ii",
+            "vllm")
 FOUR_OVER_SIX = ("none", "mse", "mae")  # none: every block maps its amax to 6
 GLOBAL_BOUNDS = ("448", "256")  # the E4M3 value the tensor amax maps to (strings: a choice option)
 # whose fp32 details decide four over six (docs/numerics.md "Four over six"; docs/recipes.md)
@@ -358,6 +360,8 @@ def quantize_nvfp4(
         q, out, y, s, ts = _modelopt(blocks, amax_t, cfg, u, scale_t)
     elif cfg.nvfp4_variant == "vllm-kv":
         q, out, y, s, ts, four = quantize_vllm_kv(blocks, cfg, u, amax_t, scale_t)
+    elif cfg.nvfp4_variant == "flashinfer-kv":
+        q, out, y, s, ts, four = quantize_flashinfer_kv(blocks, cfg, u, amax_t, scale_t)
     elif cfg.nvfp4_variant == "vllm":
         (q, out, y, s, ts), four = _vllm(blocks, amax_t, cfg, u, scale_t)
     elif cfg.nvfp4_variant == "quartet-ii":
@@ -374,7 +378,7 @@ def quantize_nvfp4(
 
 
 def scale_values(scales: torch.Tensor, tensor_scale: torch.Tensor | None, cfg: QuantConfig) -> torch.Tensor:
-    """Stored block scales -> multipliers: the E4M3 scale times (default, modelopt, vllm-kv, vllm) or over
+    """Stored block scales -> multipliers: the E4M3 scale times (default, modelopt, the KV writers, vllm) or over
     (compressed-tensors) the tensor scale; one-level scales are the multipliers."""
     if tensor_scale is None or cfg.nvfp4_variant == "one_level":
         return scales
@@ -389,6 +393,9 @@ def _check(choices: dict[str, str]) -> str | None:
     if choices["nvfp4_variant"] == "vllm-kv" and choices["four_over_six"] == "mae":
         return ("nvfp4_variant 'vllm-kv' chooses four over six by squared error only (vLLM's "
                 "nvfp4_4over6 cache); use four_over_six 'mse'")
+    if choices["nvfp4_variant"] == "flashinfer-kv" and choices["four_over_six"] != "none":
+        return ("nvfp4_variant 'flashinfer-kv' has no four over six (vLLM takes nvfp4_4over6 on compute "
+                "capability 10.x only, with its own writer 'vllm-kv'); remove four_over_six")
     if choices["nvfp4_variant"] == "vllm-kv" and choices["four_over_six_order"] != "pairwise":
         return ("nvfp4_variant 'vllm-kv' has its own four-over-six order (vLLM's KV-cache writer); "
                 "remove four_over_six_order")

@@ -1,4 +1,5 @@
-"""vLLM's NVFP4 KV-cache writer (`nvfp4_variant` "vllm-kv"): the order of fp32 operations of
+"""vLLM's NVFP4 KV-cache writers. `nvfp4_variant` "vllm-kv" (vLLM's own, on compute capability
+10.x): the order of fp32 operations of
 `reshape_and_cache_nvfp4_kernel` (vLLM `csrc/libtorch_stable/nvfp4_kv_cache_kernels.cu`, with
 `cvt_warp_fp16_to_fp4` of `quantization/fp4/nvfp4_utils.cuh`), per 16 values along head_dim of
 one token and head, with the checkpoint's per-tensor `k_scale` (or `v_scale`) k:
@@ -19,6 +20,18 @@ wherever the approximation is within half an ulp, which PTX does not promise), a
 `dx*dx + dy*dy` may be contracted into FMAs by the CUDA compiler: docs/attention.md says so.
 The scale k is a stored scale (`scale=`), else amax_t / 448 (ModelOpt's exported `k_scale`);
 0 counts as 1 (only an all-zero tensor has it, and it quantizes to zeros with any scale).
+
+`nvfp4_variant` "flashinfer-kv" (compute capability 8.x, 9.x and 12.x, where vLLM writes with
+FlashInfer's `nvfp4_quantize_append_paged_kv_cache_with_slot_mapping`, `nvfp4_append_quantize_block`
+in `include/flashinfer/page.cuh`, FlashInfer fb28d72), with the same k:
+
+    SF     = e4m3(amax_b / (6 * k))                  (0 where amax_b is 0)
+    enc    = 1 / (SF * k),  0 where SF == 0
+    q      = e2m1(x * enc)                           (its threshold table: nearest even, saturating)
+    out    = (q * SF) * k
+
+It has no four over six (vLLM refuses `nvfp4_4over6` there). FlashInfer compiles it with fast
+math (approximate division and reciprocal); here both are correctly rounded.
 """
 
 from __future__ import annotations
@@ -73,3 +86,17 @@ def quantize_vllm_kv(blocks: torch.Tensor, cfg: QuantConfig, u: torch.Tensor | N
     y = blocks * enc[:, None]
     q = round_signed(torch.clamp(y, -6.0, 6.0), cfg.spec.element, cfg.rounding, u)
     return q, (q * sf[:, None]) * (k if k.dim() == 0 else k[:, None]), y, sf, k, four
+
+
+def quantize_flashinfer_kv(blocks: torch.Tensor, cfg: QuantConfig, u: torch.Tensor | None,
+                           amax_t: torch.Tensor | None, scale_t: torch.Tensor | None
+                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, None]:
+    """`quantize_vllm_kv`'s tuple for FlashInfer's slot-mapping writer (module docstring)."""
+    k = (scale_t if scale_t is not None else amax_t / E4M3.max_normal).to(torch.float32)
+    k = torch.where(k == 0, 1.0, k)
+    amax_b = blocks.abs().amax(dim=1)
+    sf = torch.where(amax_b > 0, round_magnitude(amax_b / (6.0 * k), E4M3), 0.0)
+    enc = torch.where(sf > 0, torch.reciprocal(sf * k), 0.0)
+    y = blocks * enc[:, None]
+    q = round_signed(torch.clamp(y, -6.0, 6.0), cfg.spec.element, cfg.rounding, u)
+    return q, (q * sf[:, None]) * (k if k.dim() == 0 else k[:, None]), y, sf, k, None

@@ -177,7 +177,7 @@ class KVScales:
         """`stored` as the static scale of `quantizer`: vLLM's NVFP4 cache writer takes the
         checkpoint's k_scale itself; every other rule the producer's reading (`kv_value`)."""
         config = getattr(quantizer, "config", None)
-        if config is not None and config.name == "nvfp4" and config.nvfp4_variant == "vllm-kv":
+        if config is not None and config.name == "nvfp4" and config.nvfp4_variant in ("vllm-kv", "flashinfer-kv"):
             return StoredScale(stored)
         return self.fmt.kv_value(self.fields, stored)
 

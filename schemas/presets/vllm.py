@@ -22,8 +22,9 @@ nearest even; the query is not quantized and no checkpoint scale is read.
 
 The NVFP4 caches (`vllm/kv_nvfp4`, `vllm/kv_nvfp4_4over6`; FlashInfer only, from source) write
 16-value blocks along head_dim with E4M3 block scales under the checkpoint's k_scale / v_scale
-(`nvfp4_variant` "vllm-kv"; `nvfp4_4over6` keeps the max/4 block scale where its squared error
-is smaller). FlashInfer reads them (`"backend"`: flashinfer on compute capability 8.x and 9.x,
+(`nvfp4_variant` "vllm-kv", vLLM's writer, on compute capability 10.x, where `nvfp4_4over6` keeps
+the max/4 block scale where its squared error is smaller; "flashinfer-kv", FlashInfer's writer,
+with the flashinfer and flashinfer-xqa readers). FlashInfer reads them (`"backend"`: flashinfer on compute capability 8.x and 9.x,
 flashinfer-xqa on 12.x, trtllm-gen on 10.x, the only one that takes `nvfp4_4over6`;
 `core/flashinfer_kernels.py`, from source); on a CPU, where vLLM has no NVFP4 cache, `auto` leaves
 the model's own attention reading the decoded cache.
@@ -117,10 +118,11 @@ def nvfp4_cache(name: str, four_over_six: bool) -> Preset:
                            + " (core/flashinfer_kernels.py)", choices=("auto", "none", *readers))
 
     def build(o: Mapping[str, Any]) -> dict[str, Any]:
-        rule = {"name": f"{STACK}/{name} key/value", "targets": ["Attention"], "tensors": ["key", "value"],
-                **engines.nvfp4_kv_fields(four_over_six), **_scale(o["scales"])}
         reader = engines.nvfp4_backend() if o["backend"] == "auto" else o["backend"]
-        if reader is None or reader == "none":
+        reader = None if reader == "none" else reader
+        rule = {"name": f"{STACK}/{name} key/value", "targets": ["Attention"], "tensors": ["key", "value"],
+                **engines.nvfp4_kv_fields(four_over_six, reader), **_scale(o["scales"])}
+        if reader is None:
             return {"quantize": [rule]}
         engines.check_cache(dtype, reader)
         return {"quantize": [rule], "engine": engines.engine_section(reader, dtype)}

@@ -148,9 +148,9 @@ def test_recalibrating_the_kv_scales_leaves_the_other_static_scales(tmp_path):
 
 
 def test_a_modelopt_nvfp4_kv_checkpoint_opens_as_vllms_nvfp4_cache(tmp_path):
-    """vLLM maps kv_cache_quant_algo NVFP4 to its nvfp4 cache: the writer takes the stored
-    k_scale itself (g = 1 / k_scale), not the amax ModelOpt's own fake quantization rebuilds,
-    and FlashInfer's kernel of the backend reads it with the stored scales outside its blocks."""
+    """vLLM maps kv_cache_quant_algo NVFP4 to its nvfp4 cache: the GPU's writer takes the stored
+    k_scale itself, not the amax ModelOpt's own fake quantization rebuilds, and FlashInfer's
+    kernel of the backend reads it with the stored scales outside its blocks."""
     model = build_tiny("llama", hidden=128).to(torch.bfloat16)
     calib, x = batches()
     ours = qtransform.transform(model, {"preset": ["modelopt/NVFP4_DEFAULT_CFG", "modelopt/NVFP4_KV_CFG"]},
@@ -159,8 +159,10 @@ def test_a_modelopt_nvfp4_kv_checkpoint_opens_as_vllms_nvfp4_cache(tmp_path):
     opened = load_model(folder, dtype=torch.bfloat16)
     policy = qtransform.checkpoint_policy(opened, engine="vllm", backend="flashinfer")
     kv = policy["quantize"][-1]
-    assert (kv["format"], kv["nvfp4_variant"], kv["tensors"]) == ("nvfp4", "vllm-kv", ["key", "value"])
+    assert (kv["format"], kv["nvfp4_variant"], kv["tensors"]) == ("nvfp4", "flashinfer-kv", ["key", "value"])
     assert policy["engine"] == {"name": "vllm", "backend": "flashinfer", "kv_cache_dtype": "nvfp4"}
+    blackwell = qtransform.checkpoint_policy(opened, engine="vllm", backend="trtllm-gen")
+    assert blackwell["quantize"][-1]["nvfp4_variant"] == "vllm-kv"  # vLLM's own writer on 10.x
     engine = qtransform.transform(opened, policy)
     stored = load_file(folder / "model.safetensors")
     key_quantizers = [m for m in engine.modules() if isinstance(m, FakeQuantize) and "/key_fake_quant" in m.label]

@@ -226,7 +226,7 @@ def test_choice_suggestion_comes_from_the_given_value() -> None:
         ValueError,
         match=exactly(
             "nvfp4: nvfp4_variant='one-level' is not allowed (did you mean 'one_level'?); "
-            "allowed: default, compressed-tensors, one_level, modelopt, vllm-kv, quartet-ii, vllm"
+            "allowed: default, compressed-tensors, one_level, modelopt, vllm-kv, flashinfer-kv, quartet-ii, vllm"
         ),
     ):
         resolve("nvfp4", nvfp4_variant="one-level")

@@ -184,3 +184,56 @@ def test_nvfp4_writer_refuses_mae_in_one_line():
     with pytest.raises(ValueError, match="squared error only") as exc:
         fake_quantize(torch.ones(2, 16), "nvfp4", nvfp4_variant="vllm-kv", four_over_six="mae")
     assert "\n" not in str(exc.value)
+
+
+# -- NVFP4, FlashInfer's writer (`nvfp4_append_quantize_block`, page.cuh) --------------------------
+
+def flashinfer_writer(block: np.ndarray, k: float) -> np.ndarray:
+    """One 16-value block, scalar fp32 steps in FlashInfer's order; returns (q * SF) * k."""
+    f = np.float32
+    amax = f(np.max(np.abs(block)))
+    sf_value = amax / (f(6.0) * f(k)) if amax > 0 else f(0.0)
+    sf = f(torch.tensor(float(sf_value)).clamp_max(448).to(torch.float8_e4m3fn).float())
+    enc = f(1.0) / (sf * f(k)) if (amax > 0 and sf > 0) else f(0.0)
+    return np.array([(e2m1_table(v * enc) * sf) * f(k) for v in block], dtype=np.float32)
+
+
+def threshold_blocks(k: float, blocks: int, seed: int) -> torch.Tensor:
+    """Blocks whose elements sit on, or an ulp around, E2M1's rounding edges times the block's
+    scale SF · k, where the two writers' encode scales (1 / (SF · k) against 1 / (SF · fl(1 /
+    fl(1 / k)))) can round an element to different codes."""
+    f = np.float32
+    rng = np.random.default_rng(seed)
+    out = np.zeros((blocks, 16), dtype=f)
+    for r in range(blocks):
+        amax = f(rng.uniform(0.5, 50))
+        sf = f(torch.tensor(float(amax / (f(6) * f(k)))).to(torch.float8_e4m3fn).float())
+        out[r, 0] = amax
+        for i in range(1, 16):
+            v = f(E2M1_UP[i % 7][0]) * sf * f(k)
+            out[r, i] = np.nextafter(v, f(np.inf) if rng.random() < 0.5 else f(-np.inf)) if rng.random() < 0.7 else v
+    return torch.from_numpy(out).reshape(-1, 64)
+
+
+def test_flashinfer_writer_equals_its_steps_and_differs_from_vllms():
+    k_apart = 1.914515495300293  # fl(1 / fl(1 / k)) != k
+    separating = threshold_blocks(k_apart, 256, seed=0)
+    x = nvfp4_rows(24, seed=1)
+    for rows, k in ((x, float(x.abs().max() / 448)), (nvfp4_rows(256, seed=5), 1.0), (separating, k_apart)):
+        got = fake_quantize(rows, "nvfp4", scale=torch.tensor(k), nvfp4_variant="flashinfer-kv")
+        blocks = rows.numpy().reshape(-1, 16)
+        want = np.stack([flashinfer_writer(b, k) for b in blocks]).reshape(rows.shape)
+        assert np.array_equal(got.numpy(), want)
+    blocks = separating.numpy().reshape(-1, 16)
+    assert sum(not np.array_equal(flashinfer_writer(b, k_apart), nvfp4_writer(b, k_apart, False)) for b in blocks) > 5
+    vllm = fake_quantize(separating, "nvfp4", scale=torch.tensor(k_apart), nvfp4_variant="vllm-kv")
+    assert not torch.equal(vllm, fake_quantize(separating, "nvfp4", scale=torch.tensor(k_apart),
+                                               nvfp4_variant="flashinfer-kv"))
+
+
+def test_flashinfer_writer_onnx_is_bit_exact_and_refuses_four_over_six():
+    for static in (True, False):
+        check([("nvfp4", {"nvfp4_variant": "flashinfer-kv"})], nvfp4_rows(32, seed=2), static=static)
+    with pytest.raises(ValueError, match="has no four over six") as exc:
+        fake_quantize(torch.ones(2, 16), "nvfp4", nvfp4_variant="flashinfer-kv", four_over_six="mse")
+    assert "\n" not in str(exc.value)

@@ -71,6 +71,8 @@ def nvfp4_blocks(b: Body, x: str, axes: str, cfg: QuantConfig, amax_t: str | Non
         return _default_out(b, x, s, d, cfg)
     if cfg.nvfp4_variant == "vllm-kv":
         return _vllm_kv(b, x, axes, cfg, amax_t, scale_t)
+    if cfg.nvfp4_variant == "flashinfer-kv":
+        return _flashinfer_kv(b, x, axes, cfg, amax_t, scale_t)
     if cfg.nvfp4_variant == "vllm":
         return _vllm(b, x, axes, cfg, amax_t, scale_t)
     if cfg.nvfp4_variant == "modelopt":
@@ -137,6 +139,20 @@ def _vllm_kv(b: Body, x: str, axes: str, cfg: QuantConfig, amax_t: str | None,
         sf4, enc4 = candidate(np.float32(0.25))
         four = b.op("Less", error(enc4), error(enc))  # a tie keeps max/6
         sf, enc = b.op("Where", four, sf4, sf), b.op("Where", four, enc4, enc)
+    q = round_signed(b, _clamp6(b, b.op("Mul", x, enc)), cfg.spec.element, cfg.rounding)
+    return b.op("Mul", b.op("Mul", q, sf), k)
+
+
+def _flashinfer_kv(b: Body, x: str, axes: str, cfg: QuantConfig, amax_t: str | None,
+                   scale_t: str | None) -> str:
+    """`formats.nvfp4_kv.quantize_flashinfer_kv`: FlashInfer's NVFP4 KV-cache writer, SF =
+    e4m3(amax_b / (6 · k)), q = e2m1(x · 1 / (SF · k)), out = (q · SF) · k."""
+    k = scale_t if scale_t is not None else b.op("Div", amax_t, b.const(448.0))
+    k = b.op("Where", b.op("Equal", k, b.const(0.0)), b.const(1.0), k)
+    amax_b = amax_nan(b, x, axes)
+    sf = _e4m3(b, b.op("Min", b.op("Div", amax_b, b.op("Mul", b.const(6.0), k)), b.const(448.0)))
+    zero = b.op("Equal", sf, b.const(0.0))
+    enc = b.op("Where", zero, b.const(0.0), b.op("Div", b.const(1.0), b.op("Mul", sf, k)))
     q = round_signed(b, _clamp6(b, b.op("Mul", x, enc)), cfg.spec.element, cfg.rounding)
     return b.op("Mul", b.op("Mul", q, sf), k)
 
