@@ -39,6 +39,7 @@ from qtransform.core.engines import (
 from qtransform.core.program import Program
 from qtransform.core.sites import ATTENTION_KIND, Site
 from qtransform.errors import UserError
+from qtransform.formats.registry import E4M3
 from qtransform.models import loaded_checkpoint
 from qtransform.pipeline.base import Action, Pass, register_pass
 from qtransform.pipeline.selection import select_sites
@@ -48,7 +49,6 @@ from qtransform.schemas.sections.engine import EngineSpec
 from .fake_quant import FakeQuantize
 
 KERNELS = {**attention_kernels.KERNELS, **flashinfer_kernels.KERNELS}
-E4M3_MAX = 448.0  # an NVFP4 cache's k_scale from a calibrated amax: amax / 448
 
 
 class EngineAttention(nn.Module):
@@ -97,7 +97,7 @@ def cache_scales(module: nn.Module) -> tuple[Tensor, Tensor, str] | None:
             scale = level["scale"].to(torch.float32).reshape(())
         elif "amax" in level:
             amax = level["amax"].to(torch.float32).reshape(())
-            scale = amax / (E4M3_MAX if nvfp4 else config.spec.max_normal)
+            scale = amax / (E4M3.max_normal if nvfp4 else config.spec.max_normal)  # NVFP4: amax / 448
             scale = torch.where(scale == 0, 1.0, scale)
         else:
             return None

@@ -39,10 +39,9 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from qtransform.core.attention_kernels import E4M3_MAX, additive_mask, refuse_extras
+from qtransform.core.attention_kernels import E4M3_MAX, LOG2E, additive_mask, refuse_extras
 from qtransform.errors import UserError
 
-LOG2E = 1.4426950408889634
 XQA_BLOCK, XQA_TILE, XQA_HALF = 256, 64, 32  # keys per CTA block, per warp tile, per V sub-tile
 
 
