@@ -54,7 +54,7 @@ _LN_FLT_MIN, _LN_FLT_MAX, _LOG2E, _LN2 = (
 _EXP_C = (0.00828929059, 0.0418978221, 0.166676521, 0.499991506, 0.999999701, 1.0)
 
 
-def _rounded_e4m3(x: Tensor) -> Tensor:
+def rounded_e4m3(x: Tensor) -> Tensor:
     """x rounded to E4M3 (nearest even, saturating) and back to fp32."""
     return x.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).to(torch.float32)
 
@@ -260,7 +260,7 @@ def flash_attn_3(module: nn.Module, query: Tensor, key: Tensor, value: Tensor,
         rowsum, out = rowsum * rescale, out * rescale[..., None]
         p = torch.exp2(s * sl2 - (m_use * sl2 - 8.0)[..., None])
         rowsum = rowsum + p.sum(dim=-1)
-        out = out + torch.matmul(_rounded_e4m3(p), v[:, :, tile])
+        out = out + torch.matmul(rounded_e4m3(p), v[:, :, tile])
         m = m_new
     inv = torch.where((rowsum == 0) | torch.isnan(rowsum), 0.0, 1.0 / rowsum)
     return (out * inv[..., None]).transpose(1, 2).contiguous().to(query.dtype), None
@@ -291,7 +291,7 @@ def triton(module: nn.Module, query: Tensor, key: Tensor, value: Tensor,
         alpha = torch.exp(m - m_j)
         rowsum = rowsum * alpha + p.sum(dim=-1)
         if fp8:
-            pv = torch.matmul(_rounded_e4m3(p * 256.0), v[:, :, tile]) / 256.0
+            pv = torch.matmul(rounded_e4m3(p * 256.0), v[:, :, tile]) / 256.0
         else:
             pv = torch.matmul(p.to(query.dtype).to(torch.float32), v[:, :, tile])
         acc = acc * alpha[..., None] + pv

@@ -39,7 +39,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from qtransform.core.attention_kernels import E4M3_MAX, LOG2E, additive_mask, refuse_extras
+from qtransform.core.attention_kernels import LOG2E, additive_mask, refuse_extras, rounded_e4m3
 from qtransform.errors import UserError
 
 XQA_BLOCK, XQA_TILE, XQA_HALF = 256, 64, 32  # keys per CTA block, per warp tile, per V sub-tile
@@ -48,7 +48,7 @@ XQA_BLOCK, XQA_TILE, XQA_HALF = 256, 64, 32  # keys per CTA block, per warp tile
 def _rounded(x: Tensor, dtype: torch.dtype) -> Tensor:
     """x rounded to `dtype` (E4M3: nearest even, saturating at 448) and back to fp32."""
     if dtype == torch.float8_e4m3fn:
-        x = x.clamp(-E4M3_MAX, E4M3_MAX)
+        return rounded_e4m3(x)
     return x.to(dtype).to(torch.float32)
 
 
